@@ -1,0 +1,69 @@
+# score-catalog: `make score-catalog` runs the nightly job on the demo data, `make test` the tests.
+# Every target installs what it needs into .venv first.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+PYTEST_ARGS ?=
+JOB ?= jobs/score_catalog.toml
+RUN_ARGS ?=
+# torch wheel for machines without an NVIDIA GPU: the local CPU build, installed before the
+# project so that the unpinned range in pyproject.toml does not pull a multi-GB CUDA build.
+CPU_TORCH ?= torch==2.13.0
+
+.PHONY: install data score-catalog test test-fast lint format clean distclean help-check
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "NVIDIA GPU found: installing the default (CUDA) torch build"; \
+	else \
+	  $(PY) -m pip install -q "$(CPU_TORCH)"; \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# The demo catalog (generated, not committed) and the demo bundle (committed; retrained if absent).
+data: data/catalog/.done
+
+data/catalog/.done: $(VENV)/.installed pipeline/demo.py
+	$(BIN)/score-catalog demo --catalog data/catalog --model-dir data/models/catalog-mlp
+	touch $@
+
+score-catalog: data
+	$(BIN)/score-catalog run $(JOB) $(RUN_ARGS)
+
+test: install
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/pytest -m "not integration and not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check pipeline tests
+	$(BIN)/ruff format --check pipeline tests
+	$(BIN)/mypy pipeline
+
+format: install
+	$(BIN)/ruff format pipeline tests
+	$(BIN)/ruff check --fix pipeline tests
+
+# `score-catalog --help` with runtime dependencies only (no dev extras).
+help-check:
+	rm -rf .venv-runtime
+	$(PYTHON) -m venv .venv-runtime
+	.venv-runtime/bin/pip install -q "$(CPU_TORCH)" && .venv-runtime/bin/pip install -q .
+	.venv-runtime/bin/score-catalog --help
+	rm -rf .venv-runtime
+
+clean:
+	rm -rf data/catalog data/scored data/rejects data/archive .pytest_cache .ruff_cache \
+	  .mypy_cache .hypothesis build dist *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,36 @@
+"""score-catalog: offline batch scoring of Parquet shards with PyTorch models.
+
+The library API the CLI is a thin layer over::
+
+    from pipeline import JobConfig, run
+    report = run(JobConfig(input="data/catalog", output="data/scored", model="data/models/m"))
+    print(report.status, report["rows_out"])
+"""
+
+from pipeline.config import ErrorPolicy, JobConfig, build_config
+from pipeline.errors import (
+    ConfigError,
+    InputError,
+    LockError,
+    ModelError,
+    PipelineError,
+    SchemaError,
+    StorageError,
+)
+from pipeline.report import RunReport
+from pipeline.run import run
+
+__all__ = [
+    "ConfigError",
+    "ErrorPolicy",
+    "InputError",
+    "JobConfig",
+    "LockError",
+    "ModelError",
+    "PipelineError",
+    "RunReport",
+    "SchemaError",
+    "StorageError",
+    "build_config",
+    "run",
+]

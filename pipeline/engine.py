@@ -1,0 +1,102 @@
+"""The pure scoring loop: feature tensors in, output columns out. No I/O here.
+
+A batch the model raises on is bisected until the offending rows are isolated: those rows are
+rejected with the exception's message and the rest are scored. A CUDA out-of-memory error splits
+the batch and retries the halves.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline.model import LoadedModel, OutputSpec, forward
+
+
+@dataclass
+class Scored:
+    """The model's outputs for the rows it could score."""
+
+    outputs: torch.Tensor  # (rows_ok, out_width) float32 on the CPU
+    ok: np.ndarray  # (rows,) bool over the input rows
+    errors: dict[int, str] = field(default_factory=dict)  # row index -> model error message
+    oom_splits: int = 0
+    seconds: float = 0.0
+
+
+class ModelFailedEverywhere(Exception):
+    """The model raised on every row of a batch of more than one row: a broken model, not bad rows."""
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def score(model: LoadedModel, x: torch.Tensor) -> Scored:
+    """Run the model on ``x`` (rows, width) under ``inference_mode``; outputs come back on the CPU.
+
+    The host-to-device copy is ``non_blocking`` (the loader pins memory on CUDA) and outputs come
+    back once per batch.
+    """
+    t0 = time.perf_counter()
+    n = x.shape[0]
+    ok = np.ones(n, dtype=bool)
+    errors: dict[int, str] = {}
+    pieces: list[torch.Tensor] = []
+    oom = 0
+
+    def run(lo: int, hi: int) -> None:
+        nonlocal oom
+        try:
+            with torch.inference_mode():
+                xd = x[lo:hi].to(model.device, non_blocking=True)
+                pieces.append(forward(model, xd).float().cpu())
+            return
+        except Exception as e:
+            if _is_oom(e) and hi - lo > 1:
+                oom += 1
+                if model.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            elif hi - lo == 1:
+                ok[lo] = False
+                errors[lo] = f"model error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                return
+        mid = (lo + hi) // 2
+        run(lo, mid)
+        run(mid, hi)
+
+    if n:
+        run(0, n)
+    if n > 1 and not ok.any():
+        first = errors[min(errors)]
+        raise ModelFailedEverywhere(f"the model failed on every row of a {n}-row batch ({first})")
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    out = torch.cat(pieces) if pieces else torch.empty(0, model.out_width)
+    return Scored(out, ok, errors, oom, time.perf_counter() - t0)
+
+
+def output_columns(outputs: torch.Tensor, specs: tuple[OutputSpec, ...]) -> list[pa.Array]:
+    """Derive each declared output column from the model's output rows."""
+    cols: list[pa.Array] = []
+    probs: torch.Tensor | None = None
+    width = outputs.shape[1] if outputs.dim() == 2 else 1
+    for o in specs:
+        if o.transform == "softmax":
+            if probs is None:
+                probs = torch.softmax(outputs, dim=1)
+            cols.append(pa.array(probs[:, o.index or 0].numpy()))
+        elif o.transform == "sigmoid":
+            cols.append(pa.array(torch.sigmoid(outputs[:, o.index or 0]).numpy()))
+        elif o.transform == "argmax":
+            cols.append(pa.array(outputs.argmax(dim=1).to(torch.int64).numpy()))
+        elif width == 1:  # raw, one value per row
+            cols.append(pa.array(outputs[:, 0].contiguous().numpy()))
+        else:
+            flat = pa.array(outputs.contiguous().reshape(-1).numpy())
+            cols.append(pa.FixedSizeListArray.from_arrays(flat, width))
+    return cols

@@ -1,0 +1,83 @@
+"""One exception hierarchy for the whole pipeline.
+
+Every error carries what went wrong, where (URI, shard, row group, column) and what to do about
+it, and an ``exit_code`` that the CLI returns unchanged. The codes are part of the public
+contract (cron mails them, dashboards alert on them), so they are defined here and nowhere else.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_RUN_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INPUT = 3
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 success (status succeeded or succeeded_with_errors within the error budget); "
+    "1 run failed (shards failed or rows rejected beyond the error budget, or a crash); "
+    "2 usage or configuration error; "
+    "3 input, schema or model error found before any row was scored."
+)
+
+
+class PipelineError(Exception):
+    """Base class: every error the pipeline raises on purpose."""
+
+    exit_code = EXIT_RUN_FAILED
+
+
+class ConfigError(PipelineError):
+    """The job file, environment or flags are wrong. Carries every problem found at once."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, problems: list[str] | str, source: str | None = None) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        if len(self.problems) == 1:
+            msg = f"invalid configuration{where}: {self.problems[0]}"
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            msg = f"invalid configuration{where} ({len(self.problems)} problems):\n{lines}"
+        super().__init__(msg)
+
+
+class InputError(PipelineError):
+    """The input cannot be scored as configured (no shards, schema mismatch), found before scoring."""
+
+    exit_code = EXIT_INPUT
+
+
+class SchemaError(InputError):
+    """A readable shard's columns do not match what the model needs."""
+
+
+class ModelError(PipelineError):
+    """The model bundle cannot be loaded or does not fit its declared input/output spec."""
+
+    exit_code = EXIT_INPUT
+
+
+class StorageError(PipelineError):
+    """Reading or writing storage failed (permissions, missing bucket, network)."""
+
+
+class LockError(PipelineError):
+    """Another run holds the lock on this output."""
+
+
+class ShardError(PipelineError):
+    """One shard failed while being scored; the run goes on within the error budget.
+
+    ``kind`` is one of ``unreadable``, ``schema``, ``invalid_rows``, ``model``, ``error``.
+    """
+
+    def __init__(self, message: str, *, shard: str, kind: str) -> None:
+        self.shard = shard
+        self.kind = kind
+        super().__init__(message)
+
+
+class RunFailed(PipelineError):
+    """The run finished but failed (beyond the error budget); the report has the details."""

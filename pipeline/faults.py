@@ -1,0 +1,26 @@
+"""Named crash points for the SIGKILL test suite.
+
+``_SCORE_CATALOG_KILL_AT=point:N`` makes the process SIGKILL itself the N-th time it reaches
+``point``: a real, unclean death at a precise place (mid-batch, mid-write, between commits,
+while writing the manifest), which a timer-based kill cannot aim at. Unset, it costs one dict
+lookup per call. Never set it outside tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_SPEC = os.environ.get("_SCORE_CATALOG_KILL_AT", "")
+_POINT, _, _N = _SPEC.partition(":")
+_TARGET = int(_N) if _N.isdigit() else 1
+_hits: dict[str, int] = {}
+
+
+def checkpoint(point: str) -> None:
+    """Die here if the test asked for it."""
+    if not _POINT or point != _POINT:
+        return
+    _hits[point] = _hits.get(point, 0) + 1
+    if _hits[point] == _TARGET:
+        os.kill(os.getpid(), signal.SIGKILL)

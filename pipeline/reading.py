@@ -1,0 +1,207 @@
+"""Parquet shards: footers, the schema check against the model, and Arrow -> tensor conversion.
+
+The schema rule, the same for every shard whatever order they come in: extra columns are
+ignored; any integer or floating feature type is cast to float32 for the model (so float64 and
+int64 features score correctly); a list feature column must hold numbers and have the bundle's
+width; the id and pass-through columns keep the type they have in each shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from pipeline import storage
+from pipeline.errors import ShardError
+from pipeline.model import BundleSpec
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a shard's footer says."""
+
+    num_rows: int
+    num_row_groups: int
+    schema: pa.Schema
+
+
+@contextlib.contextmanager
+def open_parquet(uri: str, options: Mapping[str, Any] | None = None) -> Iterator[pq.ParquetFile]:
+    """Open a shard for streaming.
+
+    ``pre_buffer=False``: pyarrow's default pre-buffering keeps every column chunk it has read,
+    so memory would grow with the shard instead of staying at one row group.
+    """
+    loc = storage.locate(uri, options)
+    try:
+        f = storage.with_retries(lambda: loc.fs.open(loc.path, "rb"), what=f"opening {uri}")
+    except FileNotFoundError as e:
+        raise ShardError(f"shard {uri} disappeared: {e}", shard=uri, kind="unreadable") from e
+    try:
+        try:
+            pf = pq.ParquetFile(f, pre_buffer=False)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise ShardError(
+                f"shard {uri} is unreadable (not a Parquet file, empty, truncated or a corrupt "
+                f"footer): {e}",
+                shard=uri,
+                kind="unreadable",
+            ) from e
+        yield pf
+    finally:
+        f.close()
+
+
+def read_footer(uri: str, options: Mapping[str, Any] | None = None) -> ShardInfo:
+    """Row count, row groups and Arrow schema from the footer, without reading data."""
+    with open_parquet(uri, options) as pf:
+        return ShardInfo(
+            num_rows=pf.metadata.num_rows,
+            num_row_groups=pf.metadata.num_row_groups,
+            schema=pf.schema_arrow,
+        )
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def feature_width(schema: pa.Schema, spec: BundleSpec) -> int | None:
+    """The per-row width a list input column declares in ``schema`` (None if variable)."""
+    if spec.column is None or spec.column not in schema.names:
+        return None
+    t = schema.field(spec.column).type
+    return t.list_size if pa.types.is_fixed_size_list(t) else None
+
+
+def check_schema(
+    schema: pa.Schema,
+    spec: BundleSpec,
+    *,
+    width: int,
+    id_column: str,
+    passthrough: tuple[str, ...],
+    shard: str,
+) -> list[str]:
+    """Every way ``schema`` does not fit the model and the job, as messages naming the column."""
+    problems: list[str] = []
+    names = set(schema.names)
+    for col in (id_column, *passthrough):
+        if col not in names:
+            role = "id column" if col == id_column else "pass-through column"
+            problems.append(f"shard {shard}: {role} {col!r} is missing")
+    if spec.columns is not None:
+        for col in spec.columns:
+            if col not in names:
+                problems.append(f"shard {shard}: feature column {col!r} is missing")
+            elif not _is_number(schema.field(col).type):
+                problems.append(
+                    f"shard {shard}: feature column {col!r} has type {schema.field(col).type}, "
+                    "which is not numeric (integers and floats are cast to float32)"
+                )
+    else:
+        col = spec.column or ""
+        if col not in names:
+            problems.append(f"shard {shard}: feature column {col!r} is missing")
+        else:
+            t = schema.field(col).type
+            is_list = pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
+            if not is_list or not _is_number(t.value_type):
+                problems.append(
+                    f"shard {shard}: feature column {col!r} has type {t}; expected a list of "
+                    f"{width} numbers"
+                )
+            elif pa.types.is_fixed_size_list(t) and t.list_size != width:
+                problems.append(
+                    f"shard {shard}: feature column {col!r} holds lists of {t.list_size} values; "
+                    f"the model takes {width}"
+                )
+    return problems
+
+
+@dataclass
+class Features:
+    """A batch's feature matrix and which rows are usable."""
+
+    x: np.ndarray  # (rows, width) float32, C-contiguous
+    valid: np.ndarray  # (rows,) bool: no null, NaN or infinite value
+    reasons: list[str] | None  # one per invalid row, in row order (None when all valid)
+
+
+def _columns_features(rb: pa.RecordBatch, columns: tuple[str, ...]) -> Features:
+    cast = [pc.cast(rb.column(c), pa.float32(), safe=False) for c in columns]
+    # One copy into a writable row-major float32 matrix (torch refuses read-only Arrow memory);
+    # float nulls become NaN, so one isfinite() finds every bad value.
+    x = np.column_stack([c.to_numpy(zero_copy_only=False) for c in cast]).astype(
+        np.float32, copy=False
+    )
+    finite = np.isfinite(x)
+    valid = finite.all(axis=1)
+    if valid.all():
+        return Features(x, valid, None)
+    # Reasons are built only for the (rare) invalid rows, so per-row Python is fine here.
+    nulls = np.column_stack([c.is_null().to_numpy(zero_copy_only=False) for c in cast])
+    reasons = []
+    for i in np.flatnonzero(~valid):
+        bad = []
+        for j, name in enumerate(columns):
+            if finite[i, j]:
+                continue
+            if nulls[i, j]:
+                bad.append(f"null in {name}")
+            elif np.isnan(x[i, j]):
+                bad.append(f"NaN in {name}")
+            else:
+                bad.append(f"infinite value in {name}")
+        reasons.append("; ".join(bad))
+    return Features(x, valid, reasons)
+
+
+def _list_features(rb: pa.RecordBatch, column: str, width: int) -> Features:
+    arr = rb.column(column)
+    n = len(arr)
+    lengths = pc.fill_null(pc.list_value_length(arr), -1).to_numpy(zero_copy_only=False)
+    right_len = lengths == width
+    if pa.types.is_fixed_size_list(arr.type) and arr.null_count == 0:
+        # flatten() honours slice offsets (.values does not): zero-copy for float32 lists.
+        flat = pc.cast(arr.flatten(), pa.float32()).to_numpy(zero_copy_only=False)
+        x = flat.reshape(n, width).copy()  # the single copy: Arrow memory is read-only
+    else:
+        x = np.full((n, width), np.nan, dtype=np.float32)
+        if right_len.any():
+            good = arr.filter(pa.array(right_len))
+            vals = pc.cast(good.flatten(), pa.float32()).to_numpy(zero_copy_only=False)
+            x[right_len] = vals.reshape(-1, width)
+    finite = np.isfinite(x).all(axis=1)
+    valid = finite & right_len
+    if valid.all():
+        return Features(np.ascontiguousarray(x), valid, None)
+    reasons = []
+    for i in np.flatnonzero(~valid):
+        if lengths[i] == -1:
+            reasons.append(f"null in {column}")
+        elif not right_len[i]:
+            reasons.append(f"{column} has {lengths[i]} values, expected {width}")
+        else:
+            reasons.append(f"NaN, null or infinite value in {column}")
+    return Features(np.ascontiguousarray(x), valid, reasons)
+
+
+def to_features(rb: pa.RecordBatch, spec: BundleSpec, width: int) -> Features:
+    """Build the (rows, width) float32 matrix for ``rb`` and flag rows the model must not see."""
+    if spec.columns is not None:
+        return _columns_features(rb, spec.columns)
+    return _list_features(rb, spec.column or "", width)
+
+
+def as_tensor(x: np.ndarray) -> torch.Tensor:
+    """Share the numpy buffer with torch (no copy)."""
+    return torch.from_numpy(x)

@@ -1,0 +1,292 @@
+"""Score one shard end to end inside a worker: read -> batch -> model -> write -> commit.
+
+This is the Dask task. It returns a :class:`ShardResult` for every outcome it understands (a
+failed shard is a result, not an exception, so Dask does not retry bad data); anything else
+propagates so that Dask retries the task, which the per-shard commit makes idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline import storage
+from pipeline.batching import Batch, ShardBatches, make_loader
+from pipeline.engine import ModelFailedEverywhere, output_columns, score
+from pipeline.errors import ShardError
+from pipeline.faults import checkpoint
+from pipeline.model import load_model
+from pipeline.reading import read_footer
+from pipeline.writing import (
+    StagedParquetWriter,
+    output_schema,
+    rejects_schema,
+)
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_ROWS = 10_000  # per shard, for output quantiles in the report
+LATENCY_SAMPLES = 10_000  # per shard
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """Everything a worker needs to score one shard; small and picklable."""
+
+    rel_path: str
+    input_uri: str
+    output_uri: str
+    rejects_uri: str
+    num_rows: int
+    model_uri: str
+    model_sha256: str
+    device: str
+    width: int
+    id_column: str
+    passthrough: tuple[str, ...]
+    batch_size: int
+    on_invalid_rows: str
+    torch_threads: int | None  # None: derive from the Dask worker's thread count
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ShardResult:
+    """What happened to one shard; becomes a manifest entry and a line of the report."""
+
+    rel_path: str
+    input: str
+    status: str  # scored, skipped, failed
+    output: str | None = None
+    rejects: str | None = None
+    rows_in: int | None = None
+    rows_out: int = 0
+    rows_rejected: int = 0
+    duration_s: float = 0.0
+    rows_per_s: float = 0.0
+    kind: str | None = None  # for failures: unreadable, schema, invalid_rows, model, error
+    message: str | None = None
+    oom_splits: int = 0
+    latencies_ms: list[float] = field(default_factory=list)
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    sample_weight: float = 1.0
+    stats: dict[str, list[float]] = field(default_factory=dict)  # col -> [count, sum, min, max]
+
+    def public(self) -> dict[str, Any]:
+        """The per-shard entry of ``_report.json``."""
+        d = asdict(self)
+        for key in ("latencies_ms", "samples", "sample_weight", "stats"):
+            d.pop(key)
+        return d
+
+
+def _set_threads(requested: int | None) -> int:
+    n = requested
+    if n is None:
+        try:
+            from distributed import get_worker
+
+            worker_threads = get_worker().state.nthreads
+        except (ImportError, ValueError):
+            worker_threads = 1
+        n = max(1, (os.cpu_count() or 1) // max(1, worker_threads))
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+def score_shard(task: ShardTask) -> ShardResult:
+    """Score one shard and commit its output (and rejects) atomically."""
+    t0 = time.perf_counter()
+    _set_threads(task.torch_threads)
+    try:
+        return _score(task, t0)
+    except ShardError as e:
+        return ShardResult(
+            task.rel_path,
+            task.input_uri,
+            "failed",
+            rows_in=None if e.kind == "unreadable" else task.num_rows,
+            kind=e.kind,
+            message=str(e),
+            duration_s=time.perf_counter() - t0,
+        )
+
+
+def _score(task: ShardTask, t0: float) -> ShardResult:
+    model = load_model(
+        task.model_uri,
+        task.device,
+        width=task.width,
+        options=task.storage_options,
+        expected_sha256=task.model_sha256,
+    )
+    spec = model.spec
+    meta_cols = (task.id_column, *task.passthrough)
+    dataset = ShardBatches(
+        task.input_uri,
+        spec,
+        width=model.width,
+        meta_columns=meta_cols,
+        batch_size=task.batch_size,
+        storage_options=task.storage_options,
+    )
+    opts = task.storage_options
+    out_loc = storage.locate(task.output_uri, opts)
+    rej_loc = storage.locate(task.rejects_uri, opts)
+    out_fields = [(o.name, o.arrow_type(model.out_width)) for o in spec.outputs]
+
+    # Output and rejects schemas need the id/pass-through types, which come from the footer.
+    info = read_footer(task.input_uri, opts)
+    meta_schema = pa.schema([info.schema.field(c) for c in meta_cols])
+    out_schema = output_schema(meta_schema, out_fields)
+    writer = StagedParquetWriter(out_loc, out_schema, point="output-rename")
+    rejects: StagedParquetWriter | None = None
+    version = spec.version
+    step = max(1, task.num_rows // SAMPLE_ROWS)
+    numeric = [i for i, (_, t) in enumerate(out_fields) if not pa.types.is_fixed_size_list(t)]
+    samples: dict[str, list[float]] = {out_fields[i][0]: [] for i in numeric}
+    stats: dict[str, list[float]] = {
+        out_fields[i][0]: [0, 0.0, float("inf"), float("-inf")] for i in numeric
+    }
+    latencies: list[float] = []
+    rows_in = rows_out = rows_rej = oom = 0
+    try:
+        loader = make_loader(dataset, pin_memory=model.device.type == "cuda")
+        for batch in _guard_reads(iter(loader), task.input_uri):
+            checkpoint("batch-read")
+            n = batch.num_rows
+            rows_in += n
+            valid = batch.features.valid
+            reasons: dict[int, str] = {}
+            if not valid.all():
+                invalid_idx = np.flatnonzero(~valid)
+                if task.on_invalid_rows == "fail":
+                    i = int(invalid_idx[0])
+                    raise ShardError(
+                        f"shard {task.input_uri}: row group {int(batch.row_groups[i])}, row "
+                        f"{batch.start + i}, {task.id_column} = "
+                        f"{batch.meta.column(0)[i].as_py()!r}: {batch.features.reasons[0]} "
+                        "(errors.on_invalid_rows = 'fail')",
+                        shard=task.input_uri,
+                        kind="invalid_rows",
+                    )
+                reasons = dict(zip(invalid_idx.tolist(), batch.features.reasons or [], strict=True))
+                x = batch.tensor[torch.from_numpy(valid)]
+            else:
+                x = batch.tensor
+            try:
+                scored = score(model, x)
+            except ModelFailedEverywhere as e:
+                raise ShardError(
+                    f"shard {task.input_uri}, rows {batch.start}-{batch.start + n - 1}: {e}. "
+                    f"Check the model bundle {task.model_uri} against this data.",
+                    shard=task.input_uri,
+                    kind="model",
+                ) from e
+            checkpoint("batch-scored")
+            latencies.append(scored.seconds * 1000.0)
+            oom += scored.oom_splits
+            keep = valid.copy()
+            if scored.errors:
+                valid_idx = np.flatnonzero(valid)
+                for j, msg in scored.errors.items():
+                    reasons[int(valid_idx[j])] = msg
+                keep[valid_idx[~scored.ok]] = False
+            cols = output_columns(scored.outputs, spec.outputs)
+            meta = batch.meta if keep.all() else batch.meta.filter(pa.array(keep))
+            m = meta.num_rows
+            arrays = [*meta.columns, *cols, pa.array([version] * m, pa.string())]
+            writer.write(pa.RecordBatch.from_arrays(arrays, schema=out_schema))
+            checkpoint("batch-written")
+            first = (-rows_out) % step  # systematic sample: every step-th scored row
+            rows_out += m
+            for i in numeric:
+                name = out_fields[i][0]
+                vals = cols[i].to_numpy(zero_copy_only=False)
+                if len(vals):
+                    st = stats[name]
+                    st[0] += len(vals)
+                    st[1] += float(vals.sum())
+                    st[2] = min(st[2], float(vals.min()))
+                    st[3] = max(st[3], float(vals.max()))
+                    samples[name].extend(vals[first::step].astype(float).tolist())
+            if reasons:
+                order = sorted(reasons)
+                if rejects is None:
+                    rejects = StagedParquetWriter(
+                        rej_loc, rejects_schema(meta_schema), point="rejects-rename"
+                    )
+                rmeta = batch.meta.take(pa.array(order))
+                rejects.write(
+                    pa.RecordBatch.from_arrays(
+                        [*rmeta.columns, pa.array([reasons[i] for i in order], pa.string())],
+                        schema=rejects.schema,
+                    )
+                )
+                rows_rej += len(order)
+        if rows_in != task.num_rows:
+            raise ShardError(
+                f"shard {task.input_uri}: read {rows_in} rows but its footer says "
+                f"{task.num_rows}; the file changed while it was being scored",
+                shard=task.input_uri,
+                kind="unreadable",
+            )
+        # Rejects first, output last: a crash in between leaves no committed output, so the
+        # shard is rescored and both files are replaced.
+        if rejects is not None:
+            rejects.commit()
+        else:
+            storage.remove(rej_loc)  # a rescored shard may have had rejects before
+        checkpoint("rejects-committed")
+        writer.commit()
+        checkpoint("output-committed")
+    except BaseException:
+        writer.abort()
+        if rejects is not None:
+            rejects.abort()
+        raise
+    duration = time.perf_counter() - t0
+    if len(latencies) > LATENCY_SAMPLES:
+        latencies = latencies[:: len(latencies) // LATENCY_SAMPLES + 1]
+    return ShardResult(
+        task.rel_path,
+        task.input_uri,
+        "scored",
+        output=task.output_uri,
+        rejects=task.rejects_uri if rows_rej else None,
+        rows_in=rows_in,
+        rows_out=rows_out,
+        rows_rejected=rows_rej,
+        duration_s=duration,
+        rows_per_s=rows_in / duration if duration > 0 else 0.0,
+        oom_splits=oom,
+        latencies_ms=latencies,
+        samples=samples,
+        sample_weight=float(step),
+        stats=stats,
+    )
+
+
+def _guard_reads(it: Iterator[Batch], uri: str) -> Iterator[Batch]:
+    """Turn decoding errors into an ``unreadable`` shard; write errors are not caught here."""
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError, EOFError) as e:
+            raise ShardError(
+                f"shard {uri} could not be decoded (corrupt or truncated data): {e}",
+                shard=uri,
+                kind="unreadable",
+            ) from e
+        yield batch

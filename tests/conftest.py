@@ -1,0 +1,94 @@
+"""Shared fixtures: small real datasets (several row groups per shard) and real model bundles."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline.demo import FEATURES, BUNDLE_TOML, DemoMLP, export_bundle, make_rows
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Tests must not leak SCORE_CATALOG_* settings from the developer's shell into configs.
+for _var in [v for v in os.environ if v.startswith("SCORE_CATALOG_")]:
+    del os.environ[_var]
+
+
+def demo_toml(columns: tuple[str, ...] = FEATURES, *, fmt: str = "exported_program",
+              file: str = "model.pt2", outputs: str = 'score = "softmax:1"\nlabel = "argmax"\n',
+              version: str = "1") -> str:
+    cols = ", ".join(f'"{c}"' for c in columns)
+    return (
+        f'name = "test-mlp"\nversion = "{version}"\nformat = "{fmt}"\nfile = "{file}"\n'
+        f"[inputs]\ncolumns = [{cols}]\n[outputs]\n{outputs}"
+    )
+
+
+def make_model(seed: int = 0, n_in: int = 16, hidden: tuple[int, int] = (32, 16),
+               n_out: int = 2) -> DemoMLP:
+    torch.manual_seed(seed)
+    return DemoMLP(n_in, hidden, n_out).eval()
+
+
+@pytest.fixture(scope="session")
+def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An exported-program bundle of a small 16-32-16-2 MLP (untrained, seeded)."""
+    d = tmp_path_factory.mktemp("bundle")
+    export_bundle(make_model(), d, demo_toml(), n_in=16)
+    return d
+
+
+@pytest.fixture(scope="session")
+def torchscript_bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same network as ``bundle_dir``, as TorchScript."""
+    d = tmp_path_factory.mktemp("ts_bundle")
+    export_bundle(make_model(), d, demo_toml(fmt="torchscript", file="model.ts"), n_in=16,
+                  fmt="torchscript")
+    return d
+
+
+def write_shards(root: Path, sizes: list[int], *, row_group_rows: int = 1000, seed: int = 0,
+                 start: int = 0) -> list[Path]:
+    """Write shards of the demo schema with the given row counts (ids are consecutive)."""
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k, n in enumerate(sizes):
+        table = make_rows(start, n, seed)
+        start += n
+        p = root / f"part-{k:05d}.parquet"
+        pq.write_table(table, p, row_group_size=max(1, row_group_rows))
+        paths.append(p)
+    return paths
+
+
+@pytest.fixture
+def catalog(tmp_path: Path) -> Path:
+    """3 shards (2,500 / 1,700 / 3,100 rows) with 1,000-row row groups."""
+    root = tmp_path / "catalog"
+    write_shards(root, [2500, 1700, 3100], row_group_rows=1000)
+    return root
+
+
+def reference_scores(bundle: Path, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """The model's direct forward on ``table``'s features: (softmax[:,1], argmax)."""
+    ep = torch.export.load(str(bundle / "model.pt2")).module()
+    x = torch.from_numpy(np.column_stack([table.column(c).to_numpy() for c in FEATURES]).copy())
+    with torch.inference_mode():
+        y = ep(x)
+    return torch.softmax(y, 1)[:, 1].numpy(), y.argmax(1).numpy()
+
+
+@pytest.fixture
+def read_dataset() -> Callable[[Path], pa.Table]:
+    def _read(root: Path) -> pa.Table:
+        files = sorted(p for p in root.rglob("*.parquet")
+                       if not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts))
+        return pa.concat_tables([pq.read_table(p) for p in files]) if files else pa.table({})
+    return _read
