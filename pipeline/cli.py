@@ -21,12 +21,6 @@ def _setup_logging(verbose: int) -> None:
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
     )
-    # Dask is chatty at INFO about its own cluster; our log lines say what matters. Import it
-    # first: distributed sets its loggers' levels when it is imported.
-    import distributed  # noqa: F401
-
-    for name in ("distributed", "dask"):
-        logging.getLogger(name).setLevel(max(level, logging.WARNING))
 
 
 def _fail(e: PipelineError) -> None:

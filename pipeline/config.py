@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import math
 import os
 import re
 import string
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from pipeline.errors import ConfigError
@@ -27,6 +29,7 @@ else:  # pragma: no cover - exercised only on 3.10
 ENV_PREFIX = "SCORE_CATALOG_"
 SCHEDULER_NAMES = ("local", "threads", "sync")
 TEMPLATE_FIELDS = frozenset({"date", "run_id"})
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _SCHEDULER_URI_RE = re.compile(r"^(tcp|tls|inproc|ucx)://\S+$")
 
@@ -54,7 +57,7 @@ class JobConfig:
     """A validated scoring job. Build it with :func:`load_config` or directly with keywords."""
 
     # Input shards: a directory (every *.parquet below it, sorted, skipping _ and . names),
-    # a glob, or a single file; local paths or fsspec URIs.
+    # a glob, or a single file; local paths or fsspec URIs. May contain {date}.
     input: str
     # Output root for scored shards, _report.json, _manifest.json and _SUCCESS. May contain
     # {date} and {run_id}. Resume needs the same output on the rerun, so avoid {run_id} there.
@@ -95,6 +98,10 @@ class JobConfig:
     @property
     def run_date(self) -> str:
         return self.date or dt.datetime.now(dt.timezone.utc).date().isoformat()
+
+    def input_uri(self) -> str:
+        """The input with ``{date}`` filled in (for date-partitioned archives)."""
+        return self.input.format(date=self.run_date)
 
     def output_uri(self, run_id: str) -> str:
         """The output root with ``{date}`` and ``{run_id}`` filled in."""
@@ -247,9 +254,10 @@ def build_config(
     if overrides:
         layers.append(overrides)
     merged = _merge(layers)
-    problems += _check_raw(merged)
-    if problems:
-        raise ConfigError(problems, source)
+    raw_problems = _check_raw(merged)
+    if problems or raw_problems:
+        # Still check the values of the well-typed keys, so that one message lists everything.
+        raise ConfigError(problems + raw_problems + _value_problems(merged), source)
     errors_raw = dict(merged.pop("errors", {}) or {})
     storage = dict(merged.pop("storage", {}) or {})
     if "passthrough" in merged:
@@ -289,21 +297,50 @@ def _check_raw(merged: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _value_problems(merged: Mapping[str, Any]) -> list[str]:
+    """Value rules for the keys that have the right type, on top of the defaults."""
+    good = {
+        k: v for k, v in merged.items()
+        if k in _TOP_KEYS and _TYPE_CHECK[_TOP_KEYS[k]](v)
+    }
+    errs = merged.get("errors") if isinstance(merged.get("errors"), Mapping) else {}
+    good_errs = {
+        k: v for k, v in (errs or {}).items()
+        if k in _ERROR_KEYS and _TYPE_CHECK[_ERROR_KEYS[k]](v)
+    }
+    defaults = {
+        f.name: f.default for f in dataclasses.fields(JobConfig)
+        if f.default is not dataclasses.MISSING
+    }
+    candidate = SimpleNamespace(
+        **{**defaults, "input": "-", "output": "-", "model": "-", **good,
+           "passthrough": tuple(good.get("passthrough", ())),
+           "errors": ErrorPolicy.__new__(ErrorPolicy)},
+    )
+    for f in dataclasses.fields(ErrorPolicy):
+        object.__setattr__(candidate.errors, f.name, good_errs.get(f.name, f.default))
+    return _validate(candidate)  # type: ignore[arg-type]
+
+
 def _unknown(key: str, known: list[str]) -> str:
     return f"unknown key {key!r}; known keys: {', '.join(known)}"
 
 
-def _template_problems(key: str, template: str) -> list[str]:
+def _template_problems(
+    key: str, template: str, allowed: frozenset[str] = TEMPLATE_FIELDS
+) -> list[str]:
     try:
-        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+        parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template)
+                  if f is not None]
     except ValueError as e:
         return [f"{key} = {template!r} is not a valid template: {e}"]
-    bad = fields - TEMPLATE_FIELDS
+    if any(spec or conv for _, spec, conv in parsed):
+        return [f"{key} = {template!r}: placeholders take no format spec; write {{date}}"]
+    fields = {f for f, _, _ in parsed}
+    bad = fields - allowed
     if bad:
-        return [
-            f"{key} = {template!r} uses unknown placeholder(s) {sorted(bad)}; "
-            f"allowed: {{date}}, {{run_id}}"
-        ]
+        names = ", ".join(f"{{{a}}}" for a in sorted(allowed))
+        return [f"{key} = {template!r} uses unknown placeholder(s) {sorted(bad)}; allowed: {names}"]
     return []
 
 
@@ -312,6 +349,7 @@ def _validate(c: JobConfig) -> list[str]:
     for key in ("input", "output", "model", "id_column", "name"):
         if not getattr(c, key):
             p.append(f"{key} must not be empty")
+    p += _template_problems("input", c.input, frozenset({"date"}))
     p += _template_problems("output", c.output)
     if c.rejects is not None:
         p += _template_problems("rejects", c.rejects)
@@ -332,15 +370,17 @@ def _validate(c: JobConfig) -> list[str]:
         p.append(f"passthrough names the id column {c.id_column!r}; it is always copied first")
     if c.date is not None:
         try:
+            if not _DATE_RE.match(c.date):
+                raise ValueError(c.date)
             dt.date.fromisoformat(c.date)
         except ValueError:
             p.append(f"date = {c.date!r} is not a date in YYYY-MM-DD form")
-    if c.stale_lock_after_s <= 0:
+    if not (math.isfinite(c.stale_lock_after_s) and c.stale_lock_after_s > 0):
         p.append(f"stale_lock_after_s = {c.stale_lock_after_s!r} must be > 0")
     e = c.errors
     if e.max_failed_shards < 0:
         p.append(f"errors.max_failed_shards = {e.max_failed_shards} must be >= 0")
-    if not 0.0 <= e.max_rejected_fraction <= 1.0:
+    if not 0.0 <= e.max_rejected_fraction <= 1.0:  # also false for NaN
         p.append(f"errors.max_rejected_fraction = {e.max_rejected_fraction} must be in [0, 1]")
     if e.on_schema_error not in ("fail", "skip_shard"):
         p.append(f"errors.on_schema_error = {e.on_schema_error!r} must be 'fail' or 'skip_shard'")

@@ -32,6 +32,17 @@ class ModelFailedEverywhere(Exception):
     """The model raised on every row of a batch of more than one row: a broken model, not bad rows."""
 
 
+def _message(e: BaseException) -> str:
+    """One line for a reject reason. TorchScript wraps the original error in a traceback whose
+    last line ("builtins.ValueError: ...") is the part that names the problem."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    if isinstance(e, torch.jit.Error):
+        return lines[-1]
+    return f"{type(e).__name__}: {lines[0]}"
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -63,7 +74,7 @@ def score(model: LoadedModel, x: torch.Tensor) -> Scored:
                     torch.cuda.empty_cache()
             elif hi - lo == 1:
                 ok[lo] = False
-                errors[lo] = f"model error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                errors[lo] = f"model error: {_message(e)}"
                 return
         mid = (lo + hi) // 2
         run(lo, mid)

@@ -13,6 +13,7 @@ import logging
 import re
 import sys
 import threading
+import warnings
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -99,6 +100,9 @@ def parse_bundle_toml(raw: bytes, uri: str) -> BundleSpec:
     for key in ("name", "version", "format", "file"):
         if not isinstance(doc.get(key), str) or not doc.get(key):
             p.append(f"{key} must be a non-empty string")
+    f = doc.get("file")
+    if isinstance(f, str) and (f.startswith("/") or ".." in f.split("/") or "://" in f):
+        p.append(f"file = {f!r} must be a file name inside the bundle directory")
     fmt = doc.get("format")
     if fmt in ("pickle", "state_dict", "torch_save"):
         p.append(f"format = {fmt!r} is refused: pickles can run arbitrary code on load; {EXPORT_HINT}")
@@ -127,7 +131,8 @@ def parse_bundle_toml(raw: bytes, uri: str) -> BundleSpec:
             else:
                 column = inputs["column"]
             if "dim" in inputs:
-                if not isinstance(inputs["dim"], int) or inputs["dim"] < 1:
+                dim_ok = isinstance(inputs["dim"], int) and not isinstance(inputs["dim"], bool)
+                if not dim_ok or inputs["dim"] < 1:
                     p.append("inputs.dim must be an integer >= 1")
                 else:
                     dim = inputs["dim"]
@@ -248,7 +253,15 @@ def _deserialize(spec: BundleSpec, weights: bytes, device: torch.device) -> Any:
             ep = torch.export.load(io.BytesIO(weights))
             module = ep.module()
         else:
-            module = torch.jit.load(io.BytesIO(weights), map_location="cpu")
+            # Deprecated in torch 2.13 but still the only safe loader for older models; say so
+            # once in the log rather than as a warning that -W error would turn into a failure.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                module = torch.jit.load(io.BytesIO(weights), map_location="cpu")
+            logger.warning(
+                "model bundle %s is TorchScript, which torch deprecates; re-export it with "
+                "torch.export when you can", spec.uri,
+            )
     except Exception as e:
         raise ModelError(f"{where}: cannot load the weights file: {e}") from e
     try:
@@ -325,7 +338,7 @@ def _dry_run(spec: BundleSpec, module: Any, width: int, device: torch.device) ->
     return out_width
 
 
-_CACHE: dict[tuple[str, str, str], LoadedModel] = {}
+_CACHE: dict[tuple[str, str, str, int], LoadedModel] = {}
 _CACHE_LOCK = threading.Lock()
 
 
@@ -349,26 +362,26 @@ def load_model(
             f"model bundle {uri} changed while the run was going on (SHA-256 {sha[:12]} instead "
             f"of {expected_sha256[:12]}); rerun the job"
         )
-    key = (uri, str(dev), sha)
+    if spec.columns is not None:
+        w = len(spec.columns)
+    elif spec.dim is not None:
+        w = spec.dim
+    elif width is not None:
+        w = width
+    else:
+        raise ModelError(
+            f"model bundle {uri}: inputs.column needs inputs.dim, or data to take it from"
+        )
+    if width is not None and width != w:
+        raise ModelError(
+            f"model bundle {uri}: {spec.describe_inputs()} declares {w} features per row "
+            f"but the data has {width}"
+        )
+    key = (uri, str(dev), sha, w)
     with _CACHE_LOCK:
         cached = _CACHE.get(key)
         if cached is not None:
             return cached
-        if spec.columns is not None:
-            w = len(spec.columns)
-        elif spec.dim is not None:
-            w = spec.dim
-        elif width is not None:
-            w = width
-        else:
-            raise ModelError(
-                f"model bundle {uri}: inputs.column needs inputs.dim, or data to take it from"
-            )
-        if width is not None and width != w:
-            raise ModelError(
-                f"model bundle {uri}: {spec.describe_inputs()} declares {w} features per row "
-                f"but the data has {width}"
-            )
         module = _deserialize(spec, weights, dev)
         out_width = _dry_run(spec, module, w, dev)
         loaded = LoadedModel(spec, sha, module, dev, w, out_width)

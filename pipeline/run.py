@@ -112,6 +112,11 @@ def _execute(
     import dask
     from distributed import Client, LocalCluster, as_completed
 
+    # distributed sets its loggers to INFO when imported; its cluster chatter is noise in a
+    # nightly log unless debugging.
+    if not logger.isEnabledFor(logging.DEBUG):
+        logging.getLogger("distributed").setLevel(logging.WARNING)
+
     if plan.scheduler == "local":
         # Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in its workers, which pins glibc's mmap
         # threshold at 128 KiB: every MLP activation (4 MiB at batch 4096) is then mmapped and
@@ -199,10 +204,11 @@ def run(
     opts = config.storage
     out_root = storage.locate(config.output_uri(run_id), opts)
     rej_root = storage.locate(config.rejects_uri(run_id), opts)
-    _check_not_overlapping(storage.locate(config.input, opts), out_root, rej_root)
+    input_uri = config.input_uri()
+    _check_not_overlapping(storage.locate(input_uri, opts), out_root, rej_root)
 
     # 1. Plan from footers and the model's dry run: nothing is written before this passes.
-    shards = storage.list_shards(config.input, opts)
+    shards = storage.list_shards(input_uri, opts)
     device = resolve_device(config.device)
     spec, _, sha = read_bundle(config.model, opts)
     infos: dict[str, ShardInfo] = {}
@@ -260,6 +266,7 @@ def run(
     # 2. Lock the output, clear what a crashed run left, and find what is already done.
     lock = RunLock.acquire(out_root, run_id, stale_after_s=config.stale_lock_after_s)
     try:
+        checkpoint("locked")
         for root in (out_root, rej_root):
             for path in storage.remove_stale_temporaries(root):
                 logger.info("removed a temporary file left by an interrupted run: %s", path)
@@ -430,7 +437,7 @@ def _build_report(
         "started_at": started_at.isoformat(),
         "finished_at": finished.isoformat(),
         "duration_s": duration,
-        "input": storage.locate(config.input, config.storage).uri,
+        "input": storage.locate(config.input_uri(), config.storage).uri,
         "output": out_root.uri,
         "rejects": rej_root.uri,
         "rows_in": rows_in,

@@ -79,7 +79,8 @@ def catalog(tmp_path: Path) -> Path:
 def reference_scores(bundle: Path, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """The model's direct forward on ``table``'s features: (softmax[:,1], argmax)."""
     ep = torch.export.load(str(bundle / "model.pt2")).module()
-    x = torch.from_numpy(np.column_stack([table.column(c).to_numpy() for c in FEATURES]).copy())
+    cols = [table.column(c).to_numpy().astype(np.float32) for c in FEATURES]
+    x = torch.from_numpy(np.column_stack(cols))
     with torch.inference_mode():
         y = ep(x)
     return torch.softmax(y, 1)[:, 1].numpy(), y.argmax(1).numpy()

@@ -1,0 +1,174 @@
+"""SIGKILL the real CLI at named points, rerun it, and demand exactly a clean run's output.
+
+Each case sets ``_SCORE_CATALOG_KILL_AT=point:N``: the process SIGKILLs itself the N-th time it
+reaches ``point`` (see pipeline/faults.py), so every case dies at a known place: mid-batch,
+mid-write, between a shard's commits, while writing the manifest, between shards, before the
+report and before _SUCCESS. Two more cases kill a run on the embedded Dask cluster from outside
+at a random moment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import write_shards
+from tests.integration.helpers import REPO, cli, read_tree, report, temporaries
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+# shard 0: 2,500 rows = 7 batches of 400; shard 1: 1,700 = 5; shard 2: 3,100 = 8 (20 in all).
+# Shards 1 and 2 have rows with NaN/null features, so their rejects are committed too.
+POINTS = [
+    "locked:1",
+    "batch-read:1",
+    "batch-read:9",
+    "batch-scored:3",
+    "batch-scored:12",
+    "batch-written:1",
+    "batch-written:7",
+    "batch-written:17",
+    "rejects-rename:1",
+    "rejects-rename:2",
+    "rejects-committed:2",
+    "output-rename:1",
+    "output-rename:2",
+    "output-rename:3",
+    "output-committed:1",
+    "output-committed:3",
+    "manifest-rename:1",
+    "manifest-rename:2",
+    "manifest-rename:3",
+    "between-shards:1",
+    "between-shards:2",
+    "report-rename:1",
+    "success-rename:1",
+]
+
+
+def _make_catalog(root: Path) -> Path:
+    cat = root / "catalog"
+    paths = write_shards(cat, [2500, 1700, 3100], row_group_rows=1000)
+    for p, bad in ((paths[1], [17, 900]), (paths[2], [0, 3099])):
+        t = pq.read_table(p)
+        vals = t.column("f4").to_pylist()
+        for i in bad:
+            vals[i] = None if i % 2 else float("nan")
+        t = t.set_column(t.schema.get_field_index("f4"), "f4", pa.array(vals, pa.float32()))
+        pq.write_table(t, p, row_group_size=1000)
+    return cat
+
+
+def _args(cat: Path, out: Path, rejects: Path, bundle: Path, scheduler: str = "sync") -> list[str]:
+    return ["run", "--input", str(cat), "--output", str(out), "--rejects", str(rejects),
+            "--model", str(bundle), "--passthrough", "category", "--batch-size", "400",
+            "--scheduler", scheduler, "-q"]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory, bundle_dir: Path) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("crash")
+    cat = _make_catalog(root)
+    out, rej = root / "clean", root / "clean_rejects"
+    r = cli(*_args(cat, out, rej, bundle_dir))
+    assert r.returncode == 0, r.stderr
+    return {"catalog": cat, "scores": read_tree(out), "rejects": read_tree(rej),
+            "report": report(out)}
+
+
+def _assert_same_as_clean(out: Path, rej: Path, clean: dict[str, object]) -> None:
+    scores, rejects = read_tree(out), read_tree(rej)
+    assert scores.keys() == clean["scores"].keys()  # type: ignore[attr-defined]
+    for name, table in scores.items():
+        assert table.equals(clean["scores"][name]), name  # type: ignore[index]
+        ids = table.column("item_id").to_pylist()
+        assert len(ids) == len(set(ids))
+    assert rejects.keys() == clean["rejects"].keys()  # type: ignore[attr-defined]
+    for name, table in rejects.items():
+        assert table.equals(clean["rejects"][name]), name  # type: ignore[index]
+    rep = report(out)
+    assert rep["status"] == "succeeded_with_errors"
+    assert rep["rows_out"] == 7296 and rep["rows_rejected"] == 4 and rep["rows_in"] == 7300
+    assert not temporaries(out, rej)
+    assert (out / "_SUCCESS").exists()
+    assert not (out / "_lock.json").exists()
+    json.loads((out / "_manifest.json").read_text())
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_sigkill_then_resume_equals_a_clean_run(
+    point: str, clean_run: dict[str, object], bundle_dir: Path, tmp_path: Path
+) -> None:
+    out, rej = tmp_path / "out", tmp_path / "rejects"
+    args = _args(clean_run["catalog"], out, rej, bundle_dir)  # type: ignore[arg-type]
+    killed = cli(*args, env={"_SCORE_CATALOG_KILL_AT": point})
+    assert killed.returncode == -signal.SIGKILL, (
+        f"the run did not reach {point}: rc={killed.returncode}\n{killed.stderr}"
+    )
+    assert not (out / "_SUCCESS").exists()
+    if out.exists() and (out / "_manifest.json").exists():
+        json.loads((out / "_manifest.json").read_text())  # never torn
+    resumed = cli(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    _assert_same_as_clean(out, rej, clean_run)
+    rep = report(out)
+    assert rep["lock_taken_over"] is not None  # the dead run's lock was taken over
+    assert rep["shards_scored"] + rep["shards_skipped"] == 3
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True)
+    children: dict[int, list[int]] = {}
+    for line in out.stdout.split("\n"):
+        if line.strip():
+            c, p = map(int, line.split())
+            children.setdefault(p, []).append(c)
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.85])
+def test_external_sigkill_of_a_dask_run_at_a_random_moment(
+    fraction: float, clean_run: dict[str, object], bundle_dir: Path, tmp_path: Path
+) -> None:
+    out, rej = tmp_path / "out", tmp_path / "rejects"
+    args = _args(clean_run["catalog"], out, rej, bundle_dir, "local")  # type: ignore[arg-type]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SCORE_CATALOG_")}
+    env["PYTHONPATH"] = str(REPO)
+    t0 = time.perf_counter()
+    first = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=env,
+                           capture_output=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    full = time.perf_counter() - t0
+    for p in out.glob("*"):  # start again from nothing, then kill part-way
+        p.unlink()
+    for p in rej.glob("*"):
+        p.unlink()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(full * fraction * random.uniform(0.9, 1.1))
+    family = _descendants(proc.pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for pid in family:  # Dask's nanny and worker processes die with their parent's cluster
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    resumed = cli(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    _assert_same_as_clean(out, rej, clean_run)

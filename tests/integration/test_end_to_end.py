@@ -1,0 +1,192 @@
+"""The real CLI end to end on generated multi-shard, multi-row-group data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from tests.conftest import reference_scores, write_shards
+from tests.integration.helpers import cli, data_files, read_tree, report, temporaries
+
+pytestmark = pytest.mark.integration
+
+
+def _args(catalog: Path, out: Path, bundle: Path, *extra: str) -> list[str]:
+    return ["run", "--input", str(catalog), "--output", str(out), "--model", str(bundle),
+            "--passthrough", "category", "--batch-size", "512", *extra]
+
+
+def test_local_dask_cluster_scores_every_row_once_in_order(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "scored"
+    r = cli(*_args(catalog, out, bundle_dir, "--scheduler", "local", "--workers", "2"))
+    assert r.returncode == 0, r.stderr
+    assert "SUCCEEDED" in r.stdout and "7,300 scored" in r.stdout
+    assert (out / "_SUCCESS").exists()
+    assert not temporaries(out)
+    inputs = sorted(catalog.glob("*.parquet"))
+    outputs = data_files(out)
+    assert [p.name for p in outputs] == [p.name for p in inputs]
+    for src, dst in zip(inputs, outputs, strict=True):
+        t_in, t_out = pq.read_table(src), pq.read_table(dst)
+        assert t_out.column_names == ["item_id", "category", "score", "label", "model_version"]
+        assert t_out.column("item_id").equals(t_in.column("item_id"))
+        assert t_out.column("category").equals(t_in.column("category"))
+        score, label = reference_scores(bundle_dir, t_in)
+        np.testing.assert_allclose(t_out.column("score").to_numpy(), score, atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(t_out.column("label").to_numpy(), label)
+        assert set(t_out.column("model_version").to_pylist()) == {"1"}
+    rep = report(out)
+    assert rep["status"] == "succeeded"
+    assert rep["rows_in"] == rep["rows_out"] == 7300
+    assert rep["shards_total"] == rep["shards_scored"] == 3
+    assert [s["rows_in"] for s in rep["shards"]] == [2500, 1700, 3100]
+    assert rep["threads"]["workers"] == 2 and rep["threads"]["torch_threads"] >= 1
+    for key in ("run_id", "job", "started_at", "finished_at", "duration_s", "input", "output",
+                "rows_per_s", "batch_size", "device", "model", "versions", "batch_latency_ms",
+                "outputs", "shards"):
+        assert key in rep
+    assert set(rep["model"]) >= {"name", "version", "format", "sha256"}
+    assert set(rep["versions"]) == {"python", "torch", "pyarrow", "dask"}
+    assert set(rep["batch_latency_ms"]) == {"p50", "p95", "p99"}
+    q = rep["outputs"]["score"]["quantiles"]
+    assert 0.0 <= q["p01"] <= q["p50"] <= q["p99"] <= 1.0
+    # The output directory reads as a dataset as it is, with both pyarrow and Dask.
+    assert ds.dataset(out, format="parquet").count_rows() == 7300
+    import dask.dataframe as dd
+
+    assert len(dd.read_parquet(str(out)).compute()) == 7300
+
+
+def test_clirunner_job_file_env_and_flags(catalog: Path, bundle_dir: Path, tmp_path: Path) -> None:
+    job = tmp_path / "nightly.toml"
+    job.write_text(
+        f'input = "{catalog}"\noutput = "{tmp_path}/out/run_date={{date}}"\n'
+        f'model = "{bundle_dir}"\nbatch_size = 100\nscheduler = "sync"\n'
+    )
+    res = CliRunner().invoke(
+        main, ["run", str(job), "--date", "2026-01-02", "--batch-size", "700"],
+        env={"SCORE_CATALOG_BATCH_SIZE": "300", "SCORE_CATALOG_ID_COLUMN": "item_id"},
+    )
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "out" / "run_date=2026-01-02"
+    rep = report(out)
+    assert rep["batch_size"] == 700  # flag beats env beats job file
+    assert rep["job"] == "nightly"
+    assert rep["rows_out"] == 7300
+
+
+def test_torchscript_bundle_scores_the_same(
+    catalog: Path, bundle_dir: Path, torchscript_bundle_dir: Path, tmp_path: Path
+) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for bundle, out in ((bundle_dir, a), (torchscript_bundle_dir, b)):
+        res = CliRunner().invoke(main, _args(catalog, out, bundle, "--scheduler", "sync"))
+        assert res.exit_code == 0, res.output
+    ta, tb = read_tree(a), read_tree(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        np.testing.assert_allclose(ta[k].column("score").to_numpy(),
+                                   tb[k].column("score").to_numpy(), atol=1e-6)
+    assert report(b)["model"]["format"] == "torchscript"
+
+
+def test_help_documents_commands_options_and_exit_codes() -> None:
+    runner = CliRunner()
+    top = runner.invoke(main, ["--help"])
+    assert top.exit_code == 0
+    for word in ("run", "demo", "Exit codes", "2 usage", "3 input"):
+        assert word in top.output
+    run_help = runner.invoke(main, ["run", "--help"]).output
+    for opt in ("--input", "--output", "--model", "--batch-size", "--device", "--id-column",
+                "--passthrough", "--scheduler", "--workers", "--rejects", "--force",
+                "--max-failed-shards", "--max-rejected-fraction", "--on-schema-error",
+                "--on-invalid-rows", "Exit codes"):
+        assert opt in run_help, opt
+
+
+def test_readme_quickstart_and_documented_options_match_help() -> None:
+    from tests.integration.helpers import REPO
+
+    readme = (REPO / "README.md").read_text()
+    assert "make score-catalog" in readme and "make test" in readme
+    run_help = CliRunner().invoke(main, ["run", "--help"]).output
+    import re
+
+    for opt in set(re.findall(r"`(--[a-z][a-z-]+)", readme)):
+        if opt in ("--help", "--version", "--catalog", "--model-dir", "--rows", "--shards",
+                   "--train-model", "--skip-model", "--row-group-rows", "--seed"):
+            continue
+        assert opt in run_help, f"README documents {opt}, which `run --help` does not have"
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["run", "--output", "x", "--model", "y"], 2, "input is required"),
+        (["run", "--input", "nowhere", "--output", "o", "--model", "m", "--batch-size", "0"], 2,
+         "batch_size"),
+        (["run", "--input", "does/not/exist", "--output", "{tmp}/o", "--model", "{bundle}"], 3,
+         "does not exist"),
+        (["run", "--input", "{catalog}", "--output", "{catalog}/scored", "--model", "{bundle}"],
+         2, "overlaps the input"),
+        (["run", "--input", "{catalog}", "--output", "{tmp}/o", "--model", "{tmp}"], 3,
+         "no model.toml"),
+        (["run", "--input", "{catalog}", "--output", "{tmp}/o", "--model", "{bundle}",
+          "--device", "cuda"], 2, "not available"),
+    ],
+)
+def test_exit_codes(args: list[str], code: int, needle: str, catalog: Path, bundle_dir: Path,
+                    tmp_path: Path) -> None:
+    import torch
+
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    args = [a.format(tmp=tmp_path, catalog=catalog, bundle=bundle_dir) for a in args]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == code, res.output
+    assert needle in res.output
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_schema_drift_float64_and_int_features_score_like_float32(
+    bundle_dir: Path, tmp_path: Path
+) -> None:
+    cat = tmp_path / "cat"
+    write_shards(cat, [800, 900], row_group_rows=300)
+    p = cat / "part-00001.parquet"
+    t = pq.read_table(p)
+    t = t.set_column(t.schema.get_field_index("f0"), "f0", t.column("f0").cast(pa.float64()))
+    t = t.set_column(t.schema.get_field_index("item_id"), "item_id",
+                     t.column("item_id").cast(pa.int32()))
+    t = t.append_column("extra", pa.array(["x"] * t.num_rows))
+    pq.write_table(t, p, row_group_size=300)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, _args(cat, out, bundle_dir, "--scheduler", "sync"))
+    assert res.exit_code == 0, res.output
+    t_out = pq.read_table(out / "part-00001.parquet")
+    assert t_out.schema.field("item_id").type == pa.int32()  # pass-through types kept per shard
+    score, _ = reference_scores(bundle_dir, pq.read_table(p))
+    np.testing.assert_allclose(t_out.column("score").to_numpy(), score, atol=1e-6)
+
+
+def test_empty_shard_gets_an_empty_output_with_the_schema(bundle_dir: Path,
+                                                          tmp_path: Path) -> None:
+    cat = tmp_path / "cat"
+    write_shards(cat, [500, 0, 400], row_group_rows=200)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, _args(cat, out, bundle_dir, "--scheduler", "sync"))
+    assert res.exit_code == 0, res.output
+    empty = pq.read_table(out / "part-00001.parquet")
+    assert empty.num_rows == 0
+    assert empty.column_names == ["item_id", "category", "score", "label", "model_version"]
+    assert json.loads((out / "_report.json").read_text())["rows_out"] == 900
