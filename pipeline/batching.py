@@ -125,6 +125,6 @@ def make_loader(dataset: ShardBatches, *, pin_memory: bool = False) -> DataLoade
         batch_size=None,
         shuffle=False,
         num_workers=0,
-        collate_fn=_identity,
+        collate_fn=_identity,  # type: ignore[arg-type]  # batch_size=None: one item
         pin_memory=pin_memory,
     )

@@ -56,25 +56,52 @@ def _parse_storage_options(values: tuple[str, ...]) -> dict[str, str] | None:
 @click.option("--output", metavar="URI", help="Output root; may contain {date} and {run_id}.")
 @click.option("--model", metavar="URI", help="Model bundle directory (model.toml + weights).")
 @click.option("--batch-size", type=int, help="Rows per model call (default 4096).")
-@click.option("--device", metavar="auto|cpu|cuda|cuda:N", help="Where the model runs (default auto).")
+@click.option(
+    "--device", metavar="auto|cpu|cuda|cuda:N", help="Where the model runs (default auto)."
+)
 @click.option("--id-column", metavar="NAME", help="Row identifier column (default item_id).")
-@click.option("--passthrough", multiple=True, metavar="NAME",
-              help="Column copied unchanged to the output (repeatable, kept in order).")
-@click.option("--scheduler", metavar="local|threads|sync|tcp://HOST:PORT",
-              help="local: embedded Dask cluster (default); threads/sync: in-process, for "
-                   "debugging; tcp://...: an existing Dask scheduler.")
-@click.option("--workers", type=int, help="Worker processes for --scheduler local (default: cores).")
-@click.option("--rejects", metavar="URI", help="Where rejected rows go (default <output>/_rejects).")
-@click.option("--date", metavar="YYYY-MM-DD", help="Date for {date} in templates (default today, UTC).")
-@click.option("--force", is_flag=True, default=None, help="Rescore shards the manifest says are done.")
+@click.option(
+    "--passthrough",
+    multiple=True,
+    metavar="NAME",
+    help="Column copied unchanged to the output (repeatable, kept in order).",
+)
+@click.option(
+    "--scheduler",
+    metavar="local|threads|sync|tcp://HOST:PORT",
+    help="local: embedded Dask cluster (default); threads/sync: in-process, for "
+    "debugging; tcp://...: an existing Dask scheduler.",
+)
+@click.option(
+    "--workers", type=int, help="Worker processes for --scheduler local (default: cores)."
+)
+@click.option(
+    "--rejects", metavar="URI", help="Where rejected rows go (default <output>/_rejects)."
+)
+@click.option(
+    "--date", metavar="YYYY-MM-DD", help="Date for {date} in templates (default today, UTC)."
+)
+@click.option(
+    "--force", is_flag=True, default=None, help="Rescore shards the manifest says are done."
+)
 @click.option("--max-failed-shards", type=int, help="Failed shards allowed (default 0).")
 @click.option("--max-rejected-fraction", type=float, help="Rejected rows allowed (default 0.01).")
-@click.option("--on-schema-error", type=click.Choice(["fail", "skip_shard"]),
-              help="A shard whose columns do not fit the model (default fail).")
-@click.option("--on-invalid-rows", type=click.Choice(["reject", "fail"]),
-              help="Rows with null/NaN/inf features (default reject).")
-@click.option("--storage-option", multiple=True, metavar="KEY=VALUE",
-              help="fsspec option for every URI of the job (repeatable); values never logged.")
+@click.option(
+    "--on-schema-error",
+    type=click.Choice(["fail", "skip_shard"]),
+    help="A shard whose columns do not fit the model (default fail).",
+)
+@click.option(
+    "--on-invalid-rows",
+    type=click.Choice(["reject", "fail"]),
+    help="Rows with null/NaN/inf features (default reject).",
+)
+@click.option(
+    "--storage-option",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="fsspec option for every URI of the job (repeatable); values never logged.",
+)
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 @click.option("-q", "--quiet", is_flag=True, help="Errors only; no per-shard log lines.")
 def run(job: Path | None, **opts: Any) -> None:
@@ -91,8 +118,15 @@ def run(job: Path | None, **opts: Any) -> None:
 
     _setup_logging(-1 if opts.pop("quiet") else opts.pop("verbose"))
     opts.pop("verbose", None)
-    errors = {k: opts.pop(k) for k in ("max_failed_shards", "max_rejected_fraction",
-                                      "on_schema_error", "on_invalid_rows")}
+    errors = {
+        k: opts.pop(k)
+        for k in (
+            "max_failed_shards",
+            "max_rejected_fraction",
+            "on_schema_error",
+            "on_invalid_rows",
+        )
+    }
     overrides: dict[str, Any] = {
         "input": opts.pop("input_"),
         **opts,
@@ -115,27 +149,50 @@ def _log_shard(result: Any) -> None:
     if result.status == "scored":
         logger.info(
             "scored %s: %s rows, %s rejected, %.2fs (%s rows/s)",
-            result.rel_path, f"{result.rows_out:,}", f"{result.rows_rejected:,}",
-            result.duration_s, f"{result.rows_per_s:,.0f}",
+            result.rel_path,
+            f"{result.rows_out:,}",
+            f"{result.rows_rejected:,}",
+            result.duration_s,
+            f"{result.rows_per_s:,.0f}",
         )
     else:
         logger.error("%s %s: %s", result.status, result.rel_path, result.message)
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
-@click.option("--catalog", "catalog_dir", default="data/catalog", show_default=True,
-              type=click.Path(file_okay=False, path_type=Path), help="Where to write the catalog.")
-@click.option("--model-dir", default="data/models/catalog-mlp", show_default=True,
-              type=click.Path(file_okay=False, path_type=Path), help="Where to write the bundle.")
+@click.option(
+    "--catalog",
+    "catalog_dir",
+    default="data/catalog",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where to write the catalog.",
+)
+@click.option(
+    "--model-dir",
+    default="data/models/catalog-mlp",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where to write the bundle.",
+)
 @click.option("--rows", default=200_000, show_default=True, type=click.IntRange(min=0))
 @click.option("--shards", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--row-group-rows", default=8_192, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--skip-model", is_flag=True, help="Only write the catalog.")
-@click.option("--train-model", is_flag=True,
-              help="Retrain and re-export the bundle even if one exists.")
-def demo(catalog_dir: Path, model_dir: Path, rows: int, shards: int, row_group_rows: int,
-         seed: int, skip_model: bool, train_model: bool) -> None:
+@click.option(
+    "--train-model", is_flag=True, help="Retrain and re-export the bundle even if one exists."
+)
+def demo(
+    catalog_dir: Path,
+    model_dir: Path,
+    rows: int,
+    shards: int,
+    row_group_rows: int,
+    seed: int,
+    skip_model: bool,
+    train_model: bool,
+) -> None:
     """Write the deterministic demo catalog and, if missing, train and export the demo model."""
     from pipeline import demo as demo_mod
 

@@ -299,23 +299,26 @@ def _check_raw(merged: Mapping[str, Any]) -> list[str]:
 
 def _value_problems(merged: Mapping[str, Any]) -> list[str]:
     """Value rules for the keys that have the right type, on top of the defaults."""
-    good = {
-        k: v for k, v in merged.items()
-        if k in _TOP_KEYS and _TYPE_CHECK[_TOP_KEYS[k]](v)
-    }
+    good = {k: v for k, v in merged.items() if k in _TOP_KEYS and _TYPE_CHECK[_TOP_KEYS[k]](v)}
     errs = merged.get("errors") if isinstance(merged.get("errors"), Mapping) else {}
     good_errs = {
-        k: v for k, v in (errs or {}).items()
-        if k in _ERROR_KEYS and _TYPE_CHECK[_ERROR_KEYS[k]](v)
+        k: v for k, v in (errs or {}).items() if k in _ERROR_KEYS and _TYPE_CHECK[_ERROR_KEYS[k]](v)
     }
     defaults = {
-        f.name: f.default for f in dataclasses.fields(JobConfig)
+        f.name: f.default
+        for f in dataclasses.fields(JobConfig)
         if f.default is not dataclasses.MISSING
     }
     candidate = SimpleNamespace(
-        **{**defaults, "input": "-", "output": "-", "model": "-", **good,
-           "passthrough": tuple(good.get("passthrough", ())),
-           "errors": ErrorPolicy.__new__(ErrorPolicy)},
+        **{
+            **defaults,
+            "input": "-",
+            "output": "-",
+            "model": "-",
+            **good,
+            "passthrough": tuple(good.get("passthrough", ())),
+            "errors": ErrorPolicy.__new__(ErrorPolicy),
+        },
     )
     for f in dataclasses.fields(ErrorPolicy):
         object.__setattr__(candidate.errors, f.name, good_errs.get(f.name, f.default))
@@ -330,8 +333,11 @@ def _template_problems(
     key: str, template: str, allowed: frozenset[str] = TEMPLATE_FIELDS
 ) -> list[str]:
     try:
-        parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template)
-                  if f is not None]
+        parsed = [
+            (f, spec, conv)
+            for _, f, spec, conv in string.Formatter().parse(template)
+            if f is not None
+        ]
     except ValueError as e:
         return [f"{key} = {template!r} is not a valid template: {e}"]
     if any(spec or conv for _, spec, conv in parsed):

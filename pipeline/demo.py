@@ -41,7 +41,13 @@ label = "argmax"
 
 def label_rule(x: np.ndarray) -> np.ndarray:
     """The fixed rule that makes the demo labels (nonlinear, so a linear model is not enough)."""
-    s = x[:, 0] + 0.8 * x[:, 1] - 0.6 * x[:, 2] * x[:, 3] + 0.5 * np.sin(2.0 * x[:, 4]) - 0.3 * x[:, 5] ** 2
+    s = (
+        x[:, 0]
+        + 0.8 * x[:, 1]
+        - 0.6 * x[:, 2] * x[:, 3]
+        + 0.5 * np.sin(2.0 * x[:, 4])
+        - 0.3 * x[:, 5] ** 2
+    )
     return (s > -0.3).astype(np.int64)
 
 
@@ -79,8 +85,13 @@ def write_catalog(
         table = make_rows(start, n, seed)
         path = out / f"part-{k:05d}.parquet"
         # Dictionary encoding bloats float features (191 MB vs 128 MB raw): keep it for strings.
-        pq.write_table(table, path, row_group_size=row_group_rows, use_dictionary=["category"],
-                       compression="zstd")
+        pq.write_table(
+            table,
+            path,
+            row_group_size=row_group_rows,
+            use_dictionary=["category"],
+            compression="zstd",
+        )
         paths.append(path)
     return paths
 
@@ -88,11 +99,15 @@ def write_catalog(
 class DemoMLP(nn.Module):
     """The textbook's 16-256-128-2 MLP."""
 
-    def __init__(self, n_in: int = N_FEATURES, hidden: tuple[int, int] = (256, 128), n_out: int = 2):
+    def __init__(
+        self, n_in: int = N_FEATURES, hidden: tuple[int, int] = (256, 128), n_out: int = 2
+    ):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(n_in, hidden[0]), nn.ReLU(),
-            nn.Linear(hidden[0], hidden[1]), nn.ReLU(),
+            nn.Linear(n_in, hidden[0]),
+            nn.ReLU(),
+            nn.Linear(hidden[0], hidden[1]),
+            nn.ReLU(),
             nn.Linear(hidden[1], n_out),
         )
 
@@ -160,7 +175,9 @@ def train_demo_model(
     model.eval()
     with torch.inference_mode():
         acc = float((model(xte).argmax(1) == yte).float().mean())
-    logger.info("trained demo model in %.1fs: held-out accuracy %.3f", time.perf_counter() - t0, acc)
+    logger.info(
+        "trained demo model in %.1fs: held-out accuracy %.3f", time.perf_counter() - t0, acc
+    )
     columns = ", ".join(f'"{c}"' for c in FEATURES)
     export_bundle(model, bundle_dir, BUNDLE_TOML.format(columns=columns), n_in=N_FEATURES)
     return acc

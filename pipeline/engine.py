@@ -29,7 +29,7 @@ class Scored:
 
 
 class ModelFailedEverywhere(Exception):
-    """The model raised on every row of a batch of more than one row: a broken model, not bad rows."""
+    """The model raised on every row of a multi-row batch: a broken model, not bad rows."""
 
 
 def _message(e: BaseException) -> str:

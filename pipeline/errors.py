@@ -44,7 +44,7 @@ class ConfigError(PipelineError):
 
 
 class InputError(PipelineError):
-    """The input cannot be scored as configured (no shards, schema mismatch), found before scoring."""
+    """The input cannot be scored as configured (no shards, bad schema); found before scoring."""
 
     exit_code = EXIT_INPUT
 

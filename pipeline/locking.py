@@ -93,9 +93,13 @@ class RunLock:
     @staticmethod
     def _stale_reason(held: dict[str, Any], stale_after_s: float) -> str | None:
         age = time.time() - float(held.get("started_ts") or 0)
-        if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
-            if not _pid_alive(held["pid"]):
-                return f"pid {held['pid']} is no longer running on this host"
+        pid = held.get("pid")
+        if (
+            held.get("host") == socket.gethostname()
+            and isinstance(pid, int)
+            and not _pid_alive(pid)
+        ):
+            return f"pid {pid} is no longer running on this host"
         if age > stale_after_s:
             return f"lock is {age:.0f}s old (stale after {stale_after_s:.0f}s)"
         return None

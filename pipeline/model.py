@@ -39,7 +39,7 @@ EXPORT_HINT = (
     "export it with a dynamic batch dimension: "
     "ep = torch.export.export(model.eval(), (torch.zeros(2, N),), "
     "dynamic_shapes=({0: torch.export.Dim('batch', min=1)},)); torch.export.save(ep, 'model.pt2'); "
-    "then set format = \"exported_program\" and file = \"model.pt2\" in model.toml"
+    'then set format = "exported_program" and file = "model.pt2" in model.toml'
 )
 
 
@@ -105,18 +105,20 @@ def parse_bundle_toml(raw: bytes, uri: str) -> BundleSpec:
         p.append(f"file = {f!r} must be a file name inside the bundle directory")
     fmt = doc.get("format")
     if fmt in ("pickle", "state_dict", "torch_save"):
-        p.append(f"format = {fmt!r} is refused: pickles can run arbitrary code on load; {EXPORT_HINT}")
+        p.append(
+            f"format = {fmt!r} is refused: pickles can run arbitrary code on load; {EXPORT_HINT}"
+        )
     elif isinstance(fmt, str) and fmt not in FORMATS:
         p.append(f"format = {fmt!r} is not one of {', '.join(FORMATS)}")
     inputs = doc.get("inputs")
     columns = column = dim = None
     if not isinstance(inputs, Mapping):
-        p.append("[inputs] table is required (columns = [...] or column = \"...\")")
+        p.append('[inputs] table is required (columns = [...] or column = "...")')
     else:
         for key in sorted(set(inputs) - {"columns", "column", "dim"}):
             p.append(f"unknown key inputs.{key}; known: columns, column, dim")
         if ("columns" in inputs) == ("column" in inputs):
-            p.append("[inputs] needs exactly one of columns = [...] or column = \"...\"")
+            p.append('[inputs] needs exactly one of columns = [...] or column = "..."')
         elif "columns" in inputs:
             cols = inputs["columns"]
             if not (isinstance(cols, list) and cols and all(isinstance(c, str) for c in cols)):
@@ -139,7 +141,7 @@ def parse_bundle_toml(raw: bytes, uri: str) -> BundleSpec:
     outputs_raw = doc.get("outputs")
     outputs: list[OutputSpec] = []
     if not isinstance(outputs_raw, Mapping) or not outputs_raw:
-        p.append("[outputs] table is required, e.g. score = \"softmax:1\"")
+        p.append('[outputs] table is required, e.g. score = "softmax:1"')
     else:
         for name, how in outputs_raw.items():
             m = _TRANSFORM_RE.match(how) if isinstance(how, str) else None
@@ -153,9 +155,7 @@ def parse_bundle_toml(raw: bytes, uri: str) -> BundleSpec:
             else:
                 outputs.append(OutputSpec(name, m.group(3)))
     if p:
-        raise ModelError(
-            f"model bundle {where} is invalid:\n" + "\n".join(f"  - {x}" for x in p)
-        )
+        raise ModelError(f"model bundle {where} is invalid:\n" + "\n".join(f"  - {x}" for x in p))
     return BundleSpec(
         uri=uri,
         name=doc["name"],
@@ -200,7 +200,9 @@ def resolve_device(requested: str) -> torch.device:
     return dev
 
 
-def read_bundle(uri: str, options: Mapping[str, Any] | None = None) -> tuple[BundleSpec, bytes, str]:
+def read_bundle(
+    uri: str, options: Mapping[str, Any] | None = None
+) -> tuple[BundleSpec, bytes, str]:
     """Read ``model.toml`` and the weights; returns (spec, weights bytes, SHA-256).
 
     The SHA-256 is taken over the bytes of ``model.toml`` followed by the weights file's bytes.
@@ -246,7 +248,8 @@ def _deserialize(spec: BundleSpec, weights: bytes, device: torch.device) -> Any:
     if _looks_like_pickle(weights):
         raise ModelError(
             f"{where}: the weights file is a pickled object (torch.save of a module or "
-            f"state_dict), which is refused because unpickling can run arbitrary code; {EXPORT_HINT}"
+            "state_dict), which is refused because unpickling can run arbitrary code; "
+            + EXPORT_HINT
         )
     try:
         if spec.format == "exported_program":
@@ -260,7 +263,8 @@ def _deserialize(spec: BundleSpec, weights: bytes, device: torch.device) -> Any:
                 module = torch.jit.load(io.BytesIO(weights), map_location="cpu")
             logger.warning(
                 "model bundle %s is TorchScript, which torch deprecates; re-export it with "
-                "torch.export when you can", spec.uri,
+                "torch.export when you can",
+                spec.uri,
             )
     except Exception as e:
         raise ModelError(f"{where}: cannot load the weights file: {e}") from e
@@ -291,7 +295,7 @@ def forward(model: LoadedModel, x: torch.Tensor) -> torch.Tensor:
 
 def _dry_run(spec: BundleSpec, module: Any, width: int, device: torch.device) -> int:
     where = f"model bundle {spec.uri} ({spec.describe_inputs()})"
-    outs = []
+    outs: list[torch.Tensor] = []
     for rows in (1, 2):
         x = torch.zeros(rows, width, dtype=torch.float32, device=device)
         try:

@@ -76,7 +76,7 @@ def _is_number(t: pa.DataType) -> bool:
 
 def feature_width(schema: pa.Schema, spec: BundleSpec) -> int | None:
     """The per-row width a list input column declares in ``schema`` (None if variable)."""
-    if spec.column is None or spec.column not in schema.names:
+    if spec.column is None or schema.names.count(spec.column) != 1:
         return None
     t = schema.field(spec.column).type
     return t.list_size if pa.types.is_fixed_size_list(t) else None
@@ -93,13 +93,29 @@ def check_schema(
 ) -> list[str]:
     """Every way ``schema`` does not fit the model and the job, as messages naming the column."""
     problems: list[str] = []
-    names = set(schema.names)
+    counts: dict[str, int] = {}
+    for name in schema.names:
+        counts[name] = counts.get(name, 0) + 1
+    needed = (id_column, *passthrough, *spec.input_columns)
+    for col in dict.fromkeys(needed):
+        if counts.get(col, 0) > 1:
+            problems.append(
+                f"shard {shard}: column {col!r} appears {counts[col]} times; which one to use "
+                "is ambiguous"
+            )
+    # Ambiguous columns are reported above; check the rest by name.
+    names = {n for n, k in counts.items() if k == 1}
+    ambiguous = {n for n, k in counts.items() if k > 1}
     for col in (id_column, *passthrough):
+        if col in ambiguous:
+            continue
         if col not in names:
             role = "id column" if col == id_column else "pass-through column"
             problems.append(f"shard {shard}: {role} {col!r} is missing")
     if spec.columns is not None:
         for col in spec.columns:
+            if col in ambiguous:
+                continue
             if col not in names:
                 problems.append(f"shard {shard}: feature column {col!r} is missing")
             elif not _is_number(schema.field(col).type):
@@ -109,11 +125,15 @@ def check_schema(
                 )
     else:
         col = spec.column or ""
-        if col not in names:
+        if col in ambiguous:
+            pass
+        elif col not in names:
             problems.append(f"shard {shard}: feature column {col!r} is missing")
         else:
             t = schema.field(col).type
-            is_list = pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
+            is_list = (
+                pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
+            )
             if not is_list or not _is_number(t.value_type):
                 problems.append(
                     f"shard {shard}: feature column {col!r} has type {t}; expected a list of "
@@ -144,7 +164,7 @@ def _columns_features(rb: pa.RecordBatch, columns: tuple[str, ...]) -> Features:
         np.float32, copy=False
     )
     finite = np.isfinite(x)
-    valid = finite.all(axis=1)
+    valid = np.asarray(finite.all(axis=1))
     if valid.all():
         return Features(x, valid, None)
     # Reasons are built only for the (rare) invalid rows, so per-row Python is fine here.
@@ -181,7 +201,7 @@ def _list_features(rb: pa.RecordBatch, column: str, width: int) -> Features:
             vals = pc.cast(good.flatten(), pa.float32()).to_numpy(zero_copy_only=False)
             x[right_len] = vals.reshape(-1, width)
     finite = np.isfinite(x).all(axis=1)
-    valid = finite & right_len
+    valid: np.ndarray = np.logical_and(finite, right_len)
     if valid.all():
         return Features(np.ascontiguousarray(x), valid, None)
     reasons = []

@@ -60,8 +60,17 @@ def output_summary(results: Iterable[ShardResult]) -> dict[str, dict[str, Any]]:
     merged: dict[str, dict[str, Any]] = {}
     for r in results:
         for col, (count, total, lo, hi) in r.stats.items():
-            m = merged.setdefault(col, {"count": 0, "sum": 0.0, "min": np.inf, "max": -np.inf,
-                                        "values": [], "weights": []})
+            m = merged.setdefault(
+                col,
+                {
+                    "count": 0,
+                    "sum": 0.0,
+                    "min": np.inf,
+                    "max": -np.inf,
+                    "values": [],
+                    "weights": [],
+                },
+            )
             m["count"] += count
             m["sum"] += total
             m["min"] = min(m["min"], lo)
@@ -118,8 +127,10 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
     if shards:
         lines.append("")
         w = max(len("shard"), *(len(s["rel_path"]) for s in shards[:max_shards]))
-        lines.append(f"  {'shard':<{w}}  {'status':<8} {'rows in':>10} {'scored':>10} "
-                     f"{'rejected':>9} {'rows/s':>11}")
+        lines.append(
+            f"  {'shard':<{w}}  {'status':<8} {'rows in':>10} {'scored':>10} "
+            f"{'rejected':>9} {'rows/s':>11}"
+        )
         for s in shards[:max_shards]:
             rate = f"{s['rows_per_s']:,.0f}" if s["status"] == "scored" else "-"
             lines.append(
@@ -128,6 +139,8 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
             )
         if len(shards) > max_shards:
             lines.append(f"  ... {len(shards) - max_shards} more shards in _report.json")
+    for warning in d.get("warnings", []):
+        lines.append(f"  WARNING {warning}")
     for err in d["errors"][:10]:
         lines.append(f"  ERROR [{err['kind']}] {err['message']}")
     if len(d["errors"]) > 10:

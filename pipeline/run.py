@@ -150,8 +150,11 @@ def _execute(
         futures = []
         for t in tasks:
             fut = client.submit(
-                score_shard, t, key=f"score-{t.rel_path}-{uuid.uuid4().hex[:8]}",
-                retries=retries, pure=False,
+                score_shard,
+                t,
+                key=f"score-{t.rel_path}-{uuid.uuid4().hex[:8]}",
+                retries=retries,
+                pure=False,
             )
             by_key[fut.key] = t
             futures.append(fut)
@@ -182,7 +185,11 @@ def _attempts(task: ShardTask, retries: int) -> ShardResult:
 
 def _crashed(task: ShardTask, e: BaseException) -> ShardResult:
     return ShardResult(
-        task.rel_path, task.input_uri, "failed", rows_in=task.num_rows, kind="error",
+        task.rel_path,
+        task.input_uri,
+        "failed",
+        rows_in=task.num_rows,
+        kind="error",
         message=f"shard {task.input_uri}: scoring crashed: {type(e).__name__}: {e}",
     )
 
@@ -222,7 +229,7 @@ def run(
             )
     width = len(spec.columns) if spec.columns is not None else spec.dim
     if width is None:
-        widths = {feature_width(i.schema, spec) for i in infos.values()} - {None}
+        widths = {w for i in infos.values() if (w := feature_width(i.schema, spec)) is not None}
         if len(widths) != 1:
             raise ModelError(
                 f"model bundle {config.model}: {spec.describe_inputs()} has no inputs.dim and "
@@ -234,8 +241,12 @@ def run(
     schema_problems: dict[str, list[str]] = {}
     for rel, info in infos.items():
         probs = check_schema(
-            info.schema, spec, width=width, id_column=config.id_column,
-            passthrough=config.passthrough, shard=next(s.uri for s in shards if s.rel_path == rel),
+            info.schema,
+            spec,
+            width=width,
+            id_column=config.id_column,
+            passthrough=config.passthrough,
+            shard=next(s.uri for s in shards if s.rel_path == rel),
         )
         if probs:
             schema_problems[rel] = probs
@@ -250,7 +261,11 @@ def run(
     for rel, probs in schema_problems.items():
         uri = next(s.uri for s in shards if s.rel_path == rel)
         failed[rel] = ShardResult(
-            rel, uri, "failed", rows_in=infos[rel].num_rows, kind="schema",
+            rel,
+            uri,
+            "failed",
+            rows_in=infos[rel].num_rows,
+            kind="schema",
             message="; ".join(probs),
         )
 
@@ -286,11 +301,16 @@ def run(
             }
             out_loc = out_root.child(s.rel_path)
             if not config.force and manifest.is_done(s.rel_path, expect, out_loc):
-                e = manifest.shards[s.rel_path]
+                done = manifest.shards[s.rel_path]
                 results[s.rel_path] = ShardResult(
-                    s.rel_path, s.uri, "skipped", output=e["output"], rejects=e.get("rejects"),
-                    rows_in=e["rows_in"], rows_out=e["rows_scored"],
-                    rows_rejected=e["rows_rejected"],
+                    s.rel_path,
+                    s.uri,
+                    "skipped",
+                    output=done["output"],
+                    rejects=done.get("rejects"),
+                    rows_in=done["rows_in"],
+                    rows_out=done["rows_scored"],
+                    rows_rejected=done["rows_rejected"],
                 )
                 continue
             tasks.append(
@@ -313,9 +333,7 @@ def run(
                 )
             )
         plan = thread_plan(config, len(tasks))
-        tasks = [
-            ShardTask(**{**t.__dict__, "torch_threads": plan.torch_threads}) for t in tasks
-        ]
+        tasks = [ShardTask(**{**t.__dict__, "torch_threads": plan.torch_threads}) for t in tasks]
         fingerprints = {s.rel_path: s for s in shards}
 
         # 3. Score. Each finished shard is recorded at once, so a crash loses only shards in flight.
@@ -352,16 +370,32 @@ def run(
             for t in tasks:
                 results.setdefault(
                     t.rel_path,
-                    ShardResult(t.rel_path, t.input_uri, "failed", rows_in=t.num_rows,
-                                kind="cancelled",
-                                message=f"not scored: the run stopped at {fatal.input}"),
+                    ShardResult(
+                        t.rel_path,
+                        t.input_uri,
+                        "failed",
+                        rows_in=t.num_rows,
+                        kind="cancelled",
+                        message=f"not scored: the run stopped at {fatal.input}",
+                    ),
                 )
 
         # 4. Account, judge against the error budget, report, and mark success last.
         ordered = [results[s.rel_path] for s in shards]
         data = _build_report(
-            config, run_id, started_at, time.perf_counter() - t0, out_root, rej_root,
-            ordered, model, device, plan, settings, lock, fatal,
+            config,
+            run_id,
+            started_at,
+            time.perf_counter() - t0,
+            out_root,
+            rej_root,
+            ordered,
+            model,
+            device,
+            plan,
+            settings,
+            lock,
+            fatal,
         )
         report = RunReport(data)
         storage.write_json(out_root.child(REPORT_NAME), data, point="report-rename")
@@ -389,15 +423,31 @@ def _build_report(
 ) -> dict[str, Any]:
     errors = [
         {"shard": r.input, "kind": r.kind, "message": r.message}
-        for r in shards if r.status == "failed"
+        for r in shards
+        if r.status == "failed"
     ]
+    warnings: list[str] = []
+    dups = sum(r.duplicate_ids for r in shards if r.status == "scored")
+    if dups:
+        warnings.append(
+            f"{dups} rows have a {config.id_column} that appeared earlier in the same shard ("
+            + ", ".join(f"{r.rel_path}: {r.duplicate_ids}" for r in shards if r.duplicate_ids)
+            + "); they were scored, each once"
+        )
+    if lock.took_over:
+        warnings.append(f"took over a stale lock: {lock.took_over['reason']}")
+    for w in warnings:
+        logger.warning("%s", w)
     for r in shards:
         if r.status != "failed" and r.rows_in != r.rows_out + r.rows_rejected:
-            errors.append({
-                "shard": r.input, "kind": "accounting",
-                "message": f"shard {r.input}: rows in ({r.rows_in}) != rows scored "
-                           f"({r.rows_out}) + rows rejected ({r.rows_rejected})",
-            })
+            errors.append(
+                {
+                    "shard": r.input,
+                    "kind": "accounting",
+                    "message": f"shard {r.input}: rows in ({r.rows_in}) != rows scored "
+                    f"({r.rows_out}) + rows rejected ({r.rows_rejected})",
+                }
+            )
     readable = [r for r in shards if r.rows_in is not None and r.status != "failed"]
     rows_in = sum(r.rows_in or 0 for r in shards if r.rows_in is not None)
     rows_out = sum(r.rows_out for r in readable)
@@ -413,11 +463,14 @@ def _build_report(
     if fatal is not None:
         reasons.append(f"fatal error in {fatal.input} ({fatal.kind})")
     if n_failed > budget.max_failed_shards:
-        reasons.append(f"{n_failed} failed shards > errors.max_failed_shards = "
-                       f"{budget.max_failed_shards}")
+        reasons.append(
+            f"{n_failed} failed shards > errors.max_failed_shards = {budget.max_failed_shards}"
+        )
     if rejected_fraction > budget.max_rejected_fraction:
-        reasons.append(f"rejected fraction {rejected_fraction:.4g} > "
-                       f"errors.max_rejected_fraction = {budget.max_rejected_fraction}")
+        reasons.append(
+            f"rejected fraction {rejected_fraction:.4g} > "
+            f"errors.max_rejected_fraction = {budget.max_rejected_fraction}"
+        )
     if not accounting_ok:
         reasons.append("rows in != rows scored + rows rejected for some shard")
     if reasons:
@@ -470,9 +523,11 @@ def _build_report(
         },
         "lock_taken_over": lock.took_over,
         "oom_splits": sum(r.oom_splits for r in scored),
+        "duplicate_ids": sum(r.duplicate_ids for r in scored),
         "versions": versions(),
         "batch_latency_ms": latency_summary(scored),
         "outputs": output_summary(scored),
         "errors": errors,
+        "warnings": warnings,
         "shards": [r.public() for r in shards],
     }

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import torch
 
@@ -75,6 +76,7 @@ class ShardResult:
     kind: str | None = None  # for failures: unreadable, schema, invalid_rows, model, error
     message: str | None = None
     oom_splits: int = 0
+    duplicate_ids: int = 0  # rows whose id appeared earlier in the same shard
     latencies_ms: list[float] = field(default_factory=list)
     samples: dict[str, list[float]] = field(default_factory=dict)
     sample_weight: float = 1.0
@@ -140,6 +142,7 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
         storage_options=task.storage_options,
     )
     opts = task.storage_options
+    in_loc = storage.locate(task.input_uri, opts)
     out_loc = storage.locate(task.output_uri, opts)
     rej_loc = storage.locate(task.rejects_uri, opts)
     out_fields = [(o.name, o.arrow_type(model.out_width)) for o in spec.outputs]
@@ -159,22 +162,25 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
     }
     latencies: list[float] = []
     rows_in = rows_out = rows_rej = oom = 0
+    id_hashes: list[np.ndarray] = []  # 8 bytes per row of this shard, to count duplicate ids
     try:
         loader = make_loader(dataset, pin_memory=model.device.type == "cuda")
-        for batch in _guard_reads(iter(loader), task.input_uri):
+        for batch in _guard_reads(iter(loader), task.input_uri, in_loc.is_local):
             checkpoint("batch-read")
             n = batch.num_rows
             rows_in += n
+            id_hashes.append(_hash_ids(batch.meta.column(0)))
             valid = batch.features.valid
             reasons: dict[int, str] = {}
             if not valid.all():
                 invalid_idx = np.flatnonzero(~valid)
                 if task.on_invalid_rows == "fail":
                     i = int(invalid_idx[0])
+                    reason = (batch.features.reasons or ["invalid value"])[0]
                     raise ShardError(
                         f"shard {task.input_uri}: row group {int(batch.row_groups[i])}, row "
                         f"{batch.start + i}, {task.id_column} = "
-                        f"{batch.meta.column(0)[i].as_py()!r}: {batch.features.reasons[0]} "
+                        f"{batch.meta.column(0)[i].as_py()!r}: {reason} "
                         "(errors.on_invalid_rows = 'fail')",
                         shard=task.input_uri,
                         kind="invalid_rows",
@@ -269,6 +275,7 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
         duration_s=duration,
         rows_per_s=rows_in / duration if duration > 0 else 0.0,
         oom_splits=oom,
+        duplicate_ids=_count_duplicates(id_hashes),
         latencies_ms=latencies,
         samples=samples,
         sample_weight=float(step),
@@ -276,14 +283,40 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
     )
 
 
-def _guard_reads(it: Iterator[Batch], uri: str) -> Iterator[Batch]:
-    """Turn decoding errors into an ``unreadable`` shard; write errors are not caught here."""
+def _hash_ids(ids: pa.Array) -> np.ndarray:
+    if pa.types.is_integer(ids.type) and ids.null_count == 0:
+        return ids.to_numpy().astype(np.int64, copy=False).view(np.uint64)
+    return pd.util.hash_array(np.asarray(ids.to_pylist(), dtype=object))
+
+
+def _count_duplicates(hashes: list[np.ndarray]) -> int:
+    """Rows whose id (by 64-bit value or hash) already appeared in the shard."""
+    if not hashes:
+        return 0
+    allh = np.concatenate(hashes)
+    return int(len(allh) - len(np.unique(allh)))
+
+
+def _guard_reads(it: Iterator[Batch], uri: str, local: bool) -> Iterator[Batch]:
+    """Turn decoding errors into an ``unreadable`` shard; write errors are not caught here.
+
+    On object stores an I/O error mid-read is more likely a network fault than a corrupt file,
+    so it propagates and the task is retried instead.
+    """
     while True:
         try:
             batch = next(it)
         except StopIteration:
             return
-        except (pa.ArrowException, OSError, EOFError) as e:
+        except OSError as e:
+            if not local and not isinstance(e, pa.ArrowException):
+                raise
+            raise ShardError(
+                f"shard {uri} could not be decoded (corrupt or truncated data): {e}",
+                shard=uri,
+                kind="unreadable",
+            ) from e
+        except (pa.ArrowException, EOFError) as e:
             raise ShardError(
                 f"shard {uri} could not be decoded (corrupt or truncated data): {e}",
                 shard=uri,

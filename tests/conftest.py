@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.demo import FEATURES, BUNDLE_TOML, DemoMLP, export_bundle, make_rows
+from pipeline.demo import FEATURES, DemoMLP, export_bundle, make_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,9 +21,14 @@ for _var in [v for v in os.environ if v.startswith("SCORE_CATALOG_")]:
     del os.environ[_var]
 
 
-def demo_toml(columns: tuple[str, ...] = FEATURES, *, fmt: str = "exported_program",
-              file: str = "model.pt2", outputs: str = 'score = "softmax:1"\nlabel = "argmax"\n',
-              version: str = "1") -> str:
+def demo_toml(
+    columns: tuple[str, ...] = FEATURES,
+    *,
+    fmt: str = "exported_program",
+    file: str = "model.pt2",
+    outputs: str = 'score = "softmax:1"\nlabel = "argmax"\n',
+    version: str = "1",
+) -> str:
     cols = ", ".join(f'"{c}"' for c in columns)
     return (
         f'name = "test-mlp"\nversion = "{version}"\nformat = "{fmt}"\nfile = "{file}"\n'
@@ -31,8 +36,9 @@ def demo_toml(columns: tuple[str, ...] = FEATURES, *, fmt: str = "exported_progr
     )
 
 
-def make_model(seed: int = 0, n_in: int = 16, hidden: tuple[int, int] = (32, 16),
-               n_out: int = 2) -> DemoMLP:
+def make_model(
+    seed: int = 0, n_in: int = 16, hidden: tuple[int, int] = (32, 16), n_out: int = 2
+) -> DemoMLP:
     torch.manual_seed(seed)
     return DemoMLP(n_in, hidden, n_out).eval()
 
@@ -49,13 +55,15 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def torchscript_bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same network as ``bundle_dir``, as TorchScript."""
     d = tmp_path_factory.mktemp("ts_bundle")
-    export_bundle(make_model(), d, demo_toml(fmt="torchscript", file="model.ts"), n_in=16,
-                  fmt="torchscript")
+    export_bundle(
+        make_model(), d, demo_toml(fmt="torchscript", file="model.ts"), n_in=16, fmt="torchscript"
+    )
     return d
 
 
-def write_shards(root: Path, sizes: list[int], *, row_group_rows: int = 1000, seed: int = 0,
-                 start: int = 0) -> list[Path]:
+def write_shards(
+    root: Path, sizes: list[int], *, row_group_rows: int = 1000, seed: int = 0, start: int = 0
+) -> list[Path]:
     """Write shards of the demo schema with the given row counts (ids are consecutive)."""
     root.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -89,7 +97,11 @@ def reference_scores(bundle: Path, table: pa.Table) -> tuple[np.ndarray, np.ndar
 @pytest.fixture
 def read_dataset() -> Callable[[Path], pa.Table]:
     def _read(root: Path) -> pa.Table:
-        files = sorted(p for p in root.rglob("*.parquet")
-                       if not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts))
+        files = sorted(
+            p
+            for p in root.rglob("*.parquet")
+            if not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)
+        )
         return pa.concat_tables([pq.read_table(p) for p in files]) if files else pa.table({})
+
     return _read

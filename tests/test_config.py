@@ -205,8 +205,17 @@ def test_env_values_are_parsed_by_type() -> None:
 
 @pytest.mark.parametrize(
     ("raw", "expected"),
-    [("1", True), ("true", True), ("ON", True), (" Yes ", True),
-     ("0", False), ("false", False), ("off", False), ("no", False), ("", False)],
+    [
+        ("1", True),
+        ("true", True),
+        ("ON", True),
+        (" Yes ", True),
+        ("0", False),
+        ("false", False),
+        ("off", False),
+        ("no", False),
+        ("", False),
+    ],
 )
 def test_env_bool_words(raw: str, expected: bool) -> None:
     cfg = build_config(env={"SCORE_CATALOG_FORCE": raw}, overrides=BASE)

@@ -432,8 +432,9 @@ def test_pickled_state_dict_refused(tmp_path: Path) -> None:
 
 def test_legacy_pickle_refused(tmp_path: Path) -> None:
     tmp_path.joinpath("model.toml").write_text(demo_toml())
-    torch.save(make_model().state_dict(), tmp_path / "model.pt2",
-               _use_new_zipfile_serialization=False)
+    torch.save(
+        make_model().state_dict(), tmp_path / "model.pt2", _use_new_zipfile_serialization=False
+    )
     assert (tmp_path / "model.pt2").read_bytes()[:1] == b"\x80"
     with pytest.raises(ModelError) as excinfo:
         load_model(str(tmp_path))
@@ -482,9 +483,7 @@ def test_declared_columns_do_not_match_model(
     assert excinfo.value.exit_code == EXIT_INPUT
 
 
-def test_static_batch_export_refused_with_hint(
-    static_batch_weights: bytes, tmp_path: Path
-) -> None:
+def test_static_batch_export_refused_with_hint(static_batch_weights: bytes, tmp_path: Path) -> None:
     (tmp_path / "model.pt2").write_bytes(static_batch_weights)
     (tmp_path / "model.toml").write_text(demo_toml())
     with pytest.raises(ModelError) as excinfo:

@@ -15,8 +15,9 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[2]
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
-        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run `score-catalog ARGS` as a real process (python -m pipeline.cli)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SCORE_CATALOG_")}
     full_env.pop("_SCORE_CATALOG_KILL_AT", None)
@@ -24,7 +25,11 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
     full_env.setdefault("PYTHONPATH", str(REPO))
     return subprocess.run(
         [sys.executable, "-m", "pipeline.cli", *args],
-        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd or REPO,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=cwd or REPO,
     )
 
 
@@ -37,7 +42,8 @@ def data_files(root: Path) -> list[Path]:
     if not root.exists():
         return []
     return sorted(
-        p for p in root.rglob("*.parquet")
+        p
+        for p in root.rglob("*.parquet")
         if not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)
     )
 

@@ -9,6 +9,7 @@ at a random moment.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -70,9 +71,24 @@ def _make_catalog(root: Path) -> Path:
 
 
 def _args(cat: Path, out: Path, rejects: Path, bundle: Path, scheduler: str = "sync") -> list[str]:
-    return ["run", "--input", str(cat), "--output", str(out), "--rejects", str(rejects),
-            "--model", str(bundle), "--passthrough", "category", "--batch-size", "400",
-            "--scheduler", scheduler, "-q"]
+    return [
+        "run",
+        "--input",
+        str(cat),
+        "--output",
+        str(out),
+        "--rejects",
+        str(rejects),
+        "--model",
+        str(bundle),
+        "--passthrough",
+        "category",
+        "--batch-size",
+        "400",
+        "--scheduler",
+        scheduler,
+        "-q",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +98,12 @@ def clean_run(tmp_path_factory: pytest.TempPathFactory, bundle_dir: Path) -> dic
     out, rej = root / "clean", root / "clean_rejects"
     r = cli(*_args(cat, out, rej, bundle_dir))
     assert r.returncode == 0, r.stderr
-    return {"catalog": cat, "scores": read_tree(out), "rejects": read_tree(rej),
-            "report": report(out)}
+    return {
+        "catalog": cat,
+        "scores": read_tree(out),
+        "rejects": read_tree(rej),
+        "report": report(out),
+    }
 
 
 def _assert_same_as_clean(out: Path, rej: Path, clean: dict[str, object]) -> None:
@@ -150,25 +170,28 @@ def test_external_sigkill_of_a_dask_run_at_a_random_moment(
     env = {k: v for k, v in os.environ.items() if not k.startswith("SCORE_CATALOG_")}
     env["PYTHONPATH"] = str(REPO)
     t0 = time.perf_counter()
-    first = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=env,
-                           capture_output=True, timeout=300)
+    first = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], env=env, capture_output=True, timeout=300
+    )
     assert first.returncode == 0, first.stderr
     full = time.perf_counter() - t0
     for p in out.glob("*"):  # start again from nothing, then kill part-way
         p.unlink()
     for p in rej.glob("*"):
         p.unlink()
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     time.sleep(full * fraction * random.uniform(0.9, 1.1))
     family = _descendants(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     for pid in family:  # Dask's nanny and worker processes die with their parent's cluster
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     resumed = cli(*args)
     assert resumed.returncode == 0, resumed.stderr
     _assert_same_as_clean(out, rej, clean_run)

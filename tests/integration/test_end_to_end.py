@@ -20,8 +20,20 @@ pytestmark = pytest.mark.integration
 
 
 def _args(catalog: Path, out: Path, bundle: Path, *extra: str) -> list[str]:
-    return ["run", "--input", str(catalog), "--output", str(out), "--model", str(bundle),
-            "--passthrough", "category", "--batch-size", "512", *extra]
+    return [
+        "run",
+        "--input",
+        str(catalog),
+        "--output",
+        str(out),
+        "--model",
+        str(bundle),
+        "--passthrough",
+        "category",
+        "--batch-size",
+        "512",
+        *extra,
+    ]
 
 
 def test_local_dask_cluster_scores_every_row_once_in_order(
@@ -51,9 +63,23 @@ def test_local_dask_cluster_scores_every_row_once_in_order(
     assert rep["shards_total"] == rep["shards_scored"] == 3
     assert [s["rows_in"] for s in rep["shards"]] == [2500, 1700, 3100]
     assert rep["threads"]["workers"] == 2 and rep["threads"]["torch_threads"] >= 1
-    for key in ("run_id", "job", "started_at", "finished_at", "duration_s", "input", "output",
-                "rows_per_s", "batch_size", "device", "model", "versions", "batch_latency_ms",
-                "outputs", "shards"):
+    for key in (
+        "run_id",
+        "job",
+        "started_at",
+        "finished_at",
+        "duration_s",
+        "input",
+        "output",
+        "rows_per_s",
+        "batch_size",
+        "device",
+        "model",
+        "versions",
+        "batch_latency_ms",
+        "outputs",
+        "shards",
+    ):
         assert key in rep
     assert set(rep["model"]) >= {"name", "version", "format", "sha256"}
     assert set(rep["versions"]) == {"python", "torch", "pyarrow", "dask"}
@@ -74,7 +100,8 @@ def test_clirunner_job_file_env_and_flags(catalog: Path, bundle_dir: Path, tmp_p
         f'model = "{bundle_dir}"\nbatch_size = 100\nscheduler = "sync"\n'
     )
     res = CliRunner().invoke(
-        main, ["run", str(job), "--date", "2026-01-02", "--batch-size", "700"],
+        main,
+        ["run", str(job), "--date", "2026-01-02", "--batch-size", "700"],
         env={"SCORE_CATALOG_BATCH_SIZE": "300", "SCORE_CATALOG_ID_COLUMN": "item_id"},
     )
     assert res.exit_code == 0, res.output
@@ -95,8 +122,9 @@ def test_torchscript_bundle_scores_the_same(
     ta, tb = read_tree(a), read_tree(b)
     assert ta.keys() == tb.keys()
     for k in ta:
-        np.testing.assert_allclose(ta[k].column("score").to_numpy(),
-                                   tb[k].column("score").to_numpy(), atol=1e-6)
+        np.testing.assert_allclose(
+            ta[k].column("score").to_numpy(), tb[k].column("score").to_numpy(), atol=1e-6
+        )
     assert report(b)["model"]["format"] == "torchscript"
 
 
@@ -107,10 +135,24 @@ def test_help_documents_commands_options_and_exit_codes() -> None:
     for word in ("run", "demo", "Exit codes", "2 usage", "3 input"):
         assert word in top.output
     run_help = runner.invoke(main, ["run", "--help"]).output
-    for opt in ("--input", "--output", "--model", "--batch-size", "--device", "--id-column",
-                "--passthrough", "--scheduler", "--workers", "--rejects", "--force",
-                "--max-failed-shards", "--max-rejected-fraction", "--on-schema-error",
-                "--on-invalid-rows", "Exit codes"):
+    for opt in (
+        "--input",
+        "--output",
+        "--model",
+        "--batch-size",
+        "--device",
+        "--id-column",
+        "--passthrough",
+        "--scheduler",
+        "--workers",
+        "--rejects",
+        "--force",
+        "--max-failed-shards",
+        "--max-rejected-fraction",
+        "--on-schema-error",
+        "--on-invalid-rows",
+        "Exit codes",
+    ):
         assert opt in run_help, opt
 
 
@@ -123,8 +165,18 @@ def test_readme_quickstart_and_documented_options_match_help() -> None:
     import re
 
     for opt in set(re.findall(r"`(--[a-z][a-z-]+)", readme)):
-        if opt in ("--help", "--version", "--catalog", "--model-dir", "--rows", "--shards",
-                   "--train-model", "--skip-model", "--row-group-rows", "--seed"):
+        if opt in (
+            "--help",
+            "--version",
+            "--catalog",
+            "--model-dir",
+            "--rows",
+            "--shards",
+            "--train-model",
+            "--skip-model",
+            "--row-group-rows",
+            "--seed",
+        ):
             continue
         assert opt in run_help, f"README documents {opt}, which `run --help` does not have"
 
@@ -133,20 +185,46 @@ def test_readme_quickstart_and_documented_options_match_help() -> None:
     ("args", "code", "needle"),
     [
         (["run", "--output", "x", "--model", "y"], 2, "input is required"),
-        (["run", "--input", "nowhere", "--output", "o", "--model", "m", "--batch-size", "0"], 2,
-         "batch_size"),
-        (["run", "--input", "does/not/exist", "--output", "{tmp}/o", "--model", "{bundle}"], 3,
-         "does not exist"),
-        (["run", "--input", "{catalog}", "--output", "{catalog}/scored", "--model", "{bundle}"],
-         2, "overlaps the input"),
-        (["run", "--input", "{catalog}", "--output", "{tmp}/o", "--model", "{tmp}"], 3,
-         "no model.toml"),
-        (["run", "--input", "{catalog}", "--output", "{tmp}/o", "--model", "{bundle}",
-          "--device", "cuda"], 2, "not available"),
+        (
+            ["run", "--input", "nowhere", "--output", "o", "--model", "m", "--batch-size", "0"],
+            2,
+            "batch_size",
+        ),
+        (
+            ["run", "--input", "does/not/exist", "--output", "{tmp}/o", "--model", "{bundle}"],
+            3,
+            "does not exist",
+        ),
+        (
+            ["run", "--input", "{catalog}", "--output", "{catalog}/scored", "--model", "{bundle}"],
+            2,
+            "overlaps the input",
+        ),
+        (
+            ["run", "--input", "{catalog}", "--output", "{tmp}/o", "--model", "{tmp}"],
+            3,
+            "no model.toml",
+        ),
+        (
+            [
+                "run",
+                "--input",
+                "{catalog}",
+                "--output",
+                "{tmp}/o",
+                "--model",
+                "{bundle}",
+                "--device",
+                "cuda",
+            ],
+            2,
+            "not available",
+        ),
     ],
 )
-def test_exit_codes(args: list[str], code: int, needle: str, catalog: Path, bundle_dir: Path,
-                    tmp_path: Path) -> None:
+def test_exit_codes(
+    args: list[str], code: int, needle: str, catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
     import torch
 
     if "cuda" in args and torch.cuda.is_available():
@@ -166,8 +244,9 @@ def test_schema_drift_float64_and_int_features_score_like_float32(
     p = cat / "part-00001.parquet"
     t = pq.read_table(p)
     t = t.set_column(t.schema.get_field_index("f0"), "f0", t.column("f0").cast(pa.float64()))
-    t = t.set_column(t.schema.get_field_index("item_id"), "item_id",
-                     t.column("item_id").cast(pa.int32()))
+    t = t.set_column(
+        t.schema.get_field_index("item_id"), "item_id", t.column("item_id").cast(pa.int32())
+    )
     t = t.append_column("extra", pa.array(["x"] * t.num_rows))
     pq.write_table(t, p, row_group_size=300)
     out = tmp_path / "out"
@@ -179,8 +258,7 @@ def test_schema_drift_float64_and_int_features_score_like_float32(
     np.testing.assert_allclose(t_out.column("score").to_numpy(), score, atol=1e-6)
 
 
-def test_empty_shard_gets_an_empty_output_with_the_schema(bundle_dir: Path,
-                                                          tmp_path: Path) -> None:
+def test_empty_shard_gets_an_empty_output_with_the_schema(bundle_dir: Path, tmp_path: Path) -> None:
     cat = tmp_path / "cat"
     write_shards(cat, [500, 0, 400], row_group_rows=200)
     out = tmp_path / "out"

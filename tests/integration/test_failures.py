@@ -33,8 +33,22 @@ pytestmark = pytest.mark.integration
 def _run(catalog: Path, out: Path, bundle: Path, *extra: str) -> tuple[int, str]:
     res = CliRunner().invoke(
         main,
-        ["run", "--input", str(catalog), "--output", str(out), "--model", str(bundle),
-         "--passthrough", "category", "--batch-size", "400", "--scheduler", "sync", *extra],
+        [
+            "run",
+            "--input",
+            str(catalog),
+            "--output",
+            str(out),
+            "--model",
+            str(bundle),
+            "--passthrough",
+            "category",
+            "--batch-size",
+            "400",
+            "--scheduler",
+            "sync",
+            *extra,
+        ],
     )
     return res.exit_code, res.output
 
@@ -90,8 +104,9 @@ def test_schema_error_fails_before_scoring_or_skips_the_shard(
     assert "part-00001.parquet" in output and "'f3' is missing" in output
     assert "'f5' has type string" in output
     assert not out.exists() or not data_files(out)
-    code, output = _run(catalog, out, bundle_dir, "--on-schema-error", "skip_shard",
-                        "--max-failed-shards", "1")
+    code, output = _run(
+        catalog, out, bundle_dir, "--on-schema-error", "skip_shard", "--max-failed-shards", "1"
+    )
     assert code == 0, output
     rep = report(out)
     assert rep["status"] == "succeeded_with_errors"
@@ -103,8 +118,10 @@ def test_schema_error_fails_before_scoring_or_skips_the_shard(
 def test_invalid_rows_are_rejected_with_reasons_and_accounted(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:
-    _poison(catalog / "part-00001.parquet",
-            {3: ("f2", None), 401: ("f7", float("nan")), 1699: ("f0", float("inf"))})
+    _poison(
+        catalog / "part-00001.parquet",
+        {3: ("f2", None), 401: ("f7", float("nan")), 1699: ("f0", float("inf"))},
+    )
     out = tmp_path / "o"
     code, output = _run(catalog, out, bundle_dir)
     assert code == 0, output
@@ -115,7 +132,9 @@ def test_invalid_rows_are_rejected_with_reasons_and_accounted(
     rej = pq.read_table(out / "_rejects" / "part-00001.parquet")
     assert rej.column_names == ["item_id", "category", "reject_reason"]
     assert rej.column("reject_reason").to_pylist() == [
-        "null in f2", "NaN in f7", "infinite value in f0"
+        "null in f2",
+        "NaN in f7",
+        "infinite value in f0",
     ]
     first_id = pq.read_table(catalog / "part-00001.parquet").column("item_id")[0].as_py()
     assert rej.column("item_id").to_pylist() == [first_id + 3, first_id + 401, first_id + 1699]
@@ -139,8 +158,9 @@ def test_rejected_fraction_beyond_budget_fails_the_run(
     assert rep["status"] == "failed" and not (out / "_SUCCESS").exists()
     assert "max_rejected_fraction" in " ".join(rep["failure_reasons"])
     assert pq.read_table(rejects / "part-00000.parquet").num_rows == 100
-    code, _ = _run(catalog, out, bundle_dir, "--rejects", str(rejects),
-                   "--max-rejected-fraction", "0.05")
+    code, _ = _run(
+        catalog, out, bundle_dir, "--rejects", str(rejects), "--max-rejected-fraction", "0.05"
+    )
     assert code == 0 and (out / "_SUCCESS").exists()
 
 
@@ -193,8 +213,7 @@ def test_resume_skips_done_shards_and_rescores_only_what_changed(
     assert entry["fingerprint"]["num_rows"] == 1700 and len(entry["model_sha256"]) == 64
 
 
-def test_changed_model_rescores_everything(catalog: Path, bundle_dir: Path,
-                                           tmp_path: Path) -> None:
+def test_changed_model_rescores_everything(catalog: Path, bundle_dir: Path, tmp_path: Path) -> None:
     import shutil
 
     bundle2 = tmp_path / "bundle2"
@@ -205,8 +224,9 @@ def test_changed_model_rescores_everything(catalog: Path, bundle_dir: Path,
     assert _run(catalog, out, bundle2)[0] == 0
     rep = report(out)
     assert rep["shards_scored"] == 3 and rep["model"]["version"] == "2"
-    assert set(pq.read_table(out / "part-00000.parquet").column("model_version").to_pylist()) \
-        == {"2"}
+    assert set(pq.read_table(out / "part-00000.parquet").column("model_version").to_pylist()) == {
+        "2"
+    }
 
 
 def test_stale_rejects_are_removed_when_a_shard_is_rescored_clean(
@@ -231,8 +251,13 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
     out.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        lock = {"host": socket.gethostname(), "pid": holder.pid, "run_id": "other-run",
-                "started_at": "2026-01-01T00:00:00+00:00", "started_ts": time.time()}
+        lock = {
+            "host": socket.gethostname(),
+            "pid": holder.pid,
+            "run_id": "other-run",
+            "started_at": "2026-01-01T00:00:00+00:00",
+            "started_ts": time.time(),
+        }
         (out / "_lock.json").write_text(json.dumps(lock))
         code, output = _run(catalog, out, bundle_dir)
         assert code == 1
@@ -250,8 +275,10 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
     lock = {"host": "elsewhere", "pid": 1, "run_id": "ancient", "started_ts": time.time() - 99}
     (out / "_lock.json").write_text(json.dumps(lock))
     job = tmp_path / "job.toml"
-    job.write_text(f'input = "{catalog}"\noutput = "{out}"\nmodel = "{bundle_dir}"\n'
-                   'scheduler = "sync"\nstale_lock_after_s = 10\n')
+    job.write_text(
+        f'input = "{catalog}"\noutput = "{out}"\nmodel = "{bundle_dir}"\n'
+        'scheduler = "sync"\nstale_lock_after_s = 10\n'
+    )
     res = CliRunner().invoke(main, ["run", str(job)])
     assert res.exit_code == 0, res.output
     assert report(out)["lock_taken_over"]["run_id"] == "ancient"
@@ -310,12 +337,20 @@ def test_rows_the_model_fails_on_are_bisected_out_and_rejected(
     sizes=st.lists(st.integers(0, 700), min_size=1, max_size=3),
     rg=st.integers(1, 400),
     bs=st.integers(1, 500),
-    bad=st.lists(st.tuples(st.integers(0, 2099), st.sampled_from(FEATURES),
-                           st.sampled_from([None, float("nan"), float("inf"), -float("inf")])),
-                 max_size=12),
+    bad=st.lists(
+        st.tuples(
+            st.integers(0, 2099),
+            st.sampled_from(FEATURES),
+            st.sampled_from([None, float("nan"), float("inf"), -float("inf")]),
+        ),
+        max_size=12,
+    ),
 )
 def test_property_rows_in_equals_scored_plus_rejected(
-    bundle_dir: Path, sizes: list[int], rg: int, bs: int,
+    bundle_dir: Path,
+    sizes: list[int],
+    rg: int,
+    bs: int,
     bad: list[tuple[int, str, float | None]],
 ) -> None:
     import tempfile
@@ -331,9 +366,14 @@ def test_property_rows_in_equals_scored_plus_rejected(
                 _poison(p, rows)
                 expected_bad |= {offset + i for i in rows}
             offset += n
-        cfg = JobConfig(input=str(root / "cat"), output=str(root / "out"),
-                        model=str(bundle_dir), batch_size=bs, scheduler="sync",
-                        errors=ErrorPolicy(max_rejected_fraction=1.0))
+        cfg = JobConfig(
+            input=str(root / "cat"),
+            output=str(root / "out"),
+            model=str(bundle_dir),
+            batch_size=bs,
+            scheduler="sync",
+            errors=ErrorPolicy(max_rejected_fraction=1.0),
+        )
         rep = run(cfg)
         assert rep["rows_in"] == sum(sizes)
         assert rep["rows_out"] + rep["rows_rejected"] == sum(sizes)
@@ -341,8 +381,74 @@ def test_property_rows_in_equals_scored_plus_rejected(
         for f in (root / "out" / "_rejects").glob("*.parquet"):
             rejected |= set(pq.read_table(f).column("item_id").to_pylist())
         assert rejected == expected_bad
-        scored = [i for f in data_files(root / "out")
-                  for i in pq.read_table(f).column("item_id").to_pylist()]
+        scored = [
+            i
+            for f in data_files(root / "out")
+            for i in pq.read_table(f).column("item_id").to_pylist()
+        ]
         assert scored == sorted(set(range(sum(sizes))) - expected_bad)
         assert not temporaries(root / "out")
         assert os.path.exists(root / "out" / "_SUCCESS")
+
+
+def test_duplicate_ids_are_counted_and_warned(bundle_dir: Path, tmp_path: Path) -> None:
+    cat = tmp_path / "cat"
+    paths = write_shards(cat, [600, 500], row_group_rows=250)
+    t = pq.read_table(paths[1])
+    ids = t.column("item_id").to_numpy().copy()
+    ids[10:13] = ids[0]  # three repeats of the first id
+    t = t.set_column(0, "item_id", pa.array(ids))
+    pq.write_table(t, paths[1], row_group_size=250)
+    out = tmp_path / "o"
+    code, output = _run(cat, out, bundle_dir)
+    assert code == 0, output
+    rep = report(out)
+    assert rep["duplicate_ids"] == 3
+    assert [s["duplicate_ids"] for s in rep["shards"]] == [0, 3]
+    assert any("3 rows have a item_id" in w for w in rep["warnings"])
+    assert "WARNING" in output
+    assert rep["rows_out"] == 1100  # warned, not dropped
+
+
+def test_storage_credentials_never_reach_logs_report_or_manifest(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    secret = "hunter2-SECRET-VALUE"
+    out = tmp_path / "o"
+    (catalog / "zero.parquet").write_bytes(b"")  # an error message path, too
+    code, output = _run(
+        catalog,
+        out,
+        bundle_dir,
+        "-v",
+        "--storage-option",
+        f"secret={secret}",
+        "--max-failed-shards",
+        "1",
+    )
+    assert code == 0, output
+    assert secret not in output
+    for f in out.rglob("_*.json"):
+        assert secret not in f.read_text(), f
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'input = "{catalog}"\noutput = "{out}"\nmodel = "{bundle_dir}"\n'
+        f'batch_size = 0\n[storage]\nsecret = "{secret}"\n'
+    )
+    res = CliRunner().invoke(main, ["run", str(job)])
+    assert res.exit_code == 2 and secret not in res.output
+
+
+def test_model_width_mismatch_is_exit_3_naming_bundle_and_spec(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    narrow = tmp_path / "narrow"
+    shutil.copytree(bundle_dir, narrow)
+    (narrow / "model.toml").write_text(demo_toml(columns=("f0", "f1", "f2")))
+    out = tmp_path / "o"
+    code, output = _run(catalog, out, narrow)
+    assert code == 3
+    assert str(narrow) in output and "inputs.columns = ['f0', 'f1', 'f2']" in output
+    assert not out.exists()

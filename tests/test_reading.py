@@ -1,0 +1,251 @@
+"""Shard footers, unreadable shards, and the schema check against the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.demo import FEATURES, make_rows
+from pipeline.errors import ShardError
+from pipeline.model import BundleSpec, parse_bundle_toml
+from pipeline.reading import ShardInfo, check_schema, feature_width, open_parquet, read_footer
+from tests.conftest import demo_toml, write_shards
+
+SHARD = "s3://bucket/catalog/part-00007.parquet"
+
+
+def _columns_spec(columns: tuple[str, ...] = FEATURES) -> BundleSpec:
+    return parse_bundle_toml(demo_toml(columns).encode(), "bundle-under-test")
+
+
+def _list_spec(dim: int = 16) -> BundleSpec:
+    toml = (
+        'name = "emb"\nversion = "1"\nformat = "exported_program"\nfile = "model.pt2"\n'
+        f'[inputs]\ncolumn = "embedding"\ndim = {dim}\n[outputs]\nscore = "softmax:1"\n'
+    )
+    return parse_bundle_toml(toml.encode(), "bundle-under-test")
+
+
+def _demo_schema(**replace: pa.DataType) -> pa.Schema:
+    """The demo catalog's schema with some column types replaced."""
+    schema = make_rows(0, 1, 0).schema
+    for name, t in replace.items():
+        schema = schema.set(schema.get_field_index(name), pa.field(name, t))
+    return schema
+
+
+def _check(
+    schema: pa.Schema,
+    spec: BundleSpec | None = None,
+    *,
+    passthrough: tuple[str, ...] = ("category",),
+    width: int = 16,
+) -> list[str]:
+    return check_schema(
+        schema,
+        spec or _columns_spec(),
+        width=width,
+        id_column="item_id",
+        passthrough=passthrough,
+        shard=SHARD,
+    )
+
+
+# --- footers ------------------------------------------------------------------------------
+
+
+def test_read_footer_of_a_multi_row_group_file(tmp_path: Path) -> None:
+    (path,) = write_shards(tmp_path / "in", [2500], row_group_rows=1000)
+    info = read_footer(str(path))
+    assert isinstance(info, ShardInfo)
+    assert info.num_rows == 2500
+    assert info.num_row_groups == 3
+    expected = make_rows(0, 1, 0).schema
+    assert info.schema.names == expected.names
+    assert info.schema.types == expected.types
+    with open_parquet(str(path)) as pf:
+        assert [pf.metadata.row_group(i).num_rows for i in range(3)] == [1000, 1000, 500]
+
+
+def test_read_footer_of_a_file_with_empty_row_groups(tmp_path: Path) -> None:
+    table = make_rows(0, 30, 0)
+    path = tmp_path / "e.parquet"
+    with pq.ParquetWriter(path, table.schema) as w:
+        w.write_table(table.slice(0, 10))
+        w.write_table(table.slice(0, 0))
+        w.write_table(table.slice(10, 20))
+    info = read_footer(str(path))
+    assert (info.num_rows, info.num_row_groups) == (30, 3)
+
+
+def _unreadable_files(tmp_path: Path) -> dict[str, Path]:
+    (real,) = write_shards(tmp_path / "real", [3000], row_group_rows=1000)
+    data = real.read_bytes()
+    files = {
+        "zero-byte": tmp_path / "empty.parquet",
+        "truncated": tmp_path / "truncated.parquet",
+        "not-parquet": tmp_path / "notes.parquet",
+        "footer-only-magic": tmp_path / "magic.parquet",
+    }
+    files["zero-byte"].write_bytes(b"")
+    files["truncated"].write_bytes(data[: len(data) // 2])
+    files["not-parquet"].write_text("item_id,f0\n1,0.5\n2,0.25\n" * 50)
+    files["footer-only-magic"].write_bytes(b"PAR1" + b"\x00" * 64 + b"PAR1")
+    return files
+
+
+@pytest.mark.parametrize("which", ["zero-byte", "truncated", "not-parquet", "footer-only-magic"])
+def test_unreadable_shards_raise_shard_error(tmp_path: Path, which: str) -> None:
+    path = str(_unreadable_files(tmp_path)[which])
+    with pytest.raises(ShardError) as e1:
+        read_footer(path)
+    assert e1.value.kind == "unreadable"
+    assert e1.value.shard == path
+    assert path in str(e1.value)
+    with pytest.raises(ShardError) as e2, open_parquet(path):
+        pass
+    assert e2.value.kind == "unreadable"
+    assert path in str(e2.value)
+
+
+def test_missing_shard_raises_shard_error(tmp_path: Path) -> None:
+    path = str(tmp_path / "gone.parquet")
+    with pytest.raises(ShardError) as e:
+        read_footer(path)
+    assert e.value.kind == "unreadable"
+    assert path in str(e.value)
+
+
+# --- check_schema ------------------------------------------------------------------------
+
+
+def test_demo_schema_fits() -> None:
+    assert _check(_demo_schema()) == []
+
+
+def test_extra_columns_and_other_numeric_types_are_fine() -> None:
+    schema = _demo_schema(
+        f0=pa.int64(), f1=pa.float64(), f2=pa.int32(), f3=pa.uint8(), f4=pa.float16(), f5=pa.int16()
+    )
+    schema = schema.append(pa.field("unrelated", pa.string()))
+    schema = schema.append(pa.field("blob", pa.large_binary()))
+    schema = schema.append(pa.field("nested", pa.struct([("a", pa.int8())])))
+    assert _check(schema) == []
+
+
+def test_missing_feature_column() -> None:
+    schema = _demo_schema()
+    schema = schema.remove(schema.get_field_index("f7"))
+    (msg,) = _check(schema)
+    assert SHARD in msg and "'f7'" in msg and "missing" in msg
+    assert "feature column" in msg
+
+
+@pytest.mark.parametrize(
+    "bad_type", [pa.string(), pa.bool_(), pa.large_string(), pa.list_(pa.float32())]
+)
+def test_non_numeric_feature_column(bad_type: pa.DataType) -> None:
+    (msg,) = _check(_demo_schema(f3=bad_type))
+    assert SHARD in msg and "'f3'" in msg
+    assert str(bad_type) in msg and "not numeric" in msg
+
+
+def test_missing_id_column() -> None:
+    schema = _demo_schema()
+    schema = schema.remove(schema.get_field_index("item_id"))
+    (msg,) = _check(schema)
+    assert SHARD in msg and "'item_id'" in msg and "id column" in msg and "missing" in msg
+
+
+def test_missing_passthrough_column() -> None:
+    (msg,) = _check(_demo_schema(), passthrough=("category", "brand"))
+    assert SHARD in msg and "'brand'" in msg and "pass-through column" in msg
+    assert "missing" in msg
+
+
+def test_list_input_fits_fixed_variable_and_large_lists() -> None:
+    base = pa.schema([pa.field("item_id", pa.int64()), pa.field("category", pa.string())])
+    for t in (
+        pa.list_(pa.float32(), 16),
+        pa.list_(pa.float64(), 16),
+        pa.list_(pa.float32()),
+        pa.large_list(pa.int32()),
+    ):
+        schema = base.append(pa.field("embedding", t))
+        assert _check(schema, _list_spec()) == [], t
+
+
+def test_wrong_fixed_size_list_length() -> None:
+    schema = pa.schema(
+        [
+            pa.field("item_id", pa.int64()),
+            pa.field("category", pa.string()),
+            pa.field("embedding", pa.list_(pa.float32(), 12)),
+        ]
+    )
+    (msg,) = _check(schema, _list_spec())
+    assert SHARD in msg and "'embedding'" in msg
+    assert "12" in msg and "16" in msg
+
+
+@pytest.mark.parametrize(
+    "bad_type", [pa.float32(), pa.string(), pa.list_(pa.string(), 16), pa.list_(pa.bool_())]
+)
+def test_list_input_of_the_wrong_kind(bad_type: pa.DataType) -> None:
+    schema = pa.schema(
+        [
+            pa.field("item_id", pa.int64()),
+            pa.field("category", pa.string()),
+            pa.field("embedding", bad_type),
+        ]
+    )
+    (msg,) = _check(schema, _list_spec())
+    assert SHARD in msg and "'embedding'" in msg and "16" in msg
+
+
+def test_missing_list_column() -> None:
+    schema = pa.schema([pa.field("item_id", pa.int64()), pa.field("category", pa.string())])
+    (msg,) = _check(schema, _list_spec())
+    assert SHARD in msg and "'embedding'" in msg and "missing" in msg
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    schema = _demo_schema(f2=pa.string(), f9=pa.bool_())
+    for gone in ("item_id", "f5", "f11"):
+        schema = schema.remove(schema.get_field_index(gone))
+    schema = schema.append(pa.field("extra", pa.string()))
+    problems = _check(schema, passthrough=("category", "brand"))
+    assert len(problems) == 6
+    assert all(SHARD in p for p in problems)
+    for col in ("'item_id'", "'brand'", "'f2'", "'f5'", "'f9'", "'f11'"):
+        assert sum(col in p for p in problems) == 1, col
+    assert not any("extra" in p for p in problems)
+
+
+def test_feature_width_of_list_inputs() -> None:
+    base = pa.schema([pa.field("item_id", pa.int64())])
+    spec = _list_spec()
+    assert feature_width(base.append(pa.field("embedding", pa.list_(pa.float32(), 24))), spec) == 24
+    assert feature_width(base.append(pa.field("embedding", pa.list_(pa.float32()))), spec) is None
+    assert feature_width(base, spec) is None
+    assert feature_width(_demo_schema(), _columns_spec()) is None
+
+
+def test_schema_of_a_real_shard_fits(tmp_path: Path) -> None:
+    (path,) = write_shards(tmp_path / "in", [10])
+    info = read_footer(str(path))
+    assert _check(info.schema) == []
+
+
+def test_duplicated_feature_column_is_reported_not_raised(tmp_path: Path) -> None:
+    t = make_rows(0, 5, 0)
+    t = t.append_column("f3", t.column("f3"))  # Parquet allows repeated names
+    path = tmp_path / "dup.parquet"
+    pq.write_table(t, path)
+    info = read_footer(str(path))
+    problems = _check(info.schema)
+    assert len(problems) == 1
+    assert SHARD in problems[0] and "'f3'" in problems[0]
