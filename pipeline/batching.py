@@ -34,6 +34,9 @@ class Batch:
     def num_rows(self) -> int:
         return self.meta.num_rows
 
+    device_tensor: torch.Tensor | None = None  # set by to_device_ahead on CUDA
+    ready: Any = None  # CUDA event: the device copy is done
+
     def pin_memory(self) -> Batch:
         """Called by the DataLoader when ``pin_memory=True`` (CUDA): page-locks the features."""
         self.tensor = self.tensor.pin_memory()
@@ -128,3 +131,41 @@ def make_loader(dataset: ShardBatches, *, pin_memory: bool = False) -> DataLoade
         collate_fn=_identity,  # type: ignore[arg-type]  # batch_size=None: one item
         pin_memory=pin_memory,
     )
+
+
+def to_device_ahead(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]:
+    """On CUDA, copy batch i+1 to the device on a side stream while batch i is being scored.
+
+    Each yielded batch has ``device_tensor`` set, and the compute stream waits for its copy; on
+    other devices batches pass through unchanged. With pinned host memory (the loader pins on
+    CUDA) the copies are asynchronous, so the model does not wait on the host-to-device copy.
+    """
+    if device.type != "cuda":
+        yield from batches
+        return
+    stream = torch.cuda.Stream(device)
+
+    def stage(b: Batch) -> Batch:
+        with torch.cuda.stream(stream):
+            b.device_tensor = b.tensor.to(device, non_blocking=True)
+            b.ready = torch.cuda.Event()
+            b.ready.record(stream)
+        return b
+
+    def release(b: Batch) -> Batch:
+        current = torch.cuda.current_stream(device)
+        current.wait_event(b.ready)
+        # The tensor was allocated on the side stream; tell the caching allocator it is used
+        # on the compute stream too, so its memory is not reused too early.
+        assert b.device_tensor is not None
+        b.device_tensor.record_stream(current)
+        return b
+
+    pending: Batch | None = None
+    for b in batches:
+        staged = stage(b)
+        if pending is not None:
+            yield release(pending)
+        pending = staged
+    if pending is not None:
+        yield release(pending)

@@ -38,6 +38,21 @@ def main() -> None:
     """
 
 
+class _BatchSize(click.ParamType):
+    name = "batch_size"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not an integer or 'auto'", param, ctx)
+
+
+BATCH_SIZE = _BatchSize()
+
+
 def _parse_storage_options(values: tuple[str, ...]) -> dict[str, str] | None:
     if not values:
         return None
@@ -55,7 +70,12 @@ def _parse_storage_options(values: tuple[str, ...]) -> dict[str, str] | None:
 @click.option("--input", "input_", metavar="URI", help="Input shards: directory, glob or file.")
 @click.option("--output", metavar="URI", help="Output root; may contain {date} and {run_id}.")
 @click.option("--model", metavar="URI", help="Model bundle directory (model.toml + weights).")
-@click.option("--batch-size", type=int, help="Rows per model call (default 4096).")
+@click.option(
+    "--batch-size",
+    type=BATCH_SIZE,
+    metavar="N|auto",
+    help="Rows per model call (default 4096); auto: measured on real rows, cached.",
+)
 @click.option(
     "--device", metavar="auto|cpu|cuda|cuda:N", help="Where the model runs (default auto)."
 )
@@ -74,6 +94,28 @@ def _parse_storage_options(values: tuple[str, ...]) -> dict[str, str] | None:
 )
 @click.option(
     "--workers", type=int, help="Worker processes for --scheduler local (default: cores)."
+)
+@click.option("--cores", type=int, help="CPU cores the job may use (default: all).")
+@click.option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16", "fp16", "int8"]),
+    help="fp32 (default), bf16 (autocast), fp16 (CUDA), int8 (dynamic, CPU); checked against "
+    "fp32 on a sample of rows before scoring.",
+)
+@click.option(
+    "--compile",
+    "compile_",
+    is_flag=True,
+    default=None,
+    help="torch.compile the model (compile time is reported).",
+)
+@click.option(
+    "--strict-fp32", is_flag=True, default=None, help="On CUDA, do not let fp32 use TF32."
+)
+@click.option(
+    "--parity-tolerance",
+    type=float,
+    help="Max |diff| from fp32 allowed on the parity sample (default per precision).",
 )
 @click.option(
     "--rejects", metavar="URI", help="Where rejected rows go (default <output>/_rejects)."
@@ -129,6 +171,7 @@ def run(job: Path | None, **opts: Any) -> None:
     }
     overrides: dict[str, Any] = {
         "input": opts.pop("input_"),
+        "compile": opts.pop("compile_"),
         **opts,
         "passthrough": list(opts["passthrough"]) or None,
         "storage": _parse_storage_options(opts["storage_option"]),

@@ -28,6 +28,7 @@ else:  # pragma: no cover - exercised only on 3.10
 
 ENV_PREFIX = "SCORE_CATALOG_"
 SCHEDULER_NAMES = ("local", "threads", "sync")
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 TEMPLATE_FIELDS = frozenset({"date", "run_id"})
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -70,14 +71,27 @@ class JobConfig:
     id_column: str = "item_id"
     # Columns copied unchanged to the output after the id, in this order.
     passthrough: tuple[str, ...] = ()
-    # Rows per model call (the last batch of a shard may be shorter).
-    batch_size: int = 4096
+    # Rows per model call (the last batch of a shard may be shorter), or "auto": measured on
+    # real rows (start at 32, double while throughput gains >= 5%), cached per model/device/
+    # precision.
+    batch_size: int | str = 4096
     # auto (cuda when available, else cpu), cpu, cuda or cuda:N.
     device: str = "auto"
     # local (embedded Dask cluster), threads, sync (in-process, for debugging) or tcp://HOST:PORT.
     scheduler: str = "local"
     # Dask worker processes for scheduler=local; None sizes it to the cores.
     workers: int | None = None
+    # CPU cores the job may use (workers x threads x torch threads stay within it); None: all.
+    cores: int | None = None
+    # fp32, bf16 (autocast, CPU and CUDA), fp16 (CUDA) or int8 (dynamic, Linear layers, CPU).
+    precision: str = "fp32"
+    # torch.compile the model (compile time is reported).
+    compile: bool = False
+    # On CUDA, fp32 matmuls may use TF32 unless this is set.
+    strict_fp32: bool = False
+    # Max |difference| from the fp32 CPU reference on the parity sample (labels: share that
+    # differ); None: the precision's default.
+    parity_tolerance: float | None = None
     # Where rejected rows go (template like output); None means <output>/_rejects.
     rejects: str | None = None
     # The date that {date} expands to (YYYY-MM-DD); None means today (UTC).
@@ -129,7 +143,12 @@ _TOP_KEYS: dict[str, str] = {
     "model": "str",
     "id_column": "str",
     "passthrough": "list",
-    "batch_size": "int",
+    "batch_size": "int_or_auto",
+    "cores": "int",
+    "precision": "str",
+    "compile": "bool",
+    "strict_fp32": "bool",
+    "parity_tolerance": "float",
     "device": "str",
     "scheduler": "str",
     "workers": "int",
@@ -151,6 +170,7 @@ _TYPE_CHECK = {
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "bool": lambda v: isinstance(v, bool),
     "list": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+    "int_or_auto": lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool)),
 }
 _TYPE_WORDS = {
     "str": "a string",
@@ -158,6 +178,7 @@ _TYPE_WORDS = {
     "float": "a number",
     "bool": "true or false",
     "list": "a list of strings",
+    "int_or_auto": 'an integer or "auto"',
 }
 
 
@@ -175,6 +196,8 @@ def _parse_env_value(kind: str, raw: str) -> Any:
         raise ValueError(raw)
     if kind == "list":
         return [p.strip() for p in raw.split(",") if p.strip()]
+    if kind == "int_or_auto":
+        return "auto" if raw.strip().lower() == "auto" else int(raw)
     return raw
 
 
@@ -359,8 +382,18 @@ def _validate(c: JobConfig) -> list[str]:
     p += _template_problems("output", c.output)
     if c.rejects is not None:
         p += _template_problems("rejects", c.rejects)
-    if isinstance(c.batch_size, bool) or not isinstance(c.batch_size, int) or c.batch_size < 1:
-        p.append(f"batch_size = {c.batch_size!r} must be an integer >= 1")
+    if c.batch_size != "auto" and (
+        isinstance(c.batch_size, bool) or not isinstance(c.batch_size, int) or c.batch_size < 1
+    ):
+        p.append(f'batch_size = {c.batch_size!r} must be an integer >= 1 or "auto"')
+    if c.cores is not None and (not isinstance(c.cores, int) or c.cores < 1):
+        p.append(f"cores = {c.cores!r} must be an integer >= 1")
+    if c.precision not in PRECISIONS:
+        p.append(f"precision = {c.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if c.parity_tolerance is not None and not (
+        math.isfinite(c.parity_tolerance) and c.parity_tolerance >= 0
+    ):
+        p.append(f"parity_tolerance = {c.parity_tolerance!r} must be a number >= 0")
     if not _DEVICE_RE.match(str(c.device)):
         p.append(f"device = {c.device!r} is not one of auto, cpu, cuda, cuda:N")
     if c.scheduler not in SCHEDULER_NAMES and not _SCHEDULER_URI_RE.match(str(c.scheduler)):

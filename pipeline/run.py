@@ -7,6 +7,7 @@ succeeded within its error budget.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -16,13 +17,24 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pipeline import storage
+from pipeline.batching import ShardBatches
 from pipeline.config import JobConfig
 from pipeline.errors import ConfigError, ModelError, SchemaError, ShardError
 from pipeline.faults import checkpoint
 from pipeline.locking import RunLock
 from pipeline.manifest import Manifest, settings_hash
-from pipeline.model import load_model, read_bundle, resolve_device
+from pipeline.model import forward, load_model, read_bundle, resolve_device
+from pipeline.precision import (
+    DEFAULT_TOLERANCE,
+    PARITY_ROWS,
+    ExecutionOptions,
+    check_parity,
+    parity,
+    prepare,
+)
 from pipeline.reading import ShardInfo, check_schema, feature_width, read_footer
 from pipeline.report import (
     REPORT_NAME,
@@ -33,11 +45,12 @@ from pipeline.report import (
     versions,
 )
 from pipeline.scoring import ShardResult, ShardTask, score_shard
-from pipeline.storage import Location
+from pipeline.storage import Location, ShardRef
 
 logger = logging.getLogger(__name__)
 
 SUCCESS_NAME = "_SUCCESS"
+SAMPLE_ROWS = 65_536  # real rows read up front for the parity check and batch-size tuning
 MMAP_THRESHOLD = 64 * 1024 * 1024
 FATAL_KINDS = frozenset({"invalid_rows", "model"})  # these stop the run whatever the budget
 
@@ -57,11 +70,12 @@ class Plan:
     workers: int | None  # None for an external cluster (its own size)
     threads_per_worker: int | None
     torch_threads: int | None  # None: each task derives it from its worker
+    cores: int = 1
 
     def public(self) -> dict[str, Any]:
         return {
             "scheduler": self.scheduler,
-            "cores": available_cores(),
+            "cores": self.cores,
             "workers": self.workers,
             "threads_per_worker": self.threads_per_worker,
             "torch_threads": self.torch_threads,
@@ -69,16 +83,17 @@ class Plan:
 
 
 def thread_plan(config: JobConfig, pending: int) -> Plan:
-    cores = available_cores()
+    """Split the cores: workers x threads per worker x torch threads <= cores (see README)."""
+    cores = config.cores or available_cores()
     if config.scheduler == "sync":
-        return Plan("sync", 1, 1, cores)
+        return Plan("sync", 1, 1, cores, cores)
     if config.scheduler == "threads":
         w = max(1, min(config.workers or cores, cores, max(pending, 1)))
-        return Plan("threads", 1, w, max(1, cores // w))
+        return Plan("threads", 1, w, max(1, cores // w), cores)
     if config.scheduler == "local":
         w = max(1, min(config.workers or cores, max(pending, 1)))
-        return Plan("local", w, 1, max(1, cores // w))
-    return Plan(config.scheduler, None, None, None)
+        return Plan("local", w, 1, max(1, cores // w), cores)
+    return Plan(config.scheduler, None, None, None, cores)
 
 
 def new_run_id() -> str:
@@ -269,12 +284,21 @@ def run(
             message="; ".join(probs),
         )
 
+    # How the model runs: precision, compile, the parity check against fp32, the batch size.
+    exec_opts = ExecutionOptions(config.precision, config.compile, config.strict_fp32)
+    sample_from = next(
+        (s for s in shards if s.rel_path not in failed and infos[s.rel_path].num_rows), None
+    )
+    batch_size, execution = _prepare_execution(
+        config, model, exec_opts, sample_from, width, thread_plan(config, len(shards))
+    )
+
     settings = {
         "inputs": list(spec.input_columns),
         "outputs": [[o.name, o.describe()] for o in spec.outputs],
         "id_column": config.id_column,
         "passthrough": list(config.passthrough),
-        "precision": "fp32",
+        "precision": config.precision,
     }
     shash = settings_hash(settings)
 
@@ -326,7 +350,10 @@ def run(
                     width=width,
                     id_column=config.id_column,
                     passthrough=config.passthrough,
-                    batch_size=config.batch_size,
+                    batch_size=batch_size,
+                    precision=config.precision,
+                    compile=config.compile,
+                    strict_fp32=config.strict_fp32,
                     on_invalid_rows=config.errors.on_invalid_rows,
                     torch_threads=None,
                     storage_options=dict(opts),
@@ -396,6 +423,8 @@ def run(
             settings,
             lock,
             fatal,
+            batch_size,
+            execution,
         )
         report = RunReport(data)
         storage.write_json(out_root.child(REPORT_NAME), data, point="report-rename")
@@ -404,6 +433,91 @@ def run(
         return report
     finally:
         lock.release()
+
+
+def _sample_rows(config: JobConfig, model: Any, shard: ShardRef, width: int) -> torch.Tensor:
+    """Up to SAMPLE_ROWS valid feature rows from the start of ``shard``."""
+    data = ShardBatches(
+        shard.uri,
+        model.spec,
+        width=width,
+        meta_columns=(config.id_column,),
+        batch_size=SAMPLE_ROWS,
+        storage_options=config.storage,
+    )
+    for batch in data:
+        return batch.tensor[torch.from_numpy(batch.features.valid)].clone()
+    return torch.zeros(0, width)
+
+
+def _prepare_execution(
+    config: JobConfig,
+    model: Any,
+    opts: ExecutionOptions,
+    sample_from: ShardRef | None,
+    width: int,
+    plan: Plan,
+) -> tuple[int, dict[str, Any]]:
+    """Set the model up as configured, check it against fp32 on real rows, pick the batch size.
+
+    Runs in the driver before anything is written, so a precision that is too far from fp32
+    fails the run up front (exit 3), never after hours of scoring.
+    """
+    prepared, compile_s = prepare(model, opts)
+    execution: dict[str, Any] = {
+        "precision": opts.precision,
+        "compile": opts.compile,
+        "compile_s": compile_s,
+        "tf32": model.device.type == "cuda" and not opts.strict_fp32,
+        "parity": None,
+        "batch_size_auto": None,
+    }
+    needs_parity = opts.precision != "fp32" or model.device.type != "cpu" or opts.compile
+    need_sample = needs_parity or config.batch_size == "auto"
+    x = _sample_rows(config, model, sample_from, width) if need_sample and sample_from else None
+    if needs_parity:
+        tol = config.parity_tolerance
+        tol = DEFAULT_TOLERANCE[opts.precision] if tol is None else tol
+        if x is None or not len(x):
+            execution["parity"] = {"rows": 0, "tolerance": tol, "columns": {}, "note": "no rows"}
+        else:
+            reference = load_model(config.model, "cpu", width=width, options=config.storage)
+            rows = x[:PARITY_ROWS]
+            cols = parity(reference, prepared, rows)
+            execution["parity"] = {
+                "rows": len(rows),
+                "tolerance": tol,
+                "columns": cols,
+                "reference": "fp32 on the CPU",
+            }
+            check_parity(cols, opts.precision, tol, f"model bundle {config.model}")
+    if config.batch_size != "auto":
+        return int(config.batch_size), execution
+    from pipeline import tuning
+
+    key = f"{model.sha256}|{model.device}|{opts.precision}|{plan.torch_threads}"
+    cache = tuning.BatchSizeCache(tuning.default_cache_path())
+    cached = cache.get(key)
+    if cached is not None:
+        execution["batch_size_auto"] = {"cached": True, "key": key, "batch_size": cached}
+        return cached, execution
+    if x is None or not len(x):
+        x = torch.randn(SAMPLE_ROWS, width)
+    before = torch.get_num_threads()
+    torch.set_num_threads(plan.torch_threads or before)  # measure as the workers will run
+    try:
+        chosen, sweep = tuning.auto_batch_size(lambda t: forward(prepared, t), x, model.device)
+    finally:
+        torch.set_num_threads(before)
+    cache.put(key, chosen, sweep)
+    execution["batch_size_auto"] = {
+        "cached": False,
+        "key": key,
+        "batch_size": chosen,
+        "sweep": [dataclasses.asdict(r) for r in sweep],
+    }
+    logger.info("batch size auto: %d (sweep of %d sizes)", chosen, len(sweep))
+    return chosen, execution
 
 
 def _build_report(
@@ -420,6 +534,8 @@ def _build_report(
     settings: dict[str, Any],
     lock: RunLock,
     fatal: ShardResult | None,
+    batch_size: int,
+    execution: dict[str, Any],
 ) -> dict[str, Any]:
     errors = [
         {"shard": r.input, "kind": r.kind, "message": r.message}
@@ -504,7 +620,8 @@ def _build_report(
         "shards_scored": len(scored),
         "shards_skipped": sum(r.status == "skipped" for r in shards),
         "shards_failed": n_failed,
-        "batch_size": config.batch_size,
+        "batch_size": batch_size,
+        "execution": execution,
         "device": str(device),
         "threads": plan.public(),
         "model": {

@@ -20,11 +20,12 @@ import pyarrow as pa
 import torch
 
 from pipeline import storage
-from pipeline.batching import Batch, ShardBatches, make_loader
+from pipeline.batching import Batch, ShardBatches, make_loader, to_device_ahead
 from pipeline.engine import ModelFailedEverywhere, output_columns, score
 from pipeline.errors import ShardError
 from pipeline.faults import checkpoint
 from pipeline.model import load_model
+from pipeline.precision import ExecutionOptions, prepare
 from pipeline.reading import read_footer
 from pipeline.writing import (
     StagedParquetWriter,
@@ -56,6 +57,9 @@ class ShardTask:
     batch_size: int
     on_invalid_rows: str
     torch_threads: int | None  # None: derive from the Dask worker's thread count
+    precision: str = "fp32"
+    compile: bool = False
+    strict_fp32: bool = False
     storage_options: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -131,6 +135,7 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
         options=task.storage_options,
         expected_sha256=task.model_sha256,
     )
+    model, _ = prepare(model, ExecutionOptions(task.precision, task.compile, task.strict_fp32))
     spec = model.spec
     meta_cols = (task.id_column, *task.passthrough)
     dataset = ShardBatches(
@@ -165,7 +170,8 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
     id_hashes: list[np.ndarray] = []  # 8 bytes per row of this shard, to count duplicate ids
     try:
         loader = make_loader(dataset, pin_memory=model.device.type == "cuda")
-        for batch in _guard_reads(iter(loader), task.input_uri, in_loc.is_local):
+        batches = _guard_reads(iter(loader), task.input_uri, in_loc.is_local)
+        for batch in to_device_ahead(batches, model.device):
             checkpoint("batch-read")
             n = batch.num_rows
             rows_in += n
@@ -186,9 +192,13 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
                         kind="invalid_rows",
                     )
                 reasons = dict(zip(invalid_idx.tolist(), batch.features.reasons or [], strict=True))
-                x = batch.tensor[torch.from_numpy(valid)]
+                mask = torch.from_numpy(valid)
+                if batch.device_tensor is not None:
+                    x = batch.device_tensor[mask.to(model.device, non_blocking=True)]
+                else:
+                    x = batch.tensor[mask]
             else:
-                x = batch.tensor
+                x = batch.tensor if batch.device_tensor is None else batch.device_tensor
             try:
                 scored = score(model, x)
             except ModelFailedEverywhere as e:

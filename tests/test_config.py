@@ -258,7 +258,7 @@ def test_env_type_errors_all_reported() -> None:
         build_config(env=env, overrides=BASE)
     problems = problems_of(excinfo)
     assert len(problems) == 5
-    assert "SCORE_CATALOG_BATCH_SIZE='lots' is not an integer" in problems
+    assert "SCORE_CATALOG_BATCH_SIZE='lots' is not an integer or \"auto\"" in problems
     assert "SCORE_CATALOG_FORCE='maybe' is not true or false" in problems
     assert "SCORE_CATALOG_STALE_LOCK_AFTER_S='soon' is not a number" in problems
     assert "SCORE_CATALOG_TASK_RETRIES='2.5' is not an integer" in problems
@@ -316,7 +316,7 @@ def test_type_errors_all_reported() -> None:
     problems = problems_of(excinfo)
     assert sorted(problems) == sorted(
         [
-            "batch_size = '8' must be an integer",
+            'batch_size = \'8\' must be an integer or "auto"',
             "force = 'yes' must be true or false",
             "passthrough = 'category' must be a list of strings",
             "workers = 2.0 must be an integer",
@@ -332,7 +332,7 @@ def test_type_errors_all_reported() -> None:
 def test_bool_is_not_an_integer(value: bool) -> None:
     with pytest.raises(ConfigError) as excinfo:
         build_config(env={}, overrides={**BASE, "batch_size": value})
-    assert problems_of(excinfo) == [f"batch_size = {value!r} must be an integer"]
+    assert problems_of(excinfo) == [f'batch_size = {value!r} must be an integer or "auto"']
 
 
 def test_passthrough_list_with_non_string() -> None:
@@ -743,4 +743,4 @@ def test_junk_env_vars_always_rejected_and_named(junk: Mapping[str, str]) -> Non
 def test_nan_is_not_a_valid_batch_size_from_env() -> None:
     with pytest.raises(ConfigError) as excinfo:
         build_config(env={"SCORE_CATALOG_BATCH_SIZE": "nan"}, overrides=BASE)
-    assert problems_of(excinfo) == ["SCORE_CATALOG_BATCH_SIZE='nan' is not an integer"]
+    assert problems_of(excinfo) == ['SCORE_CATALOG_BATCH_SIZE=\'nan\' is not an integer or "auto"']

@@ -1,0 +1,452 @@
+"""Model-speed measurement and batch-size choice, independent of the rest of the pipeline.
+
+Everything here works on a plain callable ``fn(x) -> y`` (a model's forward, possibly wrapped in
+autocast or ``torch.compile`` by the caller) and a ``torch.device``, so any precision or compile
+wrapper can be measured the same way:
+
+- :func:`bench_batch_sizes` times whole passes over a sample at each batch size (the textbook's
+  table, printed by :func:`format_table`);
+- :func:`auto_batch_size` doubles the batch size from 32 while throughput improves by at least 5%
+  and memory stays within a budget;
+- :class:`BatchSizeCache` remembers the choice per (model, device, precision) in a small JSON file
+  so the sweep is paid once per machine, not once per run.
+
+Timings on a shared machine are noisy: best-of-``repeats`` is reported because noise only ever
+adds time, and the choice rule is written so that its answer is within 10% of the best
+throughput that its own sweep measured whatever the noise was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ModelFn = Callable[[torch.Tensor], torch.Tensor]
+
+DEFAULT_TIME_BUDGET_S = 1.5
+# Without an explicit budget on CUDA, a batch may use at most this share of the device memory
+# that was free when the sweep started. Half, not most: max_memory_allocated() does not count the
+# caching allocator's fragmentation or cuBLAS/cuDNN workspaces, and other worker processes may
+# share the GPU during the real run.
+DEFAULT_CUDA_FREE_FRACTION = 0.5
+# The CPU memory estimate: bytes per input byte of a row. See auto_batch_size's docstring.
+CPU_BYTES_PER_INPUT_BYTE = 64
+
+
+@dataclass
+class BenchRow:
+    """One batch size's timing: the best of several passes over the same sample."""
+
+    batch: int  # rows per model call
+    calls: int  # model calls in one pass (the last batch of a pass may be shorter)
+    ms: float  # wall time of the best timed pass, in milliseconds
+    samples_per_s: float  # rows in the pass / best pass time
+    ms_per_sample: float  # best pass time / rows in the pass
+
+
+def _sync(device: torch.device) -> None:
+    # CUDA kernels run asynchronously: without this the clock would stop before the work does.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _sample_for(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """``x``, with its rows repeated when it holds fewer than one full batch.
+
+    A pass over fewer rows than ``batch`` would time a smaller batch than the one asked for.
+    """
+    n = x.shape[0]
+    if n >= batch:
+        return x
+    reps = math.ceil(batch / n)
+    return x.repeat(reps, *([1] * (x.dim() - 1)))[:batch]
+
+
+def _check_sample(x: torch.Tensor) -> None:
+    if x.dim() < 1 or x.shape[0] < 1:
+        raise ValueError(f"the sample must hold at least one row; got shape {tuple(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"the sample must be on the CPU (batches are moved to the device while timing, as in "
+            f"a real run); it is on {x.device}"
+        )
+
+
+def _one_pass(fn: ModelFn, data: torch.Tensor, device: torch.device, batch: int) -> float:
+    """Seconds for one pass over ``data`` in batches of ``batch``, device work included."""
+    _sync(device)  # do not charge earlier queued work to this pass
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for lo in range(0, data.shape[0], batch):
+            fn(data[lo : lo + batch].to(device, non_blocking=True))
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _bench_one(
+    fn: ModelFn,
+    x: torch.Tensor,
+    device: torch.device,
+    batch: int,
+    *,
+    repeats: int,
+    warmup: int,
+    time_budget_s: float,
+) -> BenchRow:
+    data = _sample_for(x, batch)
+    if device.type == "cuda":
+        # The real run pins its batches (DataLoader pin_memory=True), which is what makes the
+        # non_blocking copy asynchronous; time the same copy path.
+        data = data.pin_memory()
+    rows = data.shape[0]
+    calls = math.ceil(rows / batch)
+    start = time.perf_counter()
+
+    def over_budget() -> bool:
+        return time.perf_counter() - start >= time_budget_s
+
+    # The first warmup pass always runs: first calls at a new shape pay for allocator growth,
+    # kernel selection or a recompile, which is not what is being measured.
+    for i in range(warmup):
+        if i > 0 and over_budget():
+            break
+        _one_pass(fn, data, device, batch)
+    best = math.inf
+    timed = 0
+    for i in range(repeats):
+        if i > 0 and over_budget():
+            break
+        best = min(best, _one_pass(fn, data, device, batch))
+        timed += 1
+    best = max(best, 1e-9)  # a clock tick of 0 would divide by zero below
+    row = BenchRow(
+        batch=batch,
+        calls=calls,
+        ms=best * 1e3,
+        samples_per_s=rows / best,
+        ms_per_sample=best * 1e3 / rows,
+    )
+    logger.debug(
+        "batch %d: %d rows in %d calls, best %.3f ms of %d timed passes (%.0f rows/s)",
+        batch,
+        rows,
+        calls,
+        row.ms,
+        timed,
+        row.samples_per_s,
+    )
+    return row
+
+
+def bench_batch_sizes(
+    fn: ModelFn,
+    x: torch.Tensor,
+    device: torch.device,
+    batch_sizes: Sequence[int],
+    *,
+    repeats: int = 3,
+    warmup: int = 2,
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+) -> list[BenchRow]:
+    """Time ``fn`` over the rows of ``x`` at each batch size; one :class:`BenchRow` per size.
+
+    ``x`` holds rows on the CPU (float32 for a model bundle). For each batch size, ``x`` is split
+    into consecutive batches, each moved to ``device`` with ``non_blocking=True`` (from pinned
+    memory on CUDA) and passed to ``fn`` under ``torch.inference_mode()``; CUDA is synchronised
+    before the clock is read. A pass is every batch of the sample; ``warmup`` untimed passes come
+    first, then the best of ``repeats`` timed passes is kept.
+
+    Work is bounded two ways: when ``x`` has fewer rows than a batch size its rows are repeated
+    to make one full batch; and once ``time_budget_s`` has been spent on a batch size no further
+    pass is started (the first warmup pass and the first timed pass always run, so each row
+    rests on at least one real measurement).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    bad = [b for b in batch_sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    if bad:
+        raise ValueError(f"batch sizes must be integers >= 1; got {bad}")
+    _check_sample(x)
+    x = x.contiguous()  # so that every batch slice is contiguous, as the loader's batches are
+    return [
+        _bench_one(fn, x, device, b, repeats=repeats, warmup=warmup, time_budget_s=time_budget_s)
+        for b in batch_sizes
+    ]
+
+
+def format_table(rows: Sequence[BenchRow]) -> str:
+    """The sweep as an aligned text table: ``batch  calls  ms  samples/s  ms/sample``."""
+    header = ("batch", "calls", "ms", "samples/s", "ms/sample")
+    cells = [
+        (
+            f"{r.batch:,}",
+            f"{r.calls:,}",
+            f"{r.ms:,.2f}",
+            f"{r.samples_per_s:,.0f}",
+            f"{r.ms_per_sample:.5f}",
+        )
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in [header, *cells]) for i in range(len(header))]
+    # Right-aligned, so that the digits of each column line up.
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True))
+        for line in [header, *cells]
+    )
+
+
+def _cuda_peak_bytes(fn: ModelFn, x: torch.Tensor, device: torch.device, batch: int) -> int | None:
+    """Peak bytes allocated on ``device`` during one call at ``batch`` rows; None on OOM.
+
+    The peak includes everything this process holds there (weights, other tensors), which is
+    what has to fit.
+    """
+    data = _sample_for(x, batch)[:batch]
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with torch.inference_mode():
+            fn(data.to(device))
+        _sync(device)
+    except Exception as e:
+        if not _is_oom(e):
+            raise
+        torch.cuda.empty_cache()  # give the failed attempt's cached blocks back
+        return None
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def auto_batch_size(
+    fn: ModelFn,
+    x: torch.Tensor,
+    device: torch.device,
+    *,
+    start: int = 32,
+    max_batch: int = 65536,
+    min_gain: float = 0.05,
+    memory_budget_bytes: int | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+) -> tuple[int, list[BenchRow]]:
+    """Choose a batch size by the textbook's recipe; returns (chosen size, the sweep).
+
+    Start at ``start`` and double while throughput improves by at least ``min_gain`` over the
+    best so far, the size stays at most ``max_batch``, and the batch fits the memory budget. The
+    chosen size is the last one that improved. The sweep holds every size that was measured,
+    including the one that did not improve enough; that one is less than ``1 + min_gain`` times
+    faster than the choice, so with the default 5% the choice is within 5% of the sweep's best.
+
+    Memory, checked before a size is timed (a size that does not fit is neither timed nor put in
+    the sweep):
+
+    - CUDA: one call at the size, after ``torch.cuda.reset_peak_memory_stats``; its
+      ``torch.cuda.max_memory_allocated`` (weights and every other tensor of this process
+      included) must not exceed ``memory_budget_bytes``. Without a budget, the limit is what was
+      allocated when the sweep began plus half of the device memory free then. An out-of-memory
+      error counts as not fitting.
+    - CPU: no check unless ``memory_budget_bytes`` is given. Then a batch is estimated to need
+      ``batch * row_bytes * 64`` bytes, where ``row_bytes`` is one input row's size. It is a
+      deliberately simple bound: measuring activations (``torch.profiler``) costs more than the
+      sweep, and process RSS barely moves because the allocator reuses freed memory. It
+      over-estimates MLPs whose layers are up to about 16 times their input width (the demo's
+      16-256-128-2 needs about 25 bytes per input byte) and under-estimates wider ones, which
+      should pass a budget scaled to match.
+
+    If ``start`` does not fit, it is halved until a size fits, and that size alone is measured
+    and chosen; if no size fits, :class:`ValueError` is raised.
+    """
+    if start < 1 or max_batch < start:
+        raise ValueError(f"need 1 <= start <= max_batch; got start={start}, max_batch={max_batch}")
+    if min_gain < 0:
+        raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+    _check_sample(x)
+    x = x.contiguous()
+    row_bytes = x[0].numel() * x.element_size()
+
+    budget = memory_budget_bytes
+    if device.type == "cuda" and budget is None:
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(torch.cuda.memory_allocated(device) + DEFAULT_CUDA_FREE_FRACTION * free)
+
+    def fits(batch: int) -> bool:
+        if budget is None:
+            return True
+        if device.type == "cuda":
+            peak = _cuda_peak_bytes(fn, x, device, batch)
+            ok = peak is not None and peak <= budget
+            logger.debug("batch %d: peak %s bytes on %s (budget %d)", batch, peak, device, budget)
+            return ok
+        return batch * row_bytes * CPU_BYTES_PER_INPUT_BYTE <= budget
+
+    def measure(batch: int) -> BenchRow | None:
+        try:
+            (row,) = bench_batch_sizes(
+                fn,
+                x,
+                device,
+                [batch],
+                repeats=repeats,
+                warmup=warmup,
+                time_budget_s=time_budget_s,
+            )
+        except Exception as e:
+            # Memory use varies a little from call to call; an OOM while timing also means
+            # "does not fit", anything else is a real error.
+            if device.type != "cuda" or not _is_oom(e):
+                raise
+            torch.cuda.empty_cache()
+            return None
+        return row
+
+    first = start
+    while not fits(first):
+        if first == 1:
+            raise ValueError(
+                f"even a batch of 1 row does not fit the memory budget of {budget:,} bytes "
+                f"on {device}"
+            )
+        first //= 2
+    row = measure(first)
+    if row is None:
+        raise ValueError(f"a batch of {first} rows ran out of memory on {device}")
+    sweep = [row]
+    best = row
+    reason = f"the start size {start} does not fit the memory budget" if first < start else ""
+    batch = first * 2
+    while not reason:
+        if batch > max_batch:
+            reason = f"the next size {batch} is over max_batch {max_batch}"
+        elif not fits(batch):
+            reason = f"batch {batch} does not fit the memory budget"
+        elif (row := measure(batch)) is None:
+            reason = f"batch {batch} ran out of memory"
+        else:
+            sweep.append(row)
+            if row.samples_per_s >= best.samples_per_s * (1 + min_gain):
+                best = row
+                batch *= 2
+            else:
+                gain = row.samples_per_s / best.samples_per_s - 1
+                reason = f"batch {batch} gained {gain:+.1%} over {best.batch} (< {min_gain:.0%})"
+    logger.info(
+        "batch size %d on %s: %.0f rows/s; stopped because %s",
+        best.batch,
+        device,
+        best.samples_per_s,
+        reason,
+    )
+    return best.batch, sweep
+
+
+def cache_key(model_sha256: str, device: str | torch.device, precision: str) -> str:
+    """The :class:`BatchSizeCache` key of a model on a device at a precision."""
+    return f"{model_sha256}|{device}|{precision}"
+
+
+def default_cache_path() -> Path:
+    """``$XDG_CACHE_HOME/score-catalog/batch_sizes.json``, else ``~/.cache/score-catalog/...``.
+
+    Not a ``SCORE_CATALOG_*`` variable: the config layer rejects unknown ones. A relative
+    ``XDG_CACHE_HOME`` is ignored, as the XDG base directory spec requires.
+    """
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "score-catalog" / "batch_sizes.json"
+
+
+class BatchSizeCache:
+    """Chosen batch sizes in a small JSON file: key -> ``{batch_size, measured_at, sweep}``.
+
+    Keys come from :func:`cache_key`. Writes replace the whole file atomically (a temporary file
+    in the same directory, then ``os.replace``), so a reader never sees half a file; two
+    processes writing at once may lose one entry, which only costs a new sweep. A file that is
+    unreadable or not what this class writes is ignored with a warning: a cache must never stop
+    a run.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            logger.warning("ignoring batch-size cache %s: cannot read it (%s)", self.path, e)
+            return {}
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            logger.warning("ignoring batch-size cache %s: not valid JSON (%s)", self.path, e)
+            return {}
+        if not isinstance(doc, dict):
+            logger.warning(
+                "ignoring batch-size cache %s: expected a JSON object, found %s",
+                self.path,
+                type(doc).__name__,
+            )
+            return {}
+        return doc
+
+    def get(self, key: str) -> int | None:
+        """The cached batch size for ``key``, or None (missing, or an unusable entry)."""
+        entry = self._load().get(key)
+        if entry is None:
+            return None
+        size = entry.get("batch_size") if isinstance(entry, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            logger.warning(
+                "ignoring batch-size cache entry %r in %s: batch_size %r is not an integer >= 1",
+                key,
+                self.path,
+                size,
+            )
+            return None
+        return size
+
+    def put(self, key: str, batch_size: int, sweep: Sequence[BenchRow]) -> None:
+        """Record ``batch_size`` (and the sweep it came from) for ``key``, atomically."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        doc = self._load()
+        doc[key] = {
+            "batch_size": batch_size,
+            "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "sweep": [asdict(r) for r in sweep],
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Hidden and in the same directory: os.replace is atomic only within one filesystem.
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.tmp-")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2, sort_keys=True)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
