@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from pipeline.cli_bench import bench
 from pipeline.errors import EXIT_CODES_HELP, EXIT_RUN_FAILED, PipelineError
 
 logger = logging.getLogger("pipeline")
@@ -252,6 +253,8 @@ def demo(
     else:
         click.echo(f"model bundle {model_dir} exists (use --train-model to retrain)")
 
+
+main.add_command(bench)
 
 if __name__ == "__main__":  # pragma: no cover
     try:

@@ -129,19 +129,27 @@ _PREPARED: dict[tuple[int, ExecutionOptions], tuple[LoadedModel, float | None]] 
 _LOCK = threading.Lock()
 
 
-def prepare(model: LoadedModel, opts: ExecutionOptions) -> tuple[LoadedModel, float | None]:
-    """The model set up to run with ``opts`` (once per process), and the compile seconds."""
+def prepare(
+    model: LoadedModel, opts: ExecutionOptions, *, warm_rows: int = 2
+) -> tuple[LoadedModel, float | None]:
+    """The model set up to run with ``opts`` (once per process), and the compile seconds.
+
+    With ``compile``, the model is compiled for ``warm_rows`` rows right away (pass the batch
+    size, so the first real batch does not pay for it).
+    """
     key = (id(model), opts)
     with _LOCK:
         hit = _PREPARED.get(key)
         if hit is not None:
             return hit
-        prepared = _prepare(model, opts)
+        prepared = _prepare(model, opts, warm_rows)
         _PREPARED[key] = prepared
         return prepared
 
 
-def _prepare(model: LoadedModel, opts: ExecutionOptions) -> tuple[LoadedModel, float | None]:
+def _prepare(
+    model: LoadedModel, opts: ExecutionOptions, warm_rows: int
+) -> tuple[LoadedModel, float | None]:
     dev = model.device
     if opts.precision not in PRECISIONS:
         raise ConfigError(f"precision {opts.precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -174,9 +182,12 @@ def _prepare(model: LoadedModel, opts: ExecutionOptions) -> tuple[LoadedModel, f
     compile_s = None
     if opts.compile:
         t0 = time.perf_counter()
-        module = torch.compile(module, dynamic=True)
+        # Static shapes: every full batch has the same size, and a static graph ran 1.8x faster
+        # than a dynamic one here (20 vs 36-41 ms per 4096 rows). A shard's shorter last batch
+        # gets a graph of its own (dynamo falls back to eager past its recompile limit).
+        module = torch.compile(module, dynamic=False)
         with torch.inference_mode():
-            module(torch.zeros(2, model.width, device=dev))  # compile now, not in the first batch
+            module(torch.zeros(max(1, warm_rows), model.width, device=dev))
         compile_s = time.perf_counter() - t0
         logger.info("torch.compile took %.1fs", compile_s)
     return dataclasses.replace(model, module=module), compile_s

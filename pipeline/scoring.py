@@ -135,7 +135,11 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
         options=task.storage_options,
         expected_sha256=task.model_sha256,
     )
-    model, _ = prepare(model, ExecutionOptions(task.precision, task.compile, task.strict_fp32))
+    model, _ = prepare(
+        model,
+        ExecutionOptions(task.precision, task.compile, task.strict_fp32),
+        warm_rows=task.batch_size,
+    )
     spec = model.spec
     meta_cols = (task.id_column, *task.passthrough)
     dataset = ShardBatches(

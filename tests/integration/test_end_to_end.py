@@ -268,3 +268,27 @@ def test_empty_shard_gets_an_empty_output_with_the_schema(bundle_dir: Path, tmp_
     assert empty.num_rows == 0
     assert empty.column_names == ["item_id", "category", "score", "label", "model_version"]
     assert json.loads((out / "_report.json").read_text())["rows_out"] == 900
+
+
+def test_batch_size_auto_is_measured_once_then_cached(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    reps = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        res = CliRunner().invoke(
+            main, _args(catalog, out, bundle_dir, "--scheduler", "sync", "--batch-size", "auto")
+        )
+        assert res.exit_code == 0, res.output
+        reps.append(report(out))
+    first, second = (r["execution"]["batch_size_auto"] for r in reps)
+    assert first["cached"] is False and second["cached"] is True
+    sweep = first["sweep"]
+    assert sweep[0]["batch"] == 32
+    best = max(r["samples_per_s"] for r in sweep)
+    chosen = next(r for r in sweep if r["batch"] == first["batch_size"])
+    assert chosen["samples_per_s"] >= 0.9 * best
+    assert reps[0]["batch_size"] == reps[1]["batch_size"] == first["batch_size"]
+    assert (tmp_path / "cache" / "score-catalog" / "batch_sizes.json").exists()
+    assert reps[1]["rows_out"] == 7300

@@ -1,0 +1,477 @@
+"""Tests for pipeline.tuning (batch-size sweeps, auto choice, cache) and the bench command.
+
+No mocks: the models are real bundles, and where a test needs throughput it can predict, the
+model is a plain function that sleeps a controlled time per call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipeline.cli_bench import bench
+from pipeline.errors import EXIT_INPUT, EXIT_USAGE
+from pipeline.model import LoadedModel, forward, load_model
+from pipeline.tuning import (
+    CPU_BYTES_PER_INPUT_BYTE,
+    BatchSizeCache,
+    BenchRow,
+    auto_batch_size,
+    bench_batch_sizes,
+    cache_key,
+    default_cache_path,
+    format_table,
+)
+from tests.conftest import write_shards
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread: on a 2-core machine shared with other test runs, two OpenMP threads
+    make each call 10-40x slower whenever another process is busy (FACTS.md, "Threads")."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(bundle_dir: Path) -> LoadedModel:
+    return load_model(str(bundle_dir), "cpu")
+
+
+def model_fn(m: LoadedModel) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return forward(m, x)
+
+    return fn
+
+
+class SleepModel:
+    """A model whose cost is known: ``max(floor_s, rows * per_row_s)`` of sleep per call.
+
+    Up to ``floor_s / per_row_s`` rows a call costs the same, so throughput doubles with the
+    batch size; beyond that it is flat. The gains the doubling rule sees are 2x or about 1x,
+    never near the 5% threshold, so timing noise cannot change the outcome.
+    """
+
+    def __init__(self, floor_s: float = 0.02, per_row_s: float = 1e-5) -> None:
+        self.floor_s = floor_s
+        self.per_row_s = per_row_s
+        self.calls: list[int] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        time.sleep(max(self.floor_s, x.shape[0] * self.per_row_s))
+        return x
+
+
+# --------------------------------------------------------------------------------------------
+# bench_batch_sizes and format_table
+# --------------------------------------------------------------------------------------------
+
+
+def test_bench_one_row_per_size_on_a_real_model(model: LoadedModel) -> None:
+    x = torch.randn(300, model.width)
+    sizes = [1, 7, 64, 300]
+    rows = bench_batch_sizes(model_fn(model), x, CPU, sizes, repeats=2, warmup=1)
+    assert [r.batch for r in rows] == sizes
+    for r in rows:
+        assert r.calls == math.ceil(300 / r.batch)
+        assert r.ms > 0 and r.samples_per_s > 0 and r.ms_per_sample > 0
+        # The three timing columns describe the same pass of 300 rows.
+        assert r.samples_per_s == pytest.approx(300 / (r.ms / 1e3), rel=1e-9)
+        assert r.ms_per_sample == pytest.approx(r.ms / 300, rel=1e-9)
+
+
+def test_bench_repeats_rows_to_fill_one_batch() -> None:
+    fn = SleepModel(floor_s=0.0, per_row_s=0.0)
+    (row,) = bench_batch_sizes(fn, torch.randn(10, 4), CPU, [64], repeats=1, warmup=0)
+    assert row.calls == 1
+    assert fn.calls == [64]  # a full batch, not the 10 rows there are
+    assert row.samples_per_s == pytest.approx(64 / (row.ms / 1e3), rel=1e-9)
+
+
+def test_bench_splits_into_full_batches_and_a_short_tail() -> None:
+    fn = SleepModel(floor_s=0.0, per_row_s=0.0)
+    bench_batch_sizes(fn, torch.randn(100, 4), CPU, [32], repeats=1, warmup=0)
+    assert fn.calls == [32, 32, 32, 4]
+
+
+def test_bench_passes_run_under_inference_mode_with_cpu_batches_of_the_sample() -> None:
+    seen: list[tuple[bool, str, torch.dtype]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append((torch.is_inference_mode_enabled(), x.device.type, x.dtype))
+        return x
+
+    bench_batch_sizes(fn, torch.randn(8, 3), CPU, [4], repeats=1, warmup=1)
+    assert seen == [(True, "cpu", torch.float32)] * 4  # 2 passes (warmup + timed) x 2 calls
+
+
+def test_bench_time_budget_stops_adding_passes() -> None:
+    fn = SleepModel(floor_s=0.01, per_row_s=0.0)
+    # A spent budget: only the first warmup pass and the first timed pass run.
+    bench_batch_sizes(fn, torch.randn(4, 2), CPU, [4], repeats=10, warmup=5, time_budget_s=0.0)
+    assert len(fn.calls) == 2
+    fn.calls.clear()
+    bench_batch_sizes(fn, torch.randn(4, 2), CPU, [4], repeats=10, warmup=0, time_budget_s=0.0)
+    assert len(fn.calls) == 1
+    fn.calls.clear()
+    # A generous budget: every requested pass runs.
+    bench_batch_sizes(fn, torch.randn(4, 2), CPU, [4], repeats=3, warmup=2, time_budget_s=60)
+    assert len(fn.calls) == 5
+
+
+def test_bench_reports_the_best_pass() -> None:
+    durations = iter([0.0, 0.08, 0.02, 0.05])  # warmup, then three timed passes
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        time.sleep(next(durations))
+        return x
+
+    (row,) = bench_batch_sizes(fn, torch.randn(4, 2), CPU, [4], repeats=3, warmup=1)
+    assert 20 <= row.ms < 50  # the 20 ms pass (sleep never returns early)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_sizes": [0]}, "batch sizes must be integers >= 1"),
+        ({"repeats": 0}, "repeats must be >= 1"),
+        ({"warmup": -1}, "warmup must be >= 0"),
+        ({"x": torch.empty(0, 4)}, "at least one row"),
+        ({"x": torch.randn(4, 4, device="meta")}, "must be on the CPU"),
+    ],
+)
+def test_bench_rejects_bad_arguments(kwargs: dict, message: str) -> None:
+    args = {"x": torch.randn(4, 4), "batch_sizes": [2], **kwargs}
+    with pytest.raises(ValueError, match=message):
+        bench_batch_sizes(lambda t: t, args.pop("x"), CPU, args.pop("batch_sizes"), **args)
+
+
+def test_format_table_has_header_and_one_aligned_line_per_size() -> None:
+    rows = [
+        BenchRow(1, 16384, 812.5, 20165.0, 0.0496),
+        BenchRow(4096, 4, 7.25, 2259862.1, 0.00044),
+    ]
+    lines = format_table(rows).splitlines()
+    assert lines[0].split() == ["batch", "calls", "ms", "samples/s", "ms/sample"]
+    assert len(lines) == 1 + len(rows)
+    assert len({len(line) for line in lines}) == 1  # right-aligned columns: equal widths
+    assert lines[1].split()[:2] == ["1", "16,384"]
+    assert lines[2].split()[:4] == ["4,096", "4", "7.25", "2,259,862"]
+    # Each column's last character lines up with its header's.
+    for word in ("batch", "calls", "ms/sample"):
+        end = lines[0].index(word) + len(word)
+        assert all(line[end - 1] != " " for line in lines)
+
+
+# --------------------------------------------------------------------------------------------
+# auto_batch_size
+# --------------------------------------------------------------------------------------------
+
+
+def assert_follows_the_rule(
+    chosen: int, sweep: list[BenchRow], start: int, min_gain: float
+) -> None:
+    """The sweep doubles from ``start``, each step gained >= min_gain over the best so far
+    except the last one, and the choice is the last size that gained."""
+    assert [r.batch for r in sweep] == [start * 2**i for i in range(len(sweep))]
+    best = sweep[0]
+    for r in sweep[1:]:
+        if r.samples_per_s >= best.samples_per_s * (1 + min_gain):
+            best = r
+        else:
+            assert r is sweep[-1], "doubling went on after a step that gained too little"
+    assert chosen == best.batch
+    top = max(r.samples_per_s for r in sweep)
+    assert best.samples_per_s >= 0.9 * top
+
+
+def test_auto_on_a_real_model_chooses_within_10_percent_of_its_sweep(model: LoadedModel) -> None:
+    x = torch.randn(2048, model.width)
+    chosen, sweep = auto_batch_size(model_fn(model), x, CPU, max_batch=4096, repeats=2)
+    assert sweep[0].batch == 32
+    assert chosen in [r.batch for r in sweep]
+    assert_follows_the_rule(chosen, sweep, 32, 0.05)
+
+
+def test_auto_stops_doubling_when_the_gain_is_under_min_gain() -> None:
+    # 20 ms per call up to 2,000 rows, then 10 us per row: throughput doubles up to 2,048 rows
+    # (20.5 ms, so it still gains 95%), and 4,096 rows gain about 0%. Timing overhead per call
+    # favours the larger batch, but it would take over 2 ms of it to reach the 5% threshold.
+    fn = SleepModel(floor_s=0.02, per_row_s=1e-5)
+    chosen, sweep = auto_batch_size(fn, torch.randn(64, 4), CPU, repeats=2, warmup=1)
+    assert [r.batch for r in sweep] == [32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert chosen == 2048
+    assert_follows_the_rule(chosen, sweep, 32, 0.05)
+    assert max(fn.calls) == 4096  # never went past the size that stopped it
+
+
+def test_auto_honours_start_and_max_batch() -> None:
+    fn = SleepModel(floor_s=0.002, per_row_s=0.0)  # every doubling doubles throughput
+    chosen, sweep = auto_batch_size(fn, torch.randn(16, 4), CPU, start=8, max_batch=100)
+    assert [r.batch for r in sweep] == [8, 16, 32, 64]
+    assert chosen == 64
+
+
+def test_auto_cpu_memory_budget_bounds_the_sweep() -> None:
+    fn = SleepModel(floor_s=0.002, per_row_s=0.0)
+    x = torch.randn(16, 4)
+    per_row = 4 * x.element_size() * CPU_BYTES_PER_INPUT_BYTE
+    chosen, sweep = auto_batch_size(fn, x, CPU, memory_budget_bytes=128 * per_row)
+    assert [r.batch for r in sweep] == [32, 64, 128]
+    assert chosen == 128
+    assert max(fn.calls) == 128  # 256 rows were never run
+
+    # A start size over budget is halved until it fits, and that size is the answer.
+    fn.calls.clear()
+    chosen, sweep = auto_batch_size(fn, x, CPU, memory_budget_bytes=20 * per_row)
+    assert (chosen, [r.batch for r in sweep]) == (16, [16])
+    with pytest.raises(ValueError, match="even a batch of 1 row"):
+        auto_batch_size(fn, x, CPU, memory_budget_bytes=per_row - 1)
+
+
+def test_auto_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="start <= max_batch"):
+        auto_batch_size(lambda t: t, torch.randn(4, 4), CPU, start=64, max_batch=32)
+    with pytest.raises(ValueError, match="start <= max_batch"):
+        auto_batch_size(lambda t: t, torch.randn(4, 4), CPU, start=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_on_cuda(bundle_dir: Path) -> None:
+    dev = torch.device("cuda")
+    m = load_model(str(bundle_dir), dev)
+    chosen, sweep = auto_batch_size(
+        model_fn(m), torch.randn(4096, m.width), dev, max_batch=1 << 16, repeats=1
+    )
+    assert sweep[0].batch == 32
+    assert_follows_the_rule(chosen, sweep, 32, 0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_on_cuda_never_times_a_batch_over_the_memory_budget() -> None:
+    dev = torch.device("cuda")
+    seen: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        # A real allocation of 4 KiB per row on the device, on top of the 64-byte input row.
+        seen.append(x.shape[0])
+        return torch.empty(x.shape[0] * 1024, device=x.device)
+
+    torch.cuda.synchronize(dev)
+    budget = torch.cuda.memory_allocated(dev) + (1 << 20)
+    chosen, sweep = auto_batch_size(
+        fn, torch.randn(64, 16), dev, memory_budget_bytes=budget, repeats=1
+    )
+    # 128 rows need about 520 KiB and fit; 256 rows need just over 1 MiB and do not: if the
+    # sweep got that far, 256 rows were probed once for memory and never timed.
+    assert [r.batch for r in sweep] == [32, 64, 128][: len(sweep)]
+    assert chosen <= 128
+    assert max(seen) <= 256
+    if 256 in seen:
+        assert seen.count(256) == 1
+        assert len(sweep) == 3
+
+
+# --------------------------------------------------------------------------------------------
+# BatchSizeCache
+# --------------------------------------------------------------------------------------------
+
+SWEEP = [BenchRow(32, 4, 1.0, 32000.0, 0.03125), BenchRow(64, 2, 1.5, 42666.7, 0.0234)]
+
+
+def test_cache_round_trip_and_file_contents(tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "dir" / "batch_sizes.json"
+    cache = BatchSizeCache(path)
+    key = cache_key("ab" * 32, "cpu", "fp32")
+    assert key == f"{'ab' * 32}|cpu|fp32"
+    assert cache.get(key) is None  # no file yet
+    cache.put(key, 64, SWEEP)
+    assert BatchSizeCache(path).get(key) == 64
+    entry = json.loads(path.read_text())[key]
+    assert entry["batch_size"] == 64
+    assert entry["measured_at"].endswith("+00:00")  # ISO 8601, UTC
+    assert entry["sweep"][1] == {
+        "batch": 64,
+        "calls": 2,
+        "ms": 1.5,
+        "samples_per_s": 42666.7,
+        "ms_per_sample": 0.0234,
+    }
+    cache.put(key, 128, SWEEP)  # overwrite
+    assert cache.get(key) == 128
+
+
+def test_cache_keys_separate_device_and_precision(tmp_path: Path) -> None:
+    cache = BatchSizeCache(tmp_path / "c.json")
+    sha = "0" * 64
+    cache.put(cache_key(sha, "cpu", "fp32"), 4096, SWEEP)
+    cache.put(cache_key(sha, "cpu", "bf16"), 8192, SWEEP)
+    cache.put(cache_key(sha, torch.device("cuda:0"), "fp32"), 65536, SWEEP)
+    assert cache.get(cache_key(sha, "cpu", "fp32")) == 4096
+    assert cache.get(cache_key(sha, "cpu", "bf16")) == 8192
+    assert cache.get(cache_key(sha, "cuda:0", "fp32")) == 65536
+    assert cache.get(cache_key(sha, "cuda:1", "fp32")) is None
+    assert cache.get(cache_key("1" * 64, "cpu", "fp32")) is None
+
+
+def test_cache_writes_leave_no_temporary_files(tmp_path: Path) -> None:
+    cache = BatchSizeCache(tmp_path / "batch_sizes.json")
+    for i in range(5):
+        cache.put(f"k{i}", 32 << i, SWEEP)
+    assert [p.name for p in tmp_path.iterdir()] == ["batch_sizes.json"]
+
+
+def test_cache_failed_write_keeps_the_old_file_and_no_temporary(tmp_path: Path) -> None:
+    path = tmp_path / "batch_sizes.json"
+    cache = BatchSizeCache(path)
+    cache.put("k", 32, SWEEP)
+    before = path.read_bytes()
+    unserialisable = [BenchRow(32, 1, object(), 1.0, 1.0)]  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        cache.put("k2", 64, unserialisable)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["batch_sizes.json"]
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['{"k": {"batch_size": 3', "[1, 2]", "\x00\x01garbage", ""],
+    ids=["truncated", "not-an-object", "binary", "empty"],
+)
+def test_corrupt_cache_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: str
+) -> None:
+    path = tmp_path / "batch_sizes.json"
+    path.write_text(content)
+    cache = BatchSizeCache(path)
+    with caplog.at_level(logging.WARNING, logger="pipeline.tuning"):
+        assert cache.get("k") is None
+    assert any(r.levelno == logging.WARNING and str(path) in r.getMessage() for r in caplog.records)
+    # The next put replaces the corrupt file with a good one.
+    cache.put("k", 256, SWEEP)
+    assert cache.get("k") == 256
+
+
+@pytest.mark.parametrize("bad", [{"batch_size": "big"}, {"batch_size": 0}, {"batch_size": True}, 7])
+def test_unusable_cache_entry_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, bad: object
+) -> None:
+    path = tmp_path / "batch_sizes.json"
+    path.write_text(json.dumps({"k": bad, "good": {"batch_size": 64}}))
+    cache = BatchSizeCache(path)
+    with caplog.at_level(logging.WARNING, logger="pipeline.tuning"):
+        assert cache.get("k") is None
+    assert "ignoring batch-size cache entry 'k'" in caplog.text
+    assert cache.get("good") == 64
+
+
+def test_cache_put_rejects_a_bad_batch_size(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="integer >= 1"):
+        BatchSizeCache(tmp_path / "c.json").put("k", 0, SWEEP)
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_default_cache_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_path() == tmp_path / "xdg" / "score-catalog" / "batch_sizes.json"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for unusable in ("", "relative/dir"):
+        monkeypatch.setenv("XDG_CACHE_HOME", unusable)
+        expected = tmp_path / "home" / ".cache" / "score-catalog" / "batch_sizes.json"
+        assert default_cache_path() == expected
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_path() == expected
+
+
+# --------------------------------------------------------------------------------------------
+# score-catalog bench
+# --------------------------------------------------------------------------------------------
+
+BENCH_FAST = ["--batch-sizes", "1,32,256", "--rows", "512", "--repeats", "1", "--threads", "1"]
+
+
+def table_sizes(output: str) -> list[str]:
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["batch", "calls"])
+    return [line.split()[0] for line in lines[start + 1 :]]
+
+
+def test_bench_command_prints_header_and_table(bundle_dir: Path) -> None:
+    threads = torch.get_num_threads()
+    result = CliRunner().invoke(bench, ["--model", str(bundle_dir), "--device", "cpu", *BENCH_FAST])
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.startswith("model test-mlp v1 (")
+    assert "on cpu, torch threads 1, 512 rows random normal" in first
+    assert table_sizes(result.output) == ["1", "32", "256"]
+    assert torch.get_num_threads() == threads  # restored for the rest of this process
+
+
+def test_bench_command_with_real_rows(bundle_dir: Path, tmp_path: Path) -> None:
+    write_shards(tmp_path / "cat", [300, 200], row_group_rows=128)
+    args = ["--model", str(bundle_dir), "--device", "cpu", "--input", str(tmp_path / "cat")]
+    result = CliRunner().invoke(bench, [*args, *BENCH_FAST])
+    assert result.exit_code == 0, result.output
+    # Only the first shard is read; its 300 rows are repeated up to --rows.
+    assert "part-00000.parquet (300 distinct rows repeated)" in result.output
+    assert table_sizes(result.output) == ["1", "32", "256"]
+
+
+@pytest.mark.parametrize("sizes", ["0,x", "0", "x", "32,,64", "-4"])
+def test_bench_command_bad_batch_sizes_exit_2(bundle_dir: Path, sizes: str) -> None:
+    result = CliRunner().invoke(bench, ["--model", str(bundle_dir), "--batch-sizes", sizes])
+    assert result.exit_code == EXIT_USAGE
+    assert "--batch-sizes" in result.output
+
+
+def test_bench_command_missing_bundle_exits_3(tmp_path: Path) -> None:
+    result = CliRunner().invoke(bench, ["--model", str(tmp_path / "nope"), *BENCH_FAST])
+    assert result.exit_code == EXIT_INPUT
+    assert "error: model bundle" in result.stderr
+    assert "no model.toml" in result.stderr
+
+
+def test_bench_command_input_without_shards_exits_3(bundle_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(
+        bench, ["--model", str(bundle_dir), "--input", str(tmp_path / "empty"), *BENCH_FAST]
+    )
+    assert result.exit_code == EXIT_INPUT
+    assert "matched no Parquet shards" in result.stderr
+
+
+def test_bench_command_unavailable_device_exits_2(bundle_dir: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    result = CliRunner().invoke(bench, ["--model", str(bundle_dir), "--device", "cuda"])
+    assert result.exit_code == EXIT_USAGE
+    assert "is not available on this machine" in result.stderr
+
+
+def test_bench_command_input_missing_features_exits_3(bundle_dir: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"item_id": [1, 2], "f0": [0.5, 1.5]}), tmp_path / "x.parquet")
+    result = CliRunner().invoke(
+        bench, ["--model", str(bundle_dir), "--input", str(tmp_path / "x.parquet"), *BENCH_FAST]
+    )
+    assert result.exit_code == EXIT_INPUT
+    assert "feature column 'f1' is missing" in result.stderr
+    assert "id column" not in result.stderr  # bench needs no id column
