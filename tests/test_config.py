@@ -316,7 +316,7 @@ def test_type_errors_all_reported() -> None:
     problems = problems_of(excinfo)
     assert sorted(problems) == sorted(
         [
-            'batch_size = \'8\' must be an integer or "auto"',
+            "batch_size = '8' must be an integer or \"auto\"",
             "force = 'yes' must be true or false",
             "passthrough = 'category' must be a list of strings",
             "workers = 2.0 must be an integer",
@@ -743,4 +743,4 @@ def test_junk_env_vars_always_rejected_and_named(junk: Mapping[str, str]) -> Non
 def test_nan_is_not_a_valid_batch_size_from_env() -> None:
     with pytest.raises(ConfigError) as excinfo:
         build_config(env={"SCORE_CATALOG_BATCH_SIZE": "nan"}, overrides=BASE)
-    assert problems_of(excinfo) == ['SCORE_CATALOG_BATCH_SIZE=\'nan\' is not an integer or "auto"']
+    assert problems_of(excinfo) == ["SCORE_CATALOG_BATCH_SIZE='nan' is not an integer or \"auto\""]

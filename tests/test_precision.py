@@ -41,7 +41,8 @@ def test_fp32_is_the_model_itself(model) -> None:  # type: ignore[no-untyped-def
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_reduced_precision_stays_within_its_default_tolerance(
-    model, precision: str  # type: ignore[no-untyped-def]
+    model,
+    precision: str,  # type: ignore[no-untyped-def]
 ) -> None:
     prepared, _ = prepare(model, ExecutionOptions(precision=precision))
     x = torch.randn(2048, 16, generator=torch.Generator().manual_seed(1))
@@ -59,8 +60,10 @@ def test_reduced_precision_stays_within_its_default_tolerance(
 
 
 def test_check_parity_names_the_column_and_the_difference() -> None:
-    cols = {"score": {"max_abs_diff": 0.3, "mean_abs_diff": 0.01},
-            "label": {"mismatch_fraction": 0.2}}
+    cols = {
+        "score": {"max_abs_diff": 0.3, "mean_abs_diff": 0.01},
+        "label": {"mismatch_fraction": 0.2},
+    }
     with pytest.raises(ModelError) as e:
         check_parity(cols, "int8", 0.1, "model bundle X")
     msg = str(e.value)
@@ -69,7 +72,8 @@ def test_check_parity_names_the_column_and_the_difference() -> None:
 
 
 def test_unsupported_combinations_are_config_errors(
-    model, torchscript_bundle_dir: Path  # type: ignore[no-untyped-def]
+    model,
+    torchscript_bundle_dir: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):
         prepare(model, ExecutionOptions(precision="fp16"))
@@ -95,8 +99,13 @@ def test_to_device_ahead_passes_cpu_batches_through() -> None:
     from pipeline.reading import Features
 
     batches = [
-        Batch(i, pa.record_batch({"id": [i]}), Features(np.zeros((1, 2), np.float32),
-              np.ones(1, bool), None), np.zeros(1, np.int32), torch.zeros(1, 2))
+        Batch(
+            i,
+            pa.record_batch({"id": [i]}),
+            Features(np.zeros((1, 2), np.float32), np.ones(1, bool), None),
+            np.zeros(1, np.int32),
+            torch.zeros(1, 2),
+        )
         for i in range(3)
     ]
     out = list(to_device_ahead(iter(batches), torch.device("cpu")))
@@ -113,9 +122,13 @@ def test_to_device_ahead_copies_in_order_on_cuda() -> None:  # pragma: no cover 
 
     dev = torch.device("cuda")
     batches = [
-        Batch(i, pa.record_batch({"id": [i]}), Features(np.full((4, 2), i, np.float32),
-              np.ones(4, bool), None), np.zeros(4, np.int32),
-              torch.full((4, 2), float(i)).pin_memory())
+        Batch(
+            i,
+            pa.record_batch({"id": [i]}),
+            Features(np.full((4, 2), i, np.float32), np.ones(4, bool), None),
+            np.zeros(4, np.int32),
+            torch.full((4, 2), float(i)).pin_memory(),
+        )
         for i in range(5)
     ]
     out = list(to_device_ahead(iter(batches), dev))
@@ -129,10 +142,24 @@ def test_cli_bf16_run_keeps_rows_order_and_reports_parity(
     outs = {}
     for precision in ("fp32", "bf16"):
         out = tmp_path / precision
-        res = CliRunner().invoke(main, [
-            "run", "--input", str(catalog), "--output", str(out), "--model", str(bundle_dir),
-            "--scheduler", "sync", "--batch-size", "300", "--precision", precision,
-        ])
+        res = CliRunner().invoke(
+            main,
+            [
+                "run",
+                "--input",
+                str(catalog),
+                "--output",
+                str(out),
+                "--model",
+                str(bundle_dir),
+                "--scheduler",
+                "sync",
+                "--batch-size",
+                "300",
+                "--precision",
+                precision,
+            ],
+        )
         assert res.exit_code == 0, res.output
         outs[precision] = out
     rep = report(outs["bf16"])
@@ -155,10 +182,24 @@ def test_parity_beyond_tolerance_fails_before_anything_is_written(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "o"
-    res = CliRunner().invoke(main, [
-        "run", "--input", str(catalog), "--output", str(out), "--model", str(bundle_dir),
-        "--scheduler", "sync", "--precision", "bf16", "--parity-tolerance", "0",
-    ])
+    res = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--input",
+            str(catalog),
+            "--output",
+            str(out),
+            "--model",
+            str(bundle_dir),
+            "--scheduler",
+            "sync",
+            "--precision",
+            "bf16",
+            "--parity-tolerance",
+            "0",
+        ],
+    )
     assert res.exit_code == 3
     assert "differs from fp32 beyond the tolerance 0" in res.output
     assert not out.exists()
@@ -169,10 +210,21 @@ def test_parity_beyond_tolerance_fails_before_anything_is_written(
 def test_compile_gives_the_same_scores(catalog: Path, bundle_dir: Path, tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "o", ignore_errors=True)
     out = tmp_path / "o"
-    res = CliRunner().invoke(main, [
-        "run", "--input", str(catalog), "--output", str(out), "--model", str(bundle_dir),
-        "--scheduler", "sync", "--compile",
-    ])
+    res = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--input",
+            str(catalog),
+            "--output",
+            str(out),
+            "--model",
+            str(bundle_dir),
+            "--scheduler",
+            "sync",
+            "--compile",
+        ],
+    )
     assert res.exit_code == 0, res.output
     ex = report(out)["execution"]
     assert ex["compile"] is True and ex["compile_s"] > 0

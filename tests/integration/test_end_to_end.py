@@ -161,24 +161,23 @@ def test_readme_quickstart_and_documented_options_match_help() -> None:
 
     readme = (REPO / "README.md").read_text()
     assert "make score-catalog" in readme and "make test" in readme
-    run_help = CliRunner().invoke(main, ["run", "--help"]).output
     import re
 
-    for opt in set(re.findall(r"`(--[a-z][a-z-]+)", readme)):
-        if opt in (
-            "--help",
-            "--version",
-            "--catalog",
-            "--model-dir",
-            "--rows",
-            "--shards",
-            "--train-model",
-            "--skip-model",
-            "--row-group-rows",
-            "--seed",
-        ):
-            continue
-        assert opt in run_help, f"README documents {opt}, which `run --help` does not have"
+    helps = {
+        name: CliRunner().invoke(main, [name, "--help"]).output for name in ("run", "demo", "bench")
+    }
+    # Every option in the README's flag table is an option of `run`...
+    table = re.findall(r"^\| `(--[a-z][a-z0-9-]+)", readme, flags=re.M)
+    assert len(table) >= 20
+    for opt in table:
+        assert opt in helps["run"], f"README's run table documents {opt}, missing from --help"
+    # ...and every option mentioned anywhere belongs to some command.
+    for opt in set(re.findall(r"`(--[a-z][a-z0-9-]+)", readme)) - {"--help", "--version"}:
+        assert any(opt in h for h in helps.values()), f"README documents unknown {opt}"
+    # Every `run` option is documented.
+    for opt in re.findall(r"^\s+(--[a-z][a-z0-9-]+)", helps["run"], flags=re.M):
+        if opt not in ("--help", "--verbose", "--quiet"):
+            assert f"`{opt}" in readme, f"`run {opt}` is not documented in the README"
 
 
 @pytest.mark.parametrize(
