@@ -114,6 +114,11 @@ def _parse_storage_options(values: tuple[str, ...]) -> dict[str, str] | None:
     "--strict-fp32", is_flag=True, default=None, help="On CUDA, do not let fp32 use TF32."
 )
 @click.option(
+    "--overlap/--no-overlap",
+    default=None,
+    help="Read ahead and write behind in background threads (default on).",
+)
+@click.option(
     "--parity-tolerance",
     type=float,
     help="Max |diff| from fp32 allowed on the parity sample (default per precision).",

@@ -92,6 +92,8 @@ class JobConfig:
     # Max |difference| from the fp32 CPU reference on the parity sample (labels: share that
     # differ); None: the precision's default.
     parity_tolerance: float | None = None
+    # Read the next batches and write finished ones in background threads, alongside the model.
+    overlap: bool = True
     # Where rejected rows go (template like output); None means <output>/_rejects.
     rejects: str | None = None
     # The date that {date} expands to (YYYY-MM-DD); None means today (UTC).
@@ -149,6 +151,7 @@ _TOP_KEYS: dict[str, str] = {
     "compile": "bool",
     "strict_fp32": "bool",
     "parity_tolerance": "float",
+    "overlap": "bool",
     "device": "str",
     "scheduler": "str",
     "workers": "int",

@@ -50,6 +50,7 @@ from pipeline.storage import Location, ShardRef
 logger = logging.getLogger(__name__)
 
 SUCCESS_NAME = "_SUCCESS"
+OVERLAP_DEPTH = 2  # batches in flight on each side of the model: memory stays a few batches
 SAMPLE_ROWS = 65_536  # real rows read up front for the parity check and batch-size tuning
 MMAP_THRESHOLD = 64 * 1024 * 1024
 FATAL_KINDS = frozenset({"invalid_rows", "model"})  # these stop the run whatever the budget
@@ -354,6 +355,7 @@ def run(
                     precision=config.precision,
                     compile=config.compile,
                     strict_fp32=config.strict_fp32,
+                    overlap_depth=OVERLAP_DEPTH if config.overlap else 0,
                     on_invalid_rows=config.errors.on_invalid_rows,
                     torch_threads=None,
                     storage_options=dict(opts),
@@ -469,6 +471,7 @@ def _prepare_execution(
         "compile": opts.compile,
         "compile_s": compile_s,
         "tf32": model.device.type == "cuda" and not opts.strict_fp32,
+        "overlap": config.overlap,
         "parity": None,
         "batch_size_auto": None,
     }

@@ -7,6 +7,7 @@ propagates so that Dask retries the task, which the per-shard commit makes idemp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from pipeline.engine import ModelFailedEverywhere, output_columns, score
 from pipeline.errors import ShardError
 from pipeline.faults import checkpoint
 from pipeline.model import load_model
+from pipeline.overlap import WriteBehind, read_ahead
 from pipeline.precision import ExecutionOptions, prepare
 from pipeline.reading import read_footer
 from pipeline.writing import (
@@ -60,6 +62,7 @@ class ShardTask:
     precision: str = "fp32"
     compile: bool = False
     strict_fp32: bool = False
+    overlap_depth: int = 0  # batches read ahead / written behind in background threads
     storage_options: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -171,10 +174,20 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
     }
     latencies: list[float] = []
     rows_in = rows_out = rows_rej = oom = 0
+    behind: WriteBehind | None = None
     id_hashes: list[np.ndarray] = []  # 8 bytes per row of this shard, to count duplicate ids
     try:
         loader = make_loader(dataset, pin_memory=model.device.type == "cuda")
         batches = _guard_reads(iter(loader), task.input_uri, in_loc.is_local)
+        batches = read_ahead(batches, task.overlap_depth)
+        behind = WriteBehind(_write_item, task.overlap_depth) if task.overlap_depth else None
+
+        def write(target: StagedParquetWriter, rb: pa.RecordBatch) -> None:
+            if behind is None:
+                target.write(rb)
+            else:
+                behind.submit((target, rb))
+
         for batch in to_device_ahead(batches, model.device):
             checkpoint("batch-read")
             n = batch.num_rows
@@ -225,7 +238,7 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
             meta = batch.meta if keep.all() else batch.meta.filter(pa.array(keep))
             m = meta.num_rows
             arrays = [*meta.columns, *cols, pa.array([version] * m, pa.string())]
-            writer.write(pa.RecordBatch.from_arrays(arrays, schema=out_schema))
+            write(writer, pa.RecordBatch.from_arrays(arrays, schema=out_schema))
             checkpoint("batch-written")
             first = (-rows_out) % step  # systematic sample: every step-th scored row
             rows_out += m
@@ -246,11 +259,12 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
                         rej_loc, rejects_schema(meta_schema), point="rejects-rename"
                     )
                 rmeta = batch.meta.take(pa.array(order))
-                rejects.write(
+                write(
+                    rejects,
                     pa.RecordBatch.from_arrays(
                         [*rmeta.columns, pa.array([reasons[i] for i in order], pa.string())],
                         schema=rejects.schema,
-                    )
+                    ),
                 )
                 rows_rej += len(order)
         if rows_in != task.num_rows:
@@ -260,6 +274,8 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
                 shard=task.input_uri,
                 kind="unreadable",
             )
+        if behind is not None:
+            behind.drain()
         # Rejects first, output last: a crash in between leaves no committed output, so the
         # shard is rescored and both files are replaced.
         if rejects is not None:
@@ -270,6 +286,9 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
         writer.commit()
         checkpoint("output-committed")
     except BaseException:
+        if behind is not None:
+            with contextlib.suppress(BaseException):
+                behind.drain()
         writer.abort()
         if rejects is not None:
             rejects.abort()
@@ -295,6 +314,10 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
         sample_weight=float(step),
         stats=stats,
     )
+
+
+def _write_item(item: tuple[StagedParquetWriter, pa.RecordBatch]) -> None:
+    item[0].write(item[1])
 
 
 def _hash_ids(ids: pa.Array) -> np.ndarray:
