@@ -11,6 +11,7 @@ import dataclasses
 import datetime as dt
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ import torch
 from pipeline import storage
 from pipeline.batching import ShardBatches
 from pipeline.config import JobConfig
-from pipeline.errors import ConfigError, ModelError, SchemaError, ShardError
+from pipeline.errors import ConfigError, ModelError, SchemaError, ShardError, StorageError
 from pipeline.faults import checkpoint
 from pipeline.locking import RunLock
 from pipeline.manifest import Manifest, settings_hash
@@ -44,12 +45,13 @@ from pipeline.report import (
     output_summary,
     versions,
 )
-from pipeline.scoring import ShardResult, ShardTask, score_shard
+from pipeline.scoring import ShardResult, ShardTask, score_shard, warm_worker
 from pipeline.storage import Location, ShardRef
 
 logger = logging.getLogger(__name__)
 
 SUCCESS_NAME = "_SUCCESS"
+START_METHOD = os.environ.get("_SCORE_CATALOG_START_METHOD", "fork")
 OVERLAP_DEPTH = 2  # batches in flight on each side of the model: memory stays a few batches
 SAMPLE_ROWS = 65_536  # real rows read up front for the parity check and batch-size tuning
 MMAP_THRESHOLD = 64 * 1024 * 1024
@@ -114,8 +116,100 @@ def _check_not_overlapping(inp: Location, out: Location, rej: Location) -> None:
             )
 
 
+class DaskSession:
+    """A Dask client for the run, started in a background thread as soon as the run begins.
+
+    Worker processes take seconds to start and import torch; starting them while the driver
+    lists shards, reads footers and dry-runs the model hides most of that. Each worker also
+    loads the model bundle once, before the first task arrives (``warm``).
+    """
+
+    def __init__(self, plan: Plan, warm: tuple[Any, ...] | None) -> None:
+        self.plan = plan
+        self._warm = warm
+        self._cluster: Any = None
+        self._client: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._start, name="dask-start", daemon=True)
+        # Worker processes are forked from this one once planning is over: they inherit the
+        # imported torch and the loaded model, so they start in a fraction of a second instead
+        # of importing everything again (several CPU-seconds each). Forking while another
+        # thread imports modules can deadlock the child, so nothing starts before then.
+        if plan.scheduler != "local" or START_METHOD != "fork":
+            self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            import dask
+            from distributed import Client, LocalCluster
+
+            # distributed sets its loggers to INFO when imported; its cluster chatter is noise
+            # in a nightly log unless debugging.
+            if not logger.isEnabledFor(logging.DEBUG):
+                logging.getLogger("distributed").setLevel(logging.WARNING)
+            plan = self.plan
+            if plan.scheduler == "local":
+                # Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in its workers, which pins
+                # glibc's mmap threshold at 128 KiB: every MLP activation (4 MiB at batch 4096)
+                # is then mmapped and page-faulted afresh, making the forward pass 2.4x slower
+                # (15.2 vs 6.5 ms measured). A fixed 64 MiB mmap threshold keeps the trimming
+                # and restores the speed (6.8 ms).
+                dask.config.set(
+                    {
+                        "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(
+                            MMAP_THRESHOLD
+                        ),
+                        "distributed.worker.multiprocessing-method": START_METHOD,
+                    }
+                )
+                self._cluster = LocalCluster(
+                    n_workers=plan.workers,
+                    threads_per_worker=1,
+                    processes=True,
+                    dashboard_address=None,
+                    silence_logs=logging.ERROR,
+                )
+                self._client = Client(self._cluster)
+            elif plan.scheduler == "threads":
+                self._cluster = LocalCluster(
+                    n_workers=1,
+                    threads_per_worker=plan.threads_per_worker,
+                    processes=False,
+                    dashboard_address=None,
+                    silence_logs=logging.ERROR,
+                )
+                self._client = Client(self._cluster)
+            else:
+                self._client = Client(plan.scheduler, timeout="30s")
+            if self._warm is not None and plan.scheduler != "threads":
+                try:
+                    self._client.run(warm_worker, *self._warm)
+                except Exception as e:  # the tasks will load (and report) it themselves
+                    logger.debug("preloading the model on the workers failed: %s", e)
+        except BaseException as e:
+            self._error = e
+
+    def client(self) -> Any:
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
+        self._thread.join()
+        if self._error is not None:
+            raise StorageError(
+                f"could not start or reach the Dask scheduler {self.plan.scheduler}: {self._error}"
+            ) from self._error
+        return self._client
+
+    def close(self) -> None:
+        if self._thread.ident is not None:
+            self._thread.join()
+        if self._client is not None:
+            self._client.close()
+        if self._cluster is not None:
+            self._cluster.close()
+
+
 def _execute(
-    tasks: list[ShardTask], plan: Plan, retries: int
+    tasks: list[ShardTask], plan: Plan, retries: int, session: DaskSession | None
 ) -> Iterator[tuple[ShardTask, ShardResult]]:
     """Run shard tasks on the chosen scheduler, yielding results as they complete."""
     if not tasks:
@@ -125,45 +219,13 @@ def _execute(
             yield t, _attempts(t, retries)
             checkpoint("between-shards")
         return
-    import dask
-    from distributed import Client, LocalCluster, as_completed
+    from distributed import as_completed
 
-    # distributed sets its loggers to INFO when imported; its cluster chatter is noise in a
-    # nightly log unless debugging.
-    if not logger.isEnabledFor(logging.DEBUG):
-        logging.getLogger("distributed").setLevel(logging.WARNING)
-
-    if plan.scheduler == "local":
-        # Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in its workers, which pins glibc's mmap
-        # threshold at 128 KiB: every MLP activation (4 MiB at batch 4096) is then mmapped and
-        # page-faulted afresh, making the forward pass 2.4x slower (15.2 vs 6.5 ms measured).
-        # A fixed 64 MiB mmap threshold keeps the trimming and restores the speed (6.8 ms).
-        dask.config.set(
-            {"distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-        )
-        cluster: Any = LocalCluster(
-            n_workers=plan.workers,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            silence_logs=logging.ERROR,
-        )
-        client = Client(cluster)
-    elif plan.scheduler == "threads":
-        cluster = LocalCluster(
-            n_workers=1,
-            threads_per_worker=plan.threads_per_worker,
-            processes=False,
-            dashboard_address=None,
-            silence_logs=logging.ERROR,
-        )
-        client = Client(cluster)
-    else:
-        cluster = None
-        client = Client(plan.scheduler, timeout="30s")
+    assert session is not None
+    client = session.client()
+    by_key = {}
+    futures: list[Any] = []
     try:
-        by_key = {}
-        futures = []
         for t in tasks:
             fut = client.submit(
                 score_shard,
@@ -183,9 +245,9 @@ def _execute(
             yield t, result
             checkpoint("between-shards")
     finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+        # Stop what is still running (after a fatal error); the session is closed by run().
+        for fut in futures:
+            fut.cancel()
 
 
 def _attempts(task: ShardTask, retries: int) -> ShardResult:
@@ -234,6 +296,62 @@ def run(
     shards = storage.list_shards(input_uri, opts)
     device = resolve_device(config.device)
     spec, _, sha = read_bundle(config.model, opts)
+    plan = thread_plan(config, len(shards))
+    session = None
+    if plan.scheduler != "sync":
+        width_hint = len(spec.columns) if spec.columns is not None else spec.dim
+        bs_hint = config.batch_size if isinstance(config.batch_size, int) else None
+        warm = (
+            config.model,
+            str(device),
+            width_hint,
+            dict(opts),
+            sha,
+            config.precision,
+            config.compile,
+            config.strict_fp32,
+            bs_hint,
+            plan.torch_threads,
+        )
+        session = DaskSession(plan, warm)
+    try:
+        return _run_planned(
+            config,
+            run_id,
+            started_at,
+            t0,
+            opts,
+            out_root,
+            rej_root,
+            shards,
+            device,
+            spec,
+            sha,
+            plan,
+            session,
+            on_shard,
+        )
+    finally:
+        if session is not None:
+            session.close()
+
+
+def _run_planned(
+    config: JobConfig,
+    run_id: str,
+    started_at: dt.datetime,
+    t0: float,
+    opts: Any,
+    out_root: Location,
+    rej_root: Location,
+    shards: list[ShardRef],
+    device: torch.device,
+    spec: Any,
+    sha: str,
+    plan: Plan,
+    session: DaskSession | None,
+    on_shard: Callable[[ShardResult], None] | None,
+) -> RunReport:
     infos: dict[str, ShardInfo] = {}
     failed: dict[str, ShardResult] = {}
     for s in shards:
@@ -361,13 +479,12 @@ def run(
                     storage_options=dict(opts),
                 )
             )
-        plan = thread_plan(config, len(tasks))
         tasks = [ShardTask(**{**t.__dict__, "torch_threads": plan.torch_threads}) for t in tasks]
         fingerprints = {s.rel_path: s for s in shards}
 
         # 3. Score. Each finished shard is recorded at once, so a crash loses only shards in flight.
         fatal = None
-        for task, result in _execute(tasks, plan, config.errors.task_retries):
+        for task, result in _execute(tasks, plan, config.errors.task_retries, session):
             results[task.rel_path] = result
             if result.status == "scored":
                 s = fingerprints[task.rel_path]

@@ -112,6 +112,26 @@ def _set_threads(requested: int | None) -> int:
     return n
 
 
+def warm_worker(
+    model_uri: str,
+    device: str,
+    width: int | None,
+    storage_options: Mapping[str, Any],
+    sha256: str,
+    precision: str,
+    compile: bool,
+    strict_fp32: bool,
+    batch_size: int | None,
+    torch_threads: int | None,
+) -> None:
+    """Load (and prepare) the model in this worker before its first task: once per process."""
+    _set_threads(torch_threads)
+    model = load_model(
+        model_uri, device, width=width, options=storage_options, expected_sha256=sha256
+    )
+    prepare(model, ExecutionOptions(precision, compile, strict_fp32), warm_rows=batch_size or 2)
+
+
 def score_shard(task: ShardTask) -> ShardResult:
     """Score one shard and commit its output (and rejects) atomically."""
     t0 = time.perf_counter()
