@@ -291,3 +291,36 @@ def test_batch_size_auto_is_measured_once_then_cached(
     assert reps[0]["batch_size"] == reps[1]["batch_size"] == first["batch_size"]
     assert (tmp_path / "cache" / "score-catalog" / "batch_sizes.json").exists()
     assert reps[1]["rows_out"] == 7300
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--no-overlap"],
+        ["--scheduler", "threads", "--workers", "2"],
+        ["--batch-size", "1"],
+        ["--batch-size", "7", "--cores", "1"],
+        ["--precision", "bf16"],
+        ["--precision", "int8", "--parity-tolerance", "1"],
+    ],
+    ids=["no-overlap", "threads", "batch-1", "batch-7-cores-1", "bf16", "int8"],
+)
+def test_every_option_keeps_order_and_exactly_once(
+    extra: list[str], bundle_dir: Path, tmp_path: Path
+) -> None:
+    cat = tmp_path / "cat"
+    write_shards(cat, [900, 0, 1300], row_group_rows=400)
+    out = tmp_path / "o"
+    args = _args(cat, out, bundle_dir, "--scheduler", "sync", *extra)
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    ids = [i for p in data_files(out) for i in pq.read_table(p).column("item_id").to_pylist()]
+    assert ids == list(range(2200))
+    rep = report(out)
+    assert rep["rows_out"] == 2200 and rep["accounting_ok"]
+    tol = 1.0 if "int8" in extra else 5e-2 if "bf16" in extra else 1e-6
+    for p in data_files(out):
+        t_out = pq.read_table(p)
+        score, _ = reference_scores(bundle_dir, pq.read_table(cat / p.name))
+        if len(score):
+            assert np.abs(t_out.column("score").to_numpy() - score).max() <= tol
