@@ -12,7 +12,7 @@ RUN_ARGS ?=
 # project so that the unpinned range in pyproject.toml does not pull a multi-GB CUDA build.
 CPU_TORCH ?= torch==2.13.0
 
-.PHONY: install data score-catalog test test-fast lint format clean distclean help-check
+.PHONY: install data score-catalog test test-fast lint format clean distclean help-check bench
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,11 @@ data/catalog/.done: $(VENV)/.installed pipeline/demo.py
 
 score-catalog: data
 	$(BIN)/score-catalog run $(JOB) $(RUN_ARGS)
+
+# Benchmarks -> BENCHMARKS.md (bench/); BENCH_ARGS="--quick" for a fast development run.
+BENCH_ARGS ?=
+bench: install
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 test: install
 	$(BIN)/pytest $(PYTEST_ARGS)

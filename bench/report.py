@@ -1,0 +1,571 @@
+"""Machine facts and the markdown report (BENCHMARKS.md and stdout).
+
+Every number in the report comes from the :class:`~bench.suites.WorkloadResult` objects of this
+run; nothing here is typed by hand.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.stats import Summary, ratio
+from bench.suites import FLOOR_TARGET, WorkloadResult
+from bench.workloads import Sizes
+
+MIB = 2**20
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCH_NUM_THREADS")
+
+
+def available_cores() -> int:
+    """Cores this process may run on (what the pipeline sizes itself to)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    model, flags = "unknown", set[str]()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def _mem_total_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def _git(repo: Path, *args: str) -> str:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=repo, capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()
+
+
+def machine_facts(repo: Path) -> dict[str, str]:
+    """What the figures were measured on, and with which versions."""
+    import dask
+    import distributed
+    import numpy
+    import pandas
+    import pyarrow
+    import torch
+
+    model, flags = _cpuinfo()
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    commit = _git(repo, "rev-parse", "--short=12", "HEAD")
+    dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
+    env = ", ".join(f"{k}={os.environ[k]}" for k in THREAD_ENV if k in os.environ)
+    return {
+        "date (UTC)": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "CPU": model,
+        "SIMD flags": ", ".join(simd) or "none of avx2/avx512/amx",
+        "cores (affinity / os.cpu_count)": f"{available_cores()} / {os.cpu_count()}",
+        "RAM": f"{_mem_total_gib():.1f} GiB",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pyarrow": pyarrow.__version__,
+        "pandas": pandas.__version__,
+        "numpy": numpy.__version__,
+        "dask / distributed": f"{dask.__version__} / {distributed.__version__}",
+        "git commit": commit + (" (tracked files modified)" if dirty else ""),
+        "thread variables": env or "none set (OMP_NUM_THREADS etc. unset)",
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _rate(s: Summary | None) -> str:
+    return "—" if s is None else f"{s.median:,.0f}"
+
+
+def _range(s: Summary | None, scale: float = 1.0, fmt: str = ",.0f") -> str:
+    if s is None:
+        return "—"
+    return f"{s.lo / scale:{fmt}}–{s.hi / scale:{fmt}}"
+
+
+def _x(r: float | None) -> str:
+    return "—" if r is None else f"{r:.2f}x"
+
+
+def _mib(s: Summary | None) -> str:
+    return "—" if s is None else f"{s.median / MIB:,.0f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived figures
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Limit:
+    """The machine's limit: cores / (model s/row at 1 thread + read-and-write s/row)."""
+
+    cores: int
+    model_rate_1t: float  # rows/s of one single-threaded process, all cores busy
+    io_rate_1p: float  # rows/s of one single-threaded I/O process, all cores busy
+    s_model: float = field(init=False)
+    s_io: float = field(init=False)
+    rows_per_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.s_model = 1.0 / self.model_rate_1t
+        self.s_io = 1.0 / self.io_rate_1p
+        self.rows_per_s = self.cores / (self.s_model + self.s_io)
+
+
+def machine_limit(wl: WorkloadResult, cores: int) -> Limit | None:
+    """From the ``ceiling-1t`` and ``io`` comparators' per-process rates (medians)."""
+    model = wl.per_proc("ceiling-1t")
+    io = wl.per_proc("io")
+    if cores == 1:  # one process: its timed rate is the per-process rate
+        model, io = wl.timed("ceiling-1t"), wl.timed("io")
+    if model is None or io is None or model.median <= 0 or io.median <= 0:
+        return None
+    return Limit(cores, model.median, io.median)
+
+
+def hand_best(wl: WorkloadResult) -> tuple[str, Summary] | None:
+    """The hand-rolled layout with the higher median (end to end)."""
+    cands = [(k, s) for k in ("hand-1p", "hand-np") if (s := wl.primary(k)) is not None]
+    return max(cands, key=lambda ks: ks[1].median) if cands else None
+
+
+def _label(wl: WorkloadResult, key: str) -> str:
+    c = next((c for c in wl.comparators if c.key == key), None)
+    return f"{c.label} [{c.layout}]" if c is not None else key
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+def _throughput_table(
+    wl: WorkloadResult, refs: list[tuple[str, Callable[[Summary | None], float | None]]]
+) -> list[str]:
+    header = [
+        "comparator",
+        "layout",
+        "batch",
+        "n",
+        "rows/s (median)",
+        "min–max",
+        "basis",
+        "timed-region rows/s",
+        "peak RSS MiB",
+        *[name for name, _ in refs],
+    ]
+    rows = []
+    for c in wl.comparators:
+        prim = wl.primary(c.key)
+        timed = wl.timed(c.key)
+        basis = "process wall" if c.primary == "wall" else "timed region"
+        failed = " **FAILED**" if c.key in wl.failures else ""
+        rows.append(
+            [
+                f"`{c.key}` {c.label}{failed}",
+                c.layout,
+                f"{c.batch:,}" if c.batch else "—",
+                str(prim.n if prim else 0),
+                _rate(prim),
+                _range(prim),
+                basis,
+                _rate(timed),
+                _mib(wl.rss(c.key)),
+                *[_x(f(prim)) for _, f in refs],
+            ]
+        )
+    return _table(header, rows)
+
+
+def _w1_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
+    lim = machine_limit(wl, cores)
+    best = hand_best(wl)
+    ceil = wl.primary("ceiling-1t")
+    refs: list[tuple[str, Callable[[Summary | None], float | None]]] = [
+        ("÷ limit", lambda s: None if s is None or lim is None else s.median / lim.rows_per_s),
+        ("÷ hand-rolled best", lambda s: ratio(s, best[1] if best else None)),
+        (f"÷ model ceiling ({cores}x1)", lambda s: ratio(s, ceil)),
+    ]
+    lines = [f"## {wl.title}", "", *[f"- {d}" for d in wl.description], ""]
+    lines += _throughput_table(wl, refs)
+    lines += [""]
+    for note in wl.notes:
+        lines += [note, ""]
+    summary: list[str] = []
+    lines += ["### The machine's limit", ""]
+    if lim is None:
+        lines.append("Not computed: the model or I/O ceiling did not run.")
+    else:
+        lines += [
+            "`limit = cores / (model seconds per row at 1 thread + read-and-write seconds per "
+            "row)`, with every input measured in this run with all cores busy "
+            f"({cores} single-threaded processes at once):",
+            "",
+            f"- cores = {cores}",
+            f"- model s/row at 1 thread = 1 / {lim.model_rate_1t:,.0f} rows/s "
+            f"(median per-process rate of `ceiling-1t`) = {lim.s_model * 1e6:.3f} µs",
+            f"- read-and-write s/row = 1 / {lim.io_rate_1p:,.0f} rows/s "
+            f"(median per-process rate of `io`) = {lim.s_io * 1e6:.3f} µs",
+            f"- **limit = {cores} / ({lim.s_model * 1e6:.3f} + {lim.s_io * 1e6:.3f}) µs "
+            f"= {lim.rows_per_s:,.0f} rows/s**",
+        ]
+    lines.append("")
+    cli = wl.primary("cli-4096")
+    lib_t = wl.timed("lib-4096")
+    if cli is not None and lim is not None:
+        head = cli.median / lim.rows_per_s
+        lines.append(
+            f"**Headline: score-catalog CLI (batch 4096, end to end) = {cli.median:,.0f} rows/s "
+            f"= {head:.2f}x the machine's limit.**"
+        )
+        summary.append(
+            f"W1 headline: score-catalog CLI {cli.median:,.0f} rows/s = **{head:.2f}x** the "
+            f"machine's limit ({lim.rows_per_s:,.0f} rows/s)."
+        )
+    if cli is not None and best is not None:
+        floor = cli.median / best[1].median
+        verdict = "MET" if floor >= FLOOR_TARGET else "NOT MET"
+        text = (
+            f"Floor target (CLI >= {FLOOR_TARGET:.2f}x the best hand-rolled layout, both end to "
+            f"end): CLI {cli.median:,.0f} / {_label(wl, best[0])} {best[1].median:,.0f} "
+            f"= **{floor:.2f}x: {verdict}**."
+        )
+        lines += ["", text]
+        summary.append(text)
+        hand_t = wl.timed(best[0])
+        if lib_t is not None and hand_t is not None:
+            lines.append(
+                f"Timed regions (after the interpreter's start-up and imports): library "
+                f"`pipeline.run` {lib_t.median:,.0f} rows/s vs hand-rolled {hand_t.median:,.0f} "
+                f"rows/s = {lib_t.median / hand_t.median:.2f}x."
+            )
+    lines += ["", "### Checks", "", *[f"- {c}" for c in wl.checks], ""]
+    return lines, summary
+
+
+def _w2_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
+    lim = machine_limit(wl, cores)
+    ceil = wl.primary("ceiling-1t")
+    refs: list[tuple[str, Callable[[Summary | None], float | None]]] = [
+        (f"÷ model ceiling fp32 ({cores}x1)", lambda s: ratio(s, ceil)),
+        ("÷ limit", lambda s: None if s is None or lim is None else s.median / lim.rows_per_s),
+    ]
+    lines = [f"## {wl.title}", "", *[f"- {d}" for d in wl.description], ""]
+    lines += _throughput_table(wl, refs)
+    lines.append("")
+    summary: list[str] = []
+    if lim is not None:
+        lines.append(
+            f"Limit, as for W1: {cores} / ({lim.s_model * 1e6:.2f} µs model + "
+            f"{lim.s_io * 1e6:.3f} µs I/O per row) = {lim.rows_per_s:,.0f} rows/s."
+        )
+    cli, cli_t = wl.primary("cli-fp32"), wl.timed("cli-fp32")
+    if cli is not None and ceil is not None:
+        text = (
+            f"W2: score-catalog CLI fp32 {cli.median:,.0f} rows/s end to end = "
+            f"**{cli.median / ceil.median:.2f}x** the fp32 model ceiling ({ceil.median:,.0f}); "
+            f"inside the run (report duration) {_x(ratio(cli_t, ceil))}."
+        )
+        lines += ["", text]
+        summary.append(text)
+    pair = wl.meta.get("bf16_pair")
+    if pair and any(c.key == pair[1] for c in wl.comparators):
+        a, b = wl.primary(pair[0]), wl.primary(pair[1])
+        pa_ms, pb_ms = _p50(wl, pair[0]), _p50(wl, pair[1])
+        if a is not None and b is not None:
+            text = (
+                f"W2 `--precision bf16` vs fp32 through the CLI (`{pair[1]}` vs `{pair[0]}`, "
+                f"same input): {b.median:,.0f} vs {a.median:,.0f} rows/s = "
+                f"**{b.median / a.median:.2f}x** end to end, "
+                f"{_x(ratio(wl.timed(pair[1]), wl.timed(pair[0])))} inside the run"
+            )
+            if pa_ms is not None and pb_ms is not None:
+                text += (
+                    f"; model call p50 {pb_ms.median:.1f} vs {pa_ms.median:.1f} ms per batch "
+                    f"= {pa_ms.median / pb_ms.median:.2f}x the speed"
+                )
+            text += (
+                f". The bf16 autocast ceiling is "
+                f"{_x(ratio(wl.primary('ceiling-bf16-1t'), ceil))} the fp32 one."
+            )
+        else:
+            text = "W2 bf16 vs fp32: a run of the pair failed (see Failures)."
+        lines += ["", text]
+        summary.append(text)
+    for note in wl.notes:
+        lines += ["", note]
+        summary.append(f"W2: {note}")
+    lines += ["", "### Checks", "", *[f"- {c}" for c in wl.checks], ""]
+    return lines, summary
+
+
+def _vmhwm(wl: WorkloadResult, key: str) -> Summary | None:
+    """Peak RSS the kernel kept for a single-process comparator (VmHWM, exact)."""
+    values = [s.extra.get("vmhwm_bytes") for s in wl.samples.get(key, [])]
+    return Summary.of([float(v) for v in values if v])
+
+
+def _w3_section(wl: WorkloadResult) -> tuple[list[str], list[str]]:
+    lines = [f"## {wl.title}", "", *[f"- {d}" for d in wl.description], ""]
+    header = [
+        "run",
+        "peak measured as",
+        "1x peak MiB",
+        "1x min–max",
+        "10x peak MiB",
+        "10x min–max",
+        "n",
+        "**10x / 1x**",
+        "wall s 1x / 10x",
+    ]
+    rows = []
+    summary = []
+    for stem, name in (
+        ("cli", "score-catalog CLI"),
+        ("pa-prebuffer-true", "pyarrow iter_batches, pre_buffer=True"),
+        ("pa-prebuffer-false", "pyarrow iter_batches, pre_buffer=False"),
+    ):
+        k1, k10 = f"{stem}-1x", f"{stem}-10x"
+        measures: list[tuple[str, Summary | None, Summary | None]] = [
+            ("tree RSS sum, sampled every 50 ms", wl.rss(k1), wl.rss(k10))
+        ]
+        if stem != "cli":
+            # One short process: the kernel's own high-water mark is exact, where 50 ms
+            # sampling can miss the peak of a run that lasts a fraction of a second.
+            measures.insert(0, ("VmHWM, exact", _vmhwm(wl, k1), _vmhwm(wl, k10)))
+        wa, wb = wl.wall(k1), wl.wall(k10)
+        for i, (how, a, b) in enumerate(measures):
+            r = ratio(b, a)
+            rows.append(
+                [
+                    name if i == 0 else "″",
+                    how,
+                    _mib(a),
+                    _range(a, MIB),
+                    _mib(b),
+                    _range(b, MIB),
+                    f"{a.n if a else 0} / {b.n if b else 0}",
+                    _x(r),
+                    f"{wa.median:.1f} / {wb.median:.1f}" if wa and wb and i == 0 else "",
+                ]
+            )
+            if i == 0 and r is not None and a is not None and b is not None:
+                summary.append(
+                    f"W3 {name}: peak RSS ({how}) {a.median / MIB:,.0f} MiB at 1x, "
+                    f"{b.median / MIB:,.0f} MiB at 10x = **{r:.2f}x**."
+                )
+    lines += _table(header, rows)
+    lines += [
+        "",
+        "The pipeline opens shards with `pre_buffer=False` because pyarrow's default keeps "
+        "every column chunk it has pre-buffered, so memory grows with the shard: compare the "
+        "two pyarrow rows.",
+        "",
+    ]
+    return lines, summary
+
+
+def _tiny_section(wl: WorkloadResult) -> tuple[list[str], list[str]]:
+    lines = [f"## {wl.title}", "", *[f"- {d}" for d in wl.description], ""]
+    rows = []
+    for c in wl.comparators:
+        w = wl.wall(c.key)
+        inside = summarize_timed(wl, c.key)
+        rows.append(
+            [
+                c.label + (" **FAILED**" if c.key in wl.failures else ""),
+                "—" if w is None else f"{w.median:.2f}",
+                _range(w, 1.0, ".2f"),
+                str(w.n if w else 0),
+                "—" if inside is None else f"{inside.median:.2f}",
+                _mib(wl.rss(c.key)),
+            ]
+        )
+    header = ["command", "wall s (median)", "min–max", "n", "inside run() s", "peak RSS MiB"]
+    lines += _table(header, rows)
+    summary = []
+    local, imp = wl.wall("cli-local"), wl.wall("import")
+    sync = wl.wall("cli-sync")
+    if local is not None and imp is not None:
+        text = (
+            f"1,000-row job: CLI (local) {local.median:.2f} s, CLI (sync) "
+            f"{sync.median if sync else float('nan'):.2f} s, vs a bare "
+            f"`import torch, pyarrow, dask.distributed` {imp.median:.2f} s "
+            f"(local = {local.median / imp.median:.1f}x the import)."
+        )
+        lines += ["", text]
+        summary.append(text)
+    lines.append("")
+    return lines, summary
+
+
+def _p50(wl: WorkloadResult, key: str) -> Summary | None:
+    """Median model-call latency (ms) that score-catalog's own report gives for its batches."""
+    return Summary.of(
+        [float(v) for s in wl.samples.get(key, []) if (v := s.extra.get("p50_ms")) is not None]
+    )
+
+
+def summarize_timed(wl: WorkloadResult, key: str) -> Summary | None:
+    """Seconds of the comparator's timed region (for the CLI: the report's ``duration_s``)."""
+    return Summary.of([s.timed_s for s in wl.samples.get(key, []) if s.timed_s is not None])
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole document
+# ---------------------------------------------------------------------------------------------
+
+
+def render(
+    *,
+    facts: dict[str, str],
+    sizes: Sizes,
+    command: str,
+    results: dict[str, WorkloadResult],
+    skipped: list[str],
+    cores: int,
+    total_s: float,
+    data_s: float,
+    leaks: list[str],
+    warnings: list[str],
+    precision: bool,
+    budget_s: float,
+) -> str:
+    """The markdown report."""
+    sections: list[str] = []
+    summary: list[str] = []
+    builders: dict[str, Callable[[WorkloadResult], tuple[list[str], list[str]]]] = {
+        "W1": lambda wl: _w1_section(wl, cores),
+        "W2": lambda wl: _w2_section(wl, cores),
+        "W3": _w3_section,
+        "TINY": _tiny_section,
+    }
+    for key, build in builders.items():
+        if key in results:
+            body, summ = build(results[key])
+            sections += body
+            summary += summ
+        else:
+            sections += [f"## {key}", "", "Not run in this invocation (`--only`).", ""]
+    head: list[str] = ["# score-catalog benchmarks", ""]
+    if sizes.quick:
+        head += [
+            "> **QUICK RUN — not for reporting.** `--quick`: a tenth of the rows, "
+            f"{sizes.repeats} round(s). Run `make bench` on a quiet machine for real figures.",
+            "",
+        ]
+    if skipped:
+        head += [f"> **PARTIAL RUN** — not run: {', '.join(skipped)}.", ""]
+    if total_s > budget_s:
+        head += [
+            f"> This run took {total_s / 60:.1f} min, over its {budget_s / 60:g}-minute budget.",
+            "",
+        ]
+    head += [
+        f"Generated by `{command}` (`bench/run.py`). Every figure below was measured in this "
+        "run and written by the harness. **Figures are medians of alternating runs "
+        f"(A B C ... A B C ...) on a shared {cores}-core machine**: trust the ratios more than "
+        "the absolute numbers.",
+        "",
+        f"Rounds per comparator: {sizes.repeats}. Bench wall time: {total_s / 60:.1f} min "
+        f"(data generation {data_s:.0f} s; data is cached in `.bench/data` between runs). "
+        f"`score-catalog run --precision` available: {'yes' if precision else 'no'}.",
+        "",
+        "## Summary",
+        "",
+        *[f"- {s}" for s in summary],
+        "",
+        "## Machine",
+        "",
+        *_table(["", ""], [[k, v] for k, v in facts.items()]),
+        "",
+        "## How it is measured",
+        "",
+        "- Every comparator runs in a fresh process (its own process tree), one after another, "
+        "never two at once. The order alternates across rounds.",
+        "- **process wall**: rows / wall time of the whole command, interpreter start-up and "
+        "imports included (the CLI: `score-catalog run ... --scheduler local`; the other "
+        "end-to-end comparators: `python -m bench.loops ...`).",
+        "- **timed region**: inside the process, after imports. Ceilings: the model or I/O loop "
+        "only (after warm-up), rate = processes x mean per-process rate with all processes "
+        "started together. Hand-rolled and textbook: model load + read + score + write. "
+        "Library: the `pipeline.run()` call. CLI: the report's `duration_s`.",
+        "- **model ceiling**: the bundle's `torch.export` module on in-memory random tensors, "
+        "same batch size, under `inference_mode`.",
+        "- **I/O ceiling**: the same reads (id + features, one thread, `pre_buffer=False`), the "
+        "float32 feature matrix, and a zstd write of same-typed output columns, with no model.",
+        "- **hand-rolled**: `iter_batches` -> numpy -> `torch.from_numpy` -> model -> "
+        "`ParquetWriter` (65,536-row row groups, zstd); the multi-process layout forks one "
+        "single-threaded process per core over interleaved shards.",
+        "- **textbook**: `pandas.read_parquet`, a map-style per-row `Dataset`, "
+        "`DataLoader(batch_size=256, shuffle=False)` with the default collate, `to_parquet`.",
+        "- score-catalog also writes a `model_version` string column, a manifest and a report; "
+        "the other writers write only the id and the model's outputs.",
+        "- peak RSS: sum of RSS of the process and all its descendants from /proc every 50 ms.",
+        "",
+    ]
+    tail: list[str] = []
+    fails = [(k, c, m) for k, wl in results.items() for c, ms in wl.failures.items() for m in ms]
+    if fails or leaks or warnings:
+        tail += ["## Failures and leftover processes", ""]
+        tail += [f"- {k} `{c}`: {m}" for k, c, m in fails]
+        tail += [f"- {x}" for x in leaks]
+        tail += [f"- {x}" for x in warnings]
+        tail.append("")
+    else:
+        tail += [
+            "## Failures and leftover processes",
+            "",
+            "None: every run succeeded, and no process outlived its run (the Dask workers were "
+            "cleaned up every time).",
+            "",
+        ]
+    timings = [
+        f"{k} {wl.seconds:.0f} s (load average {wl.load_before} -> {wl.load_after})"
+        for k, wl in results.items()
+    ]
+    tail += ["## Bench timings", "", "- " + "; ".join(timings), ""]
+    return "\n".join(head + sections + tail)
+
+
+def as_json(results: dict[str, WorkloadResult]) -> dict[str, Any]:
+    """Raw samples, for anyone who wants to recompute a figure (written to .bench/)."""
+    return {
+        k: {c: [s.__dict__ for s in samples] for c, samples in wl.samples.items()}
+        for k, wl in results.items()
+    }
