@@ -360,6 +360,13 @@ def load_model(
     ``expected_sha256`` makes a worker refuse a bundle that changed after the run started.
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
+    if expected_sha256 is not None and width is not None:
+        # A worker asking for the bundle the run planned with: reuse it without reading and
+        # hashing the weights again for every shard.
+        with _CACHE_LOCK:
+            hit = _CACHE.get((uri, str(dev), expected_sha256, width))
+        if hit is not None:
+            return hit
     spec, weights, sha = read_bundle(uri, options)
     if expected_sha256 is not None and sha != expected_sha256:
         raise ModelError(

@@ -352,6 +352,7 @@ def _run_planned(
     session: DaskSession | None,
     on_shard: Callable[[ShardResult], None] | None,
 ) -> RunReport:
+    uris = {s.rel_path: s.uri for s in shards}
     infos: dict[str, ShardInfo] = {}
     failed: dict[str, ShardResult] = {}
     for s in shards:
@@ -380,7 +381,7 @@ def _run_planned(
             width=width,
             id_column=config.id_column,
             passthrough=config.passthrough,
-            shard=next(s.uri for s in shards if s.rel_path == rel),
+            shard=uris[rel],
         )
         if probs:
             schema_problems[rel] = probs
@@ -393,7 +394,7 @@ def _run_planned(
             + "\n".join(f"  - {p}" for p in lines)
         )
     for rel, probs in schema_problems.items():
-        uri = next(s.uri for s in shards if s.rel_path == rel)
+        uri = uris[rel]
         failed[rel] = ShardResult(
             rel,
             uri,

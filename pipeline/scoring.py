@@ -106,7 +106,11 @@ def _set_threads(requested: int | None) -> int:
             worker_threads = get_worker().state.nthreads
         except (ImportError, ValueError):
             worker_threads = 1
-        n = max(1, (os.cpu_count() or 1) // max(1, worker_threads))
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - macOS
+            cores = os.cpu_count() or 1
+        n = max(1, cores // max(1, worker_threads))
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
@@ -257,7 +261,8 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
             cols = output_columns(scored.outputs, spec.outputs)
             meta = batch.meta if keep.all() else batch.meta.filter(pa.array(keep))
             m = meta.num_rows
-            arrays = [*meta.columns, *cols, pa.array([version] * m, pa.string())]
+            version_col = pa.repeat(pa.scalar(version, pa.string()), m)
+            arrays = [*meta.columns, *cols, version_col]
             write(writer, pa.RecordBatch.from_arrays(arrays, schema=out_schema))
             checkpoint("batch-written")
             first = (-rows_out) % step  # systematic sample: every step-th scored row
