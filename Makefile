@@ -12,7 +12,8 @@ RUN_ARGS ?=
 # project so that the unpinned range in pyproject.toml does not pull a multi-GB CUDA build.
 CPU_TORCH ?= torch==2.13.0
 
-.PHONY: install data score-catalog test test-fast lint format clean distclean help-check bench
+.PHONY: install data score-catalog test test-fast lint format clean distclean help-check bench \
+  gpu-check
 
 install: $(VENV)/.installed
 
@@ -49,13 +50,18 @@ test-fast: install
 	$(BIN)/pytest -m "not integration and not slow" $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check pipeline tests
-	$(BIN)/ruff format --check pipeline tests
+	$(BIN)/ruff check pipeline tests bench
+	$(BIN)/ruff format --check pipeline tests bench
 	$(BIN)/mypy pipeline
 
 format: install
-	$(BIN)/ruff format pipeline tests
-	$(BIN)/ruff check --fix pipeline tests
+	$(BIN)/ruff format pipeline tests bench
+	$(BIN)/ruff check --fix pipeline tests bench
+
+# On a CUDA machine: CPU vs CUDA in fp32/TF32/bf16/fp16, throughput per batch size, and the
+# H2D / compute / D2H split (bench/gpu_check.py). Paste its output into BENCHMARKS.md.
+gpu-check: install
+	$(PY) -m bench.gpu_check --out gpu-check.md
 
 # `score-catalog --help` with runtime dependencies only (no dev extras).
 help-check:
