@@ -438,20 +438,20 @@ def _score_catalog_w1(runner: Runner, data: Data, sizes: Sizes, batch: int) -> l
             digest=score_digest,
         ),
         Comparator(
-            f"cli-{batch}-overlap",
-            "score-catalog CLI, --overlap (read-ahead/write-behind threads)",
+            f"cli-{batch}-nooverlap",
+            "score-catalog CLI, --no-overlap (no read-ahead/write-behind threads)",
             "Dask LocalCluster",
             batch,
             runner.cli_argv(
                 data.w1,
-                out(f"cli-{batch}-overlap"),
+                out(f"cli-{batch}-nooverlap"),
                 data.w1_model,
                 batch,
-                extra=("--overlap",),
+                extra=("--no-overlap",),
             ),
             "cli",
             sizes.w1_rows,
-            output=out(f"cli-{batch}-overlap"),
+            output=out(f"cli-{batch}-nooverlap"),
             digest=score_digest,
         ),
         Comparator(
@@ -491,7 +491,7 @@ def w1_big_batch(runner: Runner, data: Data, sizes: Sizes, wl: WorkloadResult) -
     comps = [
         c
         for c in _score_catalog_w1(runner, data, sizes, BIG_BATCH)
-        if not c.key.endswith("-overlap")
+        if not c.key.endswith("nooverlap")
     ]
     part = WorkloadResult(wl.key, wl.title, [], comps)
     runner.run_alternating(part, sizes.repeats)

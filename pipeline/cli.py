@@ -117,8 +117,7 @@ def _parse_storage_options(values: tuple[str, ...]) -> dict[str, str] | None:
 @click.option(
     "--overlap/--no-overlap",
     default=None,
-    help="Read ahead and write behind in background threads (default: on for CUDA, off "
-    "on the CPU).",
+    help="Read ahead and write behind in background threads (default on).",
 )
 @click.option(
     "--parity-tolerance",

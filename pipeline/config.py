@@ -93,9 +93,7 @@ class JobConfig:
     # differ); None: the precision's default.
     parity_tolerance: float | None = None
     # Read the next batches and write finished ones in background threads, alongside the model.
-    # None (auto): on for CUDA, where the CPU is free while the GPU computes; off on the CPU,
-    # where the workers already fill the cores (there it cost 11% on the W1 benchmark).
-    overlap: bool | None = None
+    overlap: bool = True
     # Where rejected rows go (template like output); None means <output>/_rejects.
     rejects: str | None = None
     # The date that {date} expands to (YYYY-MM-DD); None means today (UTC).

@@ -99,18 +99,6 @@ def thread_plan(config: JobConfig, pending: int) -> Plan:
     return Plan(config.scheduler, None, None, None, cores)
 
 
-def overlap_enabled(config: JobConfig, device: torch.device) -> bool:
-    """Read-ahead/write-behind threads: as configured, else on for CUDA and off on the CPU.
-
-    On the CPU the worker processes already keep every core busy, and two more threads per
-    worker competed with the model: W1 ran 11% slower with them (BENCHMARKS.md). With a GPU
-    doing the model's work, the CPU is free to decode and encode alongside it.
-    """
-    if config.overlap is not None:
-        return config.overlap
-    return device.type == "cuda"
-
-
 def new_run_id() -> str:
     return f"{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
 
@@ -445,7 +433,6 @@ def _run_planned(
         manifest = Manifest.load(out_root)
         results: dict[str, ShardResult] = dict(failed)
         tasks: list[ShardTask] = []
-        overlap = overlap_enabled(config, device)
         for s in shards:
             if s.rel_path in failed:
                 manifest.forget(s.rel_path)
@@ -487,7 +474,7 @@ def _run_planned(
                     precision=config.precision,
                     compile=config.compile,
                     strict_fp32=config.strict_fp32,
-                    overlap_depth=OVERLAP_DEPTH if overlap else 0,
+                    overlap_depth=OVERLAP_DEPTH if config.overlap else 0,
                     on_invalid_rows=config.errors.on_invalid_rows,
                     torch_threads=None,
                     storage_options=dict(opts),
@@ -602,7 +589,7 @@ def _prepare_execution(
         "compile": opts.compile,
         "compile_s": compile_s,
         "tf32": model.device.type == "cuda" and not opts.strict_fp32,
-        "overlap": overlap_enabled(config, model.device),
+        "overlap": config.overlap,
         "parity": None,
         "batch_size_auto": None,
     }

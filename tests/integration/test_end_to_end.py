@@ -297,14 +297,13 @@ def test_batch_size_auto_is_measured_once_then_cached(
     "extra",
     [
         ["--no-overlap"],
-        ["--overlap"],
         ["--scheduler", "threads", "--workers", "2"],
         ["--batch-size", "1"],
         ["--batch-size", "7", "--cores", "1"],
         ["--precision", "bf16"],
         ["--precision", "int8", "--parity-tolerance", "1"],
     ],
-    ids=["no-overlap", "overlap", "threads", "batch-1", "batch-7-cores-1", "bf16", "int8"],
+    ids=["no-overlap", "threads", "batch-1", "batch-7-cores-1", "bf16", "int8"],
 )
 def test_every_option_keeps_order_and_exactly_once(
     extra: list[str], bundle_dir: Path, tmp_path: Path
@@ -325,15 +324,3 @@ def test_every_option_keeps_order_and_exactly_once(
         score, _ = reference_scores(bundle_dir, pq.read_table(cat / p.name))
         if len(score):
             assert np.abs(t_out.column("score").to_numpy() - score).max() <= tol
-
-
-def test_overlap_is_off_on_the_cpu_unless_asked(
-    catalog: Path, bundle_dir: Path, tmp_path: Path
-) -> None:
-    for extra, expected in (((), False), (("--overlap",), True)):
-        out = tmp_path / str(expected)
-        res = CliRunner().invoke(
-            main, _args(catalog, out, bundle_dir, "--scheduler", "sync", *extra)
-        )
-        assert res.exit_code == 0, res.output
-        assert report(out)["execution"]["overlap"] is expected
