@@ -297,13 +297,14 @@ def test_batch_size_auto_is_measured_once_then_cached(
     "extra",
     [
         ["--no-overlap"],
+        ["--overlap"],
         ["--scheduler", "threads", "--workers", "2"],
         ["--batch-size", "1"],
         ["--batch-size", "7", "--cores", "1"],
         ["--precision", "bf16"],
         ["--precision", "int8", "--parity-tolerance", "1"],
     ],
-    ids=["no-overlap", "threads", "batch-1", "batch-7-cores-1", "bf16", "int8"],
+    ids=["no-overlap", "overlap", "threads", "batch-1", "batch-7-cores-1", "bf16", "int8"],
 )
 def test_every_option_keeps_order_and_exactly_once(
     extra: list[str], bundle_dir: Path, tmp_path: Path
