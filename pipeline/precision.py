@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -239,6 +238,3 @@ def check_parity(
             f"on the parity sample ({', '.join(bad)}); nothing was scored. Set a wider "
             "parity_tolerance if that is acceptable, or use another precision."
         )
-
-
-Runner = Callable[[torch.Tensor], torch.Tensor]

@@ -17,7 +17,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 
 from pipeline import storage
 from pipeline.errors import ShardError
@@ -220,8 +219,3 @@ def to_features(rb: pa.RecordBatch, spec: BundleSpec, width: int) -> Features:
     if spec.columns is not None:
         return _columns_features(rb, spec.columns)
     return _list_features(rb, spec.column or "", width)
-
-
-def as_tensor(x: np.ndarray) -> torch.Tensor:
-    """Share the numpy buffer with torch (no copy)."""
-    return torch.from_numpy(x)
