@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
 import torch
 
 from pipeline import storage
@@ -464,6 +465,11 @@ def _run_planned(
                     output_uri=out_loc.uri,
                     rejects_uri=rej_root.child(s.rel_path).uri,
                     num_rows=info.num_rows,
+                    meta_schema=pa.schema(
+                        [info.schema.field(c) for c in (config.id_column, *config.passthrough)]
+                    )
+                    .serialize()
+                    .to_pybytes(),
                     model_uri=config.model,
                     model_sha256=sha,
                     device=str(device),

@@ -28,7 +28,6 @@ from pipeline.faults import checkpoint
 from pipeline.model import load_model
 from pipeline.overlap import WriteBehind, read_ahead
 from pipeline.precision import ExecutionOptions, prepare
-from pipeline.reading import read_footer
 from pipeline.writing import (
     StagedParquetWriter,
     output_schema,
@@ -50,6 +49,7 @@ class ShardTask:
     output_uri: str
     rejects_uri: str
     num_rows: int
+    meta_schema: bytes  # Arrow IPC schema of the id + pass-through columns, from the footer
     model_uri: str
     model_sha256: str
     device: str
@@ -183,9 +183,9 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
     rej_loc = storage.locate(task.rejects_uri, opts)
     out_fields = [(o.name, o.arrow_type(model.out_width)) for o in spec.outputs]
 
-    # Output and rejects schemas need the id/pass-through types, which come from the footer.
-    info = read_footer(task.input_uri, opts)
-    meta_schema = pa.schema([info.schema.field(c) for c in meta_cols])
+    # Output and rejects schemas keep the id/pass-through types this shard's footer declares;
+    # the driver read the footer already and sends those fields along.
+    meta_schema = pa.ipc.read_schema(pa.py_buffer(task.meta_schema))
     out_schema = output_schema(meta_schema, out_fields)
     writer = StagedParquetWriter(out_loc, out_schema, point="output-rename")
     rejects: StagedParquetWriter | None = None
