@@ -54,6 +54,24 @@ class ErrorPolicy:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Monitoring:
+    """Drift of the score distributions against the previous successful run (``[monitoring]``).
+
+    Crossing a threshold makes the run ``succeeded_with_warnings`` (exit code 4); the scores are
+    still written and ``_SUCCESS`` still marks them complete.
+    """
+
+    # Compare with the previous successful run of the same job (found in the run index).
+    drift: bool = True
+    # Population stability index per output column, over the previous run's deciles.
+    psi_threshold: float = 0.25
+    # Kolmogorov-Smirnov statistic per output column (largest gap between the two CDFs).
+    ks_threshold: float = 0.2
+    # Largest allowed |rows scored now / rows scored then - 1|.
+    rows_change_threshold: float = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobConfig:
     """A validated scoring job. Build it with :func:`load_config` or directly with keywords."""
 
@@ -104,7 +122,19 @@ class JobConfig:
     force: bool = False
     # A lock older than this many seconds is taken over even if its holder seems alive.
     stale_lock_after_s: float = 6 * 3600.0
+    # Target rows per Dask task: shards smaller than this are grouped into one task so that
+    # scheduling and commit overhead do not dominate; a bigger shard is its own task (streamed by
+    # row group). The target shrinks so that every worker thread gets at least 4 tasks.
+    task_rows: int = 262_144
+    # Dask resources each task asks for on an existing cluster, e.g. {GPU = 1} for workers
+    # started with --resources GPU=1 (one worker per GPU).
+    resources: Mapping[str, float] = field(default_factory=dict)
+    # Prometheus textfile (node_exporter textfile-collector convention) written after the run.
+    metrics_file: str | None = None
+    # Prometheus Pushgateway URL to push the same metrics to.
+    pushgateway: str | None = None
     errors: ErrorPolicy = field(default_factory=ErrorPolicy)
+    monitoring: Monitoring = field(default_factory=Monitoring)
     # Options passed unchanged to fsspec for every URI of the job (endpoint_url, key, ...).
     storage: Mapping[str, Any] = field(default_factory=dict)
 
@@ -161,6 +191,15 @@ _TOP_KEYS: dict[str, str] = {
     "date": "str",
     "force": "bool",
     "stale_lock_after_s": "float",
+    "task_rows": "int",
+    "metrics_file": "str",
+    "pushgateway": "str",
+}
+_MONITORING_KEYS: dict[str, str] = {
+    "drift": "bool",
+    "psi_threshold": "float",
+    "ks_threshold": "float",
+    "rows_change_threshold": "float",
 }
 _ERROR_KEYS: dict[str, str] = {
     "max_failed_shards": "int",
@@ -169,6 +208,9 @@ _ERROR_KEYS: dict[str, str] = {
     "on_invalid_rows": "str",
     "task_retries": "int",
 }
+# Sub-tables whose keys are also SCORE_CATALOG_<KEY> variables.
+_TABLES: dict[str, dict[str, str]] = {"errors": _ERROR_KEYS, "monitoring": _MONITORING_KEYS}
+_FREE_TABLES = ("storage", "resources")  # passed on unchanged
 _TYPE_CHECK = {
     "str": lambda v: isinstance(v, str),
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -208,7 +250,7 @@ def _parse_env_value(kind: str, raw: str) -> Any:
 
 def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
     top: dict[str, Any] = {}
-    errs: dict[str, Any] = {}
+    tables: dict[str, dict[str, Any]] = {t: {} for t in _TABLES}
     problems: list[str] = []
     for var, raw in sorted(env.items()):
         if not var.startswith(ENV_PREFIX):
@@ -216,18 +258,19 @@ def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
         key = var[len(ENV_PREFIX) :].lower()
         if key in _TOP_KEYS:
             target, kind = top, _TOP_KEYS[key]
-        elif key in _ERROR_KEYS:
-            target, kind = errs, _ERROR_KEYS[key]
         else:
-            known = ", ".join(ENV_PREFIX + k.upper() for k in [*_TOP_KEYS, *_ERROR_KEYS])
-            problems.append(f"unknown environment variable {var}; known ones: {known}")
-            continue
+            table = next((t for t, keys in _TABLES.items() if key in keys), None)
+            if table is None:
+                names = [*_TOP_KEYS, *(k for keys in _TABLES.values() for k in keys)]
+                known = ", ".join(ENV_PREFIX + k.upper() for k in names)
+                problems.append(f"unknown environment variable {var}; known ones: {known}")
+                continue
+            target, kind = tables[table], _TABLES[table][key]
         try:
             target[key] = _parse_env_value(kind, raw)
         except ValueError:
             problems.append(f"{var}={raw!r} is not {_TYPE_WORDS[kind]}")
-    if errs:
-        top["errors"] = errs
+    top.update({t: values for t, values in tables.items() if values})
     return top, problems
 
 
@@ -249,7 +292,7 @@ def _merge(layers: list[Mapping[str, Any]]) -> dict[str, Any]:
         for k, v in layer.items():
             if v is None:
                 continue
-            if k in ("errors", "storage") and isinstance(v, Mapping):
+            if k in (*_TABLES, *_FREE_TABLES) and isinstance(v, Mapping):
                 base = dict(merged.get(k) or {})
                 base.update({ek: ev for ek, ev in v.items() if ev is not None})
                 merged[k] = base
@@ -287,11 +330,19 @@ def build_config(
         # Still check the values of the well-typed keys, so that one message lists everything.
         raise ConfigError(problems + raw_problems + _value_problems(merged), source)
     errors_raw = dict(merged.pop("errors", {}) or {})
+    monitoring_raw = dict(merged.pop("monitoring", {}) or {})
     storage = dict(merged.pop("storage", {}) or {})
+    resources = dict(merged.pop("resources", {}) or {})
     if "passthrough" in merged:
         merged["passthrough"] = tuple(merged["passthrough"])
     try:
-        return JobConfig(**merged, errors=ErrorPolicy(**errors_raw), storage=storage)
+        return JobConfig(
+            **merged,
+            errors=ErrorPolicy(**errors_raw),
+            monitoring=Monitoring(**monitoring_raw),
+            storage=storage,
+            resources=resources,
+        )
     except ConfigError as e:
         raise ConfigError(e.problems, source) from None
 
@@ -300,22 +351,28 @@ def _check_raw(merged: Mapping[str, Any]) -> list[str]:
     """Key names and types; value rules live in :func:`_validate`."""
     problems: list[str] = []
     for key, value in merged.items():
-        if key in ("errors", "storage"):
+        if key in (*_TABLES, *_FREE_TABLES):
             if not isinstance(value, Mapping):
                 problems.append(f"[{key}] must be a table")
             continue
         if key not in _TOP_KEYS:
-            problems.append(_unknown(key, [*_TOP_KEYS, "errors", "storage"]))
+            problems.append(_unknown(key, [*_TOP_KEYS, *_TABLES, *_FREE_TABLES]))
         elif not _TYPE_CHECK[_TOP_KEYS[key]](value):
             problems.append(f"{key} = {value!r} must be {_TYPE_WORDS[_TOP_KEYS[key]]}")
-    errors = merged.get("errors")
-    if isinstance(errors, Mapping):
-        for key, value in errors.items():
-            if key not in _ERROR_KEYS:
-                problems.append(_unknown(f"errors.{key}", [f"errors.{k}" for k in _ERROR_KEYS]))
-            elif not _TYPE_CHECK[_ERROR_KEYS[key]](value):
-                want = _TYPE_WORDS[_ERROR_KEYS[key]]
-                problems.append(f"errors.{key} = {value!r} must be {want}")
+    for table, keys in _TABLES.items():
+        values = merged.get(table)
+        if not isinstance(values, Mapping):
+            continue
+        for key, value in values.items():
+            if key not in keys:
+                problems.append(_unknown(f"{table}.{key}", [f"{table}.{k}" for k in keys]))
+            elif not _TYPE_CHECK[keys[key]](value):
+                problems.append(f"{table}.{key} = {value!r} must be {_TYPE_WORDS[keys[key]]}")
+    resources = merged.get("resources")
+    if isinstance(resources, Mapping):
+        for key, value in resources.items():
+            if not _TYPE_CHECK["float"](value) or value <= 0:
+                problems.append(f"resources.{key} = {value!r} must be a number > 0")
     for required in ("input", "output", "model"):
         if not merged.get(required):
             problems.append(
@@ -328,10 +385,12 @@ def _check_raw(merged: Mapping[str, Any]) -> list[str]:
 def _value_problems(merged: Mapping[str, Any]) -> list[str]:
     """Value rules for the keys that have the right type, on top of the defaults."""
     good = {k: v for k, v in merged.items() if k in _TOP_KEYS and _TYPE_CHECK[_TOP_KEYS[k]](v)}
-    errs = merged.get("errors") if isinstance(merged.get("errors"), Mapping) else {}
-    good_errs = {
-        k: v for k, v in (errs or {}).items() if k in _ERROR_KEYS and _TYPE_CHECK[_ERROR_KEYS[k]](v)
-    }
+    good_tables = {}
+    for table, keys in _TABLES.items():
+        raw = merged.get(table) if isinstance(merged.get(table), Mapping) else {}
+        good_tables[table] = {
+            k: v for k, v in (raw or {}).items() if k in keys and _TYPE_CHECK[keys[k]](v)
+        }
     defaults = {
         f.name: f.default
         for f in dataclasses.fields(JobConfig)
@@ -346,10 +405,13 @@ def _value_problems(merged: Mapping[str, Any]) -> list[str]:
             **good,
             "passthrough": tuple(good.get("passthrough", ())),
             "errors": ErrorPolicy.__new__(ErrorPolicy),
+            "monitoring": Monitoring.__new__(Monitoring),
         },
     )
-    for f in dataclasses.fields(ErrorPolicy):
-        object.__setattr__(candidate.errors, f.name, good_errs.get(f.name, f.default))
+    for table, cls in (("errors", ErrorPolicy), ("monitoring", Monitoring)):
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            value = good_tables[table].get(f.name, f.default)
+            object.__setattr__(getattr(candidate, table), f.name, value)
     return _validate(candidate)  # type: ignore[arg-type]
 
 
@@ -432,4 +494,20 @@ def _validate(c: JobConfig) -> list[str]:
         p.append(f"errors.on_invalid_rows = {e.on_invalid_rows!r} must be 'reject' or 'fail'")
     if e.task_retries < 0:
         p.append(f"errors.task_retries = {e.task_retries} must be >= 0")
+    if not isinstance(c.task_rows, int) or c.task_rows < 1:
+        p.append(f"task_rows = {c.task_rows!r} must be an integer >= 1")
+    if not any("output" in problem for problem in p):
+        from pipeline.runindex import index_root
+
+        try:
+            index_root(c.output)  # where the run index lives: checked now, not after scoring
+        except ConfigError as e:
+            p += e.problems
+    m = c.monitoring
+    for key in ("psi_threshold", "ks_threshold", "rows_change_threshold"):
+        value = getattr(m, key)
+        if not (math.isfinite(value) and value >= 0):
+            p.append(f"monitoring.{key} = {value!r} must be a number >= 0")
+    if c.pushgateway is not None and not re.match(r"^https?://\S+$", c.pushgateway):
+        p.append(f"pushgateway = {c.pushgateway!r} must be an http:// or https:// URL")
     return p

@@ -11,12 +11,15 @@ EXIT_OK = 0
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INPUT = 3
+EXIT_DRIFT = 4
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 success (status succeeded or succeeded_with_errors within the error budget); "
     "1 run failed (shards failed or rows rejected beyond the error budget, or a crash); "
     "2 usage or configuration error; "
-    "3 input, schema or model error found before any row was scored."
+    "3 input, schema or model error found before any row was scored; "
+    "4 scored and committed, but the score distribution drifted from the previous successful "
+    "run beyond [monitoring] thresholds (status succeeded_with_warnings)."
 )
 
 

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pipeline.errors import EXIT_OK, EXIT_RUN_FAILED
+from pipeline import drift as drift_mod
+from pipeline.errors import EXIT_DRIFT, EXIT_OK, EXIT_RUN_FAILED
 from pipeline.scoring import ShardResult
 
 REPORT_NAME = "_report.json"
-SCHEMA_VERSION = 1
+HTML_NAME = "_report.html"
+SCHEMA_VERSION = 2
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
+STATUSES = ("succeeded", "succeeded_with_errors", "succeeded_with_warnings", "failed")
+# The driver keeps at most this many sampled scores per output column, however many shards the
+# archive has; beyond it the sample is compressed to evenly weighted quantiles (memory stays flat).
+MAX_SAMPLE = 200_000
+COMPRESSED_SAMPLE = 20_000
+HISTOGRAM_BINS = 20
 
 
 @dataclass
@@ -29,7 +37,10 @@ class RunReport:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_RUN_FAILED if self.status == "failed" else EXIT_OK
+        if self.status == "failed":
+            return EXIT_RUN_FAILED
+        drift = self.data.get("drift") or {}
+        return EXIT_DRIFT if drift.get("alert") else EXIT_OK
 
     def __getitem__(self, key: str) -> Any:
         return self.data[key]
@@ -55,39 +66,68 @@ def _weighted_quantiles(values: np.ndarray, weights: np.ndarray) -> dict[str, fl
     return {f"p{round(q * 100):02d}": float(np.interp(q, cdf, v)) for q in QUANTILES}
 
 
-def output_summary(results: Iterable[ShardResult]) -> dict[str, dict[str, Any]]:
-    """Per output column: count, mean, min, max (exact) and quantiles (from per-shard samples)."""
-    merged: dict[str, dict[str, Any]] = {}
-    for r in results:
+class ScoreProfile:
+    """Per output column: exact count, sum, min and max, and a bounded weighted sample of scores.
+
+    Each shard sends every k-th score with weight k; the driver merges them here. Quantiles,
+    the drift sketch and the histogram come from the merged sample.
+    """
+
+    def __init__(self) -> None:
+        self.cols: dict[str, dict[str, Any]] = {}
+
+    def add(self, r: ShardResult) -> None:
         for col, (count, total, lo, hi) in r.stats.items():
-            m = merged.setdefault(
+            m = self.cols.setdefault(
                 col,
-                {
-                    "count": 0,
-                    "sum": 0.0,
-                    "min": np.inf,
-                    "max": -np.inf,
-                    "values": [],
-                    "weights": [],
-                },
+                {"count": 0, "sum": 0.0, "min": np.inf, "max": -np.inf, "v": [], "w": [], "n": 0},
             )
             m["count"] += count
             m["sum"] += total
             m["min"] = min(m["min"], lo)
             m["max"] = max(m["max"], hi)
-            vals = r.samples.get(col, [])
-            m["values"].extend(vals)
-            m["weights"].extend([r.sample_weight] * len(vals))
-    out: dict[str, dict[str, Any]] = {}
-    for col, m in merged.items():
-        entry: dict[str, Any] = {"count": int(m["count"])}
-        if m["count"]:
-            entry.update(mean=m["sum"] / m["count"], min=float(m["min"]), max=float(m["max"]))
-            entry["quantiles"] = _weighted_quantiles(
-                np.asarray(m["values"], dtype=float), np.asarray(m["weights"], dtype=float)
-            )
-        out[col] = entry
-    return out
+            vals = np.asarray(r.samples.get(col, []), dtype=float)
+            if len(vals):
+                m["v"].append(vals)
+                m["w"].append(np.full(len(vals), r.sample_weight))
+                m["n"] += len(vals)
+            if m["n"] > MAX_SAMPLE:
+                v, w = np.concatenate(m["v"]), np.concatenate(m["w"])
+                levels = (np.arange(COMPRESSED_SAMPLE) + 0.5) / COMPRESSED_SAMPLE
+                m["v"] = [_weighted_quantile_values(v, w, levels)]
+                m["w"] = [np.full(COMPRESSED_SAMPLE, w.sum() / COMPRESSED_SAMPLE)]
+                m["n"] = COMPRESSED_SAMPLE
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """The ``outputs`` section of ``_report.json``."""
+        out: dict[str, dict[str, Any]] = {}
+        for col, m in self.cols.items():
+            entry: dict[str, Any] = {"count": int(m["count"])}
+            if m["count"]:
+                v = np.concatenate(m["v"]) if m["v"] else np.zeros(0)
+                w = np.concatenate(m["w"]) if m["w"] else np.zeros(0)
+                entry.update(mean=m["sum"] / m["count"], min=float(m["min"]), max=float(m["max"]))
+                if len(v):
+                    entry["quantiles"] = _weighted_quantiles(v, w)
+                    entry["sketch"] = drift_mod.sketch(v, w)
+                    entry["histogram"] = drift_mod.histogram(v, w, bins=HISTOGRAM_BINS)
+            out[col] = entry
+        return out
+
+
+def _weighted_quantile_values(v: np.ndarray, w: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    order = np.argsort(v, kind="stable")
+    v, w = v[order], w[order]
+    cdf = (np.cumsum(w) - 0.5 * w) / w.sum()
+    return np.interp(levels, cdf, v)
+
+
+def output_summary(results: Iterable[ShardResult]) -> dict[str, dict[str, Any]]:
+    """Per output column: count, mean, min, max (exact); quantiles, sketch, histogram (sampled)."""
+    profile = ScoreProfile()
+    for r in results:
+        profile.add(r)
+    return profile.summary()
 
 
 def latency_summary(results: Iterable[ShardResult]) -> dict[str, float | None]:
@@ -145,4 +185,67 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
         lines.append(f"  ERROR [{err['kind']}] {err['message']}")
     if len(d["errors"]) > 10:
         lines.append(f"  ... {len(d['errors']) - 10} more errors in _report.json")
+    return "\n".join(lines)
+
+
+def load_report(uri: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``_report.json`` of a run: ``uri`` is its output root or the report file itself."""
+    from pipeline import storage
+    from pipeline.errors import InputError
+
+    loc = storage.locate(uri, options)
+    if not loc.path.endswith(".json"):
+        loc = loc.child(REPORT_NAME)
+    data = storage.read_json(loc)
+    if not isinstance(data, dict) or "run_id" not in data:
+        raise InputError(
+            f"{loc.uri}: no run report there; give a run's output root (the folder holding "
+            f"{REPORT_NAME}) or the report file"
+        )
+    return data
+
+
+def _num(v: Any, fmt: str = ",.0f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def diff_table(current: dict[str, Any], other: dict[str, Any]) -> str:
+    """Two runs side by side: counts, throughput, score quantiles and drift of ``current``."""
+    a, b = current, other
+    lines = [
+        f"score-catalog report: {a['run_id']} vs {b['run_id']}",
+        f"  {'':<22} {'this run':>22} {'other run':>22} {'change':>10}",
+    ]
+
+    def row(label: str, x: Any, y: Any, fmt: str = ",.0f") -> None:
+        change = "-"
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y:
+            change = f"{(x / y - 1) * 100:+.1f}%"
+        lines.append(f"  {label:<22} {_num(x, fmt):>22} {_num(y, fmt):>22} {change:>10}")
+
+    lines.append(f"  {'status':<22} {a.get('status', '-'):>22} {b.get('status', '-'):>22}")
+    lines.append(
+        f"  {'model':<22} {str((a.get('model') or {}).get('sha256', '-'))[:12]:>22} "
+        f"{str((b.get('model') or {}).get('sha256', '-'))[:12]:>22}"
+    )
+    for key in ("rows_in", "rows_out", "rows_rejected", "shards_total", "shards_failed"):
+        row(key, a.get(key), b.get(key))
+    row("rows_per_s", a.get("rows_per_s"), b.get("rows_per_s"))
+    row("duration_s", a.get("duration_s"), b.get("duration_s"), ",.1f")
+    cols = sorted(set(a.get("outputs") or {}) | set(b.get("outputs") or {}))
+    for col in cols:
+        qa = ((a.get("outputs") or {}).get(col) or {}).get("quantiles") or {}
+        qb = ((b.get("outputs") or {}).get(col) or {}).get("quantiles") or {}
+        for q in ("p05", "p50", "p95"):
+            row(f"{col} {q}", qa.get(q), qb.get(q), ".4f")
+    d = drift_mod.compare(b, a, drift_mod.DriftThresholds())
+    lines.append("")
+    lines.append(f"  drift of this run against the other (default thresholds {d['thresholds']}):")
+    for col, c in d["columns"].items():
+        flag = "  ALERT" if c["alert"] else ""
+        lines.append(
+            f"    {col:<20} PSI {_num(c['psi'], '.4f'):>8}  KS {_num(c['ks'], '.4f'):>8}{flag}"
+        )
+    for reason in d["reasons"]:
+        lines.append(f"    - {reason}")
     return "\n".join(lines)

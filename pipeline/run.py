@@ -21,11 +21,20 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from pipeline import storage
+from pipeline import drift as drift_mod
+from pipeline import runindex, storage
 from pipeline.batching import ShardBatches
 from pipeline.config import JobConfig
-from pipeline.errors import ConfigError, ModelError, SchemaError, ShardError, StorageError
+from pipeline.errors import (
+    ConfigError,
+    ModelError,
+    PipelineError,
+    SchemaError,
+    ShardError,
+    StorageError,
+)
 from pipeline.faults import checkpoint
+from pipeline.html_report import render_html
 from pipeline.locking import RunLock
 from pipeline.manifest import Manifest, settings_hash
 from pipeline.model import forward, load_model, read_bundle, resolve_device
@@ -39,6 +48,7 @@ from pipeline.precision import (
 )
 from pipeline.reading import ShardInfo, check_schema, feature_width, read_footer
 from pipeline.report import (
+    HTML_NAME,
     REPORT_NAME,
     SCHEMA_VERSION,
     RunReport,
@@ -46,7 +56,7 @@ from pipeline.report import (
     output_summary,
     versions,
 )
-from pipeline.scoring import ShardResult, ShardTask, score_shard, warm_worker
+from pipeline.scoring import ShardResult, ShardTask, score_shard, score_shards, warm_worker
 from pipeline.storage import Location, ShardRef
 
 logger = logging.getLogger(__name__)
@@ -209,10 +219,40 @@ class DaskSession:
             self._cluster.close()
 
 
+MIN_TASKS_PER_SLOT = 4  # grouping never leaves a worker thread with fewer tasks than this
+
+
+def group_tasks(tasks: list[ShardTask], target_rows: int, slots: int) -> list[list[ShardTask]]:
+    """Pack consecutive small shards into groups of about ``target_rows`` rows.
+
+    The target shrinks so that each of ``slots`` worker threads still gets several groups (a
+    few big groups would leave workers idle at the end). A shard at or above the target is a
+    group of its own: it is streamed by row group whatever its size.
+    """
+    total = sum(t.num_rows for t in tasks)
+    limit = max(1, min(target_rows, -(-total // max(1, slots * MIN_TASKS_PER_SLOT))))
+    groups: list[list[ShardTask]] = []
+    current: list[ShardTask] = []
+    rows = 0
+    for t in tasks:
+        if current and rows + t.num_rows > limit:
+            groups.append(current)
+            current, rows = [], 0
+        current.append(t)
+        rows += t.num_rows
+    if current:
+        groups.append(current)
+    return groups
+
+
 def _execute(
-    tasks: list[ShardTask], plan: Plan, retries: int, session: DaskSession | None
+    tasks: list[ShardTask],
+    plan: Plan,
+    config: JobConfig,
+    session: DaskSession | None,
 ) -> Iterator[tuple[ShardTask, ShardResult]]:
     """Run shard tasks on the chosen scheduler, yielding results as they complete."""
+    retries = config.errors.task_retries
     if not tasks:
         return
     if plan.scheduler == "sync":
@@ -224,27 +264,32 @@ def _execute(
 
     assert session is not None
     client = session.client()
-    by_key = {}
+    slots = sum(client.nthreads().values()) or 1
+    groups = group_tasks(tasks, config.task_rows, slots)
+    resources = dict(config.resources) or None
+    by_key: dict[str, list[ShardTask]] = {}
     futures: list[Any] = []
     try:
-        for t in tasks:
+        for group in groups:
             fut = client.submit(
-                score_shard,
-                t,
-                key=f"score-{t.rel_path}-{uuid.uuid4().hex[:8]}",
+                score_shards,
+                group,
+                key=f"score-{group[0].rel_path}-{len(group)}-{uuid.uuid4().hex[:8]}",
                 retries=retries,
+                resources=resources,
                 pure=False,
             )
-            by_key[fut.key] = t
+            by_key[fut.key] = group
             futures.append(fut)
         for fut in as_completed(futures):
-            t = by_key[fut.key]
+            group = by_key[fut.key]
             try:
-                result = fut.result()
+                results = fut.result()
             except Exception as e:  # the task crashed every retry (or its worker kept dying)
-                result = _crashed(t, e)
-            yield t, result
-            checkpoint("between-shards")
+                results = [_crashed(t, e) for t in group]
+            for t, result in zip(group, results, strict=True):
+                yield t, result
+                checkpoint("between-shards")
     finally:
         # Stop what is still running (after a fatal error); the session is closed by run().
         for fut in futures:
@@ -277,15 +322,95 @@ def run(
     config: JobConfig,
     *,
     on_shard: Callable[[ShardResult], None] | None = None,
+    on_start: Callable[[int, int], None] | None = None,
 ) -> RunReport:
     """Score every input shard of ``config`` and write outputs, manifest and ``_report.json``.
 
     Returns the report whatever the outcome within the run (check ``report.status``); raises a
     :class:`~pipeline.errors.PipelineError` for problems found before scoring (configuration,
-    input listing, schema, model), which leave the output untouched.
+    input listing, schema, model), which leave the output untouched. Either way the metrics
+    file and Pushgateway, when configured, get the outcome. ``on_start(rows, shards)`` is called
+    once scoring starts with what is left to score; ``on_shard`` after each shard.
     """
     started_at = dt.datetime.now(dt.timezone.utc)
     t0 = time.perf_counter()
+    if config.metrics_file is not None:
+        parent = os.path.dirname(os.path.abspath(config.metrics_file))
+        if not os.path.isdir(parent):
+            raise ConfigError(
+                f"metrics_file = {config.metrics_file!r}: directory {parent} does not exist "
+                "(point it at node_exporter's --collector.textfile.directory)"
+            )
+    try:
+        report = _run(config, on_shard, on_start, started_at, t0)
+    except PipelineError as e:
+        _publish_metrics(config, _failed_summary(config, started_at, time.perf_counter() - t0, e))
+        raise
+    _publish_metrics(config, report.data)
+    return report
+
+
+def _failed_summary(
+    config: JobConfig, started_at: dt.datetime, duration: float, e: PipelineError
+) -> dict[str, Any]:
+    """What the metrics say about a run that stopped before scoring (exit 2 or 3)."""
+    return {
+        "job": config.name,
+        "status": "failed",
+        "started_at": started_at.isoformat(),
+        "finished_at": (started_at + dt.timedelta(seconds=duration)).isoformat(),
+        "duration_s": duration,
+        "rows_out": 0,
+        "rows_rejected": 0,
+        "shards_failed": 0,
+        "rows_per_s": 0.0,
+        "drift": None,
+        "error": str(e),
+    }
+
+
+def _publish_metrics(config: JobConfig, data: dict[str, Any]) -> None:
+    if config.metrics_file is None and config.pushgateway is None:
+        return
+    from pipeline import metrics
+
+    previous = None
+    if config.metrics_file is not None:
+        previous = metrics.previous_success_timestamp(config.metrics_file, config.name)
+        try:
+            metrics.write_metrics_file(config.metrics_file, data)
+        except PipelineError as e:
+            logger.error("%s", e)
+    if config.pushgateway is not None:
+        if previous is None and data.get("status") == "failed":
+            previous = _last_success_from_index(config)
+        try:
+            metrics.push_metrics(config.pushgateway, data, previous_success_ts=previous)
+        except PipelineError as e:
+            logger.error("%s", e)
+
+
+def _last_success_from_index(config: JobConfig) -> float | None:
+    """When the last success finished, from the run index (a push replaces the whole group)."""
+    try:
+        entry = runindex.previous_success(
+            runindex.index_root(config.output), config.storage, config.name
+        )
+        if entry is None:
+            return None
+        return dt.datetime.fromisoformat(str(entry["finished_at"])).timestamp()
+    except Exception as e:  # metrics are best effort once the run is over
+        logger.warning("could not read the last success from the run index: %s", e)
+        return None
+
+
+def _run(
+    config: JobConfig,
+    on_shard: Callable[[ShardResult], None] | None,
+    on_start: Callable[[int, int], None] | None,
+    started_at: dt.datetime,
+    t0: float,
+) -> RunReport:
     run_id = new_run_id()
     opts = config.storage
     out_root = storage.locate(config.output_uri(run_id), opts)
@@ -331,28 +456,55 @@ def run(
             plan,
             session,
             on_shard,
+            on_start,
         )
     finally:
         if session is not None:
             session.close()
 
 
-def _run_planned(
+@dataclass(frozen=True)
+class Settings:
+    """The settings that change output rows; a change rescores every shard on resume."""
+
+    values: dict[str, Any]
+    hash: str
+
+
+def _settings(config: JobConfig, spec: Any) -> Settings:
+    values = {
+        "inputs": list(spec.input_columns),
+        "outputs": [[o.name, o.describe()] for o in spec.outputs],
+        "id_column": config.id_column,
+        "passthrough": list(config.passthrough),
+        "precision": config.precision,
+    }
+    return Settings(values, settings_hash(values))
+
+
+@dataclass
+class Inspection:
+    """What the footers and the model's dry run say, before anything is scored or written."""
+
+    infos: dict[str, ShardInfo]
+    failed: dict[str, ShardResult]  # unreadable shards
+    schema_problems: dict[str, list[str]]
+    width: int
+    model: Any
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.infos, self.failed, self.schema_problems, self.width, self.model))
+
+
+def inspect_shards(
     config: JobConfig,
-    run_id: str,
-    started_at: dt.datetime,
-    t0: float,
-    opts: Any,
-    out_root: Location,
-    rej_root: Location,
     shards: list[ShardRef],
-    device: torch.device,
     spec: Any,
     sha: str,
-    plan: Plan,
-    session: DaskSession | None,
-    on_shard: Callable[[ShardResult], None] | None,
-) -> RunReport:
+    device: torch.device,
+    opts: Any,
+) -> Inspection:
+    """Read every footer, find the feature width, load the model and check each schema."""
     uris = {s.rel_path: s.uri for s in shards}
     infos: dict[str, ShardInfo] = {}
     failed: dict[str, ShardResult] = {}
@@ -386,6 +538,30 @@ def _run_planned(
         )
         if probs:
             schema_problems[rel] = probs
+    return Inspection(infos, failed, schema_problems, width, model)
+
+
+def _run_planned(
+    config: JobConfig,
+    run_id: str,
+    started_at: dt.datetime,
+    t0: float,
+    opts: Any,
+    out_root: Location,
+    rej_root: Location,
+    shards: list[ShardRef],
+    device: torch.device,
+    spec: Any,
+    sha: str,
+    plan: Plan,
+    session: DaskSession | None,
+    on_shard: Callable[[ShardResult], None] | None,
+    on_start: Callable[[int, int], None] | None = None,
+) -> RunReport:
+    uris = {s.rel_path: s.uri for s in shards}
+    infos, failed, schema_problems, width, model = inspect_shards(
+        config, shards, spec, sha, device, opts
+    )
     if schema_problems and config.errors.on_schema_error == "fail":
         lines = [p for probs in schema_problems.values() for p in probs]
         raise SchemaError(
@@ -414,14 +590,8 @@ def _run_planned(
         config, model, exec_opts, sample_from, width, thread_plan(config, len(shards))
     )
 
-    settings = {
-        "inputs": list(spec.input_columns),
-        "outputs": [[o.name, o.describe()] for o in spec.outputs],
-        "id_column": config.id_column,
-        "passthrough": list(config.passthrough),
-        "precision": config.precision,
-    }
-    shash = settings_hash(settings)
+    settings_obj = _settings(config, spec)
+    settings, shash = settings_obj.values, settings_obj.hash
 
     # 2. Lock the output, clear what a crashed run left, and find what is already done.
     lock = RunLock.acquire(out_root, run_id, stale_after_s=config.stale_lock_after_s)
@@ -491,7 +661,9 @@ def _run_planned(
 
         # 3. Score. Each finished shard is recorded at once, so a crash loses only shards in flight.
         fatal = None
-        for task, result in _execute(tasks, plan, config.errors.task_retries, session):
+        if on_start is not None:
+            on_start(sum(t.num_rows for t in tasks), len(tasks))
+        for task, result in _execute(tasks, plan, config, session):
             results[task.rel_path] = result
             if result.status == "scored":
                 s = fingerprints[task.rel_path]
@@ -552,13 +724,68 @@ def _run_planned(
             batch_size,
             execution,
         )
+        index_root = runindex.index_root(config.output)
+        if config.monitoring.drift and data["status"] != "failed":
+            data["drift"] = _drift(config, data, index_root)
+            if data["drift"].get("alert") and data["status"] == "succeeded":
+                data["status"] = "succeeded_with_warnings"
+            for reason in data["drift"].get("reasons", []):
+                data["warnings"].append(f"drift: {reason}")
+                logger.warning("drift: %s", reason)
         report = RunReport(data)
         storage.write_json(out_root.child(REPORT_NAME), data, point="report-rename")
+        _write_html(out_root, data)
         if report.status != "failed":
             storage.write_bytes(out_root.child(SUCCESS_NAME), b"", point="success-rename")
+        _record_run(config, index_root, out_root, data)
         return report
     finally:
         lock.release()
+
+
+def _drift(config: JobConfig, data: dict[str, Any], index_root: str) -> dict[str, Any]:
+    """Compare this run's scores with the previous successful run of the same job."""
+    try:
+        previous = runindex.previous_success(
+            index_root, config.storage, config.name, exclude_run_id=data["run_id"]
+        )
+        baseline = runindex.load_report(previous, config.storage) if previous else None
+    except Exception as e:  # drift is a check on top of a finished run: never fail it
+        logger.warning("could not read the run index at %s: %s", index_root, e)
+        return {"baseline": None, "note": f"run index unreadable: {e}"}
+    if baseline is None:
+        return {
+            "baseline": None,
+            "note": f"no previous successful run of job {config.name!r} in {index_root}/_runs",
+        }
+    m = config.monitoring
+    thresholds = drift_mod.DriftThresholds(
+        psi=m.psi_threshold, ks=m.ks_threshold, rows_change=m.rows_change_threshold
+    )
+    return drift_mod.compare(baseline, data, thresholds)
+
+
+def _write_html(out_root: Location, data: dict[str, Any]) -> None:
+    try:
+        page = render_html(data)
+    except Exception as e:  # the JSON report is the record; the page is a view of it
+        logger.warning("could not render %s: %s", HTML_NAME, e)
+        return
+    storage.write_bytes(out_root.child(HTML_NAME), page.encode("utf-8"), point="html-rename")
+
+
+def _record_run(
+    config: JobConfig, index_root: str, out_root: Location, data: dict[str, Any]
+) -> None:
+    entry = {
+        key: data[key]
+        for key in ("run_id", "job", "status", "started_at", "finished_at", "rows_out", "output")
+    }
+    entry["report"] = out_root.child(REPORT_NAME).uri
+    try:
+        runindex.record(index_root, config.storage, config.name, entry)
+    except Exception as e:
+        logger.warning("could not record the run in the index at %s: %s", index_root, e)
 
 
 def _sample_rows(config: JobConfig, model: Any, shard: ShardRef, width: int) -> torch.Tensor:
@@ -771,7 +998,38 @@ def _build_report(
         "versions": versions(),
         "batch_latency_ms": latency_summary(scored),
         "outputs": output_summary(scored),
+        "rejects_by_reason": _rejects_by_reason(shards),
+        "throughput": _throughput(scored, started_at.timestamp()),
+        "drift": None,
         "errors": errors,
         "warnings": warnings,
-        "shards": [r.public() for r in shards],
+        "shards": [_shard_entry(r, started_at.timestamp()) for r in shards],
     }
+
+
+def _shard_entry(r: ShardResult, t0: float) -> dict[str, Any]:
+    d = r.public()
+    start, end = d.pop("started_at"), d.pop("finished_at")
+    d["started_s"] = None if start is None else max(0.0, start - t0)
+    d["finished_s"] = None if end is None else max(0.0, end - t0)
+    return d
+
+
+def _rejects_by_reason(shards: list[ShardResult]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for r in shards:
+        for reason, n in r.rejects_by_reason.items():
+            total[reason] = total.get(reason, 0) + n
+    return dict(sorted(total.items(), key=lambda kv: -kv[1]))
+
+
+def _throughput(scored: list[ShardResult], t0: float) -> list[dict[str, float]]:
+    """Cumulative rows scored against seconds since the run started, one point per shard."""
+    points = [{"t_s": 0.0, "rows": 0}]
+    rows = 0
+    for r in sorted(
+        (r for r in scored if r.finished_at is not None), key=lambda r: r.finished_at or 0.0
+    ):
+        rows += r.rows_in or 0
+        points.append({"t_s": max(0.0, (r.finished_at or t0) - t0), "rows": rows})
+    return points

@@ -88,13 +88,25 @@ class ShardResult:
     samples: dict[str, list[float]] = field(default_factory=dict)
     sample_weight: float = 1.0
     stats: dict[str, list[float]] = field(default_factory=dict)  # col -> [count, sum, min, max]
+    rejects_by_reason: dict[str, int] = field(default_factory=dict)
+    started_at: float | None = None  # wall clock (epoch seconds) of the worker's start ...
+    finished_at: float | None = None  # ... and finish on this shard; None when not scored
 
     def public(self) -> dict[str, Any]:
-        """The per-shard entry of ``_report.json``."""
+        """The per-shard entry of ``_report.json`` (timings are made relative by the report)."""
         d = asdict(self)
         for key in ("latencies_ms", "samples", "sample_weight", "stats"):
             d.pop(key)
         return d
+
+
+MAX_REASONS = 50  # distinct reject reasons kept per shard; the rest are counted as "other"
+
+
+def _count_reasons(counts: dict[str, int], reasons: Mapping[int, str]) -> None:
+    for reason in reasons.values():
+        key = reason if reason in counts or len(counts) < MAX_REASONS else "other"
+        counts[key] = counts.get(key, 0) + 1
 
 
 def _set_threads(requested: int | None) -> int:
@@ -116,6 +128,35 @@ def _set_threads(requested: int | None) -> int:
     return n
 
 
+def pin_device(device: str, worker_name: object, device_count: int) -> str:
+    """The CUDA device for this worker: one worker per GPU.
+
+    An unindexed ``cuda`` on a worker that sees several GPUs (an embedded cluster on a multi-GPU
+    machine, whose workers are named 0, 1, ...) maps worker i to ``cuda:i % count``. Workers
+    started one per GPU (dask-cuda, or CUDA_VISIBLE_DEVICES per worker) see one device, so
+    ``cuda`` is theirs already.
+    """
+    if device != "cuda" or device_count <= 1:
+        return device
+    try:
+        index = int(str(worker_name))
+    except ValueError:
+        return device
+    return f"cuda:{index % device_count}"
+
+
+def _worker_device(device: str) -> str:
+    if device != "cuda":
+        return device
+    try:
+        from distributed import get_worker
+
+        name: object = get_worker().name
+    except (ImportError, ValueError):
+        return device
+    return pin_device(device, name, torch.cuda.device_count())
+
+
 def warm_worker(
     model_uri: str,
     device: str,
@@ -131,17 +172,34 @@ def warm_worker(
     """Load (and prepare) the model in this worker before its first task: once per process."""
     _set_threads(torch_threads)
     model = load_model(
-        model_uri, device, width=width, options=storage_options, expected_sha256=sha256
+        model_uri,
+        _worker_device(device),
+        width=width,
+        options=storage_options,
+        expected_sha256=sha256,
     )
     prepare(model, ExecutionOptions(precision, compile, strict_fp32), warm_rows=batch_size or 2)
+
+
+def score_shards(tasks: list[ShardTask]) -> list[ShardResult]:
+    """Score a group of small shards in one Dask task, one after another.
+
+    Each shard still commits on its own; if one raises (a crash Dask should retry), the whole
+    group is retried and its already committed shards are scored and replaced again, which the
+    per-shard commit makes harmless.
+    """
+    return [score_shard(t) for t in tasks]
 
 
 def score_shard(task: ShardTask) -> ShardResult:
     """Score one shard and commit its output (and rejects) atomically."""
     t0 = time.perf_counter()
+    started = time.time()
     _set_threads(task.torch_threads)
     try:
-        return _score(task, t0)
+        result = _score(task, t0)
+        result.started_at, result.finished_at = started, time.time()
+        return result
     except ShardError as e:
         return ShardResult(
             task.rel_path,
@@ -157,7 +215,7 @@ def score_shard(task: ShardTask) -> ShardResult:
 def _score(task: ShardTask, t0: float) -> ShardResult:
     model = load_model(
         task.model_uri,
-        task.device,
+        _worker_device(task.device),
         width=task.width,
         options=task.storage_options,
         expected_sha256=task.model_sha256,
@@ -198,6 +256,7 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
     }
     latencies: list[float] = []
     rows_in = rows_out = rows_rej = oom = 0
+    reason_counts: dict[str, int] = {}
     behind: WriteBehind | None = None
     id_hashes: list[np.ndarray] = []  # 8 bytes per row of this shard, to count duplicate ids
     try:
@@ -292,6 +351,7 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
                     ),
                 )
                 rows_rej += len(order)
+                _count_reasons(reason_counts, reasons)
         if rows_in != task.num_rows:
             raise ShardError(
                 f"shard {task.input_uri}: read {rows_in} rows but its footer says "
@@ -338,6 +398,7 @@ def _score(task: ShardTask, t0: float) -> ShardResult:
         samples=samples,
         sample_weight=float(step),
         stats=stats,
+        rejects_by_reason=reason_counts,
     )
 
 

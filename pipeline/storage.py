@@ -67,6 +67,19 @@ def locate(uri: str, options: Mapping[str, Any] | None = None) -> Location:
     return Location(fs, path, uri)
 
 
+# Packages whose exceptions are network or service failures of an fsspec backend. They do not
+# derive from OSError (botocore's EndpointConnectionError, for one, when an endpoint is down or
+# wrong), so without this they would escape as tracebacks instead of storage errors.
+_BACKEND_PACKAGES = frozenset(
+    {"botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google", "azure"}
+)
+
+
+def is_backend_failure(e: BaseException) -> bool:
+    """True for an error raised by a storage backend's client library rather than by fsspec."""
+    return any(c.__module__.split(".")[0] in _BACKEND_PACKAGES for c in type(e).__mro__)
+
+
 def with_retries(
     fn: Callable[[], T], *, what: str, attempts: int = 4, base_delay: float = 0.2
 ) -> T:
@@ -79,7 +92,9 @@ def with_retries(
             return fn()
         except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
             raise
-        except (OSError, TimeoutError, ConnectionError) as e:
+        except Exception as e:
+            if not isinstance(e, (OSError, TimeoutError)) and not is_backend_failure(e):
+                raise
             if attempt == attempts:
                 raise StorageError(f"{what} failed after {attempts} attempts: {e}") from e
             delay = base_delay * 2 ** (attempt - 1)
@@ -141,6 +156,12 @@ def list_shards(input_uri: str, options: Mapping[str, Any] | None = None) -> lis
             raise InputError(f"input {input_uri} does not exist")
     except (OSError, ValueError) as e:
         raise InputError(f"cannot list input {input_uri}: {e}") from e
+    except Exception as e:
+        if not is_backend_failure(e):
+            raise
+        # The storage service could not be reached or answered with an error (wrong endpoint,
+        # network down): not a problem of the input itself, so a failed run (rerun when fixed).
+        raise StorageError(f"cannot list input {input_uri}: {type(e).__name__}: {e}") from e
     shards = []
     for path, info in found.items():
         if info.get("type") == "directory":

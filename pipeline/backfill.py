@@ -1,0 +1,202 @@
+"""Backfills: rescore a date-partitioned archive (``dt=YYYY-MM-DD/``), partition by partition.
+
+Each partition is an ordinary run of the job with ``date`` set: its own output, manifest,
+``_report.json`` and ``_SUCCESS``, so an interrupted partition resumes shard by shard. A partition
+whose output already has ``_SUCCESS`` from the current model bundle is skipped without starting a
+run. One summary, ``<root>/_backfills/<job>/<from>_<to>.json``, lists every partition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline import runindex, storage
+from pipeline.config import JobConfig
+from pipeline.errors import (
+    EXIT_DRIFT,
+    EXIT_OK,
+    EXIT_RUN_FAILED,
+    ConfigError,
+    PipelineError,
+    StorageError,
+)
+from pipeline.model import read_bundle
+from pipeline.report import REPORT_NAME, RunReport
+from pipeline.run import SUCCESS_NAME, run
+from pipeline.scoring import ShardResult
+
+logger = logging.getLogger(__name__)
+
+MAX_DAYS = 3660  # ten years of daily partitions; a typo in --from should not plan a century
+
+
+@dataclass
+class BackfillReport:
+    """The outcome of :func:`backfill`: ``data`` is what the summary JSON holds."""
+
+    data: dict[str, Any]
+
+    @property
+    def exit_code(self) -> int:
+        parts = self.data["partitions"]
+        if any(p["status"] in ("failed", "error") for p in parts):
+            return EXIT_RUN_FAILED
+        if any(p.get("drift_alert") for p in parts):
+            return EXIT_DRIFT
+        return EXIT_OK
+
+
+def dates(start: dt.date, end: dt.date) -> list[str]:
+    """Every day from ``start`` to ``end``, both included, as YYYY-MM-DD."""
+    if end < start:
+        raise ConfigError(f"--to {end} is before --from {start}")
+    days = (end - start).days + 1
+    if days > MAX_DAYS:
+        raise ConfigError(f"{days} days from {start} to {end} is more than {MAX_DAYS}; split it")
+    return [(start + dt.timedelta(days=i)).isoformat() for i in range(days)]
+
+
+def _check_templates(config: JobConfig) -> None:
+    problems = [
+        f"{key} = {getattr(config, key)!r} has no {{date}}: every partition would "
+        + ("read the same input" if key == "input" else "write to the same output")
+        for key in ("input", "output")
+        if "{date}" not in getattr(config, key)
+    ]
+    if problems:
+        raise ConfigError([*problems, "a backfill needs both templated, e.g. dt={date}"])
+
+
+def _finished(config: JobConfig, sha: str) -> dict[str, Any] | None:
+    """The partition's report if its output is complete and came from this model bundle."""
+    out = storage.locate(config.output_uri("backfill"), config.storage)
+    if not storage.exists(out.child(SUCCESS_NAME)):
+        return None
+    try:
+        report = storage.read_json(out.child(REPORT_NAME))
+    except (StorageError, ValueError):  # unreadable: score the partition again
+        return None
+    if not isinstance(report, dict) or (report.get("model") or {}).get("sha256") != sha:
+        return None
+    return report
+
+
+def backfill(
+    config: JobConfig,
+    start: dt.date,
+    end: dt.date,
+    *,
+    force: bool = False,
+    on_partition: Callable[[dict[str, Any]], None] | None = None,
+    on_shard: Callable[[ShardResult], None] | None = None,
+) -> BackfillReport:
+    """Run ``config`` once per date partition from ``start`` to ``end`` and write a summary.
+
+    Partitions whose input folder does not exist are listed as ``missing``; finished ones (with
+    ``_SUCCESS`` from the same model bundle) as ``skipped`` unless ``force``. A partition that
+    fails does not stop the others; the exit code is the worst outcome.
+    """
+    _check_templates(config)
+    days = dates(start, end)
+    t0 = time.perf_counter()
+    started_at = dt.datetime.now(dt.timezone.utc)
+    _, _, sha = read_bundle(config.model, config.storage)
+    parts: list[dict[str, Any]] = []
+    for day in days:
+        cfg = dataclasses.replace(config, date=day, force=force or config.force)
+        entry: dict[str, Any] = {"date": day, "input": cfg.input_uri()}
+        inp = storage.locate(cfg.input_uri(), cfg.storage)
+        done = None if force else _finished(cfg, sha)
+        if not storage.exists(inp):
+            entry.update(status="missing")
+        elif done is not None:
+            entry.update(
+                status="skipped",
+                output=done.get("output"),
+                run_id=done.get("run_id"),
+                rows_out=done.get("rows_out"),
+                note="finished earlier with this model bundle",
+            )
+        else:
+            try:
+                report: RunReport = run(cfg, on_shard=on_shard)
+            except PipelineError as e:
+                entry.update(status="error", exit_code=e.exit_code, message=str(e))
+            else:
+                d = report.data
+                entry.update(
+                    status=d["status"],
+                    exit_code=report.exit_code,
+                    run_id=d["run_id"],
+                    output=d["output"],
+                    rows_in=d["rows_in"],
+                    rows_out=d["rows_out"],
+                    rows_rejected=d["rows_rejected"],
+                    shards_scored=d["shards_scored"],
+                    shards_skipped=d["shards_skipped"],
+                    shards_failed=d["shards_failed"],
+                    duration_s=d["duration_s"],
+                    drift_alert=bool((d.get("drift") or {}).get("alert")),
+                )
+        parts.append(entry)
+        if on_partition is not None:
+            on_partition(entry)
+    data = _summary(config, start, end, started_at, time.perf_counter() - t0, parts)
+    root = runindex.index_root(config.output)
+    job = runindex.safe_name(config.name)
+    target = storage.locate(f"{root}/_backfills/{job}/{start}_{end}.json", config.storage)
+    storage.write_json(target, data, point="backfill-report-rename")
+    data["summary_uri"] = target.uri
+    return BackfillReport(data)
+
+
+def _summary(
+    config: JobConfig,
+    start: dt.date,
+    end: dt.date,
+    started_at: dt.datetime,
+    duration: float,
+    parts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    for p in parts:
+        counts[p["status"]] = counts.get(p["status"], 0) + 1
+    bad = [p for p in parts if p["status"] in ("failed", "error")]
+    return {
+        "job": config.name,
+        "from": start.isoformat(),
+        "to": end.isoformat(),
+        "status": "failed" if bad else "succeeded",
+        "started_at": started_at.isoformat(),
+        "duration_s": duration,
+        "partitions_total": len(parts),
+        "partitions_by_status": counts,
+        "rows_out": sum(p.get("rows_out") or 0 for p in parts if p["status"] != "skipped"),
+        "partitions": parts,
+    }
+
+
+def summary_table(report: BackfillReport) -> str:
+    """The backfill's per-partition table for the terminal."""
+    d = report.data
+    lines = [
+        f"score-catalog backfill {d['job']} {d['from']}..{d['to']}: {d['status'].upper()}",
+        "  partitions "
+        + ", ".join(f"{n} {status}" for status, n in sorted(d["partitions_by_status"].items())),
+        f"  summary    {d.get('summary_uri', '-')}",
+        "",
+        f"  {'date':<10}  {'status':<24} {'rows scored':>12}  note",
+    ]
+    for p in d["partitions"]:
+        rows = "-" if p.get("rows_out") is None else f"{p['rows_out']:,}"
+        note = p.get("message") or p.get("note") or p.get("output") or p.get("input") or ""
+        if p.get("drift_alert"):
+            note = "DRIFT; " + note
+        lines.append(f"  {p['date']:<10}  {p['status']:<24} {rows:>12}  {note}")
+    return "\n".join(lines)

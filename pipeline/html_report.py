@@ -1,0 +1,511 @@
+"""``_report.html``: a self-contained page for the people who open a nightly run the morning after.
+
+:func:`render_html` turns the ``_report.json`` dict into one HTML page with inline CSS and
+hand-built inline SVG charts: no scripts, no fonts, no network references, so it opens from a
+bucket, a mail attachment or a printout. Every key except ``run_id``/``job``/``status`` may be
+missing or ``None`` (older report versions, failed runs); such values render as "-" or a sentence,
+and a section that still cannot be drawn says so instead of failing the whole page.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+SHARD_TABLE_CAP = 500
+SHARD_CHART_TOP = 50
+ERRORS_SHOWN = 20
+SLOW_FACTOR = 2.0
+_W = 720  # SVG user-space width; CSS scales it to the page
+_STATUS_CLASS = {"succeeded": "ok", "failed": "bad"}  # other succeeded_with_* -> "warn"
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1a1a1a;
+background:#fff;margin:0}
+main{max-width:1100px;margin:0 auto;padding:16px 24px}
+h1{font-size:22px;margin:8px 0}h2{font-size:18px;border-bottom:1px solid #ccc;padding-bottom:4px}
+h3{font-size:15px;margin:14px 0 6px}
+table{border-collapse:collapse;margin:6px 0 12px;font-variant-numeric:tabular-nums}
+th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f3f3f3}td.n{text-align:right}thead{display:table-header-group}
+.kv th{width:14em}td{overflow-wrap:anywhere}
+.banner{padding:10px 14px;border-radius:6px;border:2px solid;font-weight:600;font-size:16px}
+.ok{background:#e6f4ea;border-color:#1e7e34;color:#14532d}
+.warn{background:#fff4d6;border-color:#b7791f;color:#6b4403}
+.bad{background:#fde8e8;border-color:#c53030;color:#7f1d1d}
+.unknown{background:#eee;border-color:#777}
+tr.alert td,tr.failed td{background:#fde8e8}tr.slow td{background:#fff4d6}
+.note{color:#555;font-style:italic}
+figure{margin:8px 0 14px;break-inside:avoid;page-break-inside:avoid}
+svg{width:100%;height:auto;max-width:900px}svg text{font:11px sans-serif;fill:#222}
+.bar{fill:#4a78b5}.bar.hi{fill:#d97706}.line{fill:none;stroke:#2f6db5;stroke-width:2}
+.axis{stroke:#555}.grid{stroke:#e3e3e3}
+@media print{body{font-size:11px;background:#fff!important;color:#000}main{max-width:none;
+padding:0}.banner{background:#fff!important;color:#000}th{background:#fff}
+tr.alert td,tr.failed td,tr.slow td{background:#fff;font-weight:600}
+section{break-inside:auto}h2{break-after:avoid}svg{max-width:100%}}
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _num(value: Any) -> float | None:
+    """A finite float, or None for missing/non-numeric/NaN values (bools are not numbers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    f = float(value)
+    return f if math.isfinite(f) else None
+
+
+def _fmt(value: Any, digits: int = 0, suffix: str = "") -> str:
+    f = _num(value)
+    if f is None:
+        return "-"
+    if digits == 0 and isinstance(value, int):
+        return f"{value:,}{suffix}"
+    return f"{f:,.{digits}f}{suffix}"
+
+
+def _g(value: Any) -> str:
+    """Compact number for quantiles and axis ticks: thousands separators, else 4 significant."""
+    f = _num(value)
+    if f is None:
+        return "-"
+    if f == int(f) and abs(f) < 1e15:
+        return f"{int(f):,}"
+    return f"{f:,.0f}" if abs(f) >= 1000 else f"{f:.4g}"
+
+
+def _pct(value: Any, signed: bool = False) -> str:
+    f = _num(value)
+    return "-" if f is None else f"{f * 100:{'+' if signed else ''}.2f}%"
+
+
+def _dict(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else []
+
+
+def _plain(value: Any) -> str:
+    """Any JSON value as text: "-" for None, compact JSON for lists and dicts."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, separators=(",", ":"), default=str, sort_keys=True)
+    if isinstance(value, (int, float)):
+        return _g(value)
+    return str(value)
+
+
+def _table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], row_classes: Sequence[str] = ()
+) -> str:
+    """A table; cells are escaped, numeric-looking cells right-aligned."""
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = []
+    for i, row in enumerate(rows):
+        cls = f' class="{_e(row_classes[i])}"' if i < len(row_classes) and row_classes[i] else ""
+        cells = "".join(
+            f'<td class="n">{_e(c)}</td>' if _looks_numeric(c) else f"<td>{_e(c)}</td>" for c in row
+        )
+        body.append(f"<tr{cls}>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _looks_numeric(cell: Any) -> bool:
+    s = str(cell).replace(",", "").replace("%", "").replace(" s", "").lstrip("+-")
+    return s.replace(".", "", 1).isdigit()
+
+
+def _kv(pairs: Sequence[tuple[str, Any]]) -> str:
+    rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(_plain(v))}</td></tr>" for k, v in pairs)
+    return f'<table class="kv"><tbody>{rows}</tbody></table>'
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """About ``n`` round tick values covering [lo, hi]."""
+    if hi <= lo:
+        hi = lo + (abs(lo) or 1.0)
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    start = math.floor(lo / step) * step
+    return [start + i * step for i in range(math.ceil((hi - start) / step - 1e-9) + 1)]
+
+
+def _svg(height: float, label: str, body: str) -> str:
+    return (
+        f'<svg viewBox="0 0 {_W} {height:.0f}" role="img" '
+        f'aria-label="{_e(label)}"><title>{_e(label)}</title>{body}</svg>'
+    )
+
+
+def bar_chart(items: Sequence[tuple[str, float, bool]], title: str, unit: str = "") -> str:
+    """Horizontal bars ``(label, value, highlighted)``; values printed at the bar ends."""
+    if not items:
+        return ""
+    left, right, row_h, top = 230, 90, 18, 8
+    vmax = max(v for _, v, _ in items) or 1.0
+    ticks = _ticks(0.0, vmax)
+    scale = (_W - left - right) / ticks[-1]
+    axis_y = top + len(items) * row_h + 4
+    parts = []
+    for t in ticks:
+        x = left + t * scale
+        parts.append(
+            f'<line class="grid" x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{axis_y}"/>'
+            f'<text x="{x:.1f}" y="{axis_y + 14}" text-anchor="middle">{_e(_g(t))}</text>'
+        )
+    for i, (label, value, hi) in enumerate(items):
+        y = top + i * row_h
+        shown = label if len(label) <= 34 else "…" + label[-33:]
+        val = f"{_g(value)}{unit}"
+        parts.append(
+            f"<g><title>{_e(label)}: {_e(val)}{' (slow)' if hi else ''}</title>"
+            f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">{_e(shown)}</text>'
+            f'<rect class="bar{" hi" if hi else ""}" x="{left}" y="{y + 3}" '
+            f'width="{max(value * scale, 1):.1f}" height="{row_h - 5}"/>'
+            f'<text x="{left + value * scale + 4:.1f}" y="{y + 13}">{_e(val)}'
+            f"{' ▲' if hi else ''}</text></g>"
+        )
+    parts.append(f'<line class="axis" x1="{left}" y1="{axis_y}" x2="{_W - right}" y2="{axis_y}"/>')
+    parts.append(
+        f'<text x="{(left + _W - right) / 2}" y="{axis_y + 30}" text-anchor="middle">'
+        f"{_e(title)}</text>"
+    )
+    return _svg(axis_y + 38, title, "".join(parts))
+
+
+def _plot(
+    xs: Sequence[float], ys: Sequence[float], xlabel: str, ylabel: str, title: str, body: Callable
+) -> str:
+    """Axes with ticks for x in [min(xs), max(xs)] and y in [0, max(ys)]; ``body`` draws data."""
+    left, right, top, bottom, h = 80, 20, 12, 48, 280
+    xt, yt = _ticks(min(xs), max(xs)), _ticks(0.0, max(max(ys), 0.0) or 1.0)
+    x0, x1, y1 = xt[0], xt[-1], yt[-1]
+
+    def px(x: float) -> float:
+        return left + (x - x0) / ((x1 - x0) or 1.0) * (_W - left - right)
+
+    def py(y: float) -> float:
+        return top + (1 - y / (y1 or 1.0)) * (h - top - bottom)
+
+    parts = []
+    for t in yt:
+        parts.append(
+            f'<line class="grid" x1="{left}" y1="{py(t):.1f}" x2="{_W - right}" y2="{py(t):.1f}"/>'
+            f'<text x="{left - 6}" y="{py(t) + 4:.1f}" text-anchor="end">{_e(_g(t))}</text>'
+        )
+    for t in xt:
+        parts.append(
+            f'<text x="{px(t):.1f}" y="{h - bottom + 16}" text-anchor="middle">{_e(_g(t))}</text>'
+        )
+    parts.append(body(px, py))
+    base = h - bottom
+    parts.append(
+        f'<line class="axis" x1="{left}" y1="{base}" x2="{_W - right}" y2="{base}"/>'
+        f'<line class="axis" x1="{left}" y1="{top}" x2="{left}" y2="{base}"/>'
+        f'<text x="{(left + _W - right) / 2}" y="{h - 10}" text-anchor="middle">{_e(xlabel)}</text>'
+        f'<text transform="translate(14 {(top + base) / 2}) rotate(-90)" text-anchor="middle">'
+        f"{_e(ylabel)}</text>"
+    )
+    return _svg(h, title, "".join(parts))
+
+
+def line_chart(points: Sequence[tuple[float, float]], xlabel: str, ylabel: str, title: str) -> str:
+    pts = sorted(points)
+    if len(pts) > 2000:  # keep the page small; the shape survives a stride
+        stride = math.ceil(len(pts) / 2000)
+        pts = pts[::stride] + ([pts[-1]] if (len(pts) - 1) % stride else [])
+
+    def body(px: Callable[[float], float], py: Callable[[float], float]) -> str:
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        return f'<polyline class="line" points="{coords}"/>'
+
+    return _plot([p[0] for p in pts], [p[1] for p in pts], xlabel, ylabel, title, body)
+
+
+def histogram(edges: Sequence[float], counts: Sequence[float], xlabel: str, title: str) -> str:
+    def body(px: Callable[[float], float], py: Callable[[float], float]) -> str:
+        out = []
+        for i, c in enumerate(counts):
+            a, b = edges[i], edges[i + 1]
+            x, w = px(a), max(px(b) - px(a) - 0.5, 0.5)
+            if b == a:  # all values equal: one degenerate bin, drawn as a narrow bar
+                x, w = px(a) - 4, 8.0
+            out.append(
+                f"<g><title>[{_e(_g(a))}, {_e(_g(b))}): {_e(_g(c))} rows</title>"
+                f'<rect class="bar" x="{x:.1f}" y="{py(c):.1f}" width="{w:.1f}" '
+                f'height="{py(0) - py(c):.1f}"/></g>'
+            )
+        return "".join(out)
+
+    return _plot(list(edges), list(counts), xlabel, "rows", title, body)
+
+
+def _figure(svg: str, caption: str) -> str:
+    return f"<figure>{svg}<figcaption class='note'>{_e(caption)}</figcaption></figure>"
+
+
+def _ul(items: Any) -> str:
+    return "<ul>" + "".join(f"<li>{_e(_plain(x))}</li>" for x in _list(items)) + "</ul>"
+
+
+def _p(text: str, cls: str = "note") -> str:
+    return f'<p class="{cls}">{_e(text)}</p>'
+
+
+# ---------------------------------------------------------------- sections
+
+
+def _status(r: Mapping[str, Any]) -> str:
+    status = str(r.get("status"))
+    cls = _STATUS_CLASS.get(status, "warn" if status.startswith("succeeded_with") else "unknown")
+    out = [
+        f'<div class="banner {cls}">{_e(status.upper())} — run {_e(r.get("run_id"))}, '
+        f"job {_e(r.get('job'))}</div>",
+        _kv([("started", r.get("started_at")), ("finished", r.get("finished_at"))]),
+    ]
+    for name, key in (("Failure reasons", "failure_reasons"), ("Warnings", "warnings")):
+        if _list(r.get(key)):
+            out.append(f"<h3>{name}</h3>" + _ul(r.get(key)))
+    errors = _list(r.get("errors"))
+    if errors:
+        keys = ("kind", "shard", "message")
+        rows = [
+            [_plain(_dict(x).get(k, x if k == "message" else None)) for k in keys] for x in errors
+        ]
+        out.append(f"<h3>Errors ({len(errors):,})</h3>" + _table(keys, rows[:ERRORS_SHOWN]))
+        if len(errors) > ERRORS_SHOWN:
+            out.append(_p(f"… and {len(errors) - ERRORS_SHOWN:,} more errors in _report.json."))
+    return "".join(out)
+
+
+_COUNTS = [
+    *(("rows in", "rows_in"), ("rows scored", "rows_out"), ("rows rejected", "rows_rejected")),
+    *(("shards total", "shards_total"), ("shards scored", "shards_scored")),
+    *(("shards skipped (already done)", "shards_skipped"), ("shards failed", "shards_failed")),
+]
+
+
+def _totals(r: Mapping[str, Any]) -> str:
+    return _kv(
+        [(label, _fmt(r.get(key))) for label, key in _COUNTS[:3]]
+        + [("rejected fraction", _pct(r.get("rejected_fraction")))]
+        + [(label, _fmt(r.get(key))) for label, key in _COUNTS[3:]]
+        + [("duration", _fmt(r.get("duration_s"), 1, " s")), ("rows/s", _fmt(r.get("rows_per_s")))]
+        + [("batch size", _fmt(r.get("batch_size"))), ("device", r.get("device"))]
+    )
+
+
+def _shards(r: Mapping[str, Any]) -> str:
+    shards = [_dict(s) for s in _list(r.get("shards"))]
+    if not shards:
+        return _p("No per-shard results in this report.")
+    timed = [  # skipped shards (done by an earlier attempt) took no time in this run
+        (str(s.get("rel_path")), d)
+        for s in shards
+        if s.get("status") != "skipped" and (d := _num(s.get("duration_s"))) is not None
+    ]
+    median = statistics.median(d for _, d in timed) if timed else None
+    slow = {p for p, d in timed if median and d > SLOW_FACTOR * median}
+    out = []
+    if timed:
+        top = sorted(timed, key=lambda t: -t[1])[:SHARD_CHART_TOP]
+        title = f"Slowest {len(top)} of {len(shards):,} shards by duration (s)"
+        cap = f"Median shard duration {_g(median)} s; {len(slow):,} shards took more than "
+        cap += f"{SLOW_FACTOR:g}x the median (marked ▲ and highlighted)."
+        out.append(_figure(bar_chart([(p, d, p in slow) for p, d in top], title, " s"), cap))
+    order = sorted(range(len(shards)), key=lambda i: (shards[i].get("status") != "failed", i))
+    rows, classes = [], []
+    for i in order[:SHARD_TABLE_CAP]:
+        s = shards[i]
+        failed = s.get("status") == "failed"
+        row = [_plain(s.get("rel_path")), _plain(s.get("status"))]
+        row += [_fmt(s.get(k)) for k in ("rows_in", "rows_out", "rows_rejected")]
+        row += [_fmt(s.get("started_s"), 1, " s"), _fmt(s.get("duration_s"), 2, " s")]
+        row.append(_fmt(s.get("rows_per_s")) if s.get("status") == "scored" else "-")
+        row.append(" ".join(_plain(s.get(k)) for k in ("kind", "message")) if failed else "")
+        rows.append(row)
+        classes.append("failed" if failed else "slow" if str(s.get("rel_path")) in slow else "")
+    head = ("shard", "status", "rows in", "scored", "rejected", "started (+s)", "duration")
+    out.append(_table((*head, "rows/s", "message"), rows, classes))
+    if len(shards) > SHARD_TABLE_CAP:
+        note = f"Showing {SHARD_TABLE_CAP:,} of {len(shards):,} shards (failed shards first); "
+        out.append(_p(note + "the full list is in _report.json."))
+    return "".join(out)
+
+
+def _throughput(r: Mapping[str, Any]) -> str:
+    pts = [
+        (t, n)
+        for p in _list(r.get("throughput"))
+        if (t := _num(_dict(p).get("t_s"))) is not None
+        and (n := _num(_dict(p).get("rows"))) is not None
+    ]
+    if len(pts) < 2:
+        return _p("Not enough throughput samples to draw a chart (fewer than 2 points).")
+    pts.sort()
+    (t0, n0), (t1, n1) = pts[0], pts[-1]
+    rate = (n1 - n0) / (t1 - t0) if t1 > t0 else None
+    chart = line_chart(pts, "seconds since start", "rows scored (cumulative)", "Rows over time")
+    cap = f"{len(pts):,} samples; {_g(n1)} rows scored by {_g(t1)} s; average {_fmt(rate)} "
+    cap += "rows/s between the first and last sample. A flat stretch means nothing finished then."
+    return _figure(chart, cap)
+
+
+def _latency(r: Mapping[str, Any]) -> str:
+    lat = _dict(r.get("batch_latency_ms"))
+    keys = ("p50", "p95", "p99")
+    out = _table(["percentile", "batch latency (ms)"], [[k, _fmt(lat.get(k), 2)] for k in keys])
+    items = [(k, v, False) for k in keys if (v := _num(lat.get(k))) is not None]
+    if items:
+        out += _figure(bar_chart(items, "batch latency (ms)", " ms"), "Per-batch model latency.")
+    else:
+        out += _p("No batch latencies were recorded (no batches were scored).")
+    return out
+
+
+def _scores(r: Mapping[str, Any]) -> str:
+    outputs = _dict(r.get("outputs"))
+    if not outputs:
+        return _p("No output statistics in this report.")
+    out = []
+    qkeys = ("p01", "p05", "p25", "p50", "p75", "p95", "p99")
+    for col, raw in outputs.items():
+        o = _dict(raw)
+        out.append(f"<h3>{_e(col)}</h3>")
+        q = _dict(o.get("quantiles"))
+        stats = [_fmt(o.get("count")), _g(o.get("mean")), _g(o.get("min")), _g(o.get("max"))]
+        out.append(
+            _table(["count", "mean", "min", "max", *qkeys], [stats + [_g(q.get(k)) for k in qkeys]])
+        )
+        h = _dict(o.get("histogram"))
+        e_ = [x for x in map(_num, _list(h.get("edges"))) if x is not None]
+        c_ = [x for x in map(_num, _list(h.get("counts"))) if x is not None]
+        sane = len(e_) == len(_list(h.get("edges"))) and len(c_) == len(_list(h.get("counts")))
+        if sane and c_ and len(e_) == len(c_) + 1 and e_ == sorted(e_):
+            cap = f"Histogram of {col}: {len(c_)} bins from {_g(e_[0])} to {_g(e_[-1])}."
+            out.append(_figure(histogram(e_, c_, str(col), f"Distribution of {col}"), cap))
+        else:
+            out.append(_p(f"No histogram recorded for {col}."))
+    return "".join(out)
+
+
+def _rejects(r: Mapping[str, Any]) -> str:
+    by = {str(k): n for k, v in _dict(r.get("rejects_by_reason")).items() if (n := _num(v))}
+    if not by:
+        return _p("No rows were rejected.", "")
+    items = sorted(by.items(), key=lambda kv: -kv[1])
+    total = sum(by.values())
+    out = _figure(
+        bar_chart([(k, v, False) for k, v in items], "rejected rows"), "Rejected rows by reason."
+    )
+    rows = [[k, _g(v), _pct(v / total)] for k, v in items]
+    return out + _table(["reason", "rows", "share"], rows)
+
+
+def _drift(r: Mapping[str, Any]) -> str:
+    d = _dict(r.get("drift"))
+    base = _dict(d.get("baseline"))
+    if not base:
+        return _p(str(d.get("note") or "No drift comparison for this run (no baseline run)."))
+    th = _dict(d.get("thresholds"))
+    alert = d.get("alert") is True
+    out = [
+        f'<div class="banner {"bad" if alert else "ok"}">'
+        f"{'DRIFT ALERT' if alert else 'No drift alert'}</div>",
+        _kv(
+            [
+                ("baseline run", base.get("run_id")),
+                ("baseline output", base.get("output")),
+                ("baseline finished", base.get("finished_at")),
+                (
+                    "thresholds",
+                    f"PSI > {_g(th.get('psi'))}, KS > {_g(th.get('ks'))}, "
+                    f"row count change > {_pct(th.get('rows_change'))}",
+                ),
+            ]
+        ),
+    ]
+    if _list(d.get("reasons")):
+        out.append(_ul(d.get("reasons")))
+    n = _dict(d.get("rows"))
+    counts = [_fmt(n.get("previous")), _fmt(n.get("current")), _pct(n.get("change"), True)]
+    out.append("<h3>Row count</h3>" + _table(["previous", "current", "change"], [counts]))
+    cols = _dict(d.get("columns"))
+    if cols:
+        table_rows, classes = [], []
+        for col, raw in cols.items():
+            c = _dict(raw)
+            flag = c.get("alert") is True
+            table_rows.append(
+                [str(col), _g(c.get("psi")), _g(c.get("ks")), "ALERT" if flag else "ok"]
+            )
+            classes.append("alert" if flag else "")
+        out.append(
+            "<h3>Per column</h3>" + _table(["column", "PSI", "KS", "alert"], table_rows, classes)
+        )
+    return "".join(out)
+
+
+def _environment(r: Mapping[str, Any]) -> str:
+    m = _dict(r.get("model"))
+    keys = ("uri", "name", "version", "format", "sha256", "width", "out_width")
+    out = ["<h3>Model</h3>", _kv([(k, m.get(k)) for k in keys])]
+    for title, key in (
+        ("Execution", "execution"),
+        ("Threads", "threads"),
+        ("Versions", "versions"),
+    ):
+        items = list(_dict(r.get(key)).items())
+        out.append(f"<h3>{title}</h3>" + (_kv(items) if items else _p("Not recorded.")))
+    out.append("<h3>Locations</h3>")
+    out.append(
+        _kv([("input", r.get("input")), ("output", r.get("output")), ("rejects", r.get("rejects"))])
+    )
+    return "".join(out)
+
+
+_SECTIONS: list[tuple[str, str, Callable[[Mapping[str, Any]], str]]] = [
+    ("status", "Status", _status),
+    ("totals", "Totals", _totals),
+    ("shards", "Shards", _shards),
+    ("throughput", "Throughput over time", _throughput),
+    ("latency", "Batch latency", _latency),
+    ("scores", "Score distributions", _scores),
+    ("rejects", "Rejected rows", _rejects),
+    ("drift", "Drift against the previous run", _drift),
+    ("environment", "Model and environment", _environment),
+]
+
+
+def render_html(report: Mapping[str, Any]) -> str:
+    """The whole ``_report.html`` page for one ``_report.json`` dict; never raises on odd data."""
+    r = _dict(report)
+    parts = []
+    for sid, title, fn in _SECTIONS:
+        try:
+            body = fn(r)
+        except Exception as exc:  # a malformed field must not cost the rest of the page
+            body = _p(f"This section could not be rendered: {type(exc).__name__}: {exc}")
+        parts.append(f'<section id="{sid}"><h2>{_e(title)}</h2>{body}</section>')
+    head = f"score-catalog {r.get('job')} — {str(r.get('status')).upper()} — run {r.get('run_id')}"
+    page = (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(head)}</title><style>{_CSS}</style></head>"
+        f"<body><main><h1>{_e(head)}</h1>{''.join(parts)}</main></body></html>\n"
+    )
+    # Pure ASCII (non-ASCII as character references): readable whatever encoding it is saved in.
+    return page.encode("ascii", "xmlcharrefreplace").decode("ascii")

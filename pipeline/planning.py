@@ -1,0 +1,186 @@
+"""``score-catalog plan``: what a run would do, from footers and a calibration; scores nothing.
+
+Reads every footer, checks each schema against the model, reads the output's manifest to say which
+shards a resume would skip, and times the model on real rows at the configured batch size to
+estimate how long the scoring would take. Nothing is written and no lock is taken.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from pipeline import storage
+from pipeline.config import JobConfig
+from pipeline.manifest import Manifest
+from pipeline.model import forward, read_bundle, resolve_device
+from pipeline.precision import ExecutionOptions, prepare
+from pipeline.run import (
+    SAMPLE_ROWS,
+    _sample_rows,
+    _settings,
+    inspect_shards,
+    thread_plan,
+)
+from pipeline.tuning import BatchSizeCache, bench_batch_sizes, default_cache_path
+
+CALIBRATION_S = 2.0  # time spent timing the model, at most (plus one warm-up pass)
+DEFAULT_AUTO_BATCH = 4096  # what `plan` assumes for batch_size = "auto" before it is cached
+
+
+def plan_job(config: JobConfig) -> dict[str, Any]:
+    """Plan ``config`` without scoring: shards, rows, schema problems, resume skips, estimate."""
+    t0 = time.perf_counter()
+    opts = config.storage
+    out_root = storage.locate(config.output_uri("plan"), opts)
+    shards = storage.list_shards(config.input_uri(), opts)
+    device = resolve_device(config.device)
+    spec, _, sha = read_bundle(config.model, opts)
+    infos, failed, problems, width, model = inspect_shards(config, shards, spec, sha, device, opts)
+    settings = _settings(config, spec)
+    manifest = Manifest.load(out_root)
+    entries: list[dict[str, Any]] = []
+    for s in shards:
+        info = infos.get(s.rel_path)
+        entry: dict[str, Any] = {
+            "rel_path": s.rel_path,
+            "input": s.uri,
+            "rows": info.num_rows if info else None,
+            "row_groups": info.num_row_groups if info else None,
+            "bytes": s.size,
+        }
+        if s.rel_path in failed:
+            entry.update(action="fail", problem=failed[s.rel_path].message)
+        elif s.rel_path in problems:
+            action = "fail" if config.errors.on_schema_error == "fail" else "skip (schema)"
+            entry.update(action=action, problem="; ".join(problems[s.rel_path]))
+        else:
+            assert info is not None
+            expect = {
+                "fingerprint": {**s.fingerprint(), "num_rows": info.num_rows},
+                "model_sha256": sha,
+                "settings_hash": settings.hash,
+            }
+            done = not config.force and manifest.is_done(
+                s.rel_path, expect, out_root.child(s.rel_path)
+            )
+            entry["action"] = "skip (done)" if done else "score"
+        entries.append(entry)
+
+    to_score = [e for e in entries if e["action"] == "score"]
+    rows_to_score = sum(e["rows"] or 0 for e in to_score)
+    plan = thread_plan(config, len(to_score))
+    sample_from = next(
+        (s for s in shards if s.rel_path not in failed and s.rel_path not in problems), None
+    )
+    calibration = _calibrate(config, model, sample_from, width, plan.torch_threads)
+    workers = plan.workers if plan.workers is not None else None
+    estimate = None
+    if calibration["rows_per_s"] and workers:
+        estimate = rows_to_score / (calibration["rows_per_s"] * workers)
+    bad = [e for e in entries if e["action"] == "fail"]
+    return {
+        "job": config.name,
+        "input": storage.locate(config.input_uri(), opts).uri,
+        "output": out_root.uri,
+        "model": {"uri": config.model, "name": spec.name, "version": spec.version, "sha256": sha},
+        "device": str(device),
+        "threads": plan.public(),
+        "shards_total": len(entries),
+        "shards_to_score": len(to_score),
+        "shards_skipped": sum(e["action"].startswith("skip") for e in entries),
+        "shards_failing": len(bad),
+        "rows_total": sum(e["rows"] or 0 for e in entries),
+        "rows_to_score": rows_to_score,
+        "calibration": calibration,
+        "estimated_scoring_s": estimate,
+        "problems": [f"{e['input']}: {e['problem']}" for e in entries if e.get("problem")],
+        "shards": entries,
+        "plan_s": time.perf_counter() - t0,
+    }
+
+
+def _calibrate(
+    config: JobConfig, model: Any, sample_from: Any, width: int, threads: int | None
+) -> dict[str, Any]:
+    """Model-only rows/s per worker at the configured batch size, on real rows."""
+    batch = config.batch_size
+    note = None
+    if batch == "auto":
+        key = f"{model.sha256}|{model.device}|{config.precision}|{threads}"
+        cached = BatchSizeCache(default_cache_path()).get(key)
+        batch = cached or DEFAULT_AUTO_BATCH
+        if not cached:
+            note = f"batch_size auto not measured yet; assumed {DEFAULT_AUTO_BATCH}"
+    assert isinstance(batch, int)
+    prepared, _ = prepare(
+        model, ExecutionOptions(config.precision, config.compile, config.strict_fp32)
+    )
+    x = (
+        _sample_rows(config, model, sample_from, width)
+        if sample_from is not None
+        else torch.zeros(0, width)
+    )
+    if not len(x):
+        x = torch.randn(min(SAMPLE_ROWS, batch), width)
+        note = (note + "; " if note else "") + "no readable rows: timed on random rows"
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        (row,) = bench_batch_sizes(
+            lambda t: forward(prepared, t),
+            x[:batch],
+            model.device,
+            [batch],
+            repeats=3,
+            warmup=1,
+            time_budget_s=CALIBRATION_S,
+        )
+    finally:
+        torch.set_num_threads(before)
+    return {
+        "batch_size": batch,
+        "rows": len(x[:batch]),
+        "torch_threads": threads,
+        "rows_per_s": row.samples_per_s,
+        "ms_per_batch": row.ms * batch / max(1, len(x[:batch])),
+        "note": note,
+    }
+
+
+def plan_table(plan: dict[str, Any], *, max_shards: int = 40) -> str:
+    """The plan for the terminal."""
+    est = plan["estimated_scoring_s"]
+    cal = plan["calibration"]
+    lines = [
+        f"score-catalog plan {plan['job']}",
+        f"  input     {plan['input']}",
+        f"  output    {plan['output']}",
+        f"  model     {plan['model']['name']} v{plan['model']['version']} "
+        f"({plan['model']['sha256'][:12]}) on {plan['device']}",
+        f"  shards    {plan['shards_total']} total: {plan['shards_to_score']} to score, "
+        f"{plan['shards_skipped']} skipped, {plan['shards_failing']} would fail",
+        f"  rows      {plan['rows_total']:,} in footers, {plan['rows_to_score']:,} to score",
+        f"  model     {cal['rows_per_s']:,.0f} rows/s per worker at batch {cal['batch_size']} "
+        f"({cal['torch_threads']} torch threads)" + (f"; {cal['note']}" if cal["note"] else ""),
+        "  estimate  "
+        + (
+            f"{est:.1f}s of scoring with {plan['threads']['workers']} worker(s) (model time "
+            "only: start-up, reading and writing add to it)"
+            if est is not None
+            else "unknown (an external cluster's size is not known in advance)"
+        ),
+        "",
+        f"  {'shard':<40} {'rows':>12} {'row groups':>10}  action",
+    ]
+    for e in plan["shards"][:max_shards]:
+        rows = "-" if e["rows"] is None else f"{e['rows']:,}"
+        rgs = "-" if e["row_groups"] is None else str(e["row_groups"])
+        lines.append(f"  {e['rel_path']:<40} {rows:>12} {rgs:>10}  {e['action']}")
+    if len(plan["shards"]) > max_shards:
+        lines.append(f"  ... {len(plan['shards']) - max_shards} more shards (--json lists all)")
+    for p in plan["problems"]:
+        lines.append(f"  PROBLEM {p}")
+    return "\n".join(lines)

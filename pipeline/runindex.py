@@ -1,0 +1,190 @@
+"""A small index of finished runs, so a run can find the previous successful run of its job.
+
+The index lives in ``<root>/_runs/<job>/<run_id>.json``, where ``<root>`` is the output
+template's fixed part (:func:`index_root`): one small JSON file per run, written atomically, so
+concurrent runs of the same job for different dates never write the same object and need no
+lock, and a half-written entry is never seen. The leading ``_`` keeps dataset readers (Spark,
+Hive, pyarrow) from taking the index for data. All I/O goes through :mod:`pipeline.storage`, so
+the index works wherever the output does (local disk, ``s3://``, ``memory://``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import posixpath
+import re
+import string
+from collections.abc import Mapping
+from typing import Any
+
+from pipeline import storage
+from pipeline.errors import ConfigError, StorageError
+
+logger = logging.getLogger(__name__)
+
+INDEX_DIR = "_runs"
+SUCCESS_STATUSES = frozenset({"succeeded", "succeeded_with_errors", "succeeded_with_warnings"})
+REQUIRED_KEYS = ("run_id", "job", "status", "started_at", "finished_at", "output", "report")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def index_root(output_template: str) -> str:
+    """The fixed root of an output template, under which the run index lives.
+
+    That is the text before the first placeholder, cut back to the last ``/``:
+    ``data/scored/{date}`` gives ``data/scored`` and ``s3://b/scored/dt={date}/x`` gives
+    ``s3://b/scored``. A template without placeholders gives the output itself (without a
+    trailing ``/``). The index is then ``<root>/_runs/<job>/``, shared by every run of the job
+    whatever its date. A placeholder in the bucket or host part of a URI leaves no fixed root:
+    that is a :class:`ConfigError`.
+    """
+    literal: list[str] = []
+    has_field = False
+    try:
+        for text, field, _spec, _conv in string.Formatter().parse(output_template):
+            literal.append(text)
+            if field is not None:
+                has_field = True
+                break
+    except ValueError as e:
+        raise ConfigError(f"output = {output_template!r} is not a valid template: {e}") from e
+    prefix = "".join(literal)
+    if not has_field:
+        return prefix.rstrip("/") or prefix
+    proto_end = prefix.find("://")
+    cut = prefix.rfind("/")
+    if proto_end >= 0 and cut <= proto_end + 2:
+        raise ConfigError(
+            f"output = {output_template!r}: a placeholder in the bucket or host leaves no fixed "
+            "location for the run index (<root>/_runs/); put placeholders in the path only"
+        )
+    if cut < 0:
+        # "{date}/scored": relative to the working directory.
+        return "."
+    return prefix[:cut] or "/"
+
+
+def safe_name(name: str) -> str:
+    """``name`` with every character outside ``[A-Za-z0-9._-]`` replaced by ``_``.
+
+    Job names are free text in job files; this keeps them one path segment on every filesystem.
+    Names that would be hidden or special (``.``, ``..``, empty) get a leading ``_``.
+    """
+    safe = _UNSAFE.sub("_", name)
+    if safe in ("", ".", ".."):
+        safe = "_" + safe
+    return safe
+
+
+def _job_dir(root: str, options: Mapping[str, Any] | None, job: str) -> storage.Location:
+    return storage.locate(root, options).child(f"{INDEX_DIR}/{safe_name(job)}")
+
+
+def record(root: str, options: Mapping[str, Any] | None, job: str, entry: dict[str, Any]) -> str:
+    """Write ``entry`` as ``<root>/_runs/<job>/<run_id>.json``, atomically; returns its URI.
+
+    ``entry`` must hold at least ``run_id``, ``job``, ``status``, ``started_at``,
+    ``finished_at`` (ISO-8601 with timezone), ``output`` (the run's output URI) and ``report``
+    (the URI of its ``_report.json``); ``rows_out`` is expected too. Writing the same run twice
+    replaces its entry.
+    """
+    missing = [k for k in REQUIRED_KEYS if k not in entry]
+    if missing:
+        raise ValueError(f"run index entry lacks {', '.join(missing)}")
+    loc = _job_dir(root, options, job).child(f"{safe_name(str(entry['run_id']))}.json")
+    storage.write_json(loc, entry, point="runindex-rename")
+    return loc.uri
+
+
+def _parse_time(value: Any) -> dt.datetime:
+    if not isinstance(value, str):
+        raise ValueError(f"finished_at is {value!r}, not an ISO-8601 string")
+    # Python 3.10's fromisoformat does not take a trailing Z.
+    t = dt.datetime.fromisoformat(value[:-1] + "+00:00" if value.endswith("Z") else value)
+    # A time without an offset is taken as UTC, which is what every run writes.
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
+
+
+def previous_success(
+    root: str,
+    options: Mapping[str, Any] | None,
+    job: str,
+    *,
+    exclude_run_id: str | None = None,
+) -> dict[str, Any] | None:
+    """The newest (by ``finished_at``) successful entry of ``job`` in the index, or None.
+
+    Successful means a status in :data:`SUCCESS_STATUSES`. ``exclude_run_id`` skips one run
+    (the current one, if it was already recorded). Entries that cannot be read or parsed are
+    skipped with a warning naming the file: a damaged entry must never stop a run. Entries of a
+    different job whose name sanitizes to the same directory are skipped too. A missing index
+    gives None.
+    """
+    d = _job_dir(root, options, job)
+    try:
+        names = storage.with_retries(lambda: d.fs.ls(d.path, detail=False), what=f"listing {d.uri}")
+    except FileNotFoundError:
+        return None
+    paths = sorted(
+        p
+        for p in (str(n) for n in names)
+        if p.endswith(".json") and not posixpath.basename(p).startswith(".")
+    )
+    if not paths:
+        return None
+    # One bulk fetch: object stores serve these concurrently, instead of one round trip each.
+    blobs = storage.with_retries(
+        lambda: d.fs.cat(paths, on_error="return"), what=f"reading {d.uri}"
+    )
+    best: tuple[dt.datetime, dict[str, Any]] | None = None
+    for path in paths:
+        name = f"{d.uri}/{posixpath.basename(path)}"
+        raw = blobs.get(path)
+        try:
+            if isinstance(raw, BaseException):
+                raise raw
+            if raw is None:
+                # The bulk answer is keyed by the filesystem's own spelling of each path.
+                raw = d.fs.cat_file(path)
+            entry = json.loads(raw)
+            if not isinstance(entry, dict):
+                raise ValueError("not a JSON object")
+            finished = _parse_time(entry.get("finished_at"))
+        except FileNotFoundError:
+            # Listed, then gone: pruned by someone else meanwhile; nothing to warn about.
+            continue
+        except (OSError, ValueError, TypeError) as e:
+            logger.warning("skipping unreadable run index entry %s: %s", name, e)
+            continue
+        if entry.get("job", job) != job or entry.get("status") not in SUCCESS_STATUSES:
+            continue
+        if exclude_run_id is not None and entry.get("run_id") == exclude_run_id:
+            continue
+        if best is None or finished > best[0]:
+            best = (finished, entry)
+    return best[1] if best else None
+
+
+def load_report(
+    entry: Mapping[str, Any], options: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The ``_report.json`` that an index entry points to, or None (with a warning) when it is
+    gone, unreadable or not a report (e.g. the old output was deleted by retention)."""
+    uri = entry.get("report")
+    if not isinstance(uri, str) or not uri:
+        logger.warning("run index entry for run %s names no report", entry.get("run_id"))
+        return None
+    try:
+        data = storage.read_json(storage.locate(uri, options))
+    except (OSError, ValueError, StorageError, ConfigError) as e:
+        logger.warning("cannot read report %s of run %s: %s", uri, entry.get("run_id"), e)
+        return None
+    if data is None:
+        logger.warning("report %s of run %s is gone", uri, entry.get("run_id"))
+        return None
+    if not isinstance(data, dict):
+        logger.warning("report %s of run %s is not a JSON object", uri, entry.get("run_id"))
+        return None
+    return data

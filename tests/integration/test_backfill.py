@@ -1,0 +1,100 @@
+"""`score-catalog backfill` over a hive-partitioned archive, through the real CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import write_shards
+from tests.integration.helpers import cli, data_files, report, temporaries
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+DAYS = ["2025-01-01", "2025-01-02", "2025-01-03"]
+
+
+@pytest.fixture
+def archive(tmp_path: Path, bundle_dir: Path) -> Path:
+    """Three daily partitions of two shards each (2025-01-04 is missing), and a job file."""
+    for k, day in enumerate(DAYS):
+        write_shards(tmp_path / "archive" / f"dt={day}", [1200, 800], start=10_000 * k, seed=k)
+    job = tmp_path / "rescore.toml"
+    job.write_text(
+        f'input = "{tmp_path}/archive/dt={{date}}"\n'
+        f'output = "{tmp_path}/scored/dt={{date}}"\n'
+        f'model = "{bundle_dir}"\n'
+        'scheduler = "sync"\nbatch_size = 512\n'
+        "[monitoring]\ndrift = false\n"
+    )
+    return job
+
+
+def _summary(tmp_path: Path, start: str, end: str) -> dict[str, object]:
+    path = tmp_path / "scored" / "_backfills" / "rescore" / f"{start}_{end}.json"
+    return json.loads(path.read_text())
+
+
+def test_backfill_interrupted_then_resumed_scores_every_row_once(
+    archive: Path, tmp_path: Path
+) -> None:
+    args = ["backfill", str(archive), "--from", "2025-01-01", "--to", "2025-01-04"]
+    # SIGKILL at the 4th output commit: partition 1 is done, partition 2 has one shard done.
+    killed = cli(*args, env={"_SCORE_CATALOG_KILL_AT": "output-rename:4"})
+    assert killed.returncode == -9, killed.stderr
+    assert (tmp_path / "scored" / "dt=2025-01-01" / "_SUCCESS").exists()
+    assert not (tmp_path / "scored" / "dt=2025-01-02" / "_SUCCESS").exists()
+
+    resumed = cli(*args)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    s = _summary(tmp_path, "2025-01-01", "2025-01-04")
+    parts = {p["date"]: p for p in s["partitions"]}  # type: ignore[index, union-attr]
+    assert parts["2025-01-01"]["status"] == "skipped"  # finished before the kill
+    assert parts["2025-01-02"]["status"] == "succeeded"
+    assert parts["2025-01-02"]["shards_skipped"] == 1 and parts["2025-01-02"]["shards_scored"] == 1
+    assert parts["2025-01-03"]["status"] == "succeeded"
+    assert parts["2025-01-04"]["status"] == "missing"
+    assert s["status"] == "succeeded"
+    assert "2025-01-04" in resumed.stdout and "missing" in resumed.stdout
+
+    for k, day in enumerate(DAYS):
+        out = tmp_path / "scored" / f"dt={day}"
+        assert (out / "_SUCCESS").exists() and report(out)["rows_out"] == 2000
+        ids = [i for p in data_files(out) for i in pq.read_table(p).column("item_id").to_pylist()]
+        assert sorted(ids) == list(range(10_000 * k, 10_000 * k + 2000))  # each row once
+    assert not temporaries(tmp_path / "scored")
+
+    again = cli(*args)  # nothing left to do: every partition is skipped without a run
+    assert again.returncode == 0
+    s = _summary(tmp_path, "2025-01-01", "2025-01-04")
+    assert s["partitions_by_status"] == {"skipped": 3, "missing": 1}
+
+
+def test_backfill_force_rescores_and_a_bad_partition_does_not_stop_the_others(
+    archive: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "archive" / "dt=2025-01-02" / "part-00001.parquet").write_bytes(b"not parquet")
+    r = cli("backfill", str(archive), "--from", "2025-01-01", "--to", "2025-01-03")
+    assert r.returncode == 1, r.stdout + r.stderr
+    s = _summary(tmp_path, "2025-01-01", "2025-01-03")
+    statuses = [p["status"] for p in s["partitions"]]  # type: ignore[union-attr]
+    assert statuses == ["succeeded", "failed", "succeeded"]
+    assert s["status"] == "failed"
+    forced = cli("backfill", str(archive), "--from", "2025-01-01", "--to", "2025-01-01", "--force")
+    assert forced.returncode == 0
+    assert _summary(tmp_path, "2025-01-01", "2025-01-01")["partitions"][0]["status"] == "succeeded"  # type: ignore[index]
+
+
+def test_backfill_needs_date_templates_and_a_sane_range(tmp_path: Path, bundle_dir: Path) -> None:
+    job = tmp_path / "flat.toml"
+    job.write_text(f'input = "{tmp_path}/in"\noutput = "{tmp_path}/out"\nmodel = "{bundle_dir}"\n')
+    r = cli("backfill", str(job), "--from", "2025-01-01", "--to", "2025-01-02")
+    assert r.returncode == 2 and "has no {date}" in r.stderr
+    job.write_text(
+        f'input = "{tmp_path}/in/dt={{date}}"\noutput = "{tmp_path}/out/dt={{date}}"\n'
+        f'model = "{bundle_dir}"\n'
+    )
+    r = cli("backfill", str(job), "--from", "2025-02-01", "--to", "2025-01-01")
+    assert r.returncode == 2 and "before" in r.stderr

@@ -1,0 +1,333 @@
+"""``_report.html``: well-formed, self-contained, escaped, and robust to sparse or huge reports."""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
+from typing import Any
+
+import pytest
+
+from pipeline.html_report import SHARD_TABLE_CAP, render_html
+
+SECTIONS = (
+    "status",
+    "totals",
+    "shards",
+    "throughput",
+    "latency",
+    "scores",
+    "rejects",
+    "drift",
+    "environment",
+)
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "wbr"}
+EVIL = "<script>alert(1)</script> & co"
+
+
+def _shard(i: int, status: str = "scored", duration: float = 0.4, **kw: Any) -> dict[str, Any]:
+    d = {
+        "rel_path": f"part-{i:05d}.parquet",
+        "input": f"/data/catalog/part-{i:05d}.parquet",
+        "status": status,
+        "output": f"/out/part-{i:05d}.parquet",
+        "rejects": None,
+        "rows_in": 25000,
+        "rows_out": 25000,
+        "rows_rejected": 0,
+        "duration_s": duration,
+        "rows_per_s": 25000 / duration,
+        "kind": None,
+        "message": None,
+        "oom_splits": 0,
+        "duplicate_ids": 0,
+        "started_s": 0.1 * i,
+        "finished_s": 0.1 * i + duration,
+    }
+    d.update(kw)
+    return d
+
+
+def _output(mean: float) -> dict[str, Any]:
+    return {
+        "count": 74900,
+        "mean": mean,
+        "min": 0.0,
+        "max": 1.0,
+        "quantiles": {"p01": 0.0, "p05": 0.01, "p25": 0.2, "p50": 0.5, "p75": 0.8, "p95": 0.99,
+                      "p99": 1.0},
+        "sketch": [i / 100 for i in range(101)],
+        "histogram": {"edges": [i / 20 for i in range(21)], "counts": [3745] * 20},
+    }  # fmt: skip
+
+
+def full_report() -> dict[str, Any]:
+    """The shape of a real ``_report.json`` (schema 1) plus the fields being added to the run."""
+    shards = [
+        _shard(0, duration=0.43),
+        _shard(1, duration=0.47, rows_rejected=100, rows_out=24900),
+        _shard(2, duration=2.9),  # a straggler (> 2x the median)
+        _shard(
+            3, "failed", 1.1, rows_in=None, rows_out=0, rows_per_s=0.0, kind="schema",
+            message="missing column f3", finished_s=None,
+        ),
+    ]  # fmt: skip
+    return {
+        "schema_version": 1,
+        "run_id": "20261129T222511Z-0c60d1",
+        "job": "score_catalog",
+        "status": "succeeded_with_errors",
+        "failure_reasons": [],
+        "started_at": "2026-11-29T22:25:11.973494+00:00",
+        "finished_at": "2026-11-29T22:25:16.513862+00:00",
+        "duration_s": 4.54,
+        "input": "/work/main/data/catalog",
+        "output": "/tmp/out",
+        "rejects": "/work/main/data/rejects/run_date=2026-11-29",
+        "rows_in": 75000,
+        "rows_out": 74900,
+        "rows_rejected": 100,
+        "rows_processed": 75000,
+        "rows_per_s": 16519.8,
+        "rejected_fraction": 100 / 75000,
+        "accounting_ok": True,
+        "shards_total": 4,
+        "shards_scored": 3,
+        "shards_skipped": 0,
+        "shards_failed": 1,
+        "batch_size": 4096,
+        "execution": {"precision": "fp32", "compile": False, "compile_s": None, "tf32": False,
+                      "overlap": True, "parity": {"max_abs": 1e-6, "ok": True},
+                      "batch_size_auto": None},
+        "device": "cpu",
+        "threads": {"scheduler": "local", "cores": 2, "workers": 2, "threads_per_worker": 1,
+                    "torch_threads": 1},
+        "model": {"uri": "data/models/catalog-mlp", "name": "catalog-mlp", "version": "1",
+                  "format": "exported_program", "sha256": "c8801493d2db06b045e39b2d103d1337",
+                  "width": 16, "out_width": 2},
+        "error_budget": {"max_failed_shards": 1, "max_rejected_fraction": 0.01},
+        "versions": {"python": "3.11.7", "torch": "2.13.0+cpu", "pyarrow": "26.0.1",
+                     "dask": "2026.8.0"},
+        "batch_latency_ms": {"p50": 26.66, "p95": 36.83, "p99": 53.06},
+        "outputs": {"score": _output(0.506), "label": _output(0.5061)},
+        "rejects_by_reason": {"f3 is NaN": 60, "f7 is out of range": 40},
+        "throughput": [{"t_s": 0.0, "rows": 0}, {"t_s": 0.9, "rows": 25000},
+                       {"t_s": 1.2, "rows": 50000}, {"t_s": 3.3, "rows": 75000}],
+        "drift": {
+            "baseline": {"run_id": "20261128T222511Z-aaaaaa", "output": "/out/prev",
+                         "finished_at": "2026-11-28T22:25:16+00:00"},
+            "rows": {"previous": 80000, "current": 74900, "change": 74900 / 80000 - 1},
+            "columns": {"score": {"psi": 0.31, "ks": 0.12, "alert": True},
+                        "label": {"psi": 0.01, "ks": 0.004, "alert": False}},
+            "thresholds": {"psi": 0.2, "ks": 0.1, "rows_change": 0.5},
+            "alert": True,
+            "reasons": ["score: PSI 0.31 > 0.2 against run 20261128T222511Z-aaaaaa"],
+        },
+        "errors": [{"shard": "/data/catalog/part-00003.parquet", "kind": "schema",
+                    "message": "missing column f3"}],
+        "warnings": ["drift: score: PSI 0.31 > 0.2 against run 20261128T222511Z-aaaaaa"],
+        "shards": shards,
+    }  # fmt: skip
+
+
+class BalanceChecker(HTMLParser):
+    """Fails on a closing tag that does not match the open one, or on unclosed elements."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[str] = []
+        self.problems: list[str] = []
+        self.ids: list[str] = []
+        self.attrs: list[tuple[str, str, str | None]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.attrs.extend((tag, k, v) for k, v in attrs)
+        self.ids.extend(v for k, v in attrs if k == "id" and v)
+        if tag not in VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.attrs.extend((tag, k, v) for k, v in attrs)  # <rect/> etc.: opens and closes
+
+    def handle_endtag(self, tag: str) -> None:
+        if not self.stack or self.stack[-1] != tag:
+            self.problems.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+        else:
+            self.stack.pop()
+
+
+def check(page: str) -> BalanceChecker:
+    """Assert the page is balanced, self-contained and its SVGs are well-formed XML."""
+    p = BalanceChecker()
+    p.feed(page)
+    p.close()
+    assert not p.problems, p.problems[:5]
+    assert not p.stack, f"unclosed: {p.stack}"
+    lower = page.lower()
+    for bad in ("http://", "https://", "//cdn", "<script", "@import", "url(", "<link", "<iframe"):
+        assert bad not in lower, bad
+    for tag, key, value in p.attrs:
+        if key in ("src", "href", "xlink:href", "action"):
+            assert value is None or value.startswith(("#", "data:")), (tag, key, value)
+        assert not key.startswith("on"), (tag, key)  # no inline event handlers either
+    for svg in re.findall(r"<svg\b.*?</svg>", page, flags=re.S):
+        ET.fromstring(svg)  # raises on anything not well-formed
+    assert "could not be rendered" not in page
+    return p
+
+
+def test_full_report_has_every_section_and_is_self_contained() -> None:
+    page = render_html(full_report())
+    p = check(page)
+    assert page.startswith("<!DOCTYPE html>")
+    for sid in SECTIONS:
+        assert sid in p.ids
+    assert page.count("<section") == len(SECTIONS)
+    assert "@media print" in page
+    assert page.isascii()  # non-ASCII travels as character references
+    assert page.count("<svg") == 6  # shards, throughput, latency, 2 histograms, rejects
+
+
+def test_full_report_content() -> None:
+    page = render_html(full_report())
+    assert 'class="banner warn"' in page and "SUCCEEDED_WITH_ERRORS" in page
+    assert "75,000" in page and "74,900" in page and "0.13%" in page  # totals, rejected fraction
+    assert "missing column f3" in page and 'class="failed"' in page  # failed shard
+    assert 'class="bar hi"' in page and 'class="slow"' in page  # the 2.9 s straggler
+    assert "f3 is NaN" in page and "f7 is out of range" in page
+    assert "DRIFT ALERT" in page and "ALERT</td>" in page and 'class="alert"' in page
+    assert "PSI &gt; 0.2" in page and "-6.37%" in page  # thresholds and row change shown
+    assert "<polyline" in page
+    assert page.count("<h3>score</h3>") == 1 and page.count("<h3>label</h3>") == 1
+    assert "26.66" in page and "53.06" in page
+    assert "c8801493d2db06b045e39b2d103d1337" in page
+    assert "{&quot;max_abs&quot;:1e-06,&quot;ok&quot;:true}" in page  # nested dict as JSON
+
+
+@pytest.mark.parametrize("status, cls", [("succeeded", "ok"), ("succeeded_with_warnings", "warn"),
+                                         ("failed", "bad"), ("weird", "unknown")])  # fmt: skip
+def test_status_banner_colour(status: str, cls: str) -> None:
+    r = full_report()
+    r["status"] = status
+    assert f'class="banner {cls}"' in render_html(r)
+
+
+def test_user_strings_are_escaped() -> None:
+    r = full_report()
+    r["job"] = EVIL
+    r["shards"][0]["rel_path"] = EVIL
+    r["shards"][3]["message"] = EVIL
+    r["errors"][0]["message"] = EVIL
+    r["warnings"].append(EVIL)
+    r["rejects_by_reason"][EVIL] = 5
+    r["outputs"][EVIL] = r["outputs"]["score"]
+    r["drift"]["columns"][EVIL] = {"psi": 0.5, "ks": 0.5, "alert": True}
+    r["execution"][EVIL] = EVIL
+    r["model"]["name"] = EVIL
+    page = render_html(r)
+    check(page)
+    assert "<script" not in page and "alert(1)</script>" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; co" in page
+
+
+def test_minimal_failed_report_renders() -> None:
+    page = render_html({"run_id": "r1", "job": "j", "status": "failed"})
+    p = check(page)
+    for sid in SECTIONS:
+        assert sid in p.ids
+    assert 'class="banner bad"' in page
+    assert "No rows were rejected." in page
+    assert "fewer than 2 points" in page
+
+
+def test_every_optional_key_none_renders() -> None:
+    r: dict[str, Any] = {k: None for k in full_report()}
+    r.update(run_id="r1", job="j", status="failed")
+    page = render_html(r)
+    check(page)
+    assert "No per-shard results" in page and "No output statistics" in page
+
+
+def test_malformed_values_do_not_raise() -> None:
+    r = full_report()
+    r["shards"].append("not a dict")
+    r["shards"][0]["duration_s"] = "slow"
+    r["throughput"].append({"t_s": float("nan"), "rows": None})
+    r["outputs"]["score"]["histogram"] = {"edges": [0, 1], "counts": [1, 2, 3]}
+    r["outputs"]["label"]["histogram"] = {"edges": [0.5, 0.5], "counts": [74900]}  # all equal
+    r["outputs"]["extra"] = {"count": 0}
+    r["batch_latency_ms"] = {"p50": None, "p95": None, "p99": None}
+    r["rejects_by_reason"] = {"zero": 0}
+    r["drift"]["columns"]["gone"] = {"psi": None, "ks": None, "alert": True}
+    r["drift"]["rows"]["change"] = None
+    r["errors"].append("just a string")
+    page = render_html(r)
+    check(page)
+    assert "No histogram recorded for score." in page
+    assert "No histogram recorded for extra." in page
+    assert "No batch latencies were recorded" in page
+    assert "No rows were rejected." in page
+
+
+@pytest.mark.parametrize(
+    "drift, expected",
+    [
+        (None, "No drift comparison"),
+        ({"baseline": None, "note": "first run of this job: no baseline"}, "first run of this job"),
+    ],
+)
+def test_drift_without_baseline(drift: Any, expected: str) -> None:
+    r = full_report()
+    r["drift"] = drift
+    page = render_html(r)
+    check(page)
+    assert expected in page
+    assert "DRIFT ALERT" not in page
+
+
+def test_drift_without_alert() -> None:
+    r = full_report()
+    r["drift"]["alert"] = False
+    r["drift"]["reasons"] = []
+    for c in r["drift"]["columns"].values():
+        c["alert"] = False
+    page = render_html(r)
+    check(page)
+    assert "No drift alert" in page and "ALERT</td>" not in page
+
+
+def test_errors_are_capped_with_a_count() -> None:
+    r = full_report()
+    r["errors"] = [{"shard": f"s{i}", "kind": "io", "message": f"boom {i}"} for i in range(45)]
+    page = render_html(r)
+    assert "boom 19" in page and "boom 20" not in page
+    assert "25 more errors" in page and "Errors (45)" in page
+
+
+def test_ten_thousand_shards_render_fast_and_the_table_is_capped() -> None:
+    r = full_report()
+    r["shards"] = [_shard(i, duration=0.2 + (i % 97) / 100) for i in range(10_000)]
+    r["shards"][9_999] = _shard(9_999, "failed", 0.1, kind="io", message="late failure")
+    r["throughput"] = [{"t_s": i * 0.01, "rows": i * 25000} for i in range(10_001)]
+    start = time.perf_counter()
+    page = render_html(r)
+    elapsed = time.perf_counter() - start
+    check(page)
+    assert elapsed < 5, elapsed
+    body = page.split('id="shards"')[1].split("</section>")[0]
+    table = body.split("<tbody>")[1]
+    assert table.count("<tr") == SHARD_TABLE_CAP
+    assert f"Showing {SHARD_TABLE_CAP} of 10,000 shards" in body
+    assert "late failure" in body  # failed shards come first, so the cap never hides them
+    assert body.count("<g><title>") == 50  # the straggler chart shows the top 50
+    assert len(page) < 2_000_000
+
+
+def test_render_does_not_mutate_the_report() -> None:
+    r = full_report()
+    before = copy.deepcopy(r)
+    render_html(r)
+    assert r == before

@@ -1,0 +1,465 @@
+"""pipeline.logs: text/JSON log lines on stderr, shard lines, the progress bar, the summary."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import select
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pipeline import logs
+from pipeline.scoring import ShardResult
+
+TIME_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+LIB_LOGGERS = ("distributed", "distributed.worker", "distributed.client", "bokeh", "tornado")
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """Put the root and library loggers, warnings capture and module state back afterwards."""
+    root = logging.getLogger()
+    saved_root = (list(root.handlers), root.level)
+    saved_libs = {
+        name: (list(lg.handlers), lg.level, lg.propagate)
+        for name in LIB_LOGGERS
+        for lg in [logging.getLogger(name)]
+    }
+    saved_state = dict(logs._STATE)
+    yield
+    logging.captureWarnings(False)
+    for h in root.handlers:
+        if h not in saved_root[0]:
+            h.close()
+    root.handlers[:] = saved_root[0]
+    root.setLevel(saved_root[1])
+    for name, (handlers, level, propagate) in saved_libs.items():
+        lg = logging.getLogger(name)
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate = propagate
+    logs._STATE.clear()
+    logs._STATE.update(saved_state)
+    logs._ACTIVE = None
+
+
+def scored(rel: str = "part-0.parquet", **kw: Any) -> ShardResult:
+    fields: dict[str, Any] = dict(
+        rows_in=25_000, rows_out=24_990, rows_rejected=10, duration_s=1.25, rows_per_s=19_992.0
+    )
+    fields.update(kw)
+    return ShardResult(rel, f"/in/{rel}", "scored", **fields)
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    lines = text.splitlines()
+    assert all(line.startswith("{") for line in lines), text
+    return [json.loads(line) for line in lines]
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+# --------------------------------------------------------------------------------------------
+# JSON lines
+
+
+def test_json_shard_scored_line_has_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.setup_logging("json", 0)
+    logs.log_shard(scored())
+    out, err = capsys.readouterr()
+    assert out == ""
+    [rec] = json_lines(err)
+    assert TIME_RE.match(rec["time"]), rec["time"]
+    assert rec["level"] == "info"
+    assert rec["event"] == "shard_scored"
+    assert rec["logger"] == "pipeline"
+    assert rec["message"] == (
+        "scored part-0.parquet: 24,990 rows, 10 rejected, 1.25s (19,992 rows/s)"
+    )
+    assert rec["shard"] == "part-0.parquet"
+    assert rec["rows"] == 24_990
+    assert rec["rows_in"] == 25_000
+    assert rec["rows_rejected"] == 10
+    assert rec["rows_per_s"] == 19_992.0
+    assert rec["duration_s"] == 1.25
+    assert rec["status"] == "scored"
+
+
+def test_json_failed_and_skipped_shards(capsys: pytest.CaptureFixture[str]) -> None:
+    failed = ShardResult(
+        "bad.parquet", "/in/bad.parquet", "failed", kind="schema", message="no column f3"
+    )
+    skipped = ShardResult("done.parquet", "/in/done.parquet", "skipped", rows_in=5, rows_out=5)
+    logs.setup_logging("json", 0)
+    logs.log_shard(failed)
+    logs.log_shard(skipped)  # DEBUG: not at verbosity 0
+    [rec] = json_lines(capsys.readouterr().err)
+    assert rec["level"] == "error"
+    assert rec["event"] == "shard_failed"
+    assert rec["kind"] == "schema"
+    assert rec["shard"] == "bad.parquet"
+    assert rec["status"] == "failed"
+    assert "no column f3" in rec["message"]
+
+    logs.setup_logging("json", 1)
+    logs.log_shard(skipped)
+    [rec] = json_lines(capsys.readouterr().err)
+    assert (rec["level"], rec["event"], rec["shard"]) == ("debug", "shard_skipped", "done.parquet")
+
+
+def test_json_event_default_extras_and_non_finite_numbers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    logs.setup_logging("json", 0)
+    log = logging.getLogger("pipeline.test")
+    log.warning("plain %s", "message")
+    log.info(
+        "run done",
+        extra={
+            "event": "run_finished",
+            "run_id": "r1",
+            "output": "/out",
+            "exit_code": 0,
+            "rows_per_s": float("nan"),
+            "not_a_field": "dropped",
+        },
+    )
+    plain, done = json_lines(capsys.readouterr().err)
+    assert (plain["event"], plain["level"], plain["message"]) == ("log", "warning", "plain message")
+    assert plain["logger"] == "pipeline.test"
+    assert done["event"] == "run_finished"
+    assert (done["run_id"], done["output"], done["exit_code"]) == ("r1", "/out", 0)
+    assert done["rows_per_s"] is None  # NaN is not JSON
+    assert "not_a_field" not in done
+
+
+def test_exception_is_one_json_line_with_exc(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.setup_logging("json", 0)
+    try:
+        raise ValueError("bad\nvalue \x1b[31mred\r")
+    except ValueError:
+        logging.getLogger("pipeline").exception("it broke:\n\x1b[1mhere")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("\n")
+    assert "\x1b" not in err and "\r" not in err
+    assert all(c == "\n" or 32 <= ord(c) < 127 for c in err)
+    [rec] = json_lines(err)
+    assert rec["level"] == "error"
+    assert rec["message"] == "it broke:\n\x1b[1mhere"
+    assert rec["exc"].startswith("Traceback (most recent call last):")
+    assert "ValueError: bad\nvalue \x1b[31mred\r" in rec["exc"]
+
+
+def test_warning_becomes_a_json_line(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.setup_logging("json", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("pandas says hello", FutureWarning, stacklevel=1)
+    [rec] = json_lines(capsys.readouterr().err)
+    assert rec["event"] == "warning"
+    assert rec["level"] == "warning"
+    assert rec["logger"] == "py.warnings"
+    assert "FutureWarning: pandas says hello" in rec["message"]
+
+
+def test_quiet_keeps_errors_only(capsys: pytest.CaptureFixture[str]) -> None:
+    for fmt in ("json", "text"):
+        logs.setup_logging(fmt, -1)
+        assert logging.getLogger().level == logging.ERROR
+        logs.log_shard(scored())
+        logging.getLogger("pipeline").warning("a warning")
+        logging.getLogger("distributed.worker").info("dask chatter")  # own level: INFO
+        logging.getLogger("pipeline").error("an error")
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert "an error" in err
+
+
+def test_setup_is_idempotent(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.setup_logging("text", 0)
+    logs.setup_logging("json", 0)
+    logs.setup_logging("json", 0)
+    assert len(logging.getLogger().handlers) == 1
+    logging.getLogger("pipeline").info("once")
+    assert len(json_lines(capsys.readouterr().err)) == 1
+    logs.setup_logging("text", 0)
+    assert len(logging.getLogger().handlers) == 1
+    logging.getLogger("pipeline").info("once in text")
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO once in text\n", err), err
+
+
+def test_dask_stderr_handlers_are_repointed_at_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from distributed.utils import silence_logging_cmgr
+
+    # What `import distributed` does when the root logger has no handler yet.
+    dask_logger = logging.getLogger("distributed")
+    plain = logging.StreamHandler(sys.stderr)
+    plain.setFormatter(logging.Formatter("%(asctime)s - %(name)s - %(levelname)s - %(message)s"))
+    dask_logger.handlers[:] = [plain]
+    dask_logger.propagate = False
+    dask_logger.setLevel(logging.INFO)
+
+    logs.setup_logging("json", 0)
+    [handler] = dask_logger.handlers
+    assert handler is not plain
+    assert handler not in logging.getLogger().handlers  # silence_logs must not reach ours
+    logging.getLogger("distributed.worker").info("worker started")
+    # LocalCluster(silence_logs=ERROR) lowers the distributed handlers only.
+    with silence_logging_cmgr(logging.ERROR):
+        logging.getLogger("distributed.worker").info("silenced")
+        logs.log_shard(scored())
+    dask_rec, shard_rec = json_lines(capsys.readouterr().err)
+    assert dask_rec["logger"] == "distributed.worker"
+    assert dask_rec["message"] == "worker started"
+    assert dask_rec["event"] == "log"
+    assert shard_rec["event"] == "shard_scored"
+
+    # Text mode gives Dask its own format back, still through our (bar-aware) handler.
+    logs.setup_logging("text", 0)
+    logging.getLogger("distributed.worker").info("in text")
+    assert " - distributed.worker - INFO - in text" in capsys.readouterr().err
+
+
+def test_dask_imported_after_setup_propagates_to_our_handler(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import dask
+    from distributed.config import initialize_logging
+
+    for name in LIB_LOGGERS:
+        logging.getLogger(name).handlers[:] = []
+    logs.setup_logging("json", 0)
+    initialize_logging(dask.config.config)  # what `import distributed` runs
+    assert not logging.getLogger("distributed").handlers
+    logging.getLogger("distributed.scheduler").warning("late")
+    [rec] = json_lines(capsys.readouterr().err)
+    assert (rec["logger"], rec["message"]) == ("distributed.scheduler", "late")
+
+
+def test_unknown_format_is_rejected() -> None:
+    with pytest.raises(ValueError, match="log format"):
+        logs.setup_logging("xml", 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Progress
+
+
+def test_progress_enabled_only_for_text_not_quiet_tty() -> None:
+    tty, pipe = FakeTTY(), io.StringIO()
+    assert logs.progress_enabled("text", 0, tty)
+    assert logs.progress_enabled("text", 2, tty)
+    assert not logs.progress_enabled("text", -1, tty)
+    assert not logs.progress_enabled("json", 0, tty)
+    assert not logs.progress_enabled("text", 0, pipe)
+    assert not logs.progress_enabled("text", 0, object())
+
+
+def test_progress_disabled_writes_nothing() -> None:
+    stream = io.StringIO()
+    with logs.Progress(100, 2, enabled=False, stream=stream) as p:
+        p.update(scored(rows_in=60))
+        p.update(SimpleNamespace(rows_in=None))
+    assert stream.getvalue() == ""
+    assert logs._ACTIVE is None
+
+
+def test_non_tty_output_has_no_escape_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    for fmt in ("text", "json"):
+        logs.setup_logging(fmt, 0)
+        enabled = logs.progress_enabled(fmt, 0, sys.stderr)
+        assert not enabled
+        with logs.Progress(50_000, 2, enabled=enabled) as p:
+            for r in (scored("a.parquet"), scored("b.parquet")):
+                logs.log_shard(r)
+                p.update(r)
+        logs.emit_summary({"run_id": "r"}, fmt, "summary table")
+        logs.emit_error("boom", 3, fmt)
+        out, err = capsys.readouterr()
+        assert err.count("scored a.parquet") == 1
+        for text in (out, err):
+            assert "\x1b" not in text and "\r" not in text
+
+
+def test_progress_counts_rows_and_shards() -> None:
+    stream = FakeTTY()
+    with logs.Progress(100_000, 4, enabled=True, stream=stream) as p:
+        assert logs._ACTIVE is p
+        p.update(scored(rows_in=25_000))
+        p.update(ShardResult("f.parquet", "/in/f.parquet", "failed", kind="unreadable"))
+        assert (p.rows_done, p.shards_done) == (25_000, 2)
+    assert logs._ACTIVE is None
+    text = stream.getvalue()
+    assert "25,000/100,000 rows" in text
+    assert "2/4 shards" in text
+    assert "rows/s" in text
+    assert text.endswith("\n")
+
+
+def test_log_lines_go_above_the_bar_and_scored_lines_wait_for_verbose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    logs.setup_logging("text", 0)
+    failed = ShardResult("bad.parquet", "/in/bad.parquet", "failed", kind="schema", message="x")
+    with logs.Progress(50_000, 2, enabled=True) as p:
+        logs.log_shard(scored("a.parquet"))  # the bar shows it; no line at verbosity 0
+        p.update(scored("a.parquet"))
+        logs.log_shard(failed)
+        p.update(failed)
+    text = tty.getvalue()
+    assert "scored a.parquet" not in text
+    # The bar's line is cleared, the log line written, and the bar drawn again below it.
+    before, sep, after = text.partition("\r\x1b[K")
+    assert sep and "scoring" in before
+    line, _, rest = after.partition("\n")
+    assert re.search(r" ERROR failed bad\.parquet: \[schema\] x$", line), line
+    assert rest.startswith("\rscoring")
+
+    logs.setup_logging("text", 1)
+    tty.truncate(0)
+    tty.seek(0)
+    with logs.Progress(50_000, 2, enabled=True):
+        logs.log_shard(scored("a.parquet"))
+    assert "INFO scored a.parquet" in tty.getvalue()
+
+
+PTY_SCRIPT = textwrap.dedent(
+    """
+    import importlib.util, sys, time, types
+
+    spec = importlib.util.spec_from_file_location("logs_under_test", sys.argv[1])
+    logs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(logs)  # without importing pipeline (and torch)
+
+    stream = sys.stderr
+    assert logs.progress_enabled("text", 0, stream), "stderr is not a TTY"
+    shard = types.SimpleNamespace(rows_in=1000, status="scored")
+    with logs.Progress(4000, 4, enabled=True, stream=stream) as p:
+        p.update(shard)
+        time.sleep(1.2)  # click estimates the ETA once a second has passed
+        p.update(shard)
+        p.update(shard)
+    print("PTY-DONE", file=stream, flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs a Linux pty")
+def test_progress_bar_draws_on_a_real_terminal(tmp_path: Path) -> None:
+    import pty
+
+    script = tmp_path / "bar.py"
+    script.write_text(PTY_SCRIPT)
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(Path(logs.__file__).resolve())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            close_fds=True,
+        )
+        os.close(slave)
+        slave = -1
+        chunks: list[bytes] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    data = os.read(master, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+                if b"PTY-DONE" in b"".join(chunks):
+                    break
+            elif proc.poll() is not None:
+                break
+        stdout, _ = proc.communicate(timeout=30)
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+    text = b"".join(chunks).decode("utf-8", "replace")
+    assert proc.returncode == 0, (text, stdout)
+    assert "PTY-DONE" in text
+    assert "\r" in text  # redrawn in place
+    assert "1,000/4,000 rows" in text
+    assert "3,000/4,000 rows  3/4 shards" in text
+    assert "rows/s" in text
+    assert re.search(r"\d\d:\d\d:\d\d", text), text  # the ETA
+
+
+# --------------------------------------------------------------------------------------------
+# Summary and fatal errors
+
+REPORT = {
+    "run_id": "20261129T221510Z-ab12",
+    "job": "nightly",
+    "status": "succeeded",
+    "rows_in": 200_000,
+    "rows_out": 199_990,
+    "rows_rejected": 10,
+    "shards_total": 8,
+    "shards_scored": 7,
+    "shards_skipped": 1,
+    "shards_failed": 0,
+    "rows_per_s": 51_234.5,
+    "duration_s": 3.9,
+    "output": "/out/2026-11-29",
+    "failure_reasons": [],
+    "warnings": ["took over a stale lock: pid 4 gone"],
+    "shards": [{"rel_path": "part-0.parquet"}],
+    "model": {"name": "m"},
+}
+
+
+def test_emit_summary_json(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.emit_summary({**REPORT, "exit_code": 0}, "json", "ignored table")
+    out, err = capsys.readouterr()
+    assert err == ""
+    [rec] = json_lines(out)
+    assert TIME_RE.match(rec["time"])
+    assert (rec["level"], rec["event"]) == ("info", "summary")
+    assert rec["exit_code"] == 0
+    for key in logs.SUMMARY_FIELDS:
+        if key != "exit_code":
+            assert rec[key] == REPORT[key], key
+    assert "shards" not in rec and "model" not in rec
+
+
+def test_emit_summary_text(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.emit_summary(REPORT, "text", "score-catalog run x: SUCCEEDED\n  job  nightly")
+    assert capsys.readouterr() == ("score-catalog run x: SUCCEEDED\n  job  nightly\n", "")
+
+
+def test_emit_error(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.emit_error("input s3://b/x: no such bucket", 4, "text")
+    assert capsys.readouterr() == ("", "error: input s3://b/x: no such bucket\n")
+    logs.emit_error("bad\nconfig", 2, "json")
+    out, err = capsys.readouterr()
+    assert out == ""
+    [rec] = json_lines(err)
+    assert TIME_RE.match(rec["time"])
+    assert rec == {**rec, "level": "error", "event": "error", "message": "bad\nconfig"}
+    assert rec["exit_code"] == 2

@@ -1,0 +1,288 @@
+"""Metrics files read back with prometheus_client's own parser; pushes to a real HTTP server."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.errors import StorageError
+from pipeline.metrics import (
+    STATUSES,
+    previous_success_timestamp,
+    push_metrics,
+    registry_for,
+    write_metrics_file,
+)
+
+JOB = "nightly-catalog"
+
+
+def report(status: str = "succeeded", day: int = 1, **extra: Any) -> dict[str, Any]:
+    """The fields of a ``_report.json`` that the metrics read, with realistic values."""
+    data: dict[str, Any] = {
+        "run_id": f"202603{day:02d}T020000Z-a1b2c3",
+        "job": JOB,
+        "status": status,
+        "started_at": f"2026-03-{day:02d}T02:00:00.125000+00:00",
+        "finished_at": f"2026-03-{day:02d}T02:14:31.625000+00:00",
+        "duration_s": 871.5,
+        "rows_in": 7_300_000,
+        "rows_out": 7_299_412,
+        "rows_rejected": 588,
+        "shards_failed": 0 if status != "failed" else 3,
+        "rows_per_s": 8375.7,
+        "drift": {
+            "baseline": {"run_id": "20260228T020000Z-ffffff"},
+            "columns": {
+                "score_p1": {"psi": 0.031, "ks": 0.04, "alert": False},
+                "label": {"psi": 0.4, "ks": 0.22, "alert": True},
+                "new_col": {"psi": None, "ks": None, "alert": True},
+            },
+            "alert": True,
+        },
+    }
+    data.update(extra)
+    return data
+
+
+def ts(iso: str) -> float:
+    return dt.datetime.fromisoformat(iso).timestamp()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a text exposition as {(name, sorted labels): value}."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(found: dict[Any, float], name: str, **labels: str) -> float:
+    return found[(f"score_catalog_{name}", tuple(sorted({"job": JOB, **labels}.items())))]
+
+
+def test_file_values_equal_the_report(tmp_path: Path) -> None:
+    path = tmp_path / "score_catalog_nightly.prom"
+    r = report()
+    write_metrics_file(str(path), r)
+    text = path.read_text()
+    found = samples(text)
+    assert value(found, "last_run_start_timestamp_seconds") == ts(r["started_at"])
+    assert value(found, "last_run_end_timestamp_seconds") == ts(r["finished_at"])
+    assert value(found, "last_success_timestamp_seconds") == ts(r["finished_at"])
+    assert value(found, "run_duration_seconds") == r["duration_s"]
+    assert value(found, "rows_scored") == r["rows_out"]
+    assert value(found, "rows_rejected") == r["rows_rejected"]
+    assert value(found, "shards_failed") == r["shards_failed"]
+    assert value(found, "rows_per_second") == r["rows_per_s"]
+    assert value(found, "drift_psi", output="score_p1") == 0.031
+    assert value(found, "drift_psi", output="label") == 0.4
+    for s in STATUSES:
+        assert value(found, "run_status", status=s) == (1.0 if s == "succeeded" else 0.0)
+    # The column without a PSI has no sample; nothing beyond the above is exported.
+    assert ("score_catalog_drift_psi", (("job", JOB), ("output", "new_col"))) not in found
+    assert len(found) == 8 + 2 + len(STATUSES)
+    assert "# HELP score_catalog_last_success_timestamp_seconds Unix time" in text
+    assert "# TYPE score_catalog_run_status gauge" in text
+
+
+def test_failed_run_keeps_the_previous_success(tmp_path: Path) -> None:
+    path = str(tmp_path / "score_catalog.prom")
+    ok = report("succeeded", day=1)
+    write_metrics_file(path, ok)
+    assert previous_success_timestamp(path, JOB) == ts(ok["finished_at"])
+
+    failed = report("failed", day=2, drift=None)
+    write_metrics_file(path, failed)
+    found = samples(Path(path).read_text())
+    assert value(found, "last_success_timestamp_seconds") == ts(ok["finished_at"])
+    assert value(found, "last_run_end_timestamp_seconds") == ts(failed["finished_at"])
+    assert value(found, "run_status", status="failed") == 1.0
+    assert value(found, "run_status", status="succeeded") == 0.0
+    assert value(found, "shards_failed") == 3
+
+    # And again: the carried timestamp survives a second failure, then a success moves it.
+    write_metrics_file(path, report("failed", day=3, drift=None))
+    assert previous_success_timestamp(path, JOB) == ts(ok["finished_at"])
+    later = report("succeeded_with_errors", day=4)
+    write_metrics_file(path, later)
+    assert previous_success_timestamp(path, JOB) == ts(later["finished_at"])
+
+
+def test_failed_run_without_history_has_no_last_success(tmp_path: Path) -> None:
+    path = tmp_path / "score_catalog.prom"
+    write_metrics_file(str(path), report("failed"))
+    found = samples(path.read_text())
+    assert not any(name.endswith("last_success_timestamp_seconds") for name, _ in found)
+    assert value(found, "run_status", status="failed") == 1.0
+
+
+def test_early_failure_summary(tmp_path: Path) -> None:
+    # What run.py exports when a run stops before scoring: no drift, fewer fields.
+    r = {
+        "job": JOB,
+        "status": "failed",
+        "started_at": "2026-03-02T02:00:00+00:00",
+        "finished_at": "2026-03-02T02:00:01.5+00:00",
+        "duration_s": 1.5,
+        "rows_out": 0,
+        "rows_rejected": 0,
+        "shards_failed": 0,
+        "rows_per_s": 0.0,
+        "drift": None,
+        "error": "input /data/in/2026-03-02 does not exist",
+    }
+    path = tmp_path / "m.prom"
+    write_metrics_file(str(path), r)
+    found = samples(path.read_text())
+    assert value(found, "rows_scored") == 0
+    assert value(found, "run_duration_seconds") == 1.5
+
+
+def test_no_drift_means_no_drift_samples(tmp_path: Path) -> None:
+    for i, drift in enumerate([None, {"baseline": None, "note": "no previous run"}]):
+        path = tmp_path / f"m{i}.prom"
+        write_metrics_file(str(path), report(drift=drift))
+        text = path.read_text()
+        assert "score_catalog_drift_psi{" not in text
+        found = samples(text)
+        assert not any(name == "score_catalog_drift_psi" for name, _ in found)
+    r = report()
+    del r["drift"]
+    reg = registry_for(r, previous_success_ts=None)
+    labels = {"job": JOB, "output": "score_p1"}
+    assert reg.get_sample_value("score_catalog_drift_psi", labels) is None
+
+
+def test_missing_fields_are_left_out() -> None:
+    r = report()
+    del r["rows_per_s"]
+    r["duration_s"] = None
+    reg = registry_for(r, previous_success_ts=None)
+    assert reg.get_sample_value("score_catalog_rows_per_second", {"job": JOB}) is None
+    assert reg.get_sample_value("score_catalog_run_duration_seconds", {"job": JOB}) is None
+    assert reg.get_sample_value("score_catalog_rows_scored", {"job": JOB}) == r["rows_out"]
+
+
+def test_file_is_replaced_atomically(tmp_path: Path) -> None:
+    path = tmp_path / "score_catalog.prom"
+    write_metrics_file(str(path), report(day=1))
+    first = os.stat(path).st_ino
+    write_metrics_file(str(path), report(day=2))
+    # A new inode: the file was renamed into place, never rewritten where a reader could see
+    # half of it; and no temporary file is left beside it.
+    assert os.stat(path).st_ino != first
+    assert os.listdir(tmp_path) == ["score_catalog.prom"]
+    found = samples(path.read_text())
+    assert value(found, "last_run_end_timestamp_seconds") == ts(report(day=2)["finished_at"])
+
+
+def test_missing_directory_is_a_storage_error(tmp_path: Path) -> None:
+    path = tmp_path / "no-such-dir" / "score_catalog.prom"
+    with pytest.raises(StorageError, match=r"cannot write metrics file .*no-such-dir") as err:
+        write_metrics_file(str(path), report())
+    assert "collector.textfile.directory" in str(err.value)
+    assert not (tmp_path / "no-such-dir").exists()
+
+
+def test_previous_success_of_missing_garbled_or_other_job(tmp_path: Path) -> None:
+    path = tmp_path / "m.prom"
+    assert previous_success_timestamp(str(path), JOB) is None
+    path.write_text('score_catalog_last_success_timestamp_seconds{job="x" 17\n}}} garbage\n')
+    assert previous_success_timestamp(str(path), JOB) is None
+    path.write_bytes(b"\xff\xfe\x00\x01")
+    assert previous_success_timestamp(str(path), JOB) is None
+    write_metrics_file(str(path), report())
+    assert previous_success_timestamp(str(path), "another-job") is None
+
+
+# --- Pushgateway ---------------------------------------------------------------------------
+
+
+class Recorder(BaseHTTPRequestHandler):
+    """Records every request; answers with the server's ``status`` attribute."""
+
+    def _handle(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length)
+        server: Any = self.server
+        server.requests.append((self.command, self.path, dict(self.headers), body))
+        self.send_response(server.status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_PUT = do_POST = do_DELETE = _handle
+
+    def log_message(self, format: str, *args: Any) -> None:  # keep test output clean
+        pass
+
+
+@pytest.fixture
+def gateway() -> Iterator[Any]:
+    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    server.requests = []
+    server.status = 200
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def url_of(server: Any) -> str:
+    host, port = server.server_address[:2]
+    return f"http://{host}:{port}"
+
+
+def test_push_sends_the_metrics(gateway: Any) -> None:
+    r = report()
+    push_metrics(url_of(gateway), r, timeout=5)
+    [(method, path, headers, body)] = gateway.requests
+    assert method == "PUT"
+    assert path == f"/metrics/job/{JOB}"
+    assert headers["Content-Type"].startswith("text/plain")
+    found = samples(body.decode())
+    assert value(found, "rows_scored") == r["rows_out"]
+    assert value(found, "last_success_timestamp_seconds") == ts(r["finished_at"])
+    assert value(found, "run_status", status="succeeded") == 1.0
+
+
+def test_push_of_failed_run_carries_the_given_success(gateway: Any) -> None:
+    push_metrics(url_of(gateway), report("failed"), previous_success_ts=1_772_330_071.5)
+    found = samples(gateway.requests[0][3].decode())
+    assert value(found, "last_success_timestamp_seconds") == 1_772_330_071.5
+
+
+def test_push_job_names_are_escaped(gateway: Any) -> None:
+    push_metrics(url_of(gateway), report(job="team/nightly catalog"))
+    path = gateway.requests[0][1]
+    # prometheus_client base64-encodes a grouping value containing "/" (Pushgateway's rule).
+    assert path.startswith("/metrics/job@base64/")
+
+
+def test_push_error_answer_is_a_storage_error(gateway: Any) -> None:
+    gateway.status = 500
+    with pytest.raises(StorageError, match=f"Pushgateway {url_of(gateway)}"):
+        push_metrics(url_of(gateway), report())
+
+
+def test_push_to_closed_port_is_a_storage_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(StorageError, match=f"cannot push metrics to Pushgateway {url}"):
+        push_metrics(url, report(), timeout=2)
