@@ -13,6 +13,7 @@ RUN_ARGS ?=
 CPU_TORCH ?= torch==2.13.0
 
 .PHONY: install data score-catalog test test-fast lint format clean distclean help-check bench \
+	bench-scaling archive-demo \
   gpu-check
 
 install: $(VENV)/.installed
@@ -42,6 +43,18 @@ score-catalog: data
 BENCH_ARGS ?=
 bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+# 1 vs 2 workers, an external tcp:// cluster, tiny shards grouped or not -> BENCHMARKS_SCALING.md
+bench-scaling: install
+	$(BIN)/python -m bench.scaling
+
+# Three daily partitions of demo data, then the backfill job over them (and one missing day).
+archive-demo: install
+	for d in 1 2 3; do \
+	  $(BIN)/score-catalog demo --catalog data/archive/dt=2025-01-0$$d --rows 50000 --shards 4 \
+	    --seed $$d --skip-model || exit 1; \
+	done
+	$(BIN)/score-catalog backfill jobs/rescore_archive.toml --from 2025-01-01 --to 2025-01-04
 
 test: install
 	$(BIN)/pytest $(PYTEST_ARGS)

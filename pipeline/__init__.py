@@ -7,7 +7,8 @@ The library API the CLI is a thin layer over::
     print(report.status, report["rows_out"])
 """
 
-from pipeline.config import ErrorPolicy, JobConfig, build_config
+from pipeline.backfill import BackfillReport, backfill
+from pipeline.config import ErrorPolicy, JobConfig, Monitoring, build_config
 from pipeline.errors import (
     ConfigError,
     InputError,
@@ -17,20 +18,25 @@ from pipeline.errors import (
     SchemaError,
     StorageError,
 )
+from pipeline.planning import plan_job
 from pipeline.report import RunReport
 from pipeline.run import run
 
 __all__ = [
+    "BackfillReport",
     "ConfigError",
     "ErrorPolicy",
     "InputError",
     "JobConfig",
     "LockError",
     "ModelError",
+    "Monitoring",
     "PipelineError",
     "RunReport",
     "SchemaError",
     "StorageError",
+    "backfill",
     "build_config",
+    "plan_job",
     "run",
 ]

@@ -247,6 +247,18 @@ def adopt_library_loggers() -> None:
             lib_logger.addHandler(new)
 
 
+QUIET_LIBRARIES = (
+    "botocore",
+    "boto3",
+    "aiobotocore",
+    "s3fs",
+    "urllib3",
+    "aiohttp",
+    "gcsfs",
+    "adlfs",
+)
+
+
 def setup_logging(fmt: str, verbosity: int) -> None:
     """Configure logging to stderr: ``fmt`` "text" or "json"; ``verbosity`` -1 quiet (errors
     only), 0 info, 1 or more debug.
@@ -273,6 +285,10 @@ def setup_logging(fmt: str, verbosity: int) -> None:
         _STATE.update(fmt=fmt, level=level)
     logging.captureWarnings(fmt == "json")
     adopt_library_loggers()
+    # Object-store clients log signed request headers at DEBUG, access key id included; storage
+    # options are never logged, so these loggers stay at INFO even with -vv.
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(max(level, logging.INFO))
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Compose one scoring job: plan from footers, lock, skip what is done, schedule shards, report.
 
 Order of commits on the output root: each shard's rejects, then its output, then its manifest
-entry; ``_report.json`` after every shard has finished; ``_SUCCESS`` last and only when the run
-succeeded within its error budget.
+entry; ``_report.json``, ``_report.html`` and the run-index entry after every shard has finished;
+``_SUCCESS`` last and only when the run succeeded within its error budget.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import torch
@@ -127,6 +128,24 @@ def _check_not_overlapping(inp: Location, out: Location, rej: Location) -> None:
             )
 
 
+def torch_threads_by_host(client: Any) -> dict[str, int]:
+    """Torch threads per worker thread on each host of an existing cluster.
+
+    Several workers often share a machine (``dask worker --nworkers 4``); each then gets the
+    host's cores divided by all the worker threads on that host, never more than one busy
+    thread per core (oversubscribed torch threads were 10-40x slower here).
+    """
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    cores = client.run(available_cores)
+    threads: dict[str, int] = {}
+    host_cores: dict[str, int] = {}
+    for address, w in workers.items():
+        host = w.get("host") or urlsplit(address).hostname or ""
+        threads[host] = threads.get(host, 0) + int(w.get("nthreads") or 1)
+        host_cores[host] = int(cores.get(address, 1))
+    return {h: max(1, host_cores[h] // max(1, n)) for h, n in threads.items()}
+
+
 class DaskSession:
     """A Dask client for the run, started in a background thread as soon as the run begins.
 
@@ -140,6 +159,7 @@ class DaskSession:
         self._warm = warm
         self._cluster: Any = None
         self._client: Any = None
+        self.threads_by_host: dict[str, int] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._start, name="dask-start", daemon=True)
         # Worker processes are forked from this one once planning is over: they inherit the
@@ -192,9 +212,10 @@ class DaskSession:
                 self._client = Client(self._cluster)
             else:
                 self._client = Client(plan.scheduler, timeout="30s")
+                self.threads_by_host = torch_threads_by_host(self._client)
             if self._warm is not None and plan.scheduler != "threads":
                 try:
-                    self._client.run(warm_worker, *self._warm)
+                    self._client.run(warm_worker, *self._warm, self.threads_by_host)
                 except Exception as e:  # the tasks will load (and report) it themselves
                     logger.debug("preloading the model on the workers failed: %s", e)
         except BaseException as e:
@@ -265,6 +286,10 @@ def _execute(
     assert session is not None
     client = session.client()
     slots = sum(client.nthreads().values()) or 1
+    if session.threads_by_host:
+        tasks = [
+            dataclasses.replace(t, torch_threads_by_host=session.threads_by_host) for t in tasks
+        ]
     groups = group_tasks(tasks, config.task_rows, slots)
     resources = dict(config.resources) or None
     by_key: dict[str, list[ShardTask]] = {}
@@ -735,9 +760,9 @@ def _run_planned(
         report = RunReport(data)
         storage.write_json(out_root.child(REPORT_NAME), data, point="report-rename")
         _write_html(out_root, data)
+        _record_run(config, index_root, out_root, data)
         if report.status != "failed":
             storage.write_bytes(out_root.child(SUCCESS_NAME), b"", point="success-rename")
-        _record_run(config, index_root, out_root, data)
         return report
     finally:
         lock.release()
@@ -745,11 +770,20 @@ def _run_planned(
 
 def _drift(config: JobConfig, data: dict[str, Any], index_root: str) -> dict[str, Any]:
     """Compare this run's scores with the previous successful run of the same job."""
+    if not data["rows_processed"]:
+        # A resume that found every shard done scored nothing: no distribution to compare.
+        return {"baseline": None, "note": "this run scored no rows (every shard was done)"}
     try:
         previous = runindex.previous_success(
-            index_root, config.storage, config.name, exclude_run_id=data["run_id"]
+            index_root,
+            config.storage,
+            config.name,
+            exclude_run_id=data["run_id"],
+            scored_only=True,
         )
-        baseline = runindex.load_report(previous, config.storage) if previous else None
+        # The index entry carries the run's sketches: its _report.json may have been replaced
+        # since by a later run into the same output (a resume, a rerun of that night).
+        baseline = previous
     except Exception as e:  # drift is a check on top of a finished run: never fail it
         logger.warning("could not read the run index at %s: %s", index_root, e)
         return {"baseline": None, "note": f"run index unreadable: {e}"}
@@ -779,9 +813,22 @@ def _record_run(
 ) -> None:
     entry = {
         key: data[key]
-        for key in ("run_id", "job", "status", "started_at", "finished_at", "rows_out", "output")
+        for key in (
+            "run_id",
+            "job",
+            "status",
+            "started_at",
+            "finished_at",
+            "rows_out",
+            "rows_processed",
+            "output",
+        )
     }
     entry["report"] = out_root.child(REPORT_NAME).uri
+    entry["outputs"] = {
+        col: {"count": v.get("count"), "sketch": v.get("sketch")}
+        for col, v in (data.get("outputs") or {}).items()
+    }
     try:
         runindex.record(index_root, config.storage, config.name, entry)
     except Exception as e:

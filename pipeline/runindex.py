@@ -113,8 +113,12 @@ def previous_success(
     job: str,
     *,
     exclude_run_id: str | None = None,
+    scored_only: bool = False,
 ) -> dict[str, Any] | None:
     """The newest (by ``finished_at``) successful entry of ``job`` in the index, or None.
+
+    ``scored_only`` skips runs that scored no rows themselves (a resume that found every shard
+    done): they have no score distribution to compare with.
 
     Successful means a status in :data:`SUCCESS_STATUSES`. ``exclude_run_id`` skips one run
     (the current one, if it was already recorded). Entries that cannot be read or parsed are
@@ -161,6 +165,8 @@ def previous_success(
         if entry.get("job", job) != job or entry.get("status") not in SUCCESS_STATUSES:
             continue
         if exclude_run_id is not None and entry.get("run_id") == exclude_run_id:
+            continue
+        if scored_only and entry.get("rows_processed", 1) == 0:
             continue
         if best is None or finished > best[0]:
             best = (finished, entry)

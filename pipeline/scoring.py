@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import pandas as pd
@@ -64,6 +65,9 @@ class ShardTask:
     strict_fp32: bool = False
     overlap_depth: int = 0  # batches read ahead / written behind in background threads
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    # On an existing cluster: torch threads for a worker on each host, so that all the worker
+    # threads of one machine together use its cores once (see run.torch_threads_by_host).
+    torch_threads_by_host: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,15 +113,19 @@ def _count_reasons(counts: dict[str, int], reasons: Mapping[int, str]) -> None:
         counts[key] = counts.get(key, 0) + 1
 
 
-def _set_threads(requested: int | None) -> int:
+def _set_threads(requested: int | None, by_host: Mapping[str, int] | None = None) -> int:
     n = requested
     if n is None:
         try:
             from distributed import get_worker
 
-            worker_threads = get_worker().state.nthreads
+            worker = get_worker()
+            worker_threads = worker.state.nthreads
+            host = urlsplit(worker.address).hostname
+            n = (by_host or {}).get(host or "")
         except (ImportError, ValueError):
             worker_threads = 1
+    if n is None:
         try:
             cores = len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - macOS
@@ -168,9 +176,10 @@ def warm_worker(
     strict_fp32: bool,
     batch_size: int | None,
     torch_threads: int | None,
+    torch_threads_by_host: Mapping[str, int] | None = None,
 ) -> None:
     """Load (and prepare) the model in this worker before its first task: once per process."""
-    _set_threads(torch_threads)
+    _set_threads(torch_threads, torch_threads_by_host)
     model = load_model(
         model_uri,
         _worker_device(device),
@@ -195,7 +204,7 @@ def score_shard(task: ShardTask) -> ShardResult:
     """Score one shard and commit its output (and rejects) atomically."""
     t0 = time.perf_counter()
     started = time.time()
-    _set_threads(task.torch_threads)
+    _set_threads(task.torch_threads, task.torch_threads_by_host)
     try:
         result = _score(task, t0)
         result.started_at, result.finished_at = started, time.time()

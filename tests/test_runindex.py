@@ -198,3 +198,30 @@ def test_entries_are_plain_json_on_disk(tmp_path: Path) -> None:
     uri = record(str(tmp_path), {}, JOB, e)
     assert Path(uri).parent == tmp_path / "_runs" / JOB
     assert json.loads(Path(uri).read_text()) == e
+
+
+def test_scored_only_skips_runs_that_scored_nothing(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    base = {
+        "job": "j",
+        "status": "succeeded",
+        "started_at": "2026-11-01T00:00:00+00:00",
+        "output": "o",
+        "report": "o/_report.json",
+        "rows_out": 10,
+    }
+    record(
+        root,
+        {},
+        "j",
+        {**base, "run_id": "a", "rows_processed": 10, "finished_at": "2026-11-01T01:00:00+00:00"},
+    )
+    record(
+        root,
+        {},
+        "j",
+        {**base, "run_id": "b", "rows_processed": 0, "finished_at": "2026-11-02T01:00:00+00:00"},
+    )
+    assert previous_success(root, {}, "j")["run_id"] == "b"  # type: ignore[index]
+    found = previous_success(root, {}, "j", scored_only=True)
+    assert found is not None and found["run_id"] == "a"

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +54,8 @@ POINTS = [
     "between-shards:1",
     "between-shards:2",
     "report-rename:1",
+    "html-rename:1",
+    "runindex-rename:1",
     "success-rename:1",
 ]
 
@@ -175,10 +178,8 @@ def test_external_sigkill_of_a_dask_run_at_a_random_moment(
     )
     assert first.returncode == 0, first.stderr
     full = time.perf_counter() - t0
-    for p in out.glob("*"):  # start again from nothing, then kill part-way
-        p.unlink()
-    for p in rej.glob("*"):
-        p.unlink()
+    shutil.rmtree(out)  # start again from nothing, then kill part-way
+    shutil.rmtree(rej, ignore_errors=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", *args],
         env=env,

@@ -164,7 +164,8 @@ def test_readme_quickstart_and_documented_options_match_help() -> None:
     import re
 
     helps = {
-        name: CliRunner().invoke(main, [name, "--help"]).output for name in ("run", "demo", "bench")
+        name: CliRunner().invoke(main, [name, "--help"]).output
+        for name in ("run", "demo", "bench", "plan", "report", "backfill")
     }
     # Every option in the README's flag table is an option of `run`...
     table = re.findall(r"^\| `(--[a-z][a-z0-9-]+)", readme, flags=re.M)

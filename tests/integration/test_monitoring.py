@@ -59,11 +59,17 @@ def test_drift_crosses_threshold_on_shifted_data_not_on_identical_rerun(
     first = _run(catalog, root, bundle_dir, "2026-11-01")
     assert first.returncode == 0, first.stderr
     assert report(root / "2026-11-01")["drift"]["baseline"] is None  # nothing to compare with
+    first_id = report(root / "2026-11-01")["run_id"]
+    resumed = _run(catalog, root, bundle_dir, "2026-11-01")  # every shard done: nothing scored
+    assert resumed.returncode == 0, resumed.stdout
+    assert "scored no rows" in report(root / "2026-11-01")["drift"]["note"]
 
     same = _run(catalog, root, bundle_dir, "2026-11-02")
     assert same.returncode == 0, same.stderr
     d = report(root / "2026-11-02")["drift"]
-    assert d["baseline"]["run_id"] == report(root / "2026-11-01")["run_id"]
+    # The resume that scored nothing is no baseline; the first run is, although the resume
+    # replaced its _report.json (the index entry keeps its sketches).
+    assert d["baseline"]["run_id"] == first_id
     assert d["alert"] is False
     assert all(c["psi"] < 0.01 and c["ks"] < 0.02 for c in d["columns"].values()), d
 

@@ -1,0 +1,197 @@
+"""The real CLI on a real Dask cluster: `dask scheduler` + 2 `dask worker` processes on 127.0.0.1.
+
+The cluster is the kind a team runs next to its data: started from the command line, reached by
+``--scheduler tcp://HOST:PORT``. Workers run from this repository's virtualenv (they import
+``pipeline``) with the README's MALLOC_MMAP_THRESHOLD_; each is pinned to one core, as if it were
+its own one-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import write_shards
+from tests.integration import servers
+from tests.integration.helpers import REPO, cli, data_files, read_tree, report, temporaries
+from tests.integration.servers import DaskCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+# Fixtures from servers.py.
+dask_cluster = servers.dask_cluster
+fresh_dask_cluster = servers.fresh_dask_cluster
+
+
+def _args(catalog: Path, out: Path, bundle: Path, scheduler: str, *extra: str) -> list[str]:
+    return [
+        "run",
+        "--input",
+        str(catalog),
+        "--output",
+        str(out),
+        "--model",
+        str(bundle),
+        "--passthrough",
+        "category",
+        "--batch-size",
+        "500",
+        "--scheduler",
+        scheduler,
+        *extra,
+    ]
+
+
+def _run(*args: str, cluster: DaskCluster | None = None) -> subprocess.CompletedProcess[str]:
+    r = cli(*args, timeout=240)
+    logs = f"\n--- cluster logs\n{cluster.log_text()}" if cluster is not None else ""
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr}{logs}"
+    return r
+
+
+def _sorted(t: pa.Table) -> pa.Table:
+    return t.sort_by("item_id")
+
+
+def test_tcp_cluster_output_equals_local_cluster_output(
+    dask_cluster: DaskCluster, bundle_dir: Path, tmp_path: Path
+) -> None:
+    catalog = tmp_path / "catalog"
+    write_shards(catalog, [3000, 1200, 2600, 4100, 900, 2200], row_group_rows=700)
+    a, b = tmp_path / "tcp", tmp_path / "local"
+    _run(*_args(catalog, a, bundle_dir, dask_cluster.address), cluster=dask_cluster)
+    _run(*_args(catalog, b, bundle_dir, "local", "--workers", "2"))
+
+    ta, tb = read_tree(a), read_tree(b)
+    assert sorted(ta) == sorted(tb) == [p.name for p in sorted(catalog.glob("*.parquet"))]
+    for name in ta:
+        assert _sorted(ta[name]).equals(_sorted(tb[name])), name
+    ra, rb = report(a), report(b)
+    assert ra["status"] == rb["status"] == "succeeded"
+    assert ra["threads"]["scheduler"] == dask_cluster.address
+    assert ra["rows_out"] == rb["rows_out"] == ra["rows_in"] == 14000
+    assert [s["rows_out"] for s in ra["shards"]] == [s["rows_out"] for s in rb["shards"]]
+    assert not temporaries(a, b)
+
+
+def test_model_is_loaded_once_per_worker_not_per_task(
+    dask_cluster: DaskCluster, bundle_dir: Path, tmp_path: Path
+) -> None:
+    # A bundle at a path no worker has seen, so its first load happens during this run.
+    bundle = tmp_path / "bundle"
+    shutil.copytree(bundle_dir, bundle)
+    catalog = tmp_path / "catalog"
+    n_shards = 12
+    write_shards(catalog, [1500] * n_shards, row_group_rows=500)
+    with dask_cluster.client() as c:
+        c.run(servers.install_load_counter)
+        executed_before = c.run(servers.executed_count)
+    out = tmp_path / "out"
+    _run(*_args(catalog, out, bundle, dask_cluster.address), cluster=dask_cluster)
+    with dask_cluster.client() as c:
+        loads = c.run(servers.load_count)
+        cached = c.run(servers.cached_models)
+        executed = {a: n - executed_before[a] for a, n in c.run(servers.executed_count).items()}
+
+    assert len(loads) == 2, loads
+    tasks = sum(executed.values())
+    assert tasks > len(loads), f"the run should give each worker several tasks: {executed}"
+    assert all(n >= 1 for n in executed.values()), executed
+    for addr, records in loads.items():
+        assert len(records) == 1, (
+            f"worker {addr} ran {executed[addr]} tasks and loaded the model {len(records)} "
+            f"times: {records}"
+        )
+        mine = [k for k in cached[addr] if k[0] == str(bundle)]
+        assert len(mine) == 1, f"worker {addr} caches {mine}"
+    rep = report(out)
+    assert rep["rows_out"] == 1500 * n_shards and rep["shards_scored"] == n_shards
+
+
+def _progress(out: Path) -> int:
+    """Shards committed so far: entries in the manifest (written atomically)."""
+    try:
+        return len(json.loads((out / "_manifest.json").read_text())["shards"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return 0
+
+
+def test_sigkilled_worker_mid_run_loses_no_row_and_duplicates_none(
+    fresh_dask_cluster: DaskCluster, bundle_dir: Path, tmp_path: Path
+) -> None:
+    cluster = fresh_dask_cluster
+    n_shards, rows = 24, 8000
+    catalog = tmp_path / "catalog"
+    write_shards(catalog, [rows] * n_shards, row_group_rows=2000)
+    total = n_shards * rows
+    out = tmp_path / "out"
+    workers = cluster.workers
+    assert len(workers) == 2
+    victim_addr = sorted(workers)[0]
+    victim = workers[victim_addr]
+    assert victim["nanny"] == cluster.nannies[victim["name"]].pid
+
+    args = _args(catalog, out, bundle_dir, cluster.address, "--batch-size", "128")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SCORE_CATALOG_")}
+    env.pop("_SCORE_CATALOG_KILL_AT", None)
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _progress(out) == 0 and not data_files(out) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no shard was committed within 120 s"
+            time.sleep(0.05)
+        done_at_kill = _progress(out)
+        cluster.kill_worker(victim)
+        killed_at = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            servers.stop_process(proc)
+    assert done_at_kill < n_shards, "the run finished before the worker was killed"
+    for _ in range(50):
+        if not (servers.pid_alive(victim["pid"]) or servers.pid_alive(victim["nanny"])):
+            break
+        time.sleep(0.1)
+    assert not servers.pid_alive(victim["pid"]) and not servers.pid_alive(victim["nanny"])
+    assert proc.returncode == 0, (
+        f"rc={proc.returncode}\n{stdout}\n{stderr}\n--- cluster logs\n{cluster.log_text()}"
+    )
+    with cluster.client() as c:
+        alive = c.scheduler_info(n_workers=-1)["workers"]
+    assert victim_addr not in alive and len(alive) == 1
+
+    tables = read_tree(out)
+    assert sorted(tables) == [p.name for p in sorted(catalog.glob("*.parquet"))]
+    ids = np.concatenate([t.column("item_id").to_numpy() for t in tables.values()])
+    assert len(ids) == total, f"{len(ids)} rows in the output, {total} in the input"
+    assert len(np.unique(ids)) == total, "some rows are in the output twice"
+    assert np.array_equal(np.sort(ids), np.arange(total))
+    for name, t in tables.items():  # each shard whole and in input order
+        assert t.column("item_id").equals(pq.read_table(catalog / name).column("item_id")), name
+    rep = report(out)
+    assert rep["status"] == "succeeded"
+    assert rep["rows_in"] == rep["rows_out"] == total and rep["rows_rejected"] == 0
+    assert rep["shards_scored"] == n_shards and rep["shards_failed"] == 0
+    assert (out / "_SUCCESS").exists()
+    print(  # shown with -s: how far the run was when the worker died
+        f"killed {victim['name']} with {done_at_kill}/{n_shards} shards committed; "
+        f"the run ended {proc.returncode} {time.monotonic() - killed_at:.1f}s later"
+    )
