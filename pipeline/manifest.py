@@ -2,8 +2,13 @@
 
 An entry is reused only if the input shard's fingerprint (size, modification time or ETag, footer
 row count), the model's SHA-256 and the hash of the settings that change scores are all the same,
-and its output file still exists. The file is replaced atomically after each shard commits, so a
-crash leaves either the previous or the next version, never a torn one.
+and its output file still exists. The file is replaced atomically, so a crash leaves either the
+previous or the next version, never a torn one.
+
+It is saved after each shard while saving is cheap, and less often once it is not: rewriting a
+manifest of n entries after each of n shards is O(n^2) (200 tiny shards spent 2.7 s of a 10 s run
+serialising it). Saves are spaced so that they take at most SAVE_BUDGET of the time; a shard whose
+entry was not saved yet when a crash hits is simply scored again (its commit is idempotent).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +26,7 @@ from pipeline.storage import Location
 
 MANIFEST_NAME = "_manifest.json"
 SCHEMA_VERSION = 1
+SAVE_BUDGET = 0.1  # share of the driver's time that manifest saves may take
 
 
 def settings_hash(settings: dict[str, Any]) -> str:
@@ -31,6 +38,9 @@ def settings_hash(settings: dict[str, Any]) -> str:
 class Manifest:
     loc: Location
     shards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _dirty: bool = field(default=False, repr=False)
+    _last_cost: float = field(default=0.0, repr=False)  # seconds the last save took
+    _last_end: float = field(default=float("-inf"), repr=False)
 
     @classmethod
     def load(cls, root: Location) -> Manifest:
@@ -63,13 +73,24 @@ class Manifest:
 
     def record(self, rel_path: str, entry: dict[str, Any]) -> None:
         self.shards[rel_path] = entry
-        self.save()
+        self._changed()
 
     def forget(self, rel_path: str) -> None:
         if self.shards.pop(rel_path, None) is not None:
+            self._changed()
+
+    def _changed(self) -> None:
+        self._dirty = True
+        if time.monotonic() - self._last_end >= self._last_cost / SAVE_BUDGET:
+            self.save()
+
+    def flush(self) -> None:
+        """Save what has not been saved yet (call at the end of a run)."""
+        if self._dirty:
             self.save()
 
     def save(self) -> None:
+        t0 = time.monotonic()
         storage.write_json(
             self.loc,
             {
@@ -78,4 +99,8 @@ class Manifest:
                 "shards": dict(sorted(self.shards.items())),
             },
             point="manifest-rename",
+            compact=True,
         )
+        self._dirty = False
+        self._last_end = time.monotonic()
+        self._last_cost = self._last_end - t0

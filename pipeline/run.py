@@ -7,6 +7,7 @@ entry; ``_report.json``, ``_report.html`` and the run-index entry after every sh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
@@ -620,6 +621,7 @@ def _run_planned(
 
     # 2. Lock the output, clear what a crashed run left, and find what is already done.
     lock = RunLock.acquire(out_root, run_id, stale_after_s=config.stale_lock_after_s)
+    manifest: Manifest | None = None
     try:
         checkpoint("locked")
         for root in (out_root, rej_root):
@@ -730,6 +732,8 @@ def _run_planned(
                     ),
                 )
 
+        manifest.flush()
+
         # 4. Account, judge against the error budget, report, and mark success last.
         ordered = [results[s.rel_path] for s in shards]
         data = _build_report(
@@ -765,6 +769,10 @@ def _run_planned(
             storage.write_bytes(out_root.child(SUCCESS_NAME), b"", point="success-rename")
         return report
     finally:
+        if manifest is not None:
+            # After an unexpected error too: keep what was committed so the rerun skips it.
+            with contextlib.suppress(Exception):
+                manifest.flush()
         lock.release()
 
 

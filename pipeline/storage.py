@@ -237,8 +237,12 @@ def write_bytes(loc: Location, data: bytes, *, point: str = "") -> None:
     with_retries(_write, what=f"writing {loc.uri}")
 
 
-def write_json(loc: Location, obj: Any, *, point: str = "") -> None:
-    data = json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n"
+def write_json(loc: Location, obj: Any, *, point: str = "", compact: bool = False) -> None:
+    """Write ``obj`` as JSON atomically; ``compact`` drops the indentation (big documents)."""
+    if compact:
+        data = json.dumps(obj, separators=(",", ":"), default=str) + "\n"
+    else:
+        data = json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n"
     write_bytes(loc, data.encode(), point=point)
 
 

@@ -33,6 +33,11 @@ def cli(
     )
 
 
+def job_args(inp: Path | str, out: Path | str, model: Path | str, *extra: str) -> list[str]:
+    """``--input INP --output OUT --model MODEL EXTRA...`` for run, plan and friends."""
+    return ["--input", str(inp), "--output", str(out), "--model", str(model), *extra]
+
+
 def report(out: Path) -> dict[str, Any]:
     return json.loads((out / "_report.json").read_text())
 

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.demo import FEATURES
 from tests.conftest import write_shards
-from tests.integration.helpers import cli, report
+from tests.integration.helpers import cli, job_args, report
 
 pytestmark = pytest.mark.integration
 
@@ -24,12 +24,7 @@ pytestmark = pytest.mark.integration
 def _run(inp: Path, root: Path, bundle: Path, date: str, *extra: str) -> object:
     return cli(
         "run",
-        "--input",
-        str(inp),
-        "--output",
-        str(root / "{date}"),
-        "--model",
-        str(bundle),
+        *job_args(str(inp), str(root / "{date}"), str(bundle)),
         "--date",
         date,
         "--scheduler",
@@ -91,12 +86,7 @@ def test_json_logs_every_line_parses_with_the_documented_fields(
 ) -> None:
     r = cli(
         "run",
-        "--input",
-        str(catalog),
-        "--output",
-        str(tmp_path / "out"),
-        "--model",
-        str(bundle_dir),
+        *job_args(str(catalog), str(tmp_path / "out"), str(bundle_dir)),
         "--scheduler",
         "local",
         "--workers",
@@ -121,12 +111,7 @@ def test_json_logs_every_line_parses_with_the_documented_fields(
 def test_json_logs_for_an_error_before_scoring(tmp_path: Path, bundle_dir: Path) -> None:
     r = cli(
         "run",
-        "--input",
-        str(tmp_path / "nothing-here"),
-        "--output",
-        str(tmp_path / "out"),
-        "--model",
-        str(bundle_dir),
+        *job_args(str(tmp_path / "nothing-here"), str(tmp_path / "out"), str(bundle_dir)),
         "--log-format",
         "json",
     )
@@ -144,12 +129,7 @@ def test_html_report_and_metrics_match_the_json_report(
     metrics.parent.mkdir()
     r = cli(
         "run",
-        "--input",
-        str(catalog),
-        "--output",
-        str(out),
-        "--model",
-        str(bundle_dir),
+        *job_args(str(catalog), str(out), str(bundle_dir)),
         "--scheduler",
         "sync",
         "--metrics-file",
@@ -185,12 +165,7 @@ def test_metrics_file_records_a_failure_before_scoring(bundle_dir: Path, tmp_pat
     metrics = tmp_path / "m.prom"
     r = cli(
         "run",
-        "--input",
-        str(tmp_path / "missing"),
-        "--output",
-        str(tmp_path / "out"),
-        "--model",
-        str(bundle_dir),
+        *job_args(str(tmp_path / "missing"), str(tmp_path / "out"), str(bundle_dir)),
         "--metrics-file",
         str(metrics),
     )
@@ -206,12 +181,7 @@ def test_plan_names_a_broken_shard_and_scores_nothing(
     out = tmp_path / "out"
     r = cli(
         "plan",
-        "--input",
-        str(catalog),
-        "--output",
-        str(out),
-        "--model",
-        str(bundle_dir),
+        *job_args(str(catalog), str(out), str(bundle_dir)),
         "--batch-size",
         "512",
     )
@@ -220,9 +190,7 @@ def test_plan_names_a_broken_shard_and_scores_nothing(
     assert "7,300 in footers, 7,300 to score" in r.stdout
     assert not out.exists()  # nothing written, no lock taken
 
-    j = cli(
-        "plan", "--input", str(catalog), "--output", str(out), "--model", str(bundle_dir), "--json"
-    )
+    j = cli("plan", *job_args(catalog, out, bundle_dir), "--json")
     plan = json.loads(j.stdout)
     assert plan["shards_failing"] == 1 and plan["shards_to_score"] == 3
     assert plan["calibration"]["rows_per_s"] > 0 and plan["estimated_scoring_s"] > 0
@@ -232,7 +200,7 @@ def test_plan_says_what_a_resume_would_skip(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    args = ["--input", str(catalog), "--output", str(out), "--model", str(bundle_dir)]
+    args = job_args(catalog, out, bundle_dir)
     assert cli("run", *args, "--scheduler", "sync").returncode == 0
     write_shards(catalog / "new", [900], start=10_000)
     r = cli("plan", *args, "--json")
