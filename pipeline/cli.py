@@ -464,7 +464,11 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
             "partition %s: %s",
             entry["date"],
             entry["status"],
-            extra={"event": "partition_done", "status": entry["status"], "shard": entry["date"]},
+            extra={
+                "event": "partition_done",
+                "status": entry["status"],
+                "partition": entry["date"],
+            },
         )
 
     try:

@@ -57,6 +57,7 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 # Structured fields a record may carry (``extra={...}``); copied into its JSON object.
 EXTRA_FIELDS = (
     "shard",
+    "partition",
     "rows",
     "rows_in",
     "rows_rejected",

@@ -5,13 +5,15 @@ from __future__ import annotations
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline import drift as drift_mod
 from pipeline.errors import EXIT_DRIFT, EXIT_OK, EXIT_RUN_FAILED
-from pipeline.scoring import ShardResult
+
+if TYPE_CHECKING:  # `score-catalog report` reads reports without importing torch
+    from pipeline.scoring import ShardResult
 
 REPORT_NAME = "_report.json"
 HTML_NAME = "_report.html"
