@@ -23,7 +23,15 @@ import pytest
 
 from tests.conftest import write_shards
 from tests.integration import servers
-from tests.integration.helpers import REPO, cli, data_files, read_tree, report, temporaries
+from tests.integration.helpers import (
+    REPO,
+    cli,
+    data_files,
+    job_args,
+    read_tree,
+    report,
+    temporaries,
+)
 from tests.integration.servers import DaskCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -34,22 +42,8 @@ fresh_dask_cluster = servers.fresh_dask_cluster
 
 
 def _args(catalog: Path, out: Path, bundle: Path, scheduler: str, *extra: str) -> list[str]:
-    return [
-        "run",
-        "--input",
-        str(catalog),
-        "--output",
-        str(out),
-        "--model",
-        str(bundle),
-        "--passthrough",
-        "category",
-        "--batch-size",
-        "500",
-        "--scheduler",
-        scheduler,
-        *extra,
-    ]
+    opts = ("--passthrough", "category", "--batch-size", "500", "--scheduler", scheduler)
+    return ["run", *job_args(catalog, out, bundle, *opts, *extra)]
 
 
 def _run(*args: str, cluster: DaskCluster | None = None) -> subprocess.CompletedProcess[str]:
