@@ -35,6 +35,15 @@ def _clean(values: np.ndarray, weights: np.ndarray | None) -> tuple[np.ndarray, 
     return v[keep], w[keep]
 
 
+def weighted_quantiles(v: np.ndarray, w: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """Weighted quantiles of ``v`` at ``levels``: each value sits at the midpoint of its weight
+    on the cumulative scale, linear in between (the one definition the reports use)."""
+    order = np.argsort(v, kind="stable")
+    v, w = v[order], w[order]
+    cum = (np.cumsum(w) - 0.5 * w) / w.sum()
+    return np.interp(levels, cum, v)
+
+
 def sketch(values: np.ndarray, weights: np.ndarray | None = None) -> list[float]:
     """The weighted quantiles of ``values`` at ``numpy.linspace(0, 1, SKETCH_POINTS)``.
 
@@ -48,12 +57,9 @@ def sketch(values: np.ndarray, weights: np.ndarray | None = None) -> list[float]
     v, w = _clean(values, weights)
     if not v.size:
         return []
-    order = np.argsort(v, kind="stable")
-    v, w = v[order], w[order]
-    cum = (np.cumsum(w) - 0.5 * w) / w.sum()
-    q = np.interp(LEVELS, cum, v)
+    q = weighted_quantiles(v, w, LEVELS)
     # Interpolation is exact at the ends only up to rounding; pin them to the true extremes.
-    q[0], q[-1] = v[0], v[-1]
+    q[0], q[-1] = v.min(), v.max()
     return [float(x) for x in q]
 
 

@@ -166,14 +166,19 @@ def previous_success_timestamp(path: str, job: str) -> float | None:
     return None
 
 
-def write_metrics_file(path: str, report: Mapping[str, Any]) -> None:
+def write_metrics_file(
+    path: str, report: Mapping[str, Any], *, previous_success_ts: float | None = None
+) -> None:
     """Replace the textfile-collector file ``path`` with this run's metrics, atomically.
 
-    A previous last-success timestamp of the same job in the file is carried forward when this
-    run failed. The file is written to a temporary sibling and renamed, so node_exporter never
-    reads half a file. The directory must exist; failing to write is a :class:`StorageError`.
+    A previous last-success timestamp of the same job in the file (or ``previous_success_ts``,
+    when the caller read it already) is carried forward when this run failed. The file is
+    written to a temporary sibling and renamed, so node_exporter never reads half a file. The
+    directory must exist; failing to write is a :class:`StorageError`.
     """
-    previous = previous_success_timestamp(path, str(report["job"]))
+    previous = previous_success_ts
+    if previous is None:
+        previous = previous_success_timestamp(path, str(report["job"]))
     registry = registry_for(report, previous_success_ts=previous)
     try:
         write_to_textfile(path, registry)

@@ -24,7 +24,7 @@ from pipeline.run import (
     inspect_shards,
     thread_plan,
 )
-from pipeline.tuning import BatchSizeCache, bench_batch_sizes, default_cache_path
+from pipeline.tuning import BatchSizeCache, bench_batch_sizes, cache_key, default_cache_path
 
 CALIBRATION_S = 2.0  # time spent timing the model, at most (plus one warm-up pass)
 DEFAULT_AUTO_BATCH = 4096  # what `plan` assumes for batch_size = "auto" before it is cached
@@ -76,7 +76,7 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
         (s for s in shards if s.rel_path not in failed and s.rel_path not in problems), None
     )
     calibration = _calibrate(config, model, sample_from, width, plan.torch_threads)
-    workers = plan.workers if plan.workers is not None else None
+    workers = plan.workers
     estimate = None
     if calibration["rows_per_s"] and workers:
         estimate = rows_to_score / (calibration["rows_per_s"] * workers)
@@ -109,7 +109,7 @@ def _calibrate(
     batch = config.batch_size
     note = None
     if batch == "auto":
-        key = f"{model.sha256}|{model.device}|{config.precision}|{threads}"
+        key = cache_key(model.sha256, model.device, config.precision, threads)
         cached = BatchSizeCache(default_cache_path()).get(key)
         batch = cached or DEFAULT_AUTO_BATCH
         if not cached:

@@ -62,10 +62,8 @@ def versions() -> dict[str, str]:
 
 
 def _weighted_quantiles(values: np.ndarray, weights: np.ndarray) -> dict[str, float]:
-    order = np.argsort(values, kind="stable")
-    v, w = values[order], weights[order]
-    cdf = (np.cumsum(w) - 0.5 * w) / w.sum()
-    return {f"p{round(q * 100):02d}": float(np.interp(q, cdf, v)) for q in QUANTILES}
+    qs = drift_mod.weighted_quantiles(values, weights, np.asarray(QUANTILES))
+    return {f"p{round(q * 100):02d}": float(x) for q, x in zip(QUANTILES, qs, strict=True)}
 
 
 class ScoreProfile:
@@ -96,7 +94,7 @@ class ScoreProfile:
             if m["n"] > MAX_SAMPLE:
                 v, w = np.concatenate(m["v"]), np.concatenate(m["w"])
                 levels = (np.arange(COMPRESSED_SAMPLE) + 0.5) / COMPRESSED_SAMPLE
-                m["v"] = [_weighted_quantile_values(v, w, levels)]
+                m["v"] = [drift_mod.weighted_quantiles(v, w, levels)]
                 m["w"] = [np.full(COMPRESSED_SAMPLE, w.sum() / COMPRESSED_SAMPLE)]
                 m["n"] = COMPRESSED_SAMPLE
 
@@ -115,13 +113,6 @@ class ScoreProfile:
                     entry["histogram"] = drift_mod.histogram(v, w, bins=HISTOGRAM_BINS)
             out[col] = entry
         return out
-
-
-def _weighted_quantile_values(v: np.ndarray, w: np.ndarray, levels: np.ndarray) -> np.ndarray:
-    order = np.argsort(v, kind="stable")
-    v, w = v[order], w[order]
-    cdf = (np.cumsum(w) - 0.5 * w) / w.sum()
-    return np.interp(levels, cdf, v)
 
 
 def output_summary(results: Iterable[ShardResult]) -> dict[str, dict[str, Any]]:

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -404,7 +404,7 @@ def _publish_metrics(config: JobConfig, data: dict[str, Any]) -> None:
     if config.metrics_file is not None:
         previous = metrics.previous_success_timestamp(config.metrics_file, config.name)
         try:
-            metrics.write_metrics_file(config.metrics_file, data)
+            metrics.write_metrics_file(config.metrics_file, data, previous_success_ts=previous)
         except PipelineError as e:
             logger.error("%s", e)
     if config.pushgateway is not None:
@@ -508,8 +508,7 @@ def _settings(config: JobConfig, spec: Any) -> Settings:
     return Settings(values, settings_hash(values))
 
 
-@dataclass
-class Inspection:
+class Inspection(NamedTuple):
     """What the footers and the model's dry run say, before anything is scored or written."""
 
     infos: dict[str, ShardInfo]
@@ -517,9 +516,6 @@ class Inspection:
     schema_problems: dict[str, list[str]]
     width: int
     model: Any
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.infos, self.failed, self.schema_problems, self.width, self.model))
 
 
 def inspect_shards(
@@ -612,9 +608,7 @@ def _run_planned(
     sample_from = next(
         (s for s in shards if s.rel_path not in failed and infos[s.rel_path].num_rows), None
     )
-    batch_size, execution = _prepare_execution(
-        config, model, exec_opts, sample_from, width, thread_plan(config, len(shards))
-    )
+    batch_size, execution = _prepare_execution(config, model, exec_opts, sample_from, width, plan)
 
     settings_obj = _settings(config, spec)
     settings, shash = settings_obj.values, settings_obj.hash
@@ -679,11 +673,10 @@ def _run_planned(
                     strict_fp32=config.strict_fp32,
                     overlap_depth=OVERLAP_DEPTH if config.overlap else 0,
                     on_invalid_rows=config.errors.on_invalid_rows,
-                    torch_threads=None,
+                    torch_threads=plan.torch_threads,
                     storage_options=dict(opts),
                 )
             )
-        tasks = [ShardTask(**{**t.__dict__, "torch_threads": plan.torch_threads}) for t in tasks]
         fingerprints = {s.rel_path: s for s in shards}
 
         # 3. Score. Each finished shard is recorded at once, so a crash loses only shards in flight.
@@ -904,7 +897,7 @@ def _prepare_execution(
         return int(config.batch_size), execution
     from pipeline import tuning
 
-    key = f"{model.sha256}|{model.device}|{opts.precision}|{plan.torch_threads}"
+    key = tuning.cache_key(model.sha256, model.device, opts.precision, plan.torch_threads)
     cache = tuning.BatchSizeCache(tuning.default_cache_path())
     cached = cache.get(key)
     if cached is not None:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline import storage
-from pipeline.errors import ConfigError, StorageError
+from pipeline.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -171,26 +171,3 @@ def previous_success(
         if best is None or finished > best[0]:
             best = (finished, entry)
     return best[1] if best else None
-
-
-def load_report(
-    entry: Mapping[str, Any], options: Mapping[str, Any] | None
-) -> dict[str, Any] | None:
-    """The ``_report.json`` that an index entry points to, or None (with a warning) when it is
-    gone, unreadable or not a report (e.g. the old output was deleted by retention)."""
-    uri = entry.get("report")
-    if not isinstance(uri, str) or not uri:
-        logger.warning("run index entry for run %s names no report", entry.get("run_id"))
-        return None
-    try:
-        data = storage.read_json(storage.locate(uri, options))
-    except (OSError, ValueError, StorageError, ConfigError) as e:
-        logger.warning("cannot read report %s of run %s: %s", uri, entry.get("run_id"), e)
-        return None
-    if data is None:
-        logger.warning("report %s of run %s is gone", uri, entry.get("run_id"))
-        return None
-    if not isinstance(data, dict):
-        logger.warning("report %s of run %s is not a JSON object", uri, entry.get("run_id"))
-        return None
-    return data

@@ -359,9 +359,13 @@ def auto_batch_size(
     return best.batch, sweep
 
 
-def cache_key(model_sha256: str, device: str | torch.device, precision: str) -> str:
-    """The :class:`BatchSizeCache` key of a model on a device at a precision."""
-    return f"{model_sha256}|{device}|{precision}"
+def cache_key(
+    model_sha256: str, device: str | torch.device, precision: str, threads: int | None = None
+) -> str:
+    """The :class:`BatchSizeCache` key of a model on a device at a precision (and thread count:
+    the best batch on 1 torch thread is not the best on 2)."""
+    key = f"{model_sha256}|{device}|{precision}"
+    return key if threads is None else f"{key}|{threads}"
 
 
 def default_cache_path() -> Path:
