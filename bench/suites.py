@@ -284,6 +284,25 @@ def _w2_arrays(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _io_ceiling(
+    runner: Runner, shards: list[str], out: Path, spec: dict[str, Any], cores: int, rows: int
+) -> Comparator:
+    """Read every shard and write it back through the same batches, no model: the I/O ceiling."""
+    return Comparator(
+        "io",
+        "I/O ceiling (read + write, no model)",
+        f"{cores} proc x 1 thread",
+        BATCH,
+        runner.loop_argv(
+            "io_ceiling", shards=shards, out_dir=str(out), spec=spec, batch=BATCH, procs=cores
+        ),
+        "loop",
+        rows,
+        output=out,
+        primary="timed",
+    )
+
+
 def w1(runner: Runner, data: Data, sizes: Sizes, cores: int) -> WorkloadResult:
     """The demo MLP on the 16-column catalog against every comparator of the brief."""
     spec = w1_features().to_json()
@@ -332,24 +351,7 @@ def w1(runner: Runner, data: Data, sizes: Sizes, cores: int) -> WorkloadResult:
             sizes.w1_ceiling_rows,
             primary="timed",
         ),
-        Comparator(
-            "io",
-            "I/O ceiling (read + write, no model)",
-            half,
-            BATCH,
-            runner.loop_argv(
-                "io_ceiling",
-                shards=shards,
-                out_dir=str(out("io")),
-                spec=spec,
-                batch=BATCH,
-                procs=cores,
-            ),
-            "loop",
-            rows,
-            output=out("io"),
-            primary="timed",
-        ),
+        _io_ceiling(runner, shards, out("io"), spec, cores, rows),
         Comparator(
             "hand-1p",
             "hand-rolled loop",
@@ -593,24 +595,7 @@ def w2(runner: Runner, data: Data, sizes: Sizes, cores: int, precision: bool) ->
         ceiling("ceiling-1t", 1, cores, "fp32", sizes.w2_ceiling_rows),
         ceiling("ceiling-mt", cores, 1, "fp32", sizes.w2_ceiling_rows),
         ceiling("ceiling-bf16-1t", 1, cores, "bf16", bf16_rows),
-        Comparator(
-            "io",
-            "I/O ceiling (read + write, no model)",
-            half,
-            BATCH,
-            runner.loop_argv(
-                "io_ceiling",
-                shards=shards,
-                out_dir=str(out("io")),
-                spec=spec,
-                batch=BATCH,
-                procs=cores,
-            ),
-            "loop",
-            rows,
-            output=out("io"),
-            primary="timed",
-        ),
+        _io_ceiling(runner, shards, out("io"), spec, cores, rows),
         cli("cli-fp32", "score-catalog CLI fp32", data.w2, rows),
     ]
     bf16 = ("--precision", "bf16")
