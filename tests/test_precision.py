@@ -23,7 +23,7 @@ from pipeline.precision import (
     parity,
     prepare,
 )
-from tests.integration.helpers import data_files, report
+from tests.integration.helpers import data_files, job_args, report
 
 
 @pytest.fixture
@@ -146,12 +146,7 @@ def test_cli_bf16_run_keeps_rows_order_and_reports_parity(
             main,
             [
                 "run",
-                "--input",
-                str(catalog),
-                "--output",
-                str(out),
-                "--model",
-                str(bundle_dir),
+                *job_args(catalog, out, bundle_dir),
                 "--scheduler",
                 "sync",
                 "--batch-size",
@@ -186,12 +181,7 @@ def test_parity_beyond_tolerance_fails_before_anything_is_written(
         main,
         [
             "run",
-            "--input",
-            str(catalog),
-            "--output",
-            str(out),
-            "--model",
-            str(bundle_dir),
+            *job_args(catalog, out, bundle_dir),
             "--scheduler",
             "sync",
             "--precision",
@@ -214,12 +204,7 @@ def test_compile_gives_the_same_scores(catalog: Path, bundle_dir: Path, tmp_path
         main,
         [
             "run",
-            "--input",
-            str(catalog),
-            "--output",
-            str(out),
-            "--model",
-            str(bundle_dir),
+            *job_args(catalog, out, bundle_dir),
             "--scheduler",
             "sync",
             "--compile",

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline import storage
 from pipeline.errors import ConfigError
-from pipeline.runindex import index_root, load_report, previous_success, record, safe_name
+from pipeline.runindex import index_root, previous_success, record, safe_name
 
 JOB = "nightly-catalog"
 
@@ -168,28 +168,6 @@ def test_damaged_entries_are_skipped_with_a_warning(
     for name in ("trunc1", "list01", "binary", "badtim"):
         assert f"-{name}.json" in warned
     assert "tmp-123" not in warned and "README" not in warned
-
-
-def test_load_report(root: str, caplog: pytest.LogCaptureFixture) -> None:
-    report = {"run_id": "20260301T020000Z-aaaaaa", "status": "succeeded", "rows_out": 7300}
-    rep_loc = storage.locate(root).child("2026-03-01/_report.json")
-    storage.write_json(rep_loc, report)
-    e = entry(report["run_id"], "2026-03-01T02:14:00+00:00", report=rep_loc.uri)
-    record(root, {}, JOB, e)
-    found = previous_success(root, {}, JOB)
-    assert found is not None
-    assert load_report(found, {}) == report
-
-    with caplog.at_level(logging.WARNING, logger="pipeline.runindex"):
-        storage.remove(rep_loc)
-        assert load_report(found, {}) is None
-        storage.write_bytes(rep_loc, b"{not json")
-        assert load_report(found, {}) is None
-        assert load_report({**found, "report": None}, {}) is None
-    msgs = [r.getMessage() for r in caplog.records]
-    assert any("is gone" in m and rep_loc.uri in m for m in msgs)
-    assert any("cannot read report" in m for m in msgs)
-    assert any("names no report" in m for m in msgs)
 
 
 def test_entries_are_plain_json_on_disk(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from tests.conftest import reference_scores, write_shards
-from tests.integration.helpers import cli, data_files, read_tree, report, temporaries
+from tests.integration.helpers import cli, data_files, job_args, read_tree, report, temporaries
 
 pytestmark = pytest.mark.integration
 
@@ -22,12 +22,7 @@ pytestmark = pytest.mark.integration
 def _args(catalog: Path, out: Path, bundle: Path, *extra: str) -> list[str]:
     return [
         "run",
-        "--input",
-        str(catalog),
-        "--output",
-        str(out),
-        "--model",
-        str(bundle),
+        *job_args(catalog, out, bundle),
         "--passthrough",
         "category",
         "--batch-size",
@@ -208,12 +203,7 @@ def test_readme_quickstart_and_documented_options_match_help() -> None:
         (
             [
                 "run",
-                "--input",
-                "{catalog}",
-                "--output",
-                "{tmp}/o",
-                "--model",
-                "{bundle}",
+                *job_args("{catalog}", "{tmp}/o", "{bundle}"),
                 "--device",
                 "cuda",
             ],

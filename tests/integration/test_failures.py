@@ -25,7 +25,7 @@ from pipeline import ErrorPolicy, JobConfig, run
 from pipeline.cli import main
 from pipeline.demo import FEATURES
 from tests.conftest import demo_toml, write_shards
-from tests.integration.helpers import data_files, report, temporaries
+from tests.integration.helpers import data_files, job_args, report, temporaries
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +35,7 @@ def _run(catalog: Path, out: Path, bundle: Path, *extra: str) -> tuple[int, str]
         main,
         [
             "run",
-            "--input",
-            str(catalog),
-            "--output",
-            str(out),
-            "--model",
-            str(bundle),
+            *job_args(catalog, out, bundle),
             "--passthrough",
             "category",
             "--batch-size",

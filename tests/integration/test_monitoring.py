@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 def _run(inp: Path, root: Path, bundle: Path, date: str, *extra: str) -> object:
     return cli(
         "run",
-        *job_args(str(inp), str(root / "{date}"), str(bundle)),
+        *job_args(inp, root / "{date}", bundle),
         "--date",
         date,
         "--scheduler",
@@ -86,7 +86,7 @@ def test_json_logs_every_line_parses_with_the_documented_fields(
 ) -> None:
     r = cli(
         "run",
-        *job_args(str(catalog), str(tmp_path / "out"), str(bundle_dir)),
+        *job_args(catalog, tmp_path / "out", bundle_dir),
         "--scheduler",
         "local",
         "--workers",
@@ -111,7 +111,7 @@ def test_json_logs_every_line_parses_with_the_documented_fields(
 def test_json_logs_for_an_error_before_scoring(tmp_path: Path, bundle_dir: Path) -> None:
     r = cli(
         "run",
-        *job_args(str(tmp_path / "nothing-here"), str(tmp_path / "out"), str(bundle_dir)),
+        *job_args(tmp_path / "nothing-here", tmp_path / "out", bundle_dir),
         "--log-format",
         "json",
     )
@@ -129,7 +129,7 @@ def test_html_report_and_metrics_match_the_json_report(
     metrics.parent.mkdir()
     r = cli(
         "run",
-        *job_args(str(catalog), str(out), str(bundle_dir)),
+        *job_args(catalog, out, bundle_dir),
         "--scheduler",
         "sync",
         "--metrics-file",
@@ -165,7 +165,7 @@ def test_metrics_file_records_a_failure_before_scoring(bundle_dir: Path, tmp_pat
     metrics = tmp_path / "m.prom"
     r = cli(
         "run",
-        *job_args(str(tmp_path / "missing"), str(tmp_path / "out"), str(bundle_dir)),
+        *job_args(tmp_path / "missing", tmp_path / "out", bundle_dir),
         "--metrics-file",
         str(metrics),
     )
@@ -181,7 +181,7 @@ def test_plan_names_a_broken_shard_and_scores_nothing(
     out = tmp_path / "out"
     r = cli(
         "plan",
-        *job_args(str(catalog), str(out), str(bundle_dir)),
+        *job_args(catalog, out, bundle_dir),
         "--batch-size",
         "512",
     )

@@ -22,7 +22,7 @@ import pytest
 from pipeline.demo import FEATURES, make_rows
 from tests.conftest import reference_scores, write_shards
 from tests.integration import servers
-from tests.integration.helpers import cli
+from tests.integration.helpers import cli, job_args
 from tests.integration.servers import S3Bucket, free_port
 
 pytestmark = pytest.mark.integration
@@ -238,12 +238,9 @@ def test_model_from_s3_and_credentials_never_appear(
         f"--storage-option=secret={SECRET}",
     ]
     args = [
-        "--input",
-        s3_bucket.uri("catalog"),
-        "--output",
-        s3_bucket.uri("scored"),
-        "--model",
-        s3_bucket.uri("models/test-mlp"),
+        *job_args(
+            s3_bucket.uri("catalog"), s3_bucket.uri("scored"), s3_bucket.uri("models/test-mlp")
+        ),
         "--passthrough",
         "category",
         "--scheduler",
