@@ -65,7 +65,7 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check pipeline tests bench
 	$(BIN)/ruff format --check pipeline tests bench
-	$(BIN)/mypy pipeline
+	$(BIN)/mypy --strict pipeline
 
 format: install
 	$(BIN)/ruff format pipeline tests bench

@@ -23,6 +23,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from bench.mdtable import Column, markdown_table
+
 REPO = Path(__file__).resolve().parents[1]
 BUNDLE = REPO / "data" / "models" / "catalog-mlp"
 MODES = {  # name -> (precision, strict_fp32, tolerance)
@@ -42,6 +44,10 @@ def _read(out: Path) -> dict[str, np.ndarray]:
         "score": np.concatenate([x.column("score").to_numpy() for x in t]),
         "label": np.concatenate([x.column("label").to_numpy() for x in t]),
     }
+
+
+def _rows_per_s(v: float) -> str:
+    return f"{v:,.0f}"
 
 
 def main() -> int:
@@ -91,11 +97,9 @@ def main() -> int:
 
         cpu_rate, cpu_out = job("cpu", "cpu", "fp32", True)
         ref = _read(cpu_out)
-        lines += [
-            "| run | rows/s (end to end) | max abs score diff vs CPU | labels differing | "
-            "tolerance | ok |",
-            "|---|---:|---:|---:|---:|---|",
-            f"| cpu fp32 | {cpu_rate:,.0f} | - | - | - | reference |",
+        parity = [
+            {"run": "cpu fp32", "rate": f"{cpu_rate:,.0f}", "diff": "-", "mism": "-", "tol": "-"}
+            | {"ok": "reference"}
         ]
         for name, (precision, strict, tol) in MODES.items():
             rate, out = job(name, "cuda", precision, strict)
@@ -105,10 +109,21 @@ def main() -> int:
             mism = float((got["label"] != ref["label"]).mean())
             good = same_ids and diff <= tol and mism <= tol
             ok &= good
-            lines.append(
-                f"| cuda {name} | {rate:,.0f} | {diff:.2e} | {mism:.2e} | {tol:g} | "
-                f"{'yes' if good else 'NO'} |"
+            parity.append(
+                {"run": f"cuda {name}", "rate": f"{rate:,.0f}", "diff": f"{diff:.2e}"}
+                | {"mism": f"{mism:.2e}", "tol": f"{tol:g}", "ok": "yes" if good else "NO"}
             )
+        lines += markdown_table(
+            parity,
+            [
+                Column("run", "run"),
+                Column("rows/s (end to end)", "rate", right=True),
+                Column("max abs score diff vs CPU", "diff", right=True),
+                Column("labels differing", "mism", right=True),
+                Column("tolerance", "tol", right=True),
+                Column("ok", "ok"),
+            ],
+        )
 
     model = load_model(str(BUNDLE), "cuda")
     x = torch.randn(262_144, model.width)
@@ -116,13 +131,19 @@ def main() -> int:
         "",
         "Model alone (best of 3, after warm-up, synchronized):",
         "",
-        "| mode | " + " | ".join(f"batch {b:,}" for b in BATCHES) + " |",
-        "|---|" + "---:|" * len(BATCHES),
     ]
+    speeds = []
     for name, (precision, strict, _) in MODES.items():
         prepared, _ = prepare(model, ExecutionOptions(precision, False, strict))
         rows = bench_batch_sizes(lambda t, m=prepared: forward(m, t), x, model.device, BATCHES)
-        lines.append(f"| {name} | " + " | ".join(f"{r.samples_per_s:,.0f}" for r in rows) + " |")
+        speeds.append({"mode": name} | {f"b{r.batch}": r.samples_per_s for r in rows})
+    lines += markdown_table(
+        speeds,
+        [
+            Column("mode", "mode"),
+            *[Column(f"batch {b:,}", f"b{b}", _rows_per_s, right=True) for b in BATCHES],
+        ],
+    )
 
     lines += ["", "Where one pass over pinned 16,384-row batches spends its time (fp32-tf32):", ""]
     prepared, _ = prepare(model, ExecutionOptions("fp32", False, False))
@@ -143,11 +164,12 @@ def main() -> int:
             comp += e[1].elapsed_time(e[2])
             d2h += e[2].elapsed_time(e[3])
     total = h2d + comp + d2h
+    share = {
+        k: f"{v / total:.0%} ({v:.1f} ms)"
+        for k, v in (("H2D", h2d), ("compute", comp), ("D2H", d2h))
+    }
+    lines += markdown_table([share], [Column(k, k, right=True) for k in share])
     lines += [
-        "| H2D | compute | D2H |",
-        "|---:|---:|---:|",
-        f"| {h2d / total:.0%} ({h2d:.1f} ms) | {comp / total:.0%} ({comp:.1f} ms) | "
-        f"{d2h / total:.0%} ({d2h:.1f} ms) |",
         "",
         f"All CUDA results within tolerance of the CPU reference: {'yes' if ok else 'NO'}.",
     ]

@@ -115,7 +115,12 @@ class BufferedWriter:
 
 
 def _vmhwm_bytes() -> int:
-    """This process's own peak RSS (VmHWM), exact where sampling could miss a short spike."""
+    """This process's own peak RSS (VmHWM), exact where sampling could miss a short spike.
+
+    Read from /proc by hand: psutil (7.2) has no peak RSS, and ``getrusage().ru_maxrss`` keeps
+    the parent's peak across fork and exec (a child of a 500 MiB process reported 511 MiB where
+    its VmHWM was 11 MiB, measured here), which would swamp W3's 1x-vs-10x comparison.
+    """
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):

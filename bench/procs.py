@@ -16,49 +16,29 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+import psutil
+
 SAMPLE_INTERVAL_S = 0.05
 
 
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid``, from every one of its threads.
-
-    A child forked from a non-main thread (Dask's nanny starts workers from its event-loop
-    thread) is listed only under that thread's ``children`` file, so all threads are read.
-    """
-    out: list[int] = []
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(x) for x in f.read().split())
-        except (OSError, ValueError):
-            continue  # the thread or process went away between listdir and open
-    return out
-
-
 def tree_pids(root: int) -> list[int]:
-    """``root`` and all its descendants that exist right now."""
-    seen: list[int] = []
-    stack = [root]
-    while stack:
-        pid = stack.pop()
-        if pid in seen:
-            continue
-        seen.append(pid)
-        stack.extend(_children(pid))
-    return seen
+    """``root`` and all its descendants that exist right now.
+
+    psutil finds children by their parent pid, so a child forked from a non-main thread (Dask's
+    nanny starts workers from its event-loop thread) is found too.
+    """
+    try:
+        proc = psutil.Process(root)
+        return [root, *(c.pid for c in proc.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def rss_bytes(pid: int) -> int:
     """Resident set size of one process (0 if it is gone)."""
     try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE_SIZE
-    except (OSError, ValueError, IndexError):
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
         return 0
 
 
@@ -68,22 +48,16 @@ def tree_rss_bytes(root: int) -> int:
     return sum(rss_bytes(p) for p in tree_pids(root))
 
 
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:  # gone, or not ours to ask about
+        return None
+
+
 def session_members(sid: int) -> list[int]:
     """Processes whose session id is ``sid`` (the leader included, if alive)."""
-    members = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the parenthesised command: state ppid pgrp session ...
-        rest = stat.rsplit(")", 1)[-1].split()
-        if len(rest) > 3 and int(rest[3]) == sid:
-            members.append(int(name))
-    return members
+    return [pid for pid in psutil.pids() if _sid(pid) == sid]
 
 
 @dataclass

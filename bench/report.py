@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from bench.mdtable import Column, markdown_table
 from bench.stats import Summary, ratio
 from bench.suites import FLOOR_TARGET, WorkloadResult
-from bench.workloads import Sizes
+from bench.workloads import Sizes, cpu_info
 
 MIB = 2**20
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCH_NUM_THREADS")
@@ -31,27 +34,8 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    model, flags = "unknown", set[str]()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    return model, flags
-
-
 def _mem_total_gib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    return 0.0
+    return float(psutil.virtual_memory().total) / 2**30
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -73,7 +57,7 @@ def machine_facts(repo: Path) -> dict[str, str]:
     import pyarrow
     import torch
 
-    model, flags = _cpuinfo()
+    model, flags = cpu_info()
     simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
     commit = _git(repo, "rev-parse", "--short=12", "HEAD")
     dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
@@ -111,18 +95,16 @@ def _range(s: Summary | None, scale: float = 1.0, fmt: str = ",.0f") -> str:
     return f"{s.lo / scale:{fmt}}–{s.hi / scale:{fmt}}"
 
 
+def _seconds(s: Summary | None) -> str:
+    return "—" if s is None else f"{s.median:.2f}"
+
+
 def _x(r: float | None) -> str:
     return "—" if r is None else f"{r:.2f}x"
 
 
 def _mib(s: Summary | None) -> str:
     return "—" if s is None else f"{s.median / MIB:,.0f}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,39 +159,34 @@ def _label(wl: WorkloadResult, key: str) -> str:
 def _throughput_table(
     wl: WorkloadResult, refs: list[tuple[str, Callable[[Summary | None], float | None]]]
 ) -> list[str]:
-    header = [
-        "comparator",
-        "layout",
-        "batch",
-        "n",
-        "rows/s (median)",
-        "min–max",
-        "basis",
-        "timed-region rows/s",
-        "peak RSS MiB",
-        *[name for name, _ in refs],
-    ]
+    """One row per comparator: rates, memory, and the ratio of its rate to each reference."""
     rows = []
     for c in wl.comparators:
-        prim = wl.primary(c.key)
-        timed = wl.timed(c.key)
-        basis = "process wall" if c.primary == "wall" else "timed region"
         failed = " **FAILED**" if c.key in wl.failures else ""
         rows.append(
-            [
-                f"`{c.key}` {c.label}{failed}",
-                c.layout,
-                f"{c.batch:,}" if c.batch else "—",
-                str(prim.n if prim else 0),
-                _rate(prim),
-                _range(prim),
-                basis,
-                _rate(timed),
-                _mib(wl.rss(c.key)),
-                *[_x(f(prim)) for _, f in refs],
-            ]
+            {
+                "comparator": f"`{c.key}` {c.label}{failed}",
+                "layout": c.layout,
+                "batch": c.batch,
+                "prim": wl.primary(c.key),
+                "basis": "process wall" if c.primary == "wall" else "timed region",
+                "timed": wl.timed(c.key),
+                "rss": wl.rss(c.key),
+            }
         )
-    return _table(header, rows)
+    columns = [
+        Column("comparator", "comparator"),
+        Column("layout", "layout"),
+        Column("batch", "batch", lambda b: f"{b:,}" if b else "—"),
+        Column("n", "prim", lambda s: str(s.n if s else 0)),
+        Column("rows/s (median)", "prim", _rate),
+        Column("min–max", "prim", _range),
+        Column("basis", "basis"),
+        Column("timed-region rows/s", "timed", _rate),
+        Column("peak RSS MiB", "rss", _mib),
+        *[Column(name, "prim", lambda s, f=f: _x(f(s))) for name, f in refs],
+    ]
+    return markdown_table(rows, columns)
 
 
 def _w1_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
@@ -342,17 +319,6 @@ def _vmhwm(wl: WorkloadResult, key: str) -> Summary | None:
 
 def _w3_section(wl: WorkloadResult) -> tuple[list[str], list[str]]:
     lines = [f"## {wl.title}", "", *[f"- {d}" for d in wl.description], ""]
-    header = [
-        "run",
-        "peak measured as",
-        "1x peak MiB",
-        "1x min–max",
-        "10x peak MiB",
-        "10x min–max",
-        "n",
-        "**10x / 1x**",
-        "wall s 1x / 10x",
-    ]
     rows = []
     summary = []
     for stem, name in (
@@ -372,24 +338,35 @@ def _w3_section(wl: WorkloadResult) -> tuple[list[str], list[str]]:
         for i, (how, a, b) in enumerate(measures):
             r = ratio(b, a)
             rows.append(
-                [
-                    name if i == 0 else "″",
-                    how,
-                    _mib(a),
-                    _range(a, MIB),
-                    _mib(b),
-                    _range(b, MIB),
-                    f"{a.n if a else 0} / {b.n if b else 0}",
-                    _x(r),
-                    f"{wa.median:.1f} / {wb.median:.1f}" if wa and wb and i == 0 else "",
-                ]
+                {
+                    "run": name if i == 0 else "″",
+                    "how": how,
+                    "a": a,
+                    "b": b,
+                    "n": f"{a.n if a else 0} / {b.n if b else 0}",
+                    "ratio": r,
+                    "wall": f"{wa.median:.1f} / {wb.median:.1f}" if wa and wb and i == 0 else "",
+                }
             )
             if i == 0 and r is not None and a is not None and b is not None:
                 summary.append(
                     f"W3 {name}: peak RSS ({how}) {a.median / MIB:,.0f} MiB at 1x, "
                     f"{b.median / MIB:,.0f} MiB at 10x = **{r:.2f}x**."
                 )
-    lines += _table(header, rows)
+    lines += markdown_table(
+        rows,
+        [
+            Column("run", "run"),
+            Column("peak measured as", "how"),
+            Column("1x peak MiB", "a", _mib),
+            Column("1x min–max", "a", lambda s: _range(s, MIB)),
+            Column("10x peak MiB", "b", _mib),
+            Column("10x min–max", "b", lambda s: _range(s, MIB)),
+            Column("n", "n"),
+            Column("**10x / 1x**", "ratio", _x),
+            Column("wall s 1x / 10x", "wall"),
+        ],
+    )
     lines += [
         "",
         "The pipeline opens shards with `pre_buffer=False` because pyarrow's default keeps "
@@ -402,22 +379,26 @@ def _w3_section(wl: WorkloadResult) -> tuple[list[str], list[str]]:
 
 def _tiny_section(wl: WorkloadResult) -> tuple[list[str], list[str]]:
     lines = [f"## {wl.title}", "", *[f"- {d}" for d in wl.description], ""]
-    rows = []
-    for c in wl.comparators:
-        w = wl.wall(c.key)
-        inside = summarize_timed(wl, c.key)
-        rows.append(
-            [
-                c.label + (" **FAILED**" if c.key in wl.failures else ""),
-                "—" if w is None else f"{w.median:.2f}",
-                _range(w, 1.0, ".2f"),
-                str(w.n if w else 0),
-                "—" if inside is None else f"{inside.median:.2f}",
-                _mib(wl.rss(c.key)),
-            ]
-        )
-    header = ["command", "wall s (median)", "min–max", "n", "inside run() s", "peak RSS MiB"]
-    lines += _table(header, rows)
+    rows = [
+        {
+            "command": c.label + (" **FAILED**" if c.key in wl.failures else ""),
+            "wall": wl.wall(c.key),
+            "inside": summarize_timed(wl, c.key),
+            "rss": wl.rss(c.key),
+        }
+        for c in wl.comparators
+    ]
+    lines += markdown_table(
+        rows,
+        [
+            Column("command", "command"),
+            Column("wall s (median)", "wall", _seconds),
+            Column("min–max", "wall", lambda s: _range(s, 1.0, ".2f")),
+            Column("n", "wall", lambda s: str(s.n if s else 0)),
+            Column("inside run() s", "inside", _seconds),
+            Column("peak RSS MiB", "rss", _mib),
+        ],
+    )
     summary = []
     local, imp = wl.wall("cli-local"), wl.wall("import")
     sync = wl.wall("cli-sync")
@@ -512,7 +493,10 @@ def render(
         "",
         "## Machine",
         "",
-        *_table(["", ""], [[k, v] for k, v in facts.items()]),
+        *markdown_table(
+            [{"fact": k, "value": v} for k, v in facts.items()],
+            [Column("", "fact"), Column("", "value")],
+        ),
         "",
         "## How it is measured",
         "",

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.mdtable import Column, markdown_table
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -175,15 +177,29 @@ def main(argv: list[str] | None = None) -> int:
         "Rows/s is rows scored over the CLI's wall time (process start to exit, imports and "
         "Dask start-up included); 'in run' is the report's rows_per_s (from the run's start).",
         "",
-        "| configuration | rows | rows/s (wall) | rows/s (in run) | vs 1 worker |",
-        "|---|---:|---:|---:|---:|",
     ]
+    table = []
     for name, (data, _) in configs.items():
         wall_rate = statistics.median(s[0] for s in samples[name])
-        run_rate = statistics.median(s[1] for s in samples[name])
-        rows = "1,000,000" if data == w1 else "200,000"
-        ratio = f"{wall_rate / base:.2f}x" if data == w1 else "-"
-        lines.append(f"| {name} | {rows} | {wall_rate:,.0f} | {run_rate:,.0f} | {ratio} |")
+        table.append(
+            {
+                "name": name,
+                "rows": "1,000,000" if data == w1 else "200,000",
+                "wall": wall_rate,
+                "run": statistics.median(s[1] for s in samples[name]),
+                "ratio": f"{wall_rate / base:.2f}x" if data == w1 else "-",
+            }
+        )
+    lines += markdown_table(
+        table,
+        [
+            Column("configuration", "name"),
+            Column("rows", "rows", right=True),
+            Column("rows/s (wall)", "wall", lambda v: f"{v:,.0f}", right=True),
+            Column("rows/s (in run)", "run", lambda v: f"{v:,.0f}", right=True),
+            Column("vs 1 worker", "ratio", right=True),
+        ],
+    )
     g = statistics.median(s[0] for s in samples["1,000 tiny shards, grouped (task_rows 262144)"])
     u = statistics.median(
         s[0] for s in samples["1,000 tiny shards, one task per shard (task_rows 1)"]

@@ -273,17 +273,27 @@ def build(root: Path, repo: Path, sizes: Sizes) -> Data:
     )
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether the CPU has bf16 instructions; without them torch emulates bf16, far slower than
-    fp32, which decides how much of W2 the bf16 comparison can afford to score."""
+def cpu_info() -> tuple[str, set[str]]:
+    """The CPU's model name and instruction-set flags. psutil has neither, so this is the one
+    place that reads /proc/cpuinfo."""
+    model, flags = "unknown", set[str]()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return bool(set(line.split(":", 1)[1].split()) & {"avx512_bf16", "amx_bf16"})
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
     except OSError:
         pass
-    return False
+    return model, flags
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU has bf16 instructions; without them torch emulates bf16, far slower than
+    fp32, which decides how much of W2 the bf16 comparison can afford to score."""
+    return bool(cpu_info()[1] & {"avx512_bf16", "amx_bf16"})
 
 
 def shard_files(path: Path) -> list[Path]:

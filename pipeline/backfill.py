@@ -4,6 +4,10 @@ Each partition is an ordinary run of the job with ``date`` set: its own output, 
 ``_report.json`` and ``_SUCCESS``, so an interrupted partition resumes shard by shard. A partition
 whose output already has ``_SUCCESS`` from the current model bundle is skipped without starting a
 run. One summary, ``<root>/_backfills/<job>/<from>_<to>.json``, lists every partition.
+
+A day that fails, for whatever reason (a bad input, an output path that is a file, a bug), is
+recorded with its message and the backfill goes on to the next day: one bad day must not cost
+the others, nor the summary that says which day went wrong.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pipeline.model import read_bundle
 from pipeline.report import REPORT_NAME, RunReport
 from pipeline.run import SUCCESS_NAME, run
 from pipeline.scoring import ShardResult
+from pipeline.statuses import FAILED_PARTITION_STATUSES, PartitionStatus, RunStatus
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +49,13 @@ class BackfillReport:
 
     @property
     def exit_code(self) -> int:
+        """The worst of the days': interrupted (the run's 130/143), failed (1), drift (4), 0."""
         parts = self.data["partitions"]
-        if any(p["status"] in ("failed", "error") for p in parts):
+        for p in parts:
+            if p["status"] == RunStatus.INTERRUPTED:
+                # The shell's 128 + signal from the run; an interrupted day is never a success.
+                return int(p.get("exit_code") or EXIT_RUN_FAILED)
+        if any(p["status"] in FAILED_PARTITION_STATUSES for p in parts):
             return EXIT_RUN_FAILED
         if any(p.get("drift_alert") for p in parts):
             return EXIT_DRIFT
@@ -63,6 +73,7 @@ def dates(start: dt.date, end: dt.date) -> list[str]:
 
 
 def _check_templates(config: JobConfig) -> None:
+    """Refuse, before any day runs, templates that would make the days share a location."""
     problems = [
         f"{key} = {getattr(config, key)!r} has no {{date}}: every partition would "
         + ("read the same input" if key == "input" else "write to the same output")
@@ -70,7 +81,19 @@ def _check_templates(config: JobConfig) -> None:
         if "{date}" not in getattr(config, key)
     ]
     if problems:
-        raise ConfigError([*problems, "a backfill needs both templated, e.g. dt={date}"])
+        problems.append("a backfill needs both templated, e.g. dt={date}")
+    # Unset, rejects go to <output>/_rejects, which is per day since output has {date}. Set
+    # without {date}, every day writes its rejects under the same names (part-00000.parquet...):
+    # day 2 would silently replace day 1's rejected rows.
+    if config.rejects is not None and "{date}" not in config.rejects:
+        problems.append(
+            f"rejects = {config.rejects!r} has no {{date}}: every partition would write its "
+            "rejected rows to the same files, each day replacing the one before; template it "
+            "like output (e.g. .../rejects/dt={date}) or leave rejects unset "
+            "(<output>/_rejects, one per day)"
+        )
+    if problems:
+        raise ConfigError(problems)
 
 
 def _finished(config: JobConfig, sha: str) -> dict[str, Any] | None:
@@ -100,7 +123,11 @@ def backfill(
 
     Partitions whose input folder does not exist are listed as ``missing``; finished ones (with
     ``_SUCCESS`` from the same model bundle) as ``skipped`` unless ``force``. A partition that
-    fails does not stop the others; the exit code is the worst outcome.
+    fails, whatever the exception, is listed with its message and does not stop the others; an
+    interrupted one (SIGTERM/SIGINT) stops the backfill, and the days left are listed in the
+    summary's ``not_run``. The summary is written either way; the exit code is the worst
+    outcome. Templates that would make days share a location raise :class:`ConfigError`
+    before any day runs.
     """
     _check_templates(config)
     days = dates(start, end)
@@ -108,52 +135,71 @@ def backfill(
     started_at = dt.datetime.now(dt.timezone.utc)
     _, _, sha = read_bundle(config.model, config.storage)
     parts: list[dict[str, Any]] = []
-    for day in days:
-        cfg = dataclasses.replace(config, date=day, force=force or config.force)
-        entry: dict[str, Any] = {"date": day, "input": cfg.input_uri()}
-        inp = storage.locate(cfg.input_uri(), cfg.storage)
-        done = None if force else _finished(cfg, sha)
-        if not storage.exists(inp):
-            entry.update(status="missing")
-        elif done is not None:
-            entry.update(
-                status="skipped",
-                output=done.get("output"),
-                run_id=done.get("run_id"),
-                rows_out=done.get("rows_out"),
-                note="finished earlier with this model bundle",
-            )
-        else:
-            try:
-                report: RunReport = run(cfg, on_shard=on_shard)
-            except PipelineError as e:
-                entry.update(status="error", exit_code=e.exit_code, message=str(e))
-            else:
-                d = report.data
-                entry.update(
-                    status=d["status"],
-                    exit_code=report.exit_code,
-                    run_id=d["run_id"],
-                    output=d["output"],
-                    rows_in=d["rows_in"],
-                    rows_out=d["rows_out"],
-                    rows_rejected=d["rows_rejected"],
-                    shards_scored=d["shards_scored"],
-                    shards_skipped=d["shards_skipped"],
-                    shards_failed=d["shards_failed"],
-                    duration_s=d["duration_s"],
-                    drift_alert=bool((d.get("drift") or {}).get("alert")),
-                )
+    for i, day in enumerate(days):
+        entry: dict[str, Any] = {"date": day, "input": config.input.format(date=day)}
+        try:
+            cfg = dataclasses.replace(config, date=day, force=force or config.force)
+            entry.update(_partition(cfg, sha, force, on_shard))
+        except PipelineError as e:
+            entry.update(status=PartitionStatus.ERROR, exit_code=e.exit_code, message=str(e))
+        except Exception as e:  # one day's unexpected error must not cost the other days
+            message = f"{type(e).__name__}: {e}"
+            logger.error("partition %s failed: %s", day, message, extra={"partition": day})
+            logger.debug("partition %s traceback", day, exc_info=True)
+            entry.update(status=PartitionStatus.ERROR, exit_code=EXIT_RUN_FAILED, message=message)
         parts.append(entry)
         if on_partition is not None:
             on_partition(entry)
+        if entry["status"] == RunStatus.INTERRUPTED:
+            not_run = days[i + 1 :]
+            break
+    else:
+        not_run = []
     data = _summary(config, start, end, started_at, time.perf_counter() - t0, parts)
+    data["not_run"] = not_run
     root = runindex.index_root(config.output)
     job = runindex.safe_name(config.name)
     target = storage.locate(f"{root}/_backfills/{job}/{start}_{end}.json", config.storage)
     storage.write_json(target, data, point="backfill-report-rename")
     data["summary_uri"] = target.uri
     return BackfillReport(data)
+
+
+def _partition(
+    cfg: JobConfig,
+    sha: str,
+    force: bool,
+    on_shard: Callable[[ShardResult], None] | None,
+) -> dict[str, Any]:
+    """One day: missing, skipped (done earlier with this bundle), or run; its summary entry."""
+    inp = storage.locate(cfg.input_uri(), cfg.storage)
+    if not storage.exists(inp):
+        return {"status": PartitionStatus.MISSING}
+    done = None if force else _finished(cfg, sha)
+    if done is not None:
+        return {
+            "status": PartitionStatus.SKIPPED,
+            "output": done.get("output"),
+            "run_id": done.get("run_id"),
+            "rows_out": done.get("rows_out"),
+            "note": "finished earlier with this model bundle",
+        }
+    report: RunReport = run(cfg, on_shard=on_shard)
+    d = report.data
+    return {
+        "status": d["status"],
+        "exit_code": report.exit_code,
+        "run_id": d["run_id"],
+        "output": d["output"],
+        "rows_in": d["rows_in"],
+        "rows_out": d["rows_out"],
+        "rows_rejected": d["rows_rejected"],
+        "shards_scored": d["shards_scored"],
+        "shards_skipped": d["shards_skipped"],
+        "shards_failed": d["shards_failed"],
+        "duration_s": d["duration_s"],
+        "drift_alert": bool((d.get("drift") or {}).get("alert")),
+    }
 
 
 def _summary(
@@ -167,17 +213,24 @@ def _summary(
     counts: dict[str, int] = {}
     for p in parts:
         counts[p["status"]] = counts.get(p["status"], 0) + 1
-    bad = [p for p in parts if p["status"] in ("failed", "error")]
+    if any(p["status"] == RunStatus.INTERRUPTED for p in parts):
+        status = RunStatus.INTERRUPTED
+    elif any(p["status"] in FAILED_PARTITION_STATUSES for p in parts):
+        status = RunStatus.FAILED
+    else:
+        status = RunStatus.SUCCEEDED
     return {
         "job": config.name,
         "from": start.isoformat(),
         "to": end.isoformat(),
-        "status": "failed" if bad else "succeeded",
+        "status": status,
         "started_at": started_at.isoformat(),
         "duration_s": duration,
         "partitions_total": len(parts),
         "partitions_by_status": counts,
-        "rows_out": sum(p.get("rows_out") or 0 for p in parts if p["status"] != "skipped"),
+        "rows_out": sum(
+            p.get("rows_out") or 0 for p in parts if p["status"] != PartitionStatus.SKIPPED
+        ),
         "partitions": parts,
     }
 
@@ -186,7 +239,7 @@ def summary_table(report: BackfillReport) -> str:
     """The backfill's per-partition table for the terminal."""
     d = report.data
     lines = [
-        f"score-catalog backfill {d['job']} {d['from']}..{d['to']}: {d['status'].upper()}",
+        f"score-catalog backfill {d['job']} {d['from']}..{d['to']}: {str(d['status']).upper()}",
         "  partitions "
         + ", ".join(f"{n} {status}" for status, n in sorted(d["partitions_by_status"].items())),
         f"  summary    {d.get('summary_uri', '-')}",

@@ -1,29 +1,32 @@
-"""The ``score-catalog`` command: options -> JobConfig -> pipeline.run() -> exit code."""
+"""The ``score-catalog`` command: options -> JobConfig -> one library call -> exit code.
+
+Each command parses its options, builds the config (:func:`pipeline.config.build_config`), calls
+one library function and maps :class:`PipelineError` to its exit code. The job options are made
+from :data:`pipeline.config.SETTINGS`, so their names, choices and defaults are the dataclasses'.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import click
 
+from pipeline import config as cfg
 from pipeline import logs
 from pipeline.cli_bench import bench
 from pipeline.errors import EXIT_CODES_HELP, EXIT_INPUT, EXIT_RUN_FAILED, PipelineError
 
-logger = logging.getLogger("pipeline")
+F = TypeVar("F", bound=Callable[..., Any])
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-def _fail(e: PipelineError, fmt: str = "text") -> None:
-    logs.emit_error(str(e), e.exit_code, fmt)
-    _exit(e.exit_code)
+# The context object of the real command line (entrypoint), never of CliRunner: see _exit.
+FAST_EXIT = "fast-exit"
 
 
 @click.group(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -36,207 +39,139 @@ def main() -> None:
     """
 
 
-class _BatchSize(click.ParamType):
-    name = "batch_size"
+# --------------------------------------------------------------------------------------------
+# Options made from the config's settings
 
-    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
-        if isinstance(value, int) or value == "auto":
+
+class _Text(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.2; >=8.1 here
+    """A value parsed as its :class:`~pipeline.config.Kind` parses an environment variable."""
+
+    def __init__(self, kind: cfg.Kind) -> None:
+        self.kind = kind
+        self.name = kind.name
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str) or self.kind.parse is None:
             return value
         try:
-            return int(value)
+            return self.kind.parse(value)
         except ValueError:
-            self.fail(f"{value!r} is not an integer or 'auto'", param, ctx)
+            self.fail(f"{value!r} is not {self.kind.word}", param, ctx)
 
 
-BATCH_SIZE = _BatchSize()
+class _Pair(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.2; >=8.1 here
+    """``KEY=VALUE`` -> ``(key, value)``, the value parsed by ``entry`` (None: kept as text)."""
 
+    name = "pair"
 
-def _parse_storage_options(values: tuple[str, ...]) -> dict[str, str] | None:
-    if not values:
-        return None
-    out = {}
-    for v in values:
-        key, sep, val = v.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{v!r} is not KEY=VALUE", param_hint="--storage-option")
-        out[key] = val
-    return out
+    def __init__(self, metavar: str, *, entry: Callable[[str], Any] | None) -> None:
+        self.metavar = metavar
+        self.entry = entry
 
-
-def job_options(f: Any) -> Any:
-    """The options shared by run, plan and backfill: each overrides one job-file key."""
-    for option in reversed(_JOB_OPTIONS):
-        f = option(f)
-    return f
-
-
-def output_options(f: Any) -> Any:
-    """Logging options shared by every command that runs a job."""
-    for option in reversed(_OUTPUT_OPTIONS):
-        f = option(f)
-    return f
-
-
-_JOB_OPTIONS = [
-    click.option("--input", "input_", metavar="URI", help="Input shards: directory, glob or file."),
-    click.option("--output", metavar="URI", help="Output root; may contain {date} and {run_id}."),
-    click.option("--model", metavar="URI", help="Model bundle directory (model.toml + weights)."),
-    click.option(
-        "--batch-size",
-        type=BATCH_SIZE,
-        metavar="N|auto",
-        help="Rows per model call (default 4096); auto: measured on real rows, cached.",
-    ),
-    click.option(
-        "--device", metavar="auto|cpu|cuda|cuda:N", help="Where the model runs (default auto)."
-    ),
-    click.option("--id-column", metavar="NAME", help="Row identifier column (default item_id)."),
-    click.option(
-        "--passthrough",
-        multiple=True,
-        metavar="NAME",
-        help="Column copied unchanged to the output (repeatable, kept in order).",
-    ),
-    click.option(
-        "--scheduler",
-        metavar="local|threads|sync|tcp://HOST:PORT",
-        help="local: embedded Dask cluster (default); threads/sync: in-process, for "
-        "debugging; tcp://...: an existing Dask scheduler.",
-    ),
-    click.option(
-        "--workers", type=int, help="Worker processes for --scheduler local (default: cores)."
-    ),
-    click.option("--cores", type=int, help="CPU cores the job may use (default: all)."),
-    click.option(
-        "--precision",
-        type=click.Choice(["fp32", "bf16", "fp16", "int8"]),
-        help="fp32 (default), bf16 (autocast), fp16 (CUDA), int8 (dynamic, CPU); checked against "
-        "fp32 on a sample of rows before scoring.",
-    ),
-    click.option(
-        "--compile",
-        "compile_",
-        is_flag=True,
-        default=None,
-        help="torch.compile the model (compile time is reported).",
-    ),
-    click.option(
-        "--strict-fp32", is_flag=True, default=None, help="On CUDA, do not let fp32 use TF32."
-    ),
-    click.option(
-        "--overlap/--no-overlap",
-        default=None,
-        help="Read ahead and write behind in background threads (default on).",
-    ),
-    click.option(
-        "--parity-tolerance",
-        type=float,
-        help="Max |diff| from fp32 allowed on the parity sample (default per precision).",
-    ),
-    click.option(
-        "--rejects", metavar="URI", help="Where rejected rows go (default <output>/_rejects)."
-    ),
-    click.option(
-        "--date", metavar="YYYY-MM-DD", help="Date for {date} in templates (default today, UTC)."
-    ),
-    click.option(
-        "--force", is_flag=True, default=None, help="Rescore shards the manifest says are done."
-    ),
-    click.option("--max-failed-shards", type=int, help="Failed shards allowed (default 0)."),
-    click.option(
-        "--max-rejected-fraction", type=float, help="Rejected rows allowed (default 0.01)."
-    ),
-    click.option(
-        "--on-schema-error",
-        type=click.Choice(["fail", "skip_shard"]),
-        help="A shard whose columns do not fit the model (default fail).",
-    ),
-    click.option(
-        "--on-invalid-rows",
-        type=click.Choice(["reject", "fail"]),
-        help="Rows with null/NaN/inf features (default reject).",
-    ),
-    click.option(
-        "--storage-option",
-        multiple=True,
-        metavar="KEY=VALUE",
-        help="fsspec option for every URI of the job (repeatable); values never logged.",
-    ),
-    click.option(
-        "--task-rows",
-        type=click.IntRange(min=1),
-        help="Target rows per Dask task; smaller shards are grouped (default 262144).",
-    ),
-    click.option(
-        "--resource",
-        "resources",
-        multiple=True,
-        metavar="NAME=N",
-        help="Dask resource each task needs on an existing cluster, e.g. GPU=1 (repeatable).",
-    ),
-    click.option(
-        "--metrics-file",
-        metavar="PATH",
-        help="Write Prometheus metrics here (node_exporter textfile collector), atomically.",
-    ),
-    click.option("--pushgateway", metavar="URL", help="Push the same metrics to a Pushgateway."),
-]
-
-_OUTPUT_OPTIONS = [
-    click.option(
-        "--log-format",
-        type=click.Choice(["text", "json"]),
-        default="text",
-        show_default=True,
-        help="json: one JSON object per line on stderr and the summary as a JSON line on stdout.",
-    ),
-    click.option("-v", "--verbose", count=True, help="More log output (-vv for debug)."),
-    click.option("-q", "--quiet", is_flag=True, help="Errors only; no progress or shard lines."),
-]
-
-
-def _parse_resources(values: tuple[str, ...]) -> dict[str, float] | None:
-    if not values:
-        return None
-    out = {}
-    for v in values:
-        key, sep, val = v.partition("=")
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[str, Any]:
+        if isinstance(value, tuple):
+            return value
+        key, sep, text = str(value).partition("=")
         try:
             if not sep or not key:
-                raise ValueError(v)
-            out[key] = float(val)
+                raise ValueError(value)
+            return key, text if self.entry is None else self.entry(text)
         except ValueError:
-            raise click.BadParameter(f"{v!r} is not NAME=NUMBER", param_hint="--resource") from None
-    return out
+            self.fail(f"{value!r} is not {self.metavar}", param, ctx)
 
 
-def _overrides(opts: dict[str, Any]) -> dict[str, Any]:
-    """Click's options -> job-file keys (None: not given, so the lower layers stay)."""
-    errors = {
-        k: opts.pop(k)
-        for k in (
-            "max_failed_shards",
-            "max_rejected_fraction",
-            "on_schema_error",
-            "on_invalid_rows",
-        )
-    }
-    storage = _parse_storage_options(opts.pop("storage_option"))
-    overrides: dict[str, Any] = {
-        "input": opts.pop("input_"),
-        "compile": opts.pop("compile_"),
-        **opts,
-        "passthrough": list(opts["passthrough"]) or None,
-        "storage": storage,
-        "resources": _parse_resources(opts["resources"]),
-        "errors": errors,
-    }
-    return overrides
+def _as_dict(_ctx: click.Context, _param: click.Parameter, value: Any) -> dict[str, Any] | None:
+    return dict(value) if value else None  # None: not given, the lower layers stay
 
 
-def _verbosity(opts: dict[str, Any]) -> int:
+def _as_list(_ctx: click.Context, _param: click.Parameter, value: Any) -> list[str] | None:
+    return list(value) if value else None
+
+
+def _job_option(s: cfg.Setting, flag: str) -> Callable[[F], F]:
+    """The option ``flag`` of one setting: its kind gives the type, choices and default shown."""
+    decls = [flag, s.name]
+    help_text = s.help
+    kw: dict[str, Any] = {"metavar": s.metavar, "default": None}
+    kind = s.kind.name
+    if kind == "bool" and s.default:
+        decls[0] = f"{flag}/--no-{flag[2:]}"
+        help_text += " (default on)"
+    elif kind == "bool":
+        kw["is_flag"] = True
+    elif kind == "table":
+        kw.update(multiple=True, callback=_as_dict)
+        kw["type"] = _Pair(s.metavar or "KEY=VALUE", entry=s.kind.entry)
+    elif kind == "list":
+        kw.update(multiple=True, callback=_as_list)
+    elif s.kind.choices and kind == "str":
+        kw["type"] = click.Choice(s.kind.choices)
+    else:
+        kw["type"] = {"int": click.INT, "float": click.FLOAT}.get(kind) or _Text(s.kind)
+    if not s.required and s.default not in (None, (), {}) and kind != "bool":
+        help_text += f" (default {s.default})"
+    return click.option(*decls, help=help_text, **kw)
+
+
+def job_options(f: F) -> F:
+    """The options shared by run, plan and backfill: each overrides one job-file key."""
+    for s in reversed(cfg.SETTINGS):
+        if s.flag is not None:
+            f = _job_option(s, s.flag)(f)
+    return f
+
+
+def output_options(f: F) -> F:
+    """Logging options shared by every command that runs a job."""
+    options = [
+        click.option(
+            "--log-format",
+            type=click.Choice(logs.FORMATS),
+            default="text",
+            show_default=True,
+            help="json: one JSON object per line on stderr and the summary as a JSON line on "
+            "stdout.",
+        ),
+        click.option("-v", "--verbose", count=True, help="More log output (-vv for debug)."),
+        click.option(
+            "-q", "--quiet", is_flag=True, help="Errors only; no progress or shard lines."
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _console(opts: dict[str, Any]) -> logs.Console:
+    """Take the output options out of ``opts`` and set up logging for them."""
     quiet, verbose = opts.pop("quiet"), opts.pop("verbose")
-    return -1 if quiet else verbose
+    return logs.Console.setup(opts.pop("log_format"), -1 if quiet else verbose)
+
+
+def _fail(e: PipelineError, console: logs.Console) -> NoReturn:
+    console.error(str(e), e.exit_code)
+    _exit(e.exit_code)
+
+
+def _exit(code: int) -> NoReturn:
+    """Exit with ``code``. From the real command line, skip interpreter teardown.
+
+    Everything the run wrote is closed and fsynced by now. Tearing down torch, dynamo and Dask
+    modules took 1.35 s after the last atexit handler, 15% of a 2M-row nightly run here.
+    """
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.find_root().obj == FAST_EXIT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -252,51 +187,18 @@ def run(job: Path | None, **opts: Any) -> None:
     _report.json, _report.html and (on success) _SUCCESS to the output root. On a terminal a
     progress bar shows rows, shards, rows/s and ETA.
     """
-    from pipeline.config import build_config
     from pipeline.report import summary_table
     from pipeline.run import run as run_job
 
-    fmt = opts.pop("log_format")
-    verbosity = _verbosity(opts)
-    logs.setup_logging(fmt, verbosity)
-    with contextlib.ExitStack() as stack:
-        bar: list[logs.Progress] = []
-
-        def on_start(rows: int, shards: int) -> None:
-            enabled = logs.progress_enabled(fmt, verbosity, sys.stderr)
-            bar.append(stack.enter_context(logs.Progress(rows, shards, enabled=enabled)))
-
-        def on_shard(result: Any) -> None:
-            logs.log_shard(result)
-            if bar:
-                bar[0].update(result)
-
-        try:
-            config = build_config(job, overrides=_overrides(opts))
-            report = run_job(config, on_shard=on_shard, on_start=on_start)
-        except PipelineError as e:
-            stack.close()
-            _fail(e, fmt)
-            return
-    logs.emit_summary({**report.data, "exit_code": report.exit_code}, fmt, summary_table(report))
+    console = _console(opts)
+    try:
+        config = cfg.build_config(job, overrides=cfg.from_flags(opts))
+        with console.progress() as progress:
+            report = run_job(config, on_shard=progress.on_shard, on_start=progress.on_start)
+    except PipelineError as e:
+        _fail(e, console)
+    console.summary({**report.data, "exit_code": report.exit_code}, summary_table(report))
     _exit(report.exit_code)
-
-
-_FAST_EXIT = False  # set by entrypoint(): the real command line, never CliRunner
-
-
-def _exit(code: int) -> None:
-    """Exit with ``code``. From the real command line, skip interpreter teardown.
-
-    Everything the run wrote is closed and fsynced by now. Tearing down torch, dynamo and Dask
-    modules took 1.35 s after the last atexit handler, 15% of a 2M-row nightly run here.
-    """
-    if _FAST_EXIT:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(code)
-    sys.exit(code)
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -336,7 +238,7 @@ def demo(
     """Write the deterministic demo catalog and, if missing, train and export the demo model."""
     from pipeline import demo as demo_mod
 
-    logs.setup_logging("text", 0)
+    logs.Console.setup("text", 0)
     paths = demo_mod.write_catalog(
         catalog_dir, rows=rows, shards=shards, row_group_rows=row_group_rows, seed=seed
     )
@@ -363,21 +265,14 @@ def plan(job: Path | None, as_json: bool, **opts: Any) -> None:
     real rows at the configured batch size to estimate the scoring time. Exits 3 when a shard
     would fail (unreadable, or its columns do not fit the model), naming it.
     """
-    from pipeline.config import build_config
     from pipeline.planning import plan_job, plan_table
 
-    fmt = opts.pop("log_format")
-    logs.setup_logging(fmt, _verbosity(opts))
+    console = _console(opts)
     try:
-        config = build_config(job, overrides=_overrides(opts))
-        result = plan_job(config)
+        result = plan_job(cfg.build_config(job, overrides=cfg.from_flags(opts)))
     except PipelineError as e:
-        _fail(e, fmt)
-        return
-    if as_json:
-        click.echo(json.dumps(result, indent=2, default=str))
-    else:
-        click.echo(plan_table(result))
+        _fail(e, console)
+    click.echo(json.dumps(result, indent=2, default=str) if as_json else plan_table(result))
     _exit(EXIT_INPUT if result["shards_failing"] else 0)
 
 
@@ -391,12 +286,15 @@ def plan(job: Path | None, as_json: bool, **opts: Any) -> None:
 )
 @click.option(
     "--storage-option",
+    "storage",
     multiple=True,
+    type=_Pair("KEY=VALUE", entry=None),
+    callback=_as_dict,
     metavar="KEY=VALUE",
     help="fsspec option for both URIs (repeatable); values never logged.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report (or both) as JSON.")
-def report(run_uri: str, other: str | None, storage_option: tuple[str, ...], as_json: bool) -> None:
+def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_json: bool) -> None:
     """Print the summary of a finished run, or two runs side by side with --vs.
 
     RUN_URI is a run's output root (the folder holding _report.json) or the report file; any
@@ -404,14 +302,12 @@ def report(run_uri: str, other: str | None, storage_option: tuple[str, ...], as_
     """
     from pipeline.report import RunReport, diff_table, load_report, summary_table
 
-    logs.setup_logging("text", -1)
-    options = _parse_storage_options(storage_option) or {}
+    console = logs.Console.setup("text", -1)
     try:
-        current = load_report(run_uri, options)
-        previous = load_report(other, options) if other else None
+        current = load_report(run_uri, storage or {})
+        previous = load_report(other, storage or {}) if other else None
     except PipelineError as e:
-        _fail(e)
-        return
+        _fail(e, console)
     if as_json:
         click.echo(json.dumps(current if previous is None else [current, previous], indent=2))
     elif previous is None:
@@ -449,42 +345,22 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
     """
     from pipeline.backfill import backfill as run_backfill
     from pipeline.backfill import summary_table
-    from pipeline.config import build_config
 
-    fmt = opts.pop("log_format")
-    logs.setup_logging(fmt, _verbosity(opts))
-    overrides = _overrides(opts)
-    force = bool(overrides.pop("force"))
-    overrides.pop("date", None)
-
-    def on_partition(entry: dict[str, Any]) -> None:
-        level = logging.ERROR if entry["status"] in ("failed", "error") else logging.INFO
-        logger.log(
-            level,
-            "partition %s: %s",
-            entry["date"],
-            entry["status"],
-            extra={
-                "event": "partition_done",
-                "status": entry["status"],
-                "partition": entry["date"],
-            },
-        )
-
+    console = _console(opts)
+    force = bool(opts.pop("force"))
+    opts.pop("date")  # each partition sets its own
     try:
-        config = build_config(job, overrides=overrides)
         result = run_backfill(
-            config,
+            cfg.build_config(job, overrides=cfg.from_flags(opts)),
             start.date(),
             end.date(),
             force=force,
-            on_partition=on_partition,
+            on_partition=logs.log_partition,
             on_shard=logs.log_shard,
         )
     except PipelineError as e:
-        _fail(e, fmt)
-        return
-    logs.emit_summary({**result.data, "exit_code": result.exit_code}, fmt, summary_table(result))
+        _fail(e, console)
+    console.summary({**result.data, "exit_code": result.exit_code}, summary_table(result))
     _exit(result.exit_code)
 
 
@@ -493,10 +369,8 @@ main.add_command(bench)
 
 def entrypoint() -> None:
     """The ``score-catalog`` console script."""
-    global _FAST_EXIT
-    _FAST_EXIT = True
     try:
-        main()
+        main(obj=FAST_EXIT)
     except Exception:  # pragma: no cover
         logging.exception("unexpected error")
         sys.exit(EXIT_RUN_FAILED)

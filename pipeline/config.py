@@ -1,5 +1,11 @@
 """The job configuration: one frozen object built from job file < environment < flags.
 
+The dataclasses below are the only description of a job's keys. Each field's type hint gives
+the key's type (``Literal[...]`` its allowed values), its default the default, and its metadata
+the value rules and the command-line text; :data:`SETTINGS` is derived from them and read by
+the job-file and environment loaders, by the validator and by ``pipeline.cli`` (its options,
+choices and defaults). Adding a key means adding one field.
+
 Every layer is merged into one plain mapping first and validated once, so that a user sees every
 bad field in one message instead of fixing them one run at a time.
 """
@@ -13,11 +19,11 @@ import os
 import re
 import string
 import sys
-from collections.abc import Mapping
+import types
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pipeline.errors import ConfigError
 
@@ -28,11 +34,134 @@ else:  # pragma: no cover - exercised only on 3.10
 
 ENV_PREFIX = "SCORE_CATALOG_"
 SCHEDULER_NAMES = ("local", "threads", "sync")
-PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 TEMPLATE_FIELDS = frozenset({"date", "run_id"})
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _SCHEDULER_URI_RE = re.compile(r"^(tcp|tls|inproc|ucx)://\S+$")
+_URL_RE = re.compile(r"^https?://\S+$")
+
+Precision = Literal["fp32", "bf16", "fp16", "int8"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+# A value rule: (dotted key, a value of the right type) -> the problems, each naming key and value.
+Check = Callable[[str, Any], list[str]]
+
+
+# --------------------------------------------------------------------------------------------
+# Value rules, attached to fields through their metadata
+
+
+def _nonempty(key: str, value: Any) -> list[str]:
+    return [] if value else [f"{key} must not be empty"]
+
+
+def _at_least(low: float, word: str = "an integer", *, strictly: bool = False) -> Check:
+    """``value >= low`` (``> low`` if strictly); NaN and infinities fail too."""
+    op = ">" if strictly else ">="
+
+    def check(key: str, value: Any) -> list[str]:
+        ok = math.isfinite(value) and (value > low if strictly else value >= low)
+        return [] if ok else [f"{key} = {value!r} must be {word} {op} {low:g}"]
+
+    return check
+
+
+def _fraction(key: str, value: float) -> list[str]:
+    if 0.0 <= value <= 1.0:  # also false for NaN
+        return []
+    return [f"{key} = {value!r} must be in [0, 1]"]
+
+
+def _batch_size(key: str, value: int | str) -> list[str]:
+    if value == "auto" or (isinstance(value, int) and value >= 1):
+        return []
+    return [f'{key} = {value!r} must be an integer >= 1 or "auto"']
+
+
+def _template(*allowed: str) -> Check:
+    names = frozenset(allowed)
+
+    def check(key: str, value: str) -> list[str]:
+        return _template_problems(key, value, names)
+
+    return check
+
+
+def _template_problems(key: str, template: str, allowed: frozenset[str]) -> list[str]:
+    try:
+        parsed = [
+            (f, spec, conv)
+            for _, f, spec, conv in string.Formatter().parse(template)
+            if f is not None
+        ]
+    except ValueError as e:
+        return [f"{key} = {template!r} is not a valid template: {e}"]
+    if any(spec or conv for _, spec, conv in parsed):
+        return [f"{key} = {template!r}: placeholders take no format spec; write {{date}}"]
+    bad = {f for f, _, _ in parsed} - allowed
+    if bad:
+        names = ", ".join(f"{{{a}}}" for a in sorted(allowed))
+        return [f"{key} = {template!r} uses unknown placeholder(s) {sorted(bad)}; allowed: {names}"]
+    return []
+
+
+def _device(key: str, value: str) -> list[str]:
+    if _DEVICE_RE.match(value):
+        return []
+    return [f"{key} = {value!r} is not one of auto, cpu, cuda, cuda:N"]
+
+
+def _scheduler(key: str, value: str) -> list[str]:
+    if value in SCHEDULER_NAMES or _SCHEDULER_URI_RE.match(value):
+        return []
+    return [
+        f"{key} = {value!r} is not one of {', '.join(SCHEDULER_NAMES)} or a scheduler address "
+        "such as tcp://HOST:PORT"
+    ]
+
+
+def _date(key: str, value: str) -> list[str]:
+    try:
+        if not _DATE_RE.match(value):
+            raise ValueError(value)
+        dt.date.fromisoformat(value)
+    except ValueError:
+        return [f"{key} = {value!r} is not a date in YYYY-MM-DD form"]
+    return []
+
+
+def _distinct(key: str, value: tuple[str, ...] | list[str]) -> list[str]:
+    if len(set(value)) == len(value):
+        return []
+    return [f"{key} = {list(value)} names a column twice"]
+
+
+def _positive_entries(key: str, value: Mapping[str, Any]) -> list[str]:
+    return [
+        f"{key}.{name} = {v!r} must be a number > 0"
+        for name, v in value.items()
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+    ]
+
+
+def _url(key: str, value: str) -> list[str]:
+    return [] if _URL_RE.match(value) else [f"{key} = {value!r} must be an http:// or https:// URL"]
+
+
+def _meta(
+    help: str = "",
+    *,
+    checks: tuple[Check, ...] = (),
+    flag: str | None = "",
+    metavar: str | None = None,
+) -> dict[str, Any]:
+    """A field's metadata: ``help`` (the --help text), value ``checks``, and the command-line
+    ``flag`` (default ``--field-name``; None: not a command-line option) and its ``metavar``."""
+    return {"help": help, "checks": checks, "flag": flag, "metavar": metavar}
+
+
+# --------------------------------------------------------------------------------------------
+# The job
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,17 +169,28 @@ class ErrorPolicy:
     """How much can go wrong before a run counts as failed (the ``[errors]`` table)."""
 
     # Shards that may fail (unreadable, schema-skipped, crashed) while the run still succeeds.
-    max_failed_shards: int = 0
+    max_failed_shards: int = field(
+        default=0, metadata=_meta("Failed shards allowed.", checks=(_at_least(0),))
+    )
     # Fraction of readable input rows that may be rejected (null/NaN/inf features, model errors).
-    max_rejected_fraction: float = 0.01
+    max_rejected_fraction: float = field(
+        default=0.01, metadata=_meta("Rejected rows allowed.", checks=(_fraction,))
+    )
     # "fail": a readable shard whose columns do not fit the model stops the run before scoring
     # (exit 3). "skip_shard": that shard is listed as failed and the others are scored.
-    on_schema_error: str = "fail"
+    on_schema_error: Literal["fail", "skip_shard"] = field(
+        default="fail", metadata=_meta("A shard whose columns do not fit the model.")
+    )
     # "reject": rows with null/NaN/inf features go to the rejects dataset. "fail": the first such
     # row fails its shard, naming shard, row group and id.
-    on_invalid_rows: str = "reject"
+    on_invalid_rows: Literal["reject", "fail"] = field(
+        default="reject", metadata=_meta("Rows with null/NaN/inf features.")
+    )
     # How many times a crashed shard task is retried before it counts as failed.
-    task_retries: int = 2
+    task_retries: int = field(default=2, metadata=_meta(checks=(_at_least(0),), flag=None))
+
+
+_THRESHOLD = _meta(checks=(_at_least(0, "a number"),), flag=None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,84 +202,198 @@ class Monitoring:
     """
 
     # Compare with the previous successful run of the same job (found in the run index).
-    drift: bool = True
+    drift: bool = field(default=True, metadata=_meta(flag=None))
     # Population stability index per output column, over the previous run's deciles.
-    psi_threshold: float = 0.25
+    psi_threshold: float = field(default=0.25, metadata=_THRESHOLD)
     # Kolmogorov-Smirnov statistic per output column (largest gap between the two CDFs).
-    ks_threshold: float = 0.2
+    ks_threshold: float = field(default=0.2, metadata=_THRESHOLD)
     # Largest allowed |rows scored now / rows scored then - 1|.
-    rows_change_threshold: float = 0.5
+    rows_change_threshold: float = field(default=0.5, metadata=_THRESHOLD)
 
 
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
-    """A validated scoring job. Build it with :func:`load_config` or directly with keywords."""
+    """A validated scoring job. Build it with :func:`build_config` or directly with keywords."""
 
     # Input shards: a directory (every *.parquet below it, sorted, skipping _ and . names),
     # a glob, or a single file; local paths or fsspec URIs. May contain {date}.
-    input: str
+    input: str = field(
+        metadata=_meta(
+            "Input shards: directory, glob or file.",
+            checks=(_nonempty, _template("date")),
+            metavar="URI",
+        )
+    )
     # Output root for scored shards, _report.json, _manifest.json and _SUCCESS. May contain
     # {date} and {run_id}. Resume needs the same output on the rerun, so avoid {run_id} there.
-    output: str
+    output: str = field(
+        metadata=_meta(
+            "Output root; may contain {date} and {run_id}.",
+            checks=(_nonempty, _template(*TEMPLATE_FIELDS)),
+            metavar="URI",
+        )
+    )
     # Model bundle directory (model.toml + weights).
-    model: str
+    model: str = field(
+        metadata=_meta(
+            "Model bundle directory (model.toml + weights).", checks=(_nonempty,), metavar="URI"
+        )
+    )
     # Name shown in reports and metrics; defaults to the job file's stem.
-    name: str = "score-catalog"
+    name: str = field(default="score-catalog", metadata=_meta(checks=(_nonempty,), flag=None))
     # Column that identifies a row; copied first into every output row.
-    id_column: str = "item_id"
+    id_column: str = field(
+        default="item_id",
+        metadata=_meta("Row identifier column.", checks=(_nonempty,), metavar="NAME"),
+    )
     # Columns copied unchanged to the output after the id, in this order.
-    passthrough: tuple[str, ...] = ()
+    passthrough: tuple[str, ...] = field(
+        default=(),
+        metadata=_meta(
+            "Column copied unchanged to the output (repeatable, kept in order).",
+            checks=(_distinct,),
+            metavar="NAME",
+        ),
+    )
     # Rows per model call (the last batch of a shard may be shorter), or "auto": measured on
     # real rows (start at 32, double while throughput gains >= 5%), cached per model/device/
     # precision.
-    batch_size: int | str = 4096
+    batch_size: int | Literal["auto"] = field(
+        default=4096,
+        metadata=_meta(
+            "Rows per model call; auto: measured on real rows, cached.",
+            checks=(_batch_size,),
+            metavar="N|auto",
+        ),
+    )
     # auto (cuda when available, else cpu), cpu, cuda or cuda:N.
-    device: str = "auto"
+    device: str = field(
+        default="auto",
+        metadata=_meta("Where the model runs.", checks=(_device,), metavar="auto|cpu|cuda|cuda:N"),
+    )
     # local (embedded Dask cluster), threads, sync (in-process, for debugging) or tcp://HOST:PORT.
-    scheduler: str = "local"
+    scheduler: str = field(
+        default="local",
+        metadata=_meta(
+            "local: embedded Dask cluster; threads/sync: in-process, for debugging; "
+            "tcp://...: an existing Dask scheduler.",
+            checks=(_scheduler,),
+            metavar="local|threads|sync|tcp://HOST:PORT",
+        ),
+    )
     # Dask worker processes for scheduler=local; None sizes it to the cores.
-    workers: int | None = None
+    workers: int | None = field(
+        default=None,
+        metadata=_meta(
+            "Worker processes for --scheduler local (default: cores).", checks=(_at_least(1),)
+        ),
+    )
     # CPU cores the job may use (workers x threads x torch threads stay within it); None: all.
-    cores: int | None = None
+    cores: int | None = field(
+        default=None,
+        metadata=_meta("CPU cores the job may use (default: all).", checks=(_at_least(1),)),
+    )
     # fp32, bf16 (autocast, CPU and CUDA), fp16 (CUDA) or int8 (dynamic, Linear layers, CPU).
-    precision: str = "fp32"
+    precision: Precision = field(
+        default="fp32",
+        metadata=_meta(
+            "bf16: autocast; fp16: CUDA; int8: dynamic, CPU; checked against fp32 on a sample "
+            "of rows before scoring."
+        ),
+    )
     # torch.compile the model (compile time is reported).
-    compile: bool = False
+    compile: bool = field(
+        default=False, metadata=_meta("torch.compile the model (compile time is reported).")
+    )
     # On CUDA, fp32 matmuls may use TF32 unless this is set.
-    strict_fp32: bool = False
+    strict_fp32: bool = field(default=False, metadata=_meta("On CUDA, do not let fp32 use TF32."))
     # Max |difference| from the fp32 CPU reference on the parity sample (labels: share that
     # differ); None: the precision's default.
-    parity_tolerance: float | None = None
+    parity_tolerance: float | None = field(
+        default=None,
+        metadata=_meta(
+            "Max |diff| from fp32 allowed on the parity sample (default per precision).",
+            checks=(_at_least(0, "a number"),),
+        ),
+    )
     # Read the next batches and write finished ones in background threads, alongside the model.
     # On 2 CPU cores it cost 11% of W1's throughput but kept memory flat (10x rows: 1.18x peak
     # RSS with it, 1.68x without; BENCHMARKS.md), so it stays on by default.
-    overlap: bool = True
+    overlap: bool = field(
+        default=True, metadata=_meta("Read ahead and write behind in background threads.")
+    )
     # Where rejected rows go (template like output); None means <output>/_rejects.
-    rejects: str | None = None
+    rejects: str | None = field(
+        default=None,
+        metadata=_meta(
+            "Where rejected rows go (default <output>/_rejects).",
+            checks=(_template(*TEMPLATE_FIELDS),),
+            metavar="URI",
+        ),
+    )
     # The date that {date} expands to (YYYY-MM-DD); None means today (UTC).
-    date: str | None = None
+    date: str | None = field(
+        default=None,
+        metadata=_meta(
+            "Date for {date} in templates (default today, UTC).",
+            checks=(_date,),
+            metavar="YYYY-MM-DD",
+        ),
+    )
     # Rescore every shard even where the manifest says it is done.
-    force: bool = False
+    force: bool = field(default=False, metadata=_meta("Rescore shards the manifest says are done."))
     # A lock older than this many seconds is taken over even if its holder seems alive.
-    stale_lock_after_s: float = 6 * 3600.0
+    stale_lock_after_s: float = field(
+        default=6 * 3600.0,
+        metadata=_meta(checks=(_at_least(0, "a number", strictly=True),), flag=None),
+    )
     # Target rows per Dask task: shards smaller than this are grouped into one task so that
     # scheduling and commit overhead do not dominate; a bigger shard is its own task (streamed by
     # row group). The target shrinks so that every worker thread gets at least 4 tasks.
-    task_rows: int = 262_144
+    task_rows: int = field(
+        default=262_144,
+        metadata=_meta(
+            "Target rows per Dask task; smaller shards are grouped.", checks=(_at_least(1),)
+        ),
+    )
     # Dask resources each task asks for on an existing cluster, e.g. {GPU = 1} for workers
     # started with --resources GPU=1 (one worker per GPU).
-    resources: Mapping[str, float] = field(default_factory=dict)
+    resources: Mapping[str, float] = field(
+        default_factory=dict,
+        metadata=_meta(
+            "Dask resource each task needs on an existing cluster, e.g. GPU=1 (repeatable).",
+            checks=(_positive_entries,),
+            flag="--resource",
+            metavar="NAME=N",
+        ),
+    )
     # Prometheus textfile (node_exporter textfile-collector convention) written after the run.
-    metrics_file: str | None = None
+    metrics_file: str | None = field(
+        default=None,
+        metadata=_meta(
+            "Write Prometheus metrics here (node_exporter textfile collector), atomically.",
+            metavar="PATH",
+        ),
+    )
     # Prometheus Pushgateway URL to push the same metrics to.
-    pushgateway: str | None = None
+    pushgateway: str | None = field(
+        default=None,
+        metadata=_meta("Push the same metrics to a Pushgateway.", checks=(_url,), metavar="URL"),
+    )
     errors: ErrorPolicy = field(default_factory=ErrorPolicy)
     monitoring: Monitoring = field(default_factory=Monitoring)
     # Options passed unchanged to fsspec for every URI of the job (endpoint_url, key, ...).
-    storage: Mapping[str, Any] = field(default_factory=dict)
+    storage: Mapping[str, Any] = field(
+        default_factory=dict,
+        metadata=_meta(
+            "fsspec option for every URI of the job (repeatable); values never logged.",
+            flag="--storage-option",
+            metavar="KEY=VALUE",
+        ),
+    )
 
     def __post_init__(self) -> None:
-        problems = _validate(self)
+        problems = _problems(_as_mapping(self))
         if problems:
             raise ConfigError(problems)
 
@@ -169,109 +423,196 @@ class JobConfig:
         return d
 
 
-# Keys accepted at the top level of a job file / as SCORE_CATALOG_<KEY>, with their parsers.
-_TOP_KEYS: dict[str, str] = {
-    "name": "str",
-    "input": "str",
-    "output": "str",
-    "model": "str",
-    "id_column": "str",
-    "passthrough": "list",
-    "batch_size": "int_or_auto",
-    "cores": "int",
-    "precision": "str",
-    "compile": "bool",
-    "strict_fp32": "bool",
-    "parity_tolerance": "float",
-    "overlap": "bool",
-    "device": "str",
-    "scheduler": "str",
-    "workers": "int",
-    "rejects": "str",
-    "date": "str",
-    "force": "bool",
-    "stale_lock_after_s": "float",
-    "task_rows": "int",
-    "metrics_file": "str",
-    "pushgateway": "str",
-}
-_MONITORING_KEYS: dict[str, str] = {
-    "drift": "bool",
-    "psi_threshold": "float",
-    "ks_threshold": "float",
-    "rows_change_threshold": "float",
-}
-_ERROR_KEYS: dict[str, str] = {
-    "max_failed_shards": "int",
-    "max_rejected_fraction": "float",
-    "on_schema_error": "str",
-    "on_invalid_rows": "str",
-    "task_retries": "int",
-}
-# Sub-tables whose keys are also SCORE_CATALOG_<KEY> variables.
-_TABLES: dict[str, dict[str, str]] = {"errors": _ERROR_KEYS, "monitoring": _MONITORING_KEYS}
-_FREE_TABLES = ("storage", "resources")  # passed on unchanged
-_TYPE_CHECK = {
-    "str": lambda v: isinstance(v, str),
-    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "bool": lambda v: isinstance(v, bool),
-    "list": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
-    "int_or_auto": lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool)),
-}
-_TYPE_WORDS = {
-    "str": "a string",
-    "int": "an integer",
-    "float": "a number",
-    "bool": "true or false",
-    "list": "a list of strings",
-    "int_or_auto": 'an integer or "auto"',
+# --------------------------------------------------------------------------------------------
+# Settings derived from the dataclasses
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _parse_bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
+
+
+def _parse_list(raw: str) -> list[str]:
+    return [p.strip() for p in raw.split(",") if p.strip()]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A key's type, read from its type hint: how to check it, parse it from text, name it."""
+
+    name: str  # str, int, float, bool, list, int_or_word, table
+    word: str  # for messages: "an integer"
+    accepts: Callable[[Any], bool]
+    # From the text of an environment variable or a flag; raises ValueError. None: no text form.
+    parse: Callable[[str], Any] | None
+    choices: tuple[str, ...] = ()  # Literal[...]: the allowed values
+    optional: bool = False  # None allowed (meaning "not set")
+    entry: Callable[[str], Any] | None = None  # a table's values from text (None: kept as text)
+
+
+_SCALARS = {
+    str: Kind("str", "a string", lambda v: isinstance(v, str), str),
+    int: Kind("int", "an integer", _is_int, int),
+    float: Kind("float", "a number", _is_number, float),
+    bool: Kind("bool", "true or false", lambda v: isinstance(v, bool), _parse_bool),
 }
 
 
-def _parse_env_value(kind: str, raw: str) -> Any:
-    if kind == "int":
-        return int(raw)
-    if kind == "float":
-        return float(raw)
-    if kind == "bool":
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(raw)
-    if kind == "list":
-        return [p.strip() for p in raw.split(",") if p.strip()]
-    if kind == "int_or_auto":
-        return "auto" if raw.strip().lower() == "auto" else int(raw)
-    return raw
+def _kind(hint: Any) -> Kind:
+    """The :class:`Kind` of a field's type hint (the hints this module uses, nothing more)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        rest = tuple(a for a in args if a is not type(None))
+        if len(rest) == 1:
+            return dataclasses.replace(_kind(rest[0]), optional=len(rest) < len(args))
+        if len(rest) == 2 and rest[0] is int and get_origin(rest[1]) is Literal:
+            # int | Literal["auto"]: a number, or one of a few words.
+            words = get_args(rest[1])
+            shown = " or ".join(f'"{w}"' for w in words)
+            return Kind(
+                "int_or_word",
+                f"an integer or {shown}",
+                lambda v: v in words or _is_int(v),
+                lambda raw: raw.strip().lower() if raw.strip().lower() in words else int(raw),
+                choices=words,
+            )
+    elif origin is Literal:
+        return dataclasses.replace(_SCALARS[str], choices=tuple(args))
+    elif origin is tuple and args[1:] == (Ellipsis,) and args[0] is str:
+        return Kind(
+            "list",
+            "a list of strings",
+            lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+            _parse_list,
+        )
+    elif origin is Mapping:
+        entry = _SCALARS[args[1]].parse if args[1] in _SCALARS else None
+        return Kind("table", "a table", lambda v: isinstance(v, Mapping), None, entry=entry)
+    elif hint in _SCALARS:
+        return _SCALARS[hint]
+    raise TypeError(f"config field type {hint!r} has no Kind; add it to config._kind")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One job key as the dataclasses declare it, for the loaders, the validator and the CLI."""
+
+    key: str  # as written in messages: "batch_size", "errors.max_failed_shards"
+    name: str  # the field's name
+    table: str | None  # the [table] of the job file it sits in, or None (top level)
+    kind: Kind
+    default: Any  # dataclasses.MISSING for a required key
+    help: str  # the --help text, without the default
+    flag: str | None  # the command-line option, e.g. "--batch-size"; None: none
+    metavar: str | None
+    checks: tuple[Check, ...]
+
+    @property
+    def required(self) -> bool:
+        return self.default is dataclasses.MISSING
+
+    @property
+    def env(self) -> str | None:
+        """``SCORE_CATALOG_<NAME>``; None for free tables (storage, resources)."""
+        return None if self.kind.parse is None else ENV_PREFIX + self.name.upper()
+
+
+def _settings_of(cls: type, table: str | None = None) -> Iterator[Setting]:
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            yield from _settings_of(hint, f.name)
+            continue
+        factory = f.default_factory
+        default = f.default if factory is dataclasses.MISSING else factory()
+        meta = f.metadata
+        flag = meta.get("flag", "")
+        yield Setting(
+            key=f"{table}.{f.name}" if table else f.name,
+            name=f.name,
+            table=table,
+            kind=_kind(hint),
+            default=default,
+            help=meta.get("help", ""),
+            flag="--" + f.name.replace("_", "-") if flag == "" else flag,
+            metavar=meta.get("metavar"),
+            checks=meta.get("checks", ()),
+        )
+
+
+# Every key of a job, in the order the dataclasses declare them.
+SETTINGS: tuple[Setting, ...] = tuple(_settings_of(JobConfig))
+# The [tables] holding further keys: errors -> ErrorPolicy, monitoring -> Monitoring.
+SECTIONS: dict[str, type[Any]] = {
+    name: hint
+    for name, hint in get_type_hints(JobConfig).items()
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint)
+}
+_TOP_LEVEL = {s.name: s for s in SETTINGS if s.table is None}
+_BY_ENV = {s.env: s for s in SETTINGS if s.env is not None}
+# Keys whose values are tables, merged key by key across the layers.
+_TABLE_KEYS = frozenset([*SECTIONS, *(s.name for s in SETTINGS if s.kind.name == "table")])
+
+
+def setting(key: str) -> Setting:
+    """The :class:`Setting` of ``key`` (``"batch_size"``, ``"errors.on_schema_error"``)."""
+    for s in SETTINGS:
+        if s.key == key:
+            return s
+    raise KeyError(key)
+
+
+def from_flags(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Command-line values keyed by field name -> the job-file shape (``errors`` as a table).
+
+    ``None`` means "not given" and is left out, so that the lower layers stay.
+    """
+    out: dict[str, Any] = {}
+    for s in SETTINGS:
+        value = values.get(s.name)
+        if value is None:
+            continue
+        target = out.setdefault(s.table, {}) if s.table else out
+        target[s.name] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
 
 
 def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
-    top: dict[str, Any] = {}
-    tables: dict[str, dict[str, Any]] = {t: {} for t in _TABLES}
+    layer: dict[str, Any] = {}
     problems: list[str] = []
     for var, raw in sorted(env.items()):
         if not var.startswith(ENV_PREFIX):
             continue
-        key = var[len(ENV_PREFIX) :].lower()
-        if key in _TOP_KEYS:
-            target, kind = top, _TOP_KEYS[key]
-        else:
-            table = next((t for t, keys in _TABLES.items() if key in keys), None)
-            if table is None:
-                names = [*_TOP_KEYS, *(k for keys in _TABLES.values() for k in keys)]
-                known = ", ".join(ENV_PREFIX + k.upper() for k in names)
-                problems.append(f"unknown environment variable {var}; known ones: {known}")
-                continue
-            target, kind = tables[table], _TABLES[table][key]
+        s = _BY_ENV.get(var)
+        parse = s.kind.parse if s is not None else None
+        if s is None or parse is None:
+            problems.append(f"unknown environment variable {var}; known ones: {', '.join(_BY_ENV)}")
+            continue
         try:
-            target[key] = _parse_env_value(kind, raw)
+            value = parse(raw)
         except ValueError:
-            problems.append(f"{var}={raw!r} is not {_TYPE_WORDS[kind]}")
-    top.update({t: values for t, values in tables.items() if values})
-    return top, problems
+            problems.append(f"{var}={raw!r} is not {s.kind.word}")
+            continue
+        target = layer.setdefault(s.table, {}) if s.table else layer
+        target[s.name] = value
+    return layer, problems
 
 
 def read_job_file(path: str | Path) -> dict[str, Any]:
@@ -292,7 +633,7 @@ def _merge(layers: list[Mapping[str, Any]]) -> dict[str, Any]:
         for k, v in layer.items():
             if v is None:
                 continue
-            if k in (*_TABLES, *_FREE_TABLES) and isinstance(v, Mapping):
+            if k in _TABLE_KEYS and isinstance(v, Mapping):
                 base = dict(merged.get(k) or {})
                 base.update({ek: ev for ek, ev in v.items() if ev is not None})
                 merged[k] = base
@@ -314,200 +655,117 @@ def build_config(
     """
     source = str(job_file) if job_file else None
     layers: list[Mapping[str, Any]] = []
-    problems: list[str] = []
     if job_file is not None:
         data = read_job_file(job_file)
         data.setdefault("name", Path(job_file).stem)
         layers.append(data)
-    env_top, env_problems = _env_layer(os.environ if env is None else env)
-    problems += env_problems
+    env_top, problems = _env_layer(os.environ if env is None else env)
     layers.append(env_top)
     if overrides:
         layers.append(overrides)
     merged = _merge(layers)
-    raw_problems = _check_raw(merged)
-    if problems or raw_problems:
-        # Still check the values of the well-typed keys, so that one message lists everything.
-        raise ConfigError(problems + raw_problems + _value_problems(merged), source)
-    errors_raw = dict(merged.pop("errors", {}) or {})
-    monitoring_raw = dict(merged.pop("monitoring", {}) or {})
-    storage = dict(merged.pop("storage", {}) or {})
-    resources = dict(merged.pop("resources", {}) or {})
-    if "passthrough" in merged:
-        merged["passthrough"] = tuple(merged["passthrough"])
-    try:
-        return JobConfig(
-            **merged,
-            errors=ErrorPolicy(**errors_raw),
-            monitoring=Monitoring(**monitoring_raw),
-            storage=storage,
-            resources=resources,
-        )
-    except ConfigError as e:
-        raise ConfigError(e.problems, source) from None
+    problems += _problems(merged)
+    if problems:
+        raise ConfigError(problems, source)
+    kwargs: dict[str, Any] = {}
+    for name, value in merged.items():
+        if name in SECTIONS:
+            kwargs[name] = SECTIONS[name](**value)
+        elif _TOP_LEVEL[name].kind.name == "list":
+            kwargs[name] = tuple(value)
+        else:
+            kwargs[name] = value
+    return JobConfig(**kwargs)  # validated again, by __post_init__: the same rules, cheap
 
 
-def _check_raw(merged: Mapping[str, Any]) -> list[str]:
-    """Key names and types; value rules live in :func:`_validate`."""
-    problems: list[str] = []
-    for key, value in merged.items():
-        if key in (*_TABLES, *_FREE_TABLES):
-            if not isinstance(value, Mapping):
-                problems.append(f"[{key}] must be a table")
-            continue
-        if key not in _TOP_KEYS:
-            problems.append(_unknown(key, [*_TOP_KEYS, *_TABLES, *_FREE_TABLES]))
-        elif not _TYPE_CHECK[_TOP_KEYS[key]](value):
-            problems.append(f"{key} = {value!r} must be {_TYPE_WORDS[_TOP_KEYS[key]]}")
-    for table, keys in _TABLES.items():
-        values = merged.get(table)
-        if not isinstance(values, Mapping):
-            continue
-        for key, value in values.items():
-            if key not in keys:
-                problems.append(_unknown(f"{table}.{key}", [f"{table}.{k}" for k in keys]))
-            elif not _TYPE_CHECK[keys[key]](value):
-                problems.append(f"{table}.{key} = {value!r} must be {_TYPE_WORDS[keys[key]]}")
-    resources = merged.get("resources")
-    if isinstance(resources, Mapping):
-        for key, value in resources.items():
-            if not _TYPE_CHECK["float"](value) or value <= 0:
-                problems.append(f"resources.{key} = {value!r} must be a number > 0")
-    for required in ("input", "output", "model"):
-        if not merged.get(required):
-            problems.append(
-                f"{required} is required (set it in the job file, as "
-                f"{ENV_PREFIX}{required.upper()} or with --{required})"
-            )
-    return problems
+# --------------------------------------------------------------------------------------------
+# Validation: one plain mapping in, every problem out
 
 
-def _value_problems(merged: Mapping[str, Any]) -> list[str]:
-    """Value rules for the keys that have the right type, on top of the defaults."""
-    good = {k: v for k, v in merged.items() if k in _TOP_KEYS and _TYPE_CHECK[_TOP_KEYS[k]](v)}
-    good_tables = {}
-    for table, keys in _TABLES.items():
-        raw = merged.get(table) if isinstance(merged.get(table), Mapping) else {}
-        good_tables[table] = {
-            k: v for k, v in (raw or {}).items() if k in keys and _TYPE_CHECK[keys[k]](v)
-        }
-    defaults = {
-        f.name: f.default
-        for f in dataclasses.fields(JobConfig)
-        if f.default is not dataclasses.MISSING
-    }
-    candidate = SimpleNamespace(
-        **{
-            **defaults,
-            "input": "-",
-            "output": "-",
-            "model": "-",
-            **good,
-            "passthrough": tuple(good.get("passthrough", ())),
-            "errors": ErrorPolicy.__new__(ErrorPolicy),
-            "monitoring": Monitoring.__new__(Monitoring),
-        },
-    )
-    for table, cls in (("errors", ErrorPolicy), ("monitoring", Monitoring)):
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            value = good_tables[table].get(f.name, f.default)
-            object.__setattr__(getattr(candidate, table), f.name, value)
-    return _validate(candidate)  # type: ignore[arg-type]
+def _as_mapping(config: JobConfig) -> dict[str, Any]:
+    """A config's values in the job-file shape (tables as dicts), for :func:`_problems`."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in SECTIONS:
+            value = {g.name: getattr(value, g.name) for g in dataclasses.fields(value)}
+        out[f.name] = value
+    return out
 
 
 def _unknown(key: str, known: list[str]) -> str:
     return f"unknown key {key!r}; known keys: {', '.join(known)}"
 
 
-def _template_problems(
-    key: str, template: str, allowed: frozenset[str] = TEMPLATE_FIELDS
-) -> list[str]:
-    try:
-        parsed = [
-            (f, spec, conv)
-            for _, f, spec, conv in string.Formatter().parse(template)
-            if f is not None
-        ]
-    except ValueError as e:
-        return [f"{key} = {template!r} is not a valid template: {e}"]
-    if any(spec or conv for _, spec, conv in parsed):
-        return [f"{key} = {template!r}: placeholders take no format spec; write {{date}}"]
-    fields = {f for f, _, _ in parsed}
-    bad = fields - allowed
-    if bad:
-        names = ", ".join(f"{{{a}}}" for a in sorted(allowed))
-        return [f"{key} = {template!r} uses unknown placeholder(s) {sorted(bad)}; allowed: {names}"]
-    return []
+def _key_problems(data: Mapping[str, Any]) -> list[str]:
+    """Unknown keys, at the top level and inside the tables, and tables that are not tables."""
+    top = [f.name for f in dataclasses.fields(JobConfig)]
+    problems = [_unknown(k, top) for k in data if k not in top]
+    for table in SECTIONS:
+        values = data.get(table)
+        if values is not None and not isinstance(values, Mapping):
+            problems.append(f"[{table}] must be a table")
+        elif isinstance(values, Mapping):
+            known = [s.key for s in SETTINGS if s.table == table]
+            names = {s.name for s in SETTINGS if s.table == table}
+            problems += [_unknown(f"{table}.{k}", known) for k in values if k not in names]
+    return problems
 
 
-def _validate(c: JobConfig) -> list[str]:
-    p: list[str] = []
-    for key in ("input", "output", "model", "id_column", "name"):
-        if not getattr(c, key):
-            p.append(f"{key} must not be empty")
-    p += _template_problems("input", c.input, frozenset({"date"}))
-    p += _template_problems("output", c.output)
-    if c.rejects is not None:
-        p += _template_problems("rejects", c.rejects)
-    if c.batch_size != "auto" and (
-        isinstance(c.batch_size, bool) or not isinstance(c.batch_size, int) or c.batch_size < 1
-    ):
-        p.append(f'batch_size = {c.batch_size!r} must be an integer >= 1 or "auto"')
-    if c.cores is not None and (not isinstance(c.cores, int) or c.cores < 1):
-        p.append(f"cores = {c.cores!r} must be an integer >= 1")
-    if c.precision not in PRECISIONS:
-        p.append(f"precision = {c.precision!r} is not one of {', '.join(PRECISIONS)}")
-    if c.parity_tolerance is not None and not (
-        math.isfinite(c.parity_tolerance) and c.parity_tolerance >= 0
-    ):
-        p.append(f"parity_tolerance = {c.parity_tolerance!r} must be a number >= 0")
-    if not _DEVICE_RE.match(str(c.device)):
-        p.append(f"device = {c.device!r} is not one of auto, cpu, cuda, cuda:N")
-    if c.scheduler not in SCHEDULER_NAMES and not _SCHEDULER_URI_RE.match(str(c.scheduler)):
-        p.append(
-            f"scheduler = {c.scheduler!r} is not one of local, threads, sync or a scheduler "
-            "address such as tcp://HOST:PORT"
-        )
-    if c.workers is not None and (not isinstance(c.workers, int) or c.workers < 1):
-        p.append(f"workers = {c.workers!r} must be an integer >= 1")
-    if len(set(c.passthrough)) != len(c.passthrough):
-        p.append(f"passthrough = {list(c.passthrough)} names a column twice")
-    if c.id_column in c.passthrough:
-        p.append(f"passthrough names the id column {c.id_column!r}; it is always copied first")
-    if c.date is not None:
-        try:
-            if not _DATE_RE.match(c.date):
-                raise ValueError(c.date)
-            dt.date.fromisoformat(c.date)
-        except ValueError:
-            p.append(f"date = {c.date!r} is not a date in YYYY-MM-DD form")
-    if not (math.isfinite(c.stale_lock_after_s) and c.stale_lock_after_s > 0):
-        p.append(f"stale_lock_after_s = {c.stale_lock_after_s!r} must be > 0")
-    e = c.errors
-    if e.max_failed_shards < 0:
-        p.append(f"errors.max_failed_shards = {e.max_failed_shards} must be >= 0")
-    if not 0.0 <= e.max_rejected_fraction <= 1.0:  # also false for NaN
-        p.append(f"errors.max_rejected_fraction = {e.max_rejected_fraction} must be in [0, 1]")
-    if e.on_schema_error not in ("fail", "skip_shard"):
-        p.append(f"errors.on_schema_error = {e.on_schema_error!r} must be 'fail' or 'skip_shard'")
-    if e.on_invalid_rows not in ("reject", "fail"):
-        p.append(f"errors.on_invalid_rows = {e.on_invalid_rows!r} must be 'reject' or 'fail'")
-    if e.task_retries < 0:
-        p.append(f"errors.task_retries = {e.task_retries} must be >= 0")
-    if not isinstance(c.task_rows, int) or c.task_rows < 1:
-        p.append(f"task_rows = {c.task_rows!r} must be an integer >= 1")
-    if not any("output" in problem for problem in p):
+def _problems(data: Mapping[str, Any]) -> list[str]:
+    """Every problem of a job in the job-file shape: keys, types, values, and across keys."""
+    problems = _key_problems(data)
+    good: dict[str, Any] = {}  # key -> value of the right type (given or default)
+    bad: set[str] = set()
+    for s in SETTINGS:
+        scope = data.get(s.table) if s.table else data
+        value = scope.get(s.name) if isinstance(scope, Mapping) else None
+        if value is None and s.required:
+            problems.append(
+                f"{s.key} is required (set it in the job file, as {s.env} or with {s.flag})"
+            )
+            bad.add(s.key)
+            continue
+        if value is None:
+            value = s.default
+        if not (s.kind.accepts(value) or (value is None and s.kind.optional)):
+            if s.kind.name == "table":
+                problems.append(f"[{s.key}] must be a table")
+            else:
+                problems.append(f"{s.key} = {value!r} must be {s.kind.word}")
+            bad.add(s.key)
+            continue
+        good[s.key] = value
+        found = _value_problems(s, value)
+        problems += found
+        if found:
+            bad.add(s.key)
+    return problems + _cross_problems(good, bad)
+
+
+def _value_problems(s: Setting, value: Any) -> list[str]:
+    if value is None:
+        return []
+    found: list[str] = []
+    if s.kind.choices and s.kind.name == "str" and value not in s.kind.choices:
+        shown = [repr(c) for c in s.kind.choices]
+        found.append(f"{s.key} = {value!r} must be {', '.join(shown[:-1])} or {shown[-1]}")
+    for check in s.checks:
+        found += check(s.key, value)
+    return found
+
+
+def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[str]:
+    """Rules that involve more than one key, judged on the keys that are fine on their own."""
+    problems: list[str] = []
+    id_column = good.get("id_column")
+    if id_column is not None and id_column in good.get("passthrough", ()):
+        problems.append(f"passthrough names the id column {id_column!r}; it is always copied first")
+    if "output" in good and "output" not in bad:
         from pipeline.runindex import index_root
 
         try:
-            index_root(c.output)  # where the run index lives: checked now, not after scoring
+            index_root(good["output"])  # where the run index lives: checked now, not after scoring
         except ConfigError as e:
-            p += e.problems
-    m = c.monitoring
-    for key in ("psi_threshold", "ks_threshold", "rows_change_threshold"):
-        value = getattr(m, key)
-        if not (math.isfinite(value) and value >= 0):
-            p.append(f"monitoring.{key} = {value!r} must be a number >= 0")
-    if c.pushgateway is not None and not re.match(r"^https?://\S+$", c.pushgateway):
-        p.append(f"pushgateway = {c.pushgateway!r} must be an http:// or https:// URL")
-    return p
+            problems += e.problems
+    return problems

@@ -48,7 +48,8 @@ def label_rule(x: np.ndarray) -> np.ndarray:
         + 0.5 * np.sin(2.0 * x[:, 4])
         - 0.3 * x[:, 5] ** 2
     )
-    return (s > -0.3).astype(np.int64)
+    labels: np.ndarray = (s > -0.3).astype(np.int64)
+    return labels
 
 
 def make_rows(start: int, n: int, seed: int) -> pa.Table:
@@ -112,7 +113,8 @@ class DemoMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        out: torch.Tensor = self.net(x)
+        return out
 
 
 def export_bundle(
@@ -170,7 +172,7 @@ def train_demo_model(
         idx = torch.randint(0, len(xtr), (batch,), generator=gen)
         loss = nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
         opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
     model.eval()
     with torch.inference_mode():

@@ -13,10 +13,12 @@ and the CDF takes the top of the step (right-continuous, like an empirical CDF).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from pipeline.reportschema import DriftColumn, DriftComparison
 
 SKETCH_POINTS = 101
 LEVELS = np.linspace(0.0, 1.0, SKETCH_POINTS)
@@ -41,7 +43,8 @@ def weighted_quantiles(v: np.ndarray, w: np.ndarray, levels: np.ndarray) -> np.n
     order = np.argsort(v, kind="stable")
     v, w = v[order], w[order]
     cum = (np.cumsum(w) - 0.5 * w) / w.sum()
-    return np.interp(levels, cum, v)
+    out: np.ndarray = np.asarray(np.interp(levels, cum, v), dtype=float)
+    return out
 
 
 def sketch(values: np.ndarray, weights: np.ndarray | None = None) -> list[float]:
@@ -194,11 +197,13 @@ def _column_sketch(report: Mapping[str, Any], col: str) -> list[float] | None:
 
 def compare(
     baseline: Mapping[str, Any], current: Mapping[str, Any], thresholds: DriftThresholds
-) -> dict[str, Any]:
+) -> DriftComparison:
     """Compare the ``current`` run's report with a ``baseline`` run's report.
 
     Uses only ``run_id``, ``output``, ``finished_at``, ``rows_out`` and ``outputs`` (per column
-    ``count`` and ``sketch``) of each report. Returns a JSON-able dict::
+    ``count`` and ``sketch``) of each report; the baseline may be a run-index entry or a report
+    of any schema version, so a missing key there means "unknown", never an error. Returns the
+    report's ``drift`` section (:class:`~pipeline.reportschema.DriftComparison`)::
 
         {"baseline": {"run_id", "output", "finished_at"},
          "rows": {"previous", "current", "change"},
@@ -234,7 +239,7 @@ def compare(
 
     base_cols = list((baseline.get("outputs") or {}).keys())
     cur_cols = list((current.get("outputs") or {}).keys())
-    columns: dict[str, dict[str, Any]] = {}
+    columns: dict[str, DriftColumn] = {}
     for col in cur_cols + [c for c in base_cols if c not in cur_cols]:
         if col not in base_cols or col not in cur_cols:
             columns[col] = {"psi": None, "ks": None, "alert": True}
@@ -265,7 +270,11 @@ def compare(
         },
         "rows": {"previous": prev_rows, "current": cur_rows, "change": change},
         "columns": columns,
-        "thresholds": asdict(thresholds),
+        "thresholds": {
+            "psi": thresholds.psi,
+            "ks": thresholds.ks,
+            "rows_change": thresholds.rows_change,
+        },
         "alert": bool(reasons),
         "reasons": reasons,
     }

@@ -2,9 +2,14 @@
 
 :func:`render_html` turns the ``_report.json`` dict into one HTML page with inline CSS and
 hand-built inline SVG charts: no scripts, no fonts, no network references, so it opens from a
-bucket, a mail attachment or a printout. Every key except ``run_id``/``job``/``status`` may be
-missing or ``None`` (older report versions, failed runs); such values render as "-" or a sentence,
-and a section that still cannot be drawn says so instead of failing the whole page.
+bucket, a mail attachment or a printout.
+
+The page is drawn from the report of the run that has just finished, so it reads the keys that
+:class:`pipeline.reportschema.ReportData` (and the committed JSON Schema) say every report has,
+without re-checking them. Values the schema allows to be null (a shard's unknown ``rows_in``,
+latencies when nothing was scored, ``drift`` when it was not compared) render as "-" or a
+sentence. A section that still cannot be drawn says so instead of costing the whole page: the
+JSON is the record, the page only a view of it.
 """
 
 from __future__ import annotations
@@ -14,14 +19,30 @@ import json
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
+
+from pipeline.reportschema import (
+    DriftComparison,
+    DriftNote,
+    ErrorEntry,
+    OutputStats,
+    ReportData,
+    ShardEntry,
+)
+from pipeline.statuses import RunStatus, ShardStatus
 
 SHARD_TABLE_CAP = 500
 SHARD_CHART_TOP = 50
 ERRORS_SHOWN = 20
 SLOW_FACTOR = 2.0
 _W = 720  # SVG user-space width; CSS scales it to the page
-_STATUS_CLASS = {"succeeded": "ok", "failed": "bad"}  # other succeeded_with_* -> "warn"
+_STATUS_CLASS: dict[str, str] = {
+    RunStatus.SUCCEEDED: "ok",
+    RunStatus.SUCCEEDED_WITH_ERRORS: "warn",
+    RunStatus.SUCCEEDED_WITH_WARNINGS: "warn",
+    RunStatus.FAILED: "bad",
+    RunStatus.INTERRUPTED: "bad",  # no _SUCCESS: the output is incomplete until a rerun
+}
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1a1a1a;
 background:#fff;margin:0}
@@ -54,15 +75,15 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _num(value: Any) -> float | None:
-    """A finite float, or None for missing/non-numeric/NaN values (bools are not numbers)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _num(value: float | None) -> float | None:
+    """The value as a float, None for null (and for NaN, which the schema refuses anyway)."""
+    if value is None:
         return None
     f = float(value)
     return f if math.isfinite(f) else None
 
 
-def _fmt(value: Any, digits: int = 0, suffix: str = "") -> str:
+def _fmt(value: float | None, digits: int = 0, suffix: str = "") -> str:
     f = _num(value)
     if f is None:
         return "-"
@@ -71,7 +92,7 @@ def _fmt(value: Any, digits: int = 0, suffix: str = "") -> str:
     return f"{f:,.{digits}f}{suffix}"
 
 
-def _g(value: Any) -> str:
+def _g(value: float | None) -> str:
     """Compact number for quantiles and axis ticks: thousands separators, else 4 significant."""
     f = _num(value)
     if f is None:
@@ -81,17 +102,9 @@ def _g(value: Any) -> str:
     return f"{f:,.0f}" if abs(f) >= 1000 else f"{f:.4g}"
 
 
-def _pct(value: Any, signed: bool = False) -> str:
+def _pct(value: float | None, signed: bool = False) -> str:
     f = _num(value)
     return "-" if f is None else f"{f * 100:{'+' if signed else ''}.2f}%"
-
-
-def _dict(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _list(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else []
 
 
 def _plain(value: Any) -> str:
@@ -186,8 +199,12 @@ def bar_chart(items: Sequence[tuple[str, float, bool]], title: str, unit: str = 
     return _svg(axis_y + 38, title, "".join(parts))
 
 
+#: Draws a chart's data given its x and y scales (data value -> SVG coordinate).
+_Body = Callable[[Callable[[float], float], Callable[[float], float]], str]
+
+
 def _plot(
-    xs: Sequence[float], ys: Sequence[float], xlabel: str, ylabel: str, title: str, body: Callable
+    xs: Sequence[float], ys: Sequence[float], xlabel: str, ylabel: str, title: str, body: _Body
 ) -> str:
     """Axes with ticks for x in [min(xs), max(xs)] and y in [0, max(ys)]; ``body`` draws data."""
     left, right, top, bottom, h = 80, 20, 12, 48, 280
@@ -257,8 +274,8 @@ def _figure(svg: str, caption: str) -> str:
     return f"<figure>{svg}<figcaption class='note'>{_e(caption)}</figcaption></figure>"
 
 
-def _ul(items: Any) -> str:
-    return "<ul>" + "".join(f"<li>{_e(_plain(x))}</li>" for x in _list(items)) + "</ul>"
+def _ul(items: Sequence[str]) -> str:
+    return "<ul>" + "".join(f"<li>{_e(x)}</li>" for x in items) + "</ul>"
 
 
 def _p(text: str, cls: str = "note") -> str:
@@ -268,55 +285,64 @@ def _p(text: str, cls: str = "note") -> str:
 # ---------------------------------------------------------------- sections
 
 
-def _status(r: Mapping[str, Any]) -> str:
-    status = str(r.get("status"))
-    cls = _STATUS_CLASS.get(status, "warn" if status.startswith("succeeded_with") else "unknown")
+def _status(r: ReportData) -> str:
+    status = str(r["status"])
+    cls = _STATUS_CLASS.get(status, "unknown")
     out = [
-        f'<div class="banner {cls}">{_e(status.upper())} — run {_e(r.get("run_id"))}, '
-        f"job {_e(r.get('job'))}</div>",
-        _kv([("started", r.get("started_at")), ("finished", r.get("finished_at"))]),
+        f'<div class="banner {cls}">{_e(status.upper())} — run {_e(r["run_id"])}, '
+        f"job {_e(r['job'])}</div>",
+        _kv([("started", r["started_at"]), ("finished", r["finished_at"])]),
     ]
-    for name, key in (("Failure reasons", "failure_reasons"), ("Warnings", "warnings")):
-        if _list(r.get(key)):
-            out.append(f"<h3>{name}</h3>" + _ul(r.get(key)))
-    errors = _list(r.get("errors"))
+    if r["failure_reasons"]:
+        out.append("<h3>Failure reasons</h3>" + _ul(r["failure_reasons"]))
+    if r["warnings"]:
+        out.append("<h3>Warnings</h3>" + _ul(r["warnings"]))
+    errors: list[ErrorEntry] = r["errors"]
     if errors:
-        keys = ("kind", "shard", "message")
-        rows = [
-            [_plain(_dict(x).get(k, x if k == "message" else None)) for k in keys] for x in errors
-        ]
-        out.append(f"<h3>Errors ({len(errors):,})</h3>" + _table(keys, rows[:ERRORS_SHOWN]))
+        rows = [[e["kind"], e["shard"], e["message"]] for e in errors[:ERRORS_SHOWN]]
+        out.append(
+            f"<h3>Errors ({len(errors):,})</h3>" + _table(("kind", "shard", "message"), rows)
+        )
         if len(errors) > ERRORS_SHOWN:
             out.append(_p(f"… and {len(errors) - ERRORS_SHOWN:,} more errors in _report.json."))
     return "".join(out)
 
 
-_COUNTS = [
-    *(("rows in", "rows_in"), ("rows scored", "rows_out"), ("rows rejected", "rows_rejected")),
-    *(("shards total", "shards_total"), ("shards scored", "shards_scored")),
-    *(("shards skipped (already done)", "shards_skipped"), ("shards failed", "shards_failed")),
-]
-
-
-def _totals(r: Mapping[str, Any]) -> str:
+def _totals(r: ReportData) -> str:
     return _kv(
-        [(label, _fmt(r.get(key))) for label, key in _COUNTS[:3]]
-        + [("rejected fraction", _pct(r.get("rejected_fraction")))]
-        + [(label, _fmt(r.get(key))) for label, key in _COUNTS[3:]]
-        + [("duration", _fmt(r.get("duration_s"), 1, " s")), ("rows/s", _fmt(r.get("rows_per_s")))]
-        + [("batch size", _fmt(r.get("batch_size"))), ("device", r.get("device"))]
+        [
+            ("rows in", _fmt(r["rows_in"])),
+            ("rows scored", _fmt(r["rows_out"])),
+            ("rows rejected", _fmt(r["rows_rejected"])),
+            ("rejected fraction", _pct(r["rejected_fraction"])),
+            ("shards total", _fmt(r["shards_total"])),
+            ("shards scored", _fmt(r["shards_scored"])),
+            ("shards skipped (already done)", _fmt(r["shards_skipped"])),
+            ("shards failed", _fmt(r["shards_failed"])),
+            ("duration", _fmt(r["duration_s"], 1, " s")),
+            ("rows/s", _fmt(r["rows_per_s"])),
+            ("batch size", _fmt(r["batch_size"])),
+            ("device", r["device"]),
+        ]
     )
 
 
-def _shards(r: Mapping[str, Any]) -> str:
-    shards = [_dict(s) for s in _list(r.get("shards"))]
+def _shard_row(s: ShardEntry, slow: set[str]) -> tuple[list[str], str]:
+    failed = s["status"] == ShardStatus.FAILED
+    row = [s["rel_path"], str(s["status"])]
+    row += [_fmt(s["rows_in"]), _fmt(s["rows_out"]), _fmt(s["rows_rejected"])]
+    row += [_fmt(s["started_s"], 1, " s"), _fmt(s["duration_s"], 2, " s")]
+    row.append(_fmt(s["rows_per_s"]) if s["status"] == ShardStatus.SCORED else "-")
+    row.append(" ".join(_plain(x) for x in (s["kind"], s["message"])) if failed else "")
+    return row, "failed" if failed else "slow" if s["rel_path"] in slow else ""
+
+
+def _shards(r: ReportData) -> str:
+    shards = r["shards"]
     if not shards:
         return _p("No per-shard results in this report.")
-    timed = [  # skipped shards (done by an earlier attempt) took no time in this run
-        (str(s.get("rel_path")), d)
-        for s in shards
-        if s.get("status") != "skipped" and (d := _num(s.get("duration_s"))) is not None
-    ]
+    # Skipped shards (done by an earlier attempt) took no time in this run.
+    timed = [(s["rel_path"], s["duration_s"]) for s in shards if s["status"] != ShardStatus.SKIPPED]
     median = statistics.median(d for _, d in timed) if timed else None
     slow = {p for p, d in timed if median and d > SLOW_FACTOR * median}
     out = []
@@ -326,18 +352,12 @@ def _shards(r: Mapping[str, Any]) -> str:
         cap = f"Median shard duration {_g(median)} s; {len(slow):,} shards took more than "
         cap += f"{SLOW_FACTOR:g}x the median (marked ▲ and highlighted)."
         out.append(_figure(bar_chart([(p, d, p in slow) for p, d in top], title, " s"), cap))
-    order = sorted(range(len(shards)), key=lambda i: (shards[i].get("status") != "failed", i))
+    order = sorted(range(len(shards)), key=lambda i: (shards[i]["status"] != ShardStatus.FAILED, i))
     rows, classes = [], []
     for i in order[:SHARD_TABLE_CAP]:
-        s = shards[i]
-        failed = s.get("status") == "failed"
-        row = [_plain(s.get("rel_path")), _plain(s.get("status"))]
-        row += [_fmt(s.get(k)) for k in ("rows_in", "rows_out", "rows_rejected")]
-        row += [_fmt(s.get("started_s"), 1, " s"), _fmt(s.get("duration_s"), 2, " s")]
-        row.append(_fmt(s.get("rows_per_s")) if s.get("status") == "scored" else "-")
-        row.append(" ".join(_plain(s.get(k)) for k in ("kind", "message")) if failed else "")
+        row, cls = _shard_row(shards[i], slow)
         rows.append(row)
-        classes.append("failed" if failed else "slow" if str(s.get("rel_path")) in slow else "")
+        classes.append(cls)
     head = ("shard", "status", "rows in", "scored", "rejected", "started (+s)", "duration")
     out.append(_table((*head, "rows/s", "message"), rows, classes))
     if len(shards) > SHARD_TABLE_CAP:
@@ -346,16 +366,10 @@ def _shards(r: Mapping[str, Any]) -> str:
     return "".join(out)
 
 
-def _throughput(r: Mapping[str, Any]) -> str:
-    pts = [
-        (t, n)
-        for p in _list(r.get("throughput"))
-        if (t := _num(_dict(p).get("t_s"))) is not None
-        and (n := _num(_dict(p).get("rows"))) is not None
-    ]
+def _throughput(r: ReportData) -> str:
+    pts = sorted((float(p["t_s"]), float(p["rows"])) for p in r["throughput"])
     if len(pts) < 2:
         return _p("Not enough throughput samples to draw a chart (fewer than 2 points).")
-    pts.sort()
     (t0, n0), (t1, n1) = pts[0], pts[-1]
     rate = (n1 - n0) / (t1 - t0) if t1 > t0 else None
     chart = line_chart(pts, "seconds since start", "rows scored (cumulative)", "Rows over time")
@@ -364,11 +378,11 @@ def _throughput(r: Mapping[str, Any]) -> str:
     return _figure(chart, cap)
 
 
-def _latency(r: Mapping[str, Any]) -> str:
-    lat = _dict(r.get("batch_latency_ms"))
-    keys = ("p50", "p95", "p99")
-    out = _table(["percentile", "batch latency (ms)"], [[k, _fmt(lat.get(k), 2)] for k in keys])
-    items = [(k, v, False) for k in keys if (v := _num(lat.get(k))) is not None]
+def _latency(r: ReportData) -> str:
+    lat = r["batch_latency_ms"]
+    values = (("p50", lat["p50"]), ("p95", lat["p95"]), ("p99", lat["p99"]))
+    out = _table(["percentile", "batch latency (ms)"], [[k, _fmt(v, 2)] for k, v in values])
+    items = [(k, v, False) for k, v in values if v is not None]
     if items:
         out += _figure(bar_chart(items, "batch latency (ms)", " ms"), "Per-batch model latency.")
     else:
@@ -376,34 +390,33 @@ def _latency(r: Mapping[str, Any]) -> str:
     return out
 
 
-def _scores(r: Mapping[str, Any]) -> str:
-    outputs = _dict(r.get("outputs"))
-    if not outputs:
-        return _p("No output statistics in this report.")
-    out = []
-    qkeys = ("p01", "p05", "p25", "p50", "p75", "p95", "p99")
-    for col, raw in outputs.items():
-        o = _dict(raw)
-        out.append(f"<h3>{_e(col)}</h3>")
-        q = _dict(o.get("quantiles"))
-        stats = [_fmt(o.get("count")), _g(o.get("mean")), _g(o.get("min")), _g(o.get("max"))]
-        out.append(
-            _table(["count", "mean", "min", "max", *qkeys], [stats + [_g(q.get(k)) for k in qkeys]])
-        )
-        h = _dict(o.get("histogram"))
-        e_ = [x for x in map(_num, _list(h.get("edges"))) if x is not None]
-        c_ = [x for x in map(_num, _list(h.get("counts"))) if x is not None]
-        sane = len(e_) == len(_list(h.get("edges"))) and len(c_) == len(_list(h.get("counts")))
-        if sane and c_ and len(e_) == len(c_) + 1 and e_ == sorted(e_):
-            cap = f"Histogram of {col}: {len(c_)} bins from {_g(e_[0])} to {_g(e_[-1])}."
-            out.append(_figure(histogram(e_, c_, str(col), f"Distribution of {col}"), cap))
-        else:
-            out.append(_p(f"No histogram recorded for {col}."))
+_QUANTILE_KEYS = ("p01", "p05", "p25", "p50", "p75", "p95", "p99")
+
+
+def _score_column(col: str, o: OutputStats) -> str:
+    # Only ``count`` is always there: a column with no rows (or no sample) has no statistics.
+    q = cast("Mapping[str, float]", o.get("quantiles") or {})
+    stats = [_fmt(o["count"]), _g(o.get("mean")), _g(o.get("min")), _g(o.get("max"))]
+    head = ["count", "mean", "min", "max", *_QUANTILE_KEYS]
+    out = [f"<h3>{_e(col)}</h3>", _table(head, [stats + [_g(q.get(k)) for k in _QUANTILE_KEYS]])]
+    h = o.get("histogram")
+    edges, counts = (list(h["edges"]), list(h["counts"])) if h else ([], [])
+    if counts and len(edges) == len(counts) + 1:
+        cap = f"Histogram of {col}: {len(counts)} bins from {_g(edges[0])} to {_g(edges[-1])}."
+        out.append(_figure(histogram(edges, counts, col, f"Distribution of {col}"), cap))
+    else:
+        out.append(_p(f"No histogram recorded for {col}."))
     return "".join(out)
 
 
-def _rejects(r: Mapping[str, Any]) -> str:
-    by = {str(k): n for k, v in _dict(r.get("rejects_by_reason")).items() if (n := _num(v))}
+def _scores(r: ReportData) -> str:
+    if not r["outputs"]:
+        return _p("No output statistics in this report (no rows were scored by this run).")
+    return "".join(_score_column(col, o) for col, o in r["outputs"].items())
+
+
+def _rejects(r: ReportData) -> str:
+    by = {k: n for k, n in r["rejects_by_reason"].items() if n}
     if not by:
         return _p("No rows were rejected.", "")
     items = sorted(by.items(), key=lambda kv: -kv[1])
@@ -415,69 +428,61 @@ def _rejects(r: Mapping[str, Any]) -> str:
     return out + _table(["reason", "rows", "share"], rows)
 
 
-def _drift(r: Mapping[str, Any]) -> str:
-    d = _dict(r.get("drift"))
-    base = _dict(d.get("baseline"))
-    if not base:
-        return _p(str(d.get("note") or "No drift comparison for this run (no baseline run)."))
-    th = _dict(d.get("thresholds"))
-    alert = d.get("alert") is True
+def _drift_columns(d: DriftComparison) -> str:
+    table_rows, classes = [], []
+    for col, c in d["columns"].items():
+        table_rows.append([col, _g(c["psi"]), _g(c["ks"]), "ALERT" if c["alert"] else "ok"])
+        classes.append("alert" if c["alert"] else "")
+    return "<h3>Per column</h3>" + _table(["column", "PSI", "KS", "alert"], table_rows, classes)
+
+
+def _drift(r: ReportData) -> str:
+    drift: DriftComparison | DriftNote | None = r["drift"]
+    if drift is None:
+        return _p("No drift comparison for this run (monitoring.drift is off, or the run failed).")
+    if drift["baseline"] is None:
+        return _p(drift.get("note") or "No drift comparison for this run (no baseline run).")
+    d = drift  # a comparison: its baseline is a run, not None
+    base, th, n = d["baseline"], d["thresholds"], d["rows"]
     out = [
-        f'<div class="banner {"bad" if alert else "ok"}">'
-        f"{'DRIFT ALERT' if alert else 'No drift alert'}</div>",
+        f'<div class="banner {"bad" if d["alert"] else "ok"}">'
+        f"{'DRIFT ALERT' if d['alert'] else 'No drift alert'}</div>",
         _kv(
             [
-                ("baseline run", base.get("run_id")),
-                ("baseline output", base.get("output")),
-                ("baseline finished", base.get("finished_at")),
+                ("baseline run", base["run_id"]),
+                ("baseline output", base["output"]),
+                ("baseline finished", base["finished_at"]),
                 (
                     "thresholds",
-                    f"PSI > {_g(th.get('psi'))}, KS > {_g(th.get('ks'))}, "
-                    f"row count change > {_pct(th.get('rows_change'))}",
+                    f"PSI > {_g(th['psi'])}, KS > {_g(th['ks'])}, "
+                    f"row count change > {_pct(th['rows_change'])}",
                 ),
             ]
         ),
     ]
-    if _list(d.get("reasons")):
-        out.append(_ul(d.get("reasons")))
-    n = _dict(d.get("rows"))
-    counts = [_fmt(n.get("previous")), _fmt(n.get("current")), _pct(n.get("change"), True)]
+    if d["reasons"]:
+        out.append(_ul(d["reasons"]))
+    counts = [_fmt(n["previous"]), _fmt(n["current"]), _pct(n["change"], True)]
     out.append("<h3>Row count</h3>" + _table(["previous", "current", "change"], [counts]))
-    cols = _dict(d.get("columns"))
-    if cols:
-        table_rows, classes = [], []
-        for col, raw in cols.items():
-            c = _dict(raw)
-            flag = c.get("alert") is True
-            table_rows.append(
-                [str(col), _g(c.get("psi")), _g(c.get("ks")), "ALERT" if flag else "ok"]
-            )
-            classes.append("alert" if flag else "")
-        out.append(
-            "<h3>Per column</h3>" + _table(["column", "PSI", "KS", "alert"], table_rows, classes)
-        )
+    if d["columns"]:
+        out.append(_drift_columns(d))
     return "".join(out)
 
 
-def _environment(r: Mapping[str, Any]) -> str:
-    m = _dict(r.get("model"))
-    keys = ("uri", "name", "version", "format", "sha256", "width", "out_width")
-    out = ["<h3>Model</h3>", _kv([(k, m.get(k)) for k in keys])]
-    for title, key in (
-        ("Execution", "execution"),
-        ("Threads", "threads"),
-        ("Versions", "versions"),
+def _environment(r: ReportData) -> str:
+    out = ["<h3>Model</h3>", _kv(list(r["model"].items()))]
+    for title, items in (
+        ("Execution", list(r["execution"].items())),
+        ("Threads", list(r["threads"].items())),
+        ("Versions", list(r["versions"].items())),
     ):
-        items = list(_dict(r.get(key)).items())
-        out.append(f"<h3>{title}</h3>" + (_kv(items) if items else _p("Not recorded.")))
+        out.append(f"<h3>{title}</h3>" + _kv(items))
     out.append("<h3>Locations</h3>")
-    out.append(
-        _kv([("input", r.get("input")), ("output", r.get("output")), ("rejects", r.get("rejects"))])
-    )
+    out.append(_kv([("input", r["input"]), ("output", r["output"]), ("rejects", r["rejects"])]))
     return "".join(out)
 
 
-_SECTIONS: list[tuple[str, str, Callable[[Mapping[str, Any]], str]]] = [
+_SECTIONS: list[tuple[str, str, Callable[[ReportData], str]]] = [
     ("status", "Status", _status),
     ("totals", "Totals", _totals),
     ("shards", "Shards", _shards),
@@ -490,17 +495,21 @@ _SECTIONS: list[tuple[str, str, Callable[[Mapping[str, Any]], str]]] = [
 ]
 
 
-def render_html(report: Mapping[str, Any]) -> str:
-    """The whole ``_report.html`` page for one ``_report.json`` dict; never raises on odd data."""
-    r = _dict(report)
+def render_html(report: ReportData) -> str:
+    """The whole ``_report.html`` page for one ``_report.json`` (``schema_version`` 3).
+
+    A section that fails on a malformed value says so on the page; the others still render.
+    """
     parts = []
     for sid, title, fn in _SECTIONS:
         try:
-            body = fn(r)
+            body = fn(report)
         except Exception as exc:  # a malformed field must not cost the rest of the page
             body = _p(f"This section could not be rendered: {type(exc).__name__}: {exc}")
         parts.append(f'<section id="{sid}"><h2>{_e(title)}</h2>{body}</section>')
-    head = f"score-catalog {r.get('job')} — {str(r.get('status')).upper()} — run {r.get('run_id')}"
+    head = (
+        f"score-catalog {report['job']} — {str(report['status']).upper()} — run {report['run_id']}"
+    )
     page = (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'

@@ -11,8 +11,10 @@ object per line on stderr, for log shippers::
 JSON handler, so every line on stderr parses. The run summary goes to stdout: the human table in
 text mode, one ``"event": "summary"`` JSON line in JSON mode.
 
-On an interactive terminal (text format, not quiet, stderr a TTY) :class:`Progress` draws a
-progress bar on stderr; see its docstring for how log lines share the terminal with it.
+Logging is configured with :func:`logging.config.dictConfig` (:func:`logging_config` builds the
+dictionary). Log lines and the progress bar share the terminal through a :class:`Terminal`
+object that the CLI creates (inside :class:`Console`) and hands to both the log handler and the
+:class:`Progress` bar; this module keeps no state of its own.
 
 This module imports nothing heavy (no torch, no pipeline modules at import time), so it is cheap
 to load before anything else.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.config
 import math
 import os
 import sys
@@ -39,14 +42,22 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXTRA_FIELDS",
+    "FORMATS",
     "SUMMARY_FIELDS",
+    "Console",
     "JsonFormatter",
     "Progress",
-    "adopt_library_loggers",
+    "RunProgress",
+    "Terminal",
+    "TerminalHandler",
+    "configure_dask_logging",
+    "dask_logging_config",
     "emit_error",
     "emit_summary",
     "json_line",
+    "log_partition",
     "log_shard",
+    "logging_config",
     "progress_enabled",
     "setup_logging",
 ]
@@ -91,15 +102,23 @@ SUMMARY_FIELDS = (
 )
 
 # Third-party loggers that install their own stderr StreamHandlers (``import distributed`` does,
-# from dask's ``logging`` config) and do not propagate to the root logger.
+# from dask's ``logging`` config, when the root logger has no handler yet) and do not propagate.
 LIBRARY_LOGGERS = ("distributed", "bokeh", "tornado")
 
-logger = logging.getLogger("pipeline")
+# Object-store clients log signed request headers at DEBUG, access key id included; storage
+# options are never logged, so these loggers stay at INFO even with -vv.
+QUIET_LIBRARIES = (
+    "botocore",
+    "boto3",
+    "aiobotocore",
+    "s3fs",
+    "urllib3",
+    "aiohttp",
+    "gcsfs",
+    "adlfs",
+)
 
-# Serialises log output and bar redraws on the shared terminal (Dask logs from its own threads).
-_TERMINAL_LOCK = threading.RLock()
-_ACTIVE: Progress | None = None  # the progress bar currently drawn, if any
-_STATE: dict[str, Any] = {}  # fmt and level from the last setup_logging()
+logger = logging.getLogger("pipeline")
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,32 +184,46 @@ class JsonFormatter(logging.Formatter):
 
 
 # --------------------------------------------------------------------------------------------
-# Handlers and setup
+# The terminal, its handler, and the logging configuration
 
 
-class _TerminalHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """A stderr handler that writes log lines above an active progress bar, not through it."""
+class Terminal:
+    """The stream (stderr) that log lines and at most one progress bar share.
 
-    # What a library handler we replaced had, so that setting up again restores it.
-    library_formatter: logging.Formatter | None = None
-    library_level: int = logging.NOTSET
+    The CLI creates one and hands it to :func:`setup_logging` (for the log handlers) and to
+    :class:`Progress`; ``lock`` serialises log lines and bar redraws (Dask logs from its own
+    threads), and ``bar`` is the bar drawn on it now, if any.
+    """
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream: TextIO = stream if stream is not None else sys.stderr
+        self.lock = threading.RLock()
+        self.bar: Progress | None = None
+
+
+class TerminalHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler on a :class:`Terminal` that writes log lines above its bar, not through it.
+
+    While a bar is drawn and the handler is not at DEBUG (no -v), ``shard_scored`` records are
+    dropped: the bar already counts them and the summary lists every shard. Failures and every
+    other record are always written.
+    """
+
+    def __init__(self, terminal: Terminal) -> None:
+        super().__init__(terminal.stream)
+        self.terminal = terminal
 
     def emit(self, record: logging.LogRecord) -> None:
-        with _TERMINAL_LOCK:
-            bar = _ACTIVE
+        with self.terminal.lock:
+            bar = self.terminal.bar
             if bar is None or not bar.draws_on(self.stream):
                 super().emit(record)
+                return
+            if getattr(record, "event", None) == "shard_scored" and self.level > logging.DEBUG:
                 return
             bar.clear_line()
             super().emit(record)
             bar.redraw()
-
-
-def _handler(fmt: str, level: int, stream: TextIO) -> _TerminalHandler:
-    h = _TerminalHandler(stream)
-    h.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-    h.setLevel(level)
-    return h
 
 
 def _level(verbosity: int) -> int:
@@ -208,96 +241,95 @@ def _is_stderr(stream: Any) -> bool:
         return False
 
 
-def adopt_library_loggers() -> None:
-    """Route the stderr handlers Dask (and tornado, bokeh) installed through this module's.
-
-    ``import distributed`` configures its loggers from dask's ``logging`` config: if the root
-    logger has no handler yet, it gives them plain-text StreamHandlers on stderr and stops them
-    propagating; if the root logger has one (``setup_logging`` ran first, the CLI's order), it
-    only sets their levels and they propagate to our handler. For the first case each such
-    handler is replaced by a separate handler of ours on the current stderr: JSON formatted in
-    JSON mode; in text mode with the library's own formatter, so its lines look the same but do
-    not garble the progress bar. A separate handler per logger keeps
-    ``LocalCluster(silence_logs=...)``, which sets the level of the StreamHandlers on the
-    ``distributed`` logger, from silencing the application's own log lines. Does nothing before
-    :func:`setup_logging`.
-    """
-    if not _STATE:
-        return
-    fmt: str = _STATE["fmt"]
-    level: int = _STATE["level"]
-    manager = logging.Logger.manager
-    for name in sorted(manager.loggerDict):
-        if not any(name == p or name.startswith(p + ".") for p in LIBRARY_LOGGERS):
-            continue
-        lib_logger = manager.loggerDict[name]
-        if not isinstance(lib_logger, logging.Logger):
-            continue
-        for old in list(lib_logger.handlers):
-            if isinstance(old, _TerminalHandler):
-                formatter, old_level = old.library_formatter, old.library_level
-            elif type(old) is logging.StreamHandler and _is_stderr(old.stream):
-                formatter, old_level = old.formatter, old.level
-            else:
-                continue
-            new = _handler(fmt, max(level, old_level), sys.stderr)
-            new.library_formatter, new.library_level = formatter, old_level
-            if fmt == "text" and formatter is not None:
-                new.setFormatter(formatter)
-            lib_logger.removeHandler(old)
-            lib_logger.addHandler(new)
+def _writes_own_lines(name: str) -> bool:
+    """Whether library logger ``name`` has its own stderr handler (Dask's, or ours from before)."""
+    return any(
+        isinstance(h, TerminalHandler)
+        or (type(h) is logging.StreamHandler and _is_stderr(h.stream))
+        for h in logging.getLogger(name).handlers
+    )
 
 
-QUIET_LIBRARIES = (
-    "botocore",
-    "boto3",
-    "aiobotocore",
-    "s3fs",
-    "urllib3",
-    "aiohttp",
-    "gcsfs",
-    "adlfs",
-)
+def logging_config(fmt: str, verbosity: int, terminal: Terminal) -> dict[str, Any]:
+    """The :func:`logging.config.dictConfig` dictionary for the CLI's output on ``terminal``.
 
-
-def setup_logging(fmt: str, verbosity: int) -> None:
-    """Configure logging to stderr: ``fmt`` "text" or "json"; ``verbosity`` -1 quiet (errors
-    only), 0 info, 1 or more debug.
-
-    Replaces the root logger's handlers, so calling it again reconfigures instead of adding a
-    second handler. Dask's own loggers go through the same handler (:func:`adopt_library_loggers`;
-    JSON in JSON mode, their own text format in text mode). In JSON mode Python warnings are
-    logged too (``logging.captureWarnings``, ``"event": "warning"``); in text mode they print as
-    Python prints them.
+    The root logger gets one :class:`TerminalHandler` (text or JSON lines, at the verbosity's
+    level: -1 errors only, 0 info, 1 or more debug). Dask's loggers propagate to it when Dask is
+    imported after this is applied (the CLI's order: ``import distributed`` then only sets their
+    levels). If Dask was imported first, it gave its loggers plain stderr handlers and stopped them
+    propagating: those loggers get a handler of their own on ``terminal`` instead (JSON in JSON
+    mode, Dask's ``distributed.admin.log-format`` in text mode). Their own handler, not the
+    root's, so that ``LocalCluster(silence_logs=...)``, which sets the level of the handlers of
+    the ``distributed`` logger, cannot silence the application's own lines.
     """
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     level = _level(verbosity)
-    root = logging.getLogger()
-    with _TERMINAL_LOCK:
-        for h in list(root.handlers):
-            root.removeHandler(h)
-            if isinstance(h, _TerminalHandler):
-                h.close()
-        # The handler's level too: records propagating from loggers with their own level
-        # (distributed's are INFO) skip the root logger's level.
-        root.addHandler(_handler(fmt, level, sys.stderr))
-        root.setLevel(level)
-        _STATE.update(fmt=fmt, level=level)
+    line = "json" if fmt == "json" else "text"
+    # The handler's level too: records propagating from loggers with their own level
+    # (distributed's are INFO) skip the root logger's level.
+    handler = {"()": TerminalHandler, "terminal": terminal, "formatter": line, "level": level}
+    config: dict[str, Any] = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"text": {"format": TEXT_FORMAT}, "json": {"()": JsonFormatter}},
+        "handlers": {"terminal": handler},
+        "root": {"handlers": ["terminal"], "level": level},
+        "loggers": {name: {"level": max(level, logging.INFO)} for name in QUIET_LIBRARIES},
+    }
+    own = [name for name in LIBRARY_LOGGERS if _writes_own_lines(name)]
+    if own and fmt == "text":
+        import dask  # imported already: it configured those loggers
+
+        config["formatters"]["library"] = {
+            "format": dask.config.get("distributed.admin.log-format")
+        }
+    for name in own:
+        config["handlers"][name] = {**handler, "formatter": "library" if line == "text" else line}
+        config["loggers"][name] = {"handlers": [name], "propagate": False}
+    return config
+
+
+def setup_logging(fmt: str, verbosity: int, terminal: Terminal | None = None) -> Terminal:
+    """Configure logging to ``terminal`` (a new one on the current stderr if None); return it.
+
+    ``fmt`` is "text" or "json"; ``verbosity`` -1 quiet (errors only), 0 info, 1 or more debug.
+    Applies :func:`logging_config`, which replaces the root logger's handlers, so calling it
+    again reconfigures instead of adding a second handler. In JSON mode Python warnings are
+    logged too (``logging.captureWarnings``, ``"event": "warning"``); in text mode they print as
+    Python prints them.
+    """
+    terminal = terminal if terminal is not None else Terminal()
+    config = logging_config(fmt, verbosity, terminal)
+    with terminal.lock:
+        logging.config.dictConfig(config)
     logging.captureWarnings(fmt == "json")
-    adopt_library_loggers()
-    # Object-store clients log signed request headers at DEBUG, access key id included; storage
-    # options are never logged, so these loggers stay at INFO even with -vv.
-    for name in QUIET_LIBRARIES:
-        logging.getLogger(name).setLevel(max(level, logging.INFO))
+    return terminal
+
+
+def dask_logging_config(debug: bool) -> dict[str, Any]:
+    """The levels of Dask's own loggers during a run, as an incremental ``dictConfig``.
+
+    ``import distributed`` sets its loggers to INFO; its cluster chatter is noise in a nightly
+    log unless debugging, so it is WARNING unless ``debug``. Only levels change: the handlers
+    :func:`setup_logging` installed stay.
+    """
+    loggers = {} if debug else {"distributed": {"level": "WARNING"}}
+    return {"version": 1, "incremental": True, "loggers": loggers}
+
+
+def configure_dask_logging(debug: bool | None = None) -> None:
+    """Apply :func:`dask_logging_config` in this process: the driver, or a Dask worker.
+
+    ``debug`` defaults to whether the ``pipeline`` logger is enabled for DEBUG (-vv).
+    """
+    if debug is None:
+        debug = logger.isEnabledFor(logging.DEBUG)
+    logging.config.dictConfig(dask_logging_config(debug))
 
 
 # --------------------------------------------------------------------------------------------
-# Per-shard lines
-
-
-def _verbose() -> bool:
-    return logger.isEnabledFor(logging.DEBUG)
+# Per-shard and per-partition lines
 
 
 def log_shard(result: ShardResult) -> None:
@@ -306,13 +338,11 @@ def log_shard(result: ShardResult) -> None:
     scored: INFO ``shard_scored`` with shard, rows (scored), rows_in, rows_rejected, rows_per_s,
     duration_s, status. failed: ERROR ``shard_failed`` with kind and the message. skipped: DEBUG
     ``shard_skipped``. While a :class:`Progress` bar is drawn and the run is not verbose (-v),
-    ``shard_scored`` lines are not logged: the bar already shows them, and the summary table lists
-    every shard. Failures are always logged.
+    :class:`TerminalHandler` does not write the ``shard_scored`` lines: the bar already shows
+    them, and the summary table lists every shard. Failures are always logged.
     """
     common = {"shard": result.rel_path, "status": result.status, "rows_in": result.rows_in}
     if result.status == "scored":
-        if _ACTIVE is not None and not _verbose():
-            return
         logger.info(
             "scored %s: %s rows, %s rejected, %.2fs (%s rows/s)",
             result.rel_path,
@@ -351,6 +381,19 @@ def log_shard(result: ShardResult) -> None:
         )
 
 
+def log_partition(entry: Mapping[str, Any]) -> None:
+    """Log one finished backfill partition (``partition_done``; ERROR if it failed)."""
+    status = entry["status"]
+    level = logging.ERROR if status in ("failed", "error") else logging.INFO
+    logger.log(
+        level,
+        "partition %s: %s",
+        entry["date"],
+        status,
+        extra={"event": "partition_done", "status": status, "partition": entry["date"]},
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Progress bar
 
@@ -366,18 +409,17 @@ def progress_enabled(fmt: str, verbosity: int, stream: Any) -> bool:
 
 
 class Progress:
-    """A progress bar over the run's rows on ``stream`` (default stderr), via click.progressbar.
+    """A progress bar over the run's rows on a :class:`Terminal`, via click.progressbar.
 
     Shows the bar, percent done and ETA (click's), then rows done/total, shards done/total and
     the overall rows/s. ``update(result)`` advances it by ``result.rows_in`` and one shard. With
     ``enabled=False`` (JSON logs, quiet, or not a terminal: see :func:`progress_enabled`) it does
     nothing at all and writes nothing.
 
-    While the bar is drawn, log lines written by this module's handlers (:func:`setup_logging`)
-    on the same stream first clear the bar's line and then redraw the bar below themselves, so
-    lines never run into the bar; and :func:`log_shard` drops the per-shard ``shard_scored``
-    INFO lines unless the run is verbose (-v), since the bar already counts them (failures are
-    always logged). Entering the bar adopts Dask's own stderr loggers in the same way.
+    Give it the ``terminal`` that :func:`setup_logging` configured the log handlers with: while
+    the bar is drawn (``terminal.bar``), log lines on the same stream first clear the bar's line
+    and then redraw the bar below themselves, so lines never run into the bar. Without one it
+    draws on its own ``stream`` (default stderr) and knows of no log lines.
     """
 
     def __init__(
@@ -388,11 +430,13 @@ class Progress:
         enabled: bool,
         stream: TextIO | None = None,
         label: str = "scoring",
+        terminal: Terminal | None = None,
     ) -> None:
         self.enabled = enabled
         self.total_rows = max(0, int(total_rows))
         self.total_shards = max(0, int(total_shards))
-        self.stream: TextIO = stream if stream is not None else sys.stderr
+        self.terminal = terminal if terminal is not None else Terminal(stream)
+        self.stream: TextIO = stream if stream is not None else self.terminal.stream
         self.label = label
         self.rows_done = 0
         self.shards_done = 0
@@ -413,12 +457,10 @@ class Progress:
     # -- context manager -------------------------------------------------------------------
 
     def __enter__(self) -> Progress:
-        global _ACTIVE
         if not self.enabled:
             return self
         self._start = time.monotonic()
         self._pid = os.getpid()
-        adopt_library_loggers()
         bar: Any = click.progressbar(
             length=self.total_rows,
             label=self.label,
@@ -430,9 +472,9 @@ class Progress:
             bar_template="%(label)s  [%(bar)s]  %(info)s",
             width=30,
         )
-        with _TERMINAL_LOCK:
+        with self.terminal.lock:
             self._bar = bar.__enter__()
-            _ACTIVE = self
+            self.terminal.bar = self
         return self
 
     def __exit__(
@@ -441,12 +483,11 @@ class Progress:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        global _ACTIVE
         if self._bar is None:
             return
-        with _TERMINAL_LOCK:
-            if _ACTIVE is self:
-                _ACTIVE = None
+        with self.terminal.lock:
+            if self.terminal.bar is self:
+                self.terminal.bar = None
             bar, self._bar = self._bar, None
             if exc_type is None:
                 bar.render_progress()  # the final rows/s and counts
@@ -457,7 +498,7 @@ class Progress:
         if self._bar is None:
             return
         rows = int(getattr(result, "rows_in", None) or 0)
-        with _TERMINAL_LOCK:
+        with self.terminal.lock:
             self.rows_done += rows
             self.shards_done += 1
             self._bar.update(rows)
@@ -487,8 +528,47 @@ class Progress:
         self.stream.flush()
 
 
+class RunProgress:
+    """The ``on_start``/``on_shard`` callbacks of a run for the CLI: every finished shard is
+    logged (:func:`log_shard`) and, where :func:`progress_enabled` allows, counted on a
+    :class:`Progress` bar opened by ``on_start``. Use it as a context manager: the bar is closed
+    on the way out, before any error message is printed.
+    """
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.bar: Progress | None = None
+
+    def on_start(self, rows: int, shards: int) -> None:
+        """The run knows its size: open the bar (once)."""
+        if self.bar is not None:
+            return
+        c = self.console
+        enabled = progress_enabled(c.fmt, c.verbosity, c.terminal.stream)
+        self.bar = Progress(rows, shards, enabled=enabled, terminal=c.terminal).__enter__()
+
+    def on_shard(self, result: ShardResult) -> None:
+        """One shard finished (scored, skipped or failed)."""
+        log_shard(result)
+        if self.bar is not None:
+            self.bar.update(result)
+
+    def __enter__(self) -> RunProgress:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        bar, self.bar = self.bar, None
+        if bar is not None:
+            bar.__exit__(exc_type, exc, tb)
+
+
 # --------------------------------------------------------------------------------------------
-# Summary and fatal errors
+# Summary, fatal errors, and the console that ties them together
 
 
 def emit_summary(report_data: Mapping[str, Any], fmt: str, text: str) -> None:
@@ -504,10 +584,14 @@ def emit_summary(report_data: Mapping[str, Any], fmt: str, text: str) -> None:
     click.echo(json_line(obj))
 
 
-def emit_error(message: str, exit_code: int, fmt: str) -> None:
-    """A fatal error on stderr: ``error: MESSAGE`` in text mode, one JSON line in JSON mode."""
-    with _TERMINAL_LOCK:
-        bar = _ACTIVE
+def emit_error(message: str, exit_code: int, fmt: str, terminal: Terminal | None = None) -> None:
+    """A fatal error on stderr: ``error: MESSAGE`` in text mode, one JSON line in JSON mode.
+
+    With ``terminal``, a bar still drawn on it is cleared first.
+    """
+    terminal = terminal if terminal is not None else Terminal()
+    with terminal.lock:
+        bar = terminal.bar
         if bar is not None and bar.draws_on(sys.stderr):
             bar.clear_line()
         if fmt != "json":
@@ -521,3 +605,34 @@ def emit_error(message: str, exit_code: int, fmt: str) -> None:
             "exit_code": exit_code,
         }
         click.echo(json_line(obj), err=True)
+
+
+class Console:
+    """What one CLI command writes: its log format, verbosity, and the terminal they share.
+
+    :meth:`setup` configures logging (:func:`setup_logging`) and returns the console; the
+    command then hands out :meth:`progress` callbacks and ends with :meth:`summary` or
+    :meth:`error`.
+    """
+
+    def __init__(self, fmt: str, verbosity: int, terminal: Terminal) -> None:
+        self.fmt = fmt
+        self.verbosity = verbosity
+        self.terminal = terminal
+
+    @classmethod
+    def setup(cls, fmt: str, verbosity: int) -> Console:
+        """Configure logging on a new :class:`Terminal` on stderr; the console for it."""
+        return cls(fmt, verbosity, setup_logging(fmt, verbosity))
+
+    def progress(self) -> RunProgress:
+        """Callbacks for one run: shard lines, and the bar on a terminal."""
+        return RunProgress(self)
+
+    def summary(self, report_data: Mapping[str, Any], text: str) -> None:
+        """See :func:`emit_summary`."""
+        emit_summary(report_data, self.fmt, text)
+
+    def error(self, message: str, exit_code: int) -> None:
+        """See :func:`emit_error`."""
+        emit_error(message, exit_code, self.fmt, self.terminal)

@@ -18,11 +18,14 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline import storage
 from pipeline.errors import StorageError
-from pipeline.storage import Location
+from pipeline.storage import Location, ShardRef
+
+if TYPE_CHECKING:  # storage reads MANIFEST_NAME from here: keep torch out of this import
+    from pipeline.scoring import ShardResult
 
 MANIFEST_NAME = "_manifest.json"
 SCHEMA_VERSION = 1
@@ -32,6 +35,34 @@ SAVE_BUDGET = 0.1  # share of the driver's time that manifest saves may take
 def settings_hash(settings: dict[str, Any]) -> str:
     """A stable hash of the settings that change what is written for a row."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def expectation(
+    shard: ShardRef, num_rows: int, model_sha256: str, settings_hash: str
+) -> dict[str, Any]:
+    """What an entry must say for ``shard`` to count as done: input, model and settings."""
+    return {
+        "fingerprint": {**shard.fingerprint(), "num_rows": num_rows},
+        "model_sha256": model_sha256,
+        "settings_hash": settings_hash,
+    }
+
+
+def scored_entry(
+    input_uri: str, expect: dict[str, Any], result: ShardResult, run_id: str
+) -> dict[str, Any]:
+    """The entry of a shard this run scored: what it was scored from, and what it wrote."""
+    return {
+        "input": input_uri,
+        **expect,
+        "output": result.output,
+        "rejects": result.rejects,
+        "rows_in": result.rows_in,
+        "rows_scored": result.rows_out,
+        "rows_rejected": result.rows_rejected,
+        "run_id": run_id,
+        "scored_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+    }
 
 
 @dataclass

@@ -25,12 +25,14 @@ from prometheus_client import CollectorRegistry, Gauge, push_to_gateway, write_t
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.errors import StorageError
+from pipeline.statuses import SUCCESS_STATUSES, RunStatus
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "score_catalog"
 LAST_SUCCESS = f"{PREFIX}_last_success_timestamp_seconds"
-STATUSES = ("succeeded", "succeeded_with_errors", "succeeded_with_warnings", "failed")
+#: Every ``status`` label of ``score_catalog_run_status``: one sample per status, 1 for the run's.
+STATUSES = tuple(s.value for s in RunStatus)
 
 
 def _timestamp(value: Any) -> float | None:
@@ -59,9 +61,12 @@ def registry_for(
 
     Reads ``job``, ``status``, ``started_at``, ``finished_at``, ``duration_s``, ``rows_out``,
     ``rows_rejected``, ``shards_failed``, ``rows_per_s`` and ``drift``; a field that is missing
-    or None leaves its sample out rather than exporting a made-up 0. The last-success timestamp
-    is this run's end unless it failed, else ``previous_success_ts`` (carried forward so that a
-    failure does not reset the "hours since last success" alert); with neither it is left out.
+    or None leaves its sample out rather than exporting a made-up 0 (``report`` is a whole
+    ``_report.json``, or the short summary of a run that stopped before scoring). The
+    last-success timestamp is this run's end if it succeeded (a status in
+    :data:`~pipeline.statuses.SUCCESS_STATUSES`), else ``previous_success_ts`` (carried forward
+    so that a failed or interrupted run does not reset the "hours since last success" alert);
+    with neither it is left out.
     """
     reg = CollectorRegistry(auto_describe=True)
     job = str(report["job"])
@@ -73,7 +78,7 @@ def registry_for(
 
     status = report.get("status")
     end = _timestamp(report.get("finished_at"))
-    last_success = end if status != "failed" else previous_success_ts
+    last_success = end if status in SUCCESS_STATUSES else previous_success_ts
     gauge(
         "last_run_start_timestamp_seconds",
         "Unix time the last run of the job started, whatever its outcome.",

@@ -94,66 +94,9 @@ def parse_bundle_toml(raw: bytes, uri: str) -> BundleSpec:
         doc = tomllib.loads(raw.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ModelError(f"model bundle {where} is not valid TOML: {e}") from e
-    p: list[str] = []
-    for key in sorted(set(doc) - _BUNDLE_KEYS):
-        p.append(f"unknown key {key!r}; known keys: {', '.join(sorted(_BUNDLE_KEYS))}")
-    for key in ("name", "version", "format", "file"):
-        if not isinstance(doc.get(key), str) or not doc.get(key):
-            p.append(f"{key} must be a non-empty string")
-    f = doc.get("file")
-    if isinstance(f, str) and (f.startswith("/") or ".." in f.split("/") or "://" in f):
-        p.append(f"file = {f!r} must be a file name inside the bundle directory")
-    fmt = doc.get("format")
-    if fmt in ("pickle", "state_dict", "torch_save"):
-        p.append(
-            f"format = {fmt!r} is refused: pickles can run arbitrary code on load; {EXPORT_HINT}"
-        )
-    elif isinstance(fmt, str) and fmt not in FORMATS:
-        p.append(f"format = {fmt!r} is not one of {', '.join(FORMATS)}")
-    inputs = doc.get("inputs")
-    columns = column = dim = None
-    if not isinstance(inputs, Mapping):
-        p.append('[inputs] table is required (columns = [...] or column = "...")')
-    else:
-        for key in sorted(set(inputs) - {"columns", "column", "dim"}):
-            p.append(f"unknown key inputs.{key}; known: columns, column, dim")
-        if ("columns" in inputs) == ("column" in inputs):
-            p.append('[inputs] needs exactly one of columns = [...] or column = "..."')
-        elif "columns" in inputs:
-            cols = inputs["columns"]
-            if not (isinstance(cols, list) and cols and all(isinstance(c, str) for c in cols)):
-                p.append("inputs.columns must be a non-empty list of column names")
-            elif len(set(cols)) != len(cols):
-                p.append("inputs.columns names a column twice")
-            else:
-                columns = tuple(cols)
-        else:
-            if not isinstance(inputs["column"], str) or not inputs["column"]:
-                p.append("inputs.column must be a column name")
-            else:
-                column = inputs["column"]
-            if "dim" in inputs:
-                dim_ok = isinstance(inputs["dim"], int) and not isinstance(inputs["dim"], bool)
-                if not dim_ok or inputs["dim"] < 1:
-                    p.append("inputs.dim must be an integer >= 1")
-                else:
-                    dim = inputs["dim"]
-    outputs_raw = doc.get("outputs")
-    outputs: list[OutputSpec] = []
-    if not isinstance(outputs_raw, Mapping) or not outputs_raw:
-        p.append('[outputs] table is required, e.g. score = "softmax:1"')
-    else:
-        for name, how in outputs_raw.items():
-            m = _TRANSFORM_RE.match(how) if isinstance(how, str) else None
-            if m is None:
-                p.append(
-                    f"outputs.{name} = {how!r} is not one of softmax:K, sigmoid, sigmoid:K, "
-                    "argmax, raw"
-                )
-            elif m.group(1):
-                outputs.append(OutputSpec(name, m.group(1), int(m.group(2))))
-            else:
-                outputs.append(OutputSpec(name, m.group(3)))
+    p = _header_problems(doc)
+    columns, column, dim = _parse_inputs(doc.get("inputs"), p)
+    outputs = _parse_outputs(doc.get("outputs"), p)
     if p:
         raise ModelError(f"model bundle {where} is invalid:\n" + "\n".join(f"  - {x}" for x in p))
     return BundleSpec(
@@ -167,6 +110,83 @@ def parse_bundle_toml(raw: bytes, uri: str) -> BundleSpec:
         dim=dim,
         outputs=tuple(outputs),
     )
+
+
+def _header_problems(doc: Mapping[str, Any]) -> list[str]:
+    """Problems with the bundle's top-level keys (name, version, format, file)."""
+    p = [
+        f"unknown key {key!r}; known keys: {', '.join(sorted(_BUNDLE_KEYS))}"
+        for key in sorted(set(doc) - _BUNDLE_KEYS)
+    ]
+    for key in ("name", "version", "format", "file"):
+        if not isinstance(doc.get(key), str) or not doc.get(key):
+            p.append(f"{key} must be a non-empty string")
+    f = doc.get("file")
+    if isinstance(f, str) and (f.startswith("/") or ".." in f.split("/") or "://" in f):
+        p.append(f"file = {f!r} must be a file name inside the bundle directory")
+    fmt = doc.get("format")
+    if fmt in ("pickle", "state_dict", "torch_save"):
+        p.append(
+            f"format = {fmt!r} is refused: pickles can run arbitrary code on load; {EXPORT_HINT}"
+        )
+    elif isinstance(fmt, str) and fmt not in FORMATS:
+        p.append(f"format = {fmt!r} is not one of {', '.join(FORMATS)}")
+    return p
+
+
+def _parse_inputs(
+    inputs: Any, p: list[str]
+) -> tuple[tuple[str, ...] | None, str | None, int | None]:
+    """``[inputs]``: (columns, column, dim); problems are appended to ``p``."""
+    if not isinstance(inputs, Mapping):
+        p.append('[inputs] table is required (columns = [...] or column = "...")')
+        return None, None, None
+    for key in sorted(set(inputs) - {"columns", "column", "dim"}):
+        p.append(f"unknown key inputs.{key}; known: columns, column, dim")
+    if ("columns" in inputs) == ("column" in inputs):
+        p.append('[inputs] needs exactly one of columns = [...] or column = "..."')
+        return None, None, None
+    if "columns" in inputs:
+        cols = inputs["columns"]
+        if not (isinstance(cols, list) and cols and all(isinstance(c, str) for c in cols)):
+            p.append("inputs.columns must be a non-empty list of column names")
+        elif len(set(cols)) != len(cols):
+            p.append("inputs.columns names a column twice")
+        else:
+            return tuple(cols), None, None
+        return None, None, None
+    column = None
+    if not isinstance(inputs["column"], str) or not inputs["column"]:
+        p.append("inputs.column must be a column name")
+    else:
+        column = inputs["column"]
+    dim = None
+    if "dim" in inputs:
+        dim_ok = isinstance(inputs["dim"], int) and not isinstance(inputs["dim"], bool)
+        if not dim_ok or inputs["dim"] < 1:
+            p.append("inputs.dim must be an integer >= 1")
+        else:
+            dim = inputs["dim"]
+    return None, column, dim
+
+
+def _parse_outputs(raw: Any, p: list[str]) -> list[OutputSpec]:
+    """``[outputs]`` in declaration order; problems are appended to ``p``."""
+    if not isinstance(raw, Mapping) or not raw:
+        p.append('[outputs] table is required, e.g. score = "softmax:1"')
+        return []
+    outputs: list[OutputSpec] = []
+    for name, how in raw.items():
+        m = _TRANSFORM_RE.match(how) if isinstance(how, str) else None
+        if m is None:
+            p.append(
+                f"outputs.{name} = {how!r} is not one of softmax:K, sigmoid, sigmoid:K, argmax, raw"
+            )
+        elif m.group(1):
+            outputs.append(OutputSpec(name, m.group(1), int(m.group(2))))
+        else:
+            outputs.append(OutputSpec(name, m.group(3)))
+    return outputs
 
 
 @dataclass
@@ -210,9 +230,7 @@ def read_bundle(
     root = storage.locate(uri, options)
     toml_loc = root.child("model.toml")
     try:
-        raw = storage.with_retries(
-            lambda: toml_loc.fs.cat_file(toml_loc.path), what=f"reading {toml_loc.uri}"
-        )
+        raw = storage.read_bytes(toml_loc)
     except FileNotFoundError:
         raise ModelError(
             f"model bundle {uri} has no model.toml (a bundle is a directory holding model.toml "
@@ -221,9 +239,7 @@ def read_bundle(
     spec = parse_bundle_toml(raw, uri)
     w_loc = root.child(spec.file)
     try:
-        weights = storage.with_retries(
-            lambda: w_loc.fs.cat_file(w_loc.path), what=f"reading {w_loc.uri}"
-        )
+        weights = storage.read_bytes(w_loc)
     except FileNotFoundError:
         raise ModelError(f"model bundle {uri}: weights file {spec.file!r} does not exist") from None
     sha = hashlib.sha256(raw + weights).hexdigest()
@@ -260,7 +276,9 @@ def _deserialize(spec: BundleSpec, weights: bytes, device: torch.device) -> Any:
             # once in the log rather than as a warning that -W error would turn into a failure.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
-                module = torch.jit.load(io.BytesIO(weights), map_location="cpu")
+                module = torch.jit.load(  # type: ignore[no-untyped-call]
+                    io.BytesIO(weights), map_location="cpu"
+                )
             logger.warning(
                 "model bundle %s is TorchScript, which torch deprecates; re-export it with "
                 "torch.export when you can",

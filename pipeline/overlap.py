@@ -16,6 +16,27 @@ T = TypeVar("T")
 _DONE = object()
 
 
+def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Queue ``item`` unless the consumer has gone; False once it has."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(items: Iterator[Any], q: queue.Queue[Any], stop: threading.Event) -> None:
+    try:
+        for item in items:
+            if not _put(q, item, stop):
+                return
+        q.put(_DONE)
+    except BaseException as e:  # handed to the consumer
+        q.put(e)
+
+
 def read_ahead(items: Iterator[T], depth: int) -> Iterator[T]:
     """Iterate ``items`` in a background thread, at most ``depth`` items ahead of the consumer.
 
@@ -27,23 +48,7 @@ def read_ahead(items: Iterator[T], depth: int) -> Iterator[T]:
         return
     q: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            q.put(_DONE)
-        except BaseException as e:  # handed to the consumer
-            q.put(e)
-
-    t = threading.Thread(target=produce, name="read-ahead", daemon=True)
+    t = threading.Thread(target=_produce, args=(items, q, stop), name="read-ahead", daemon=True)
     t.start()
     try:
         while True:

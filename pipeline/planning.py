@@ -13,17 +13,19 @@ from typing import Any
 import torch
 
 from pipeline import storage
+from pipeline.cluster import thread_plan
 from pipeline.config import JobConfig
-from pipeline.manifest import Manifest
+from pipeline.manifest import Manifest, expectation
 from pipeline.model import forward, read_bundle, resolve_device
 from pipeline.precision import ExecutionOptions, prepare
-from pipeline.run import (
+from pipeline.preparation import (
     SAMPLE_ROWS,
-    _sample_rows,
-    _settings,
+    Inspection,
     inspect_shards,
-    thread_plan,
+    run_settings,
+    sample_rows,
 )
+from pipeline.storage import Location, ShardRef
 from pipeline.tuning import BatchSizeCache, bench_batch_sizes, cache_key, default_cache_path
 
 CALIBRATION_S = 2.0  # time spent timing the model, at most (plus one warm-up pass)
@@ -38,37 +40,10 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     shards = storage.list_shards(config.input_uri(), opts)
     device = resolve_device(config.device)
     spec, _, sha = read_bundle(config.model, opts)
-    infos, failed, problems, width, model = inspect_shards(config, shards, spec, sha, device, opts)
-    settings = _settings(config, spec)
-    manifest = Manifest.load(out_root)
-    entries: list[dict[str, Any]] = []
-    for s in shards:
-        info = infos.get(s.rel_path)
-        entry: dict[str, Any] = {
-            "rel_path": s.rel_path,
-            "input": s.uri,
-            "rows": info.num_rows if info else None,
-            "row_groups": info.num_row_groups if info else None,
-            "bytes": s.size,
-        }
-        if s.rel_path in failed:
-            entry.update(action="fail", problem=failed[s.rel_path].message)
-        elif s.rel_path in problems:
-            action = "fail" if config.errors.on_schema_error == "fail" else "skip (schema)"
-            entry.update(action=action, problem="; ".join(problems[s.rel_path]))
-        else:
-            assert info is not None
-            expect = {
-                "fingerprint": {**s.fingerprint(), "num_rows": info.num_rows},
-                "model_sha256": sha,
-                "settings_hash": settings.hash,
-            }
-            done = not config.force and manifest.is_done(
-                s.rel_path, expect, out_root.child(s.rel_path)
-            )
-            entry["action"] = "skip (done)" if done else "score"
-        entries.append(entry)
-
+    found = inspect_shards(config, shards, spec, sha, device, opts)
+    _, failed, problems, width, model = found
+    settings = run_settings(config, spec)
+    entries = _shard_entries(config, shards, found, out_root, expect_done=(sha, settings.hash))
     to_score = [e for e in entries if e["action"] == "score"]
     rows_to_score = sum(e["rows"] or 0 for e in to_score)
     plan = thread_plan(config, len(to_score))
@@ -102,6 +77,42 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     }
 
 
+def _shard_entries(
+    config: JobConfig,
+    shards: list[ShardRef],
+    found: Inspection,
+    out_root: Location,
+    expect_done: tuple[str, str],  # model SHA-256 and settings hash a done shard must match
+) -> list[dict[str, Any]]:
+    """One plan entry per shard: rows, row groups, bytes and what a run would do with it."""
+    infos, failed, problems = found.infos, found.failed, found.schema_problems
+    manifest = Manifest.load(out_root)
+    entries: list[dict[str, Any]] = []
+    for s in shards:
+        info = infos.get(s.rel_path)
+        entry: dict[str, Any] = {
+            "rel_path": s.rel_path,
+            "input": s.uri,
+            "rows": info.num_rows if info else None,
+            "row_groups": info.num_row_groups if info else None,
+            "bytes": s.size,
+        }
+        if s.rel_path in failed:
+            entry.update(action="fail", problem=failed[s.rel_path].message)
+        elif s.rel_path in problems:
+            action = "fail" if config.errors.on_schema_error == "fail" else "skip (schema)"
+            entry.update(action=action, problem="; ".join(problems[s.rel_path]))
+        else:
+            assert info is not None
+            expect = expectation(s, info.num_rows, *expect_done)
+            done = not config.force and manifest.is_done(
+                s.rel_path, expect, out_root.child(s.rel_path)
+            )
+            entry["action"] = "skip (done)" if done else "score"
+        entries.append(entry)
+    return entries
+
+
 def _calibrate(
     config: JobConfig, model: Any, sample_from: Any, width: int, threads: int | None
 ) -> dict[str, Any]:
@@ -119,7 +130,7 @@ def _calibrate(
         model, ExecutionOptions(config.precision, config.compile, config.strict_fp32)
     )
     x = (
-        _sample_rows(config, model, sample_from, width)
+        sample_rows(config, model, sample_from, width)
         if sample_from is not None
         else torch.zeros(0, width)
     )

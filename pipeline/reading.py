@@ -40,11 +40,11 @@ def open_parquet(uri: str, options: Mapping[str, Any] | None = None) -> Iterator
     so memory would grow with the shard instead of staying at one row group.
     """
     loc = storage.locate(uri, options)
-    try:
-        f = storage.with_retries(lambda: loc.fs.open(loc.path, "rb"), what=f"opening {uri}")
-    except FileNotFoundError as e:
-        raise ShardError(f"shard {uri} disappeared: {e}", shard=uri, kind="unreadable") from e
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            f = stack.enter_context(storage.open_input(loc))
+        except FileNotFoundError as e:
+            raise ShardError(f"shard {uri} disappeared: {e}", shard=uri, kind="unreadable") from e
         try:
             pf = pq.ParquetFile(f, pre_buffer=False)
         except (pa.ArrowException, OSError, ValueError) as e:
@@ -55,8 +55,6 @@ def open_parquet(uri: str, options: Mapping[str, Any] | None = None) -> Iterator
                 kind="unreadable",
             ) from e
         yield pf
-    finally:
-        f.close()
 
 
 def read_footer(uri: str, options: Mapping[str, Any] | None = None) -> ShardInfo:
@@ -70,7 +68,7 @@ def read_footer(uri: str, options: Mapping[str, Any] | None = None) -> ShardInfo
 
 
 def _is_number(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t)
+    return bool(pa.types.is_integer(t) or pa.types.is_floating(t))
 
 
 def feature_width(schema: pa.Schema, spec: BundleSpec) -> int | None:
@@ -112,38 +110,49 @@ def check_schema(
             role = "id column" if col == id_column else "pass-through column"
             problems.append(f"shard {shard}: {role} {col!r} is missing")
     if spec.columns is not None:
-        for col in spec.columns:
-            if col in ambiguous:
-                continue
-            if col not in names:
-                problems.append(f"shard {shard}: feature column {col!r} is missing")
-            elif not _is_number(schema.field(col).type):
-                problems.append(
-                    f"shard {shard}: feature column {col!r} has type {schema.field(col).type}, "
-                    "which is not numeric (integers and floats are cast to float32)"
-                )
-    else:
-        col = spec.column or ""
-        if col in ambiguous:
-            pass
-        elif col not in names:
-            problems.append(f"shard {shard}: feature column {col!r} is missing")
-        else:
-            t = schema.field(col).type
-            is_list = (
-                pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
-            )
-            if not is_list or not _is_number(t.value_type):
-                problems.append(
-                    f"shard {shard}: feature column {col!r} has type {t}; expected a list of "
-                    f"{width} numbers"
-                )
-            elif pa.types.is_fixed_size_list(t) and t.list_size != width:
-                problems.append(
-                    f"shard {shard}: feature column {col!r} holds lists of {t.list_size} values; "
-                    f"the model takes {width}"
-                )
+        problems += _columns_problems(schema, spec.columns, names, ambiguous, shard)
+    elif (spec.column or "") not in ambiguous:
+        problems += _list_column_problems(schema, spec.column or "", names, width, shard)
     return problems
+
+
+def _columns_problems(
+    schema: pa.Schema, columns: tuple[str, ...], names: set[str], ambiguous: set[str], shard: str
+) -> list[str]:
+    """Problems of the named numeric feature columns (ambiguous ones are reported already)."""
+    problems = []
+    for col in columns:
+        if col in ambiguous:
+            continue
+        if col not in names:
+            problems.append(f"shard {shard}: feature column {col!r} is missing")
+        elif not _is_number(schema.field(col).type):
+            problems.append(
+                f"shard {shard}: feature column {col!r} has type {schema.field(col).type}, "
+                "which is not numeric (integers and floats are cast to float32)"
+            )
+    return problems
+
+
+def _list_column_problems(
+    schema: pa.Schema, col: str, names: set[str], width: int, shard: str
+) -> list[str]:
+    """Problems of the one list feature column."""
+    if col not in names:
+        return [f"shard {shard}: feature column {col!r} is missing"]
+    t = schema.field(col).type
+    is_list = pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
+    if not is_list or not _is_number(t.value_type):
+        return [
+            f"shard {shard}: feature column {col!r} has type {t}; expected a list of "
+            f"{width} numbers"
+        ]
+    if pa.types.is_fixed_size_list(t) and t.list_size != width:
+        return [
+            f"shard {shard}: feature column {col!r} holds lists of {t.list_size} values; "
+            f"the model takes {width}"
+        ]
+    return []
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import logging
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -11,15 +13,26 @@ import numpy as np
 
 from pipeline import drift as drift_mod
 from pipeline.errors import EXIT_DRIFT, EXIT_OK, EXIT_RUN_FAILED
+from pipeline.statuses import FailureKind, RunStatus, ShardStatus
 
 if TYPE_CHECKING:  # `score-catalog report` reads reports without importing torch
+    from pipeline.config import ErrorPolicy
+    from pipeline.model import LoadedModel
     from pipeline.scoring import ShardResult
+
+logger = logging.getLogger(__name__)
 
 REPORT_NAME = "_report.json"
 HTML_NAME = "_report.html"
-SCHEMA_VERSION = 2
+# 3: the report is described by a committed JSON Schema (pipeline/schemas); keys as in 2.
+SCHEMA_VERSION = 3
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
-STATUSES = ("succeeded", "succeeded_with_errors", "succeeded_with_warnings", "failed")
+STATUSES = (
+    RunStatus.SUCCEEDED,
+    RunStatus.SUCCEEDED_WITH_ERRORS,
+    RunStatus.SUCCEEDED_WITH_WARNINGS,
+    RunStatus.FAILED,
+)
 # The driver keeps at most this many sampled scores per output column, however many shards the
 # archive has; beyond it the sample is compressed to evenly weighted quantiles (memory stays flat).
 MAX_SAMPLE = 200_000
@@ -39,7 +52,7 @@ class RunReport:
 
     @property
     def exit_code(self) -> int:
-        if self.status == "failed":
+        if self.status == RunStatus.FAILED:
             return EXIT_RUN_FAILED
         drift = self.data.get("drift") or {}
         return EXIT_DRIFT if drift.get("alert") else EXIT_OK
@@ -57,7 +70,7 @@ def versions() -> dict[str, str]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "pyarrow": pyarrow.__version__,
-        "dask": dask.__version__,
+        "dask": dask.__version__,  # type: ignore[attr-defined]  # not in its stubs' exports
     }
 
 
@@ -77,19 +90,21 @@ class ScoreProfile:
         self.cols: dict[str, dict[str, Any]] = {}
 
     def add(self, r: ShardResult) -> None:
-        for col, (count, total, lo, hi) in r.stats.items():
+        """Merge one scored shard's statistics."""
+        weight = r.stats.sample_weight
+        for col, c in r.stats.columns.items():
             m = self.cols.setdefault(
                 col,
                 {"count": 0, "sum": 0.0, "min": np.inf, "max": -np.inf, "v": [], "w": [], "n": 0},
             )
-            m["count"] += count
-            m["sum"] += total
-            m["min"] = min(m["min"], lo)
-            m["max"] = max(m["max"], hi)
-            vals = np.asarray(r.samples.get(col, []), dtype=float)
+            m["count"] += c.count
+            m["sum"] += c.total
+            m["min"] = min(m["min"], c.min)
+            m["max"] = max(m["max"], c.max)
+            vals = np.asarray(c.samples, dtype=float)
             if len(vals):
                 m["v"].append(vals)
-                m["w"].append(np.full(len(vals), r.sample_weight))
+                m["w"].append(np.full(len(vals), weight))
                 m["n"] += len(vals)
             if m["n"] > MAX_SAMPLE:
                 v, w = np.concatenate(m["v"]), np.concatenate(m["w"])
@@ -124,11 +139,212 @@ def output_summary(results: Iterable[ShardResult]) -> dict[str, dict[str, Any]]:
 
 
 def latency_summary(results: Iterable[ShardResult]) -> dict[str, float | None]:
-    lat = np.asarray([x for r in results for x in r.latencies_ms], dtype=float)
+    """Model time per batch over every scored shard: p50, p95, p99 in milliseconds."""
+    lat = np.asarray([x for r in results for x in r.stats.latencies_ms], dtype=float)
     if not len(lat):
         return {"p50": None, "p95": None, "p99": None}
     p50, p95, p99 = np.percentile(lat, [50, 95, 99])
     return {"p50": float(p50), "p95": float(p95), "p99": float(p99)}
+
+
+def model_section(uri: str, model: LoadedModel) -> dict[str, Any]:
+    """The ``model`` section of the report: the bundle, its content hash and its widths."""
+    spec = model.spec
+    return {
+        "uri": uri,
+        "name": spec.name,
+        "version": spec.version,
+        "format": spec.format,
+        "sha256": model.sha256,
+        "width": model.width,
+        "out_width": model.out_width,
+    }
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the report says about a run besides its shards: who, where, and with what."""
+
+    run_id: str
+    job: str
+    started_at: dt.datetime
+    input: str
+    output: str
+    rejects: str
+    id_column: str
+    error_budget: ErrorPolicy
+    model: dict[str, Any]  # the ``model`` section: uri, name, version, format, sha256, widths
+    device: str
+    threads: dict[str, Any]
+    settings: dict[str, Any]
+    batch_size: int
+    execution: dict[str, Any]
+    lock_taken_over: dict[str, Any] | None
+
+
+def _problems(facts: RunFacts, shards: list[ShardResult]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The ``errors`` and ``warnings`` of the report, warnings logged as they are found."""
+    errors: list[dict[str, Any]] = [
+        {"shard": r.input, "kind": r.kind, "message": r.message}
+        for r in shards
+        if r.status == ShardStatus.FAILED
+    ]
+    warnings: list[str] = []
+    dups = sum(r.duplicate_ids for r in shards if r.status == ShardStatus.SCORED)
+    if dups:
+        warnings.append(
+            f"{dups} rows have a {facts.id_column} that appeared earlier in the same shard ("
+            + ", ".join(f"{r.rel_path}: {r.duplicate_ids}" for r in shards if r.duplicate_ids)
+            + "); they were scored, each once"
+        )
+    if facts.lock_taken_over:
+        warnings.append(f"took over a stale lock: {facts.lock_taken_over['reason']}")
+    for w in warnings:
+        logger.warning("%s", w)
+    for r in shards:
+        if r.status != ShardStatus.FAILED and r.rows_in != r.rows_out + r.rows_rejected:
+            errors.append(
+                {
+                    "shard": r.input,
+                    "kind": FailureKind.ACCOUNTING,
+                    "message": f"shard {r.input}: rows in ({r.rows_in}) != rows scored "
+                    f"({r.rows_out}) + rows rejected ({r.rows_rejected})",
+                }
+            )
+    return errors, warnings
+
+
+def _counts(shards: list[ShardResult]) -> dict[str, Any]:
+    """Row and shard totals; rows of failed shards count in ``rows_in`` only."""
+    readable = [r for r in shards if r.rows_in is not None and r.status != ShardStatus.FAILED]
+    scored = [r for r in shards if r.status == ShardStatus.SCORED]
+    rows_rej = sum(r.rows_rejected for r in readable)
+    denom = sum(r.rows_in or 0 for r in readable)
+    return {
+        "rows_in": sum(r.rows_in or 0 for r in shards if r.rows_in is not None),
+        "rows_out": sum(r.rows_out for r in readable),
+        "rows_rejected": rows_rej,
+        "rows_processed": sum(r.rows_in or 0 for r in scored),
+        "rejected_fraction": rows_rej / denom if denom else 0.0,
+        "shards_total": len(shards),
+        "shards_scored": len(scored),
+        "shards_skipped": sum(r.status == ShardStatus.SKIPPED for r in shards),
+        "shards_failed": sum(r.status == ShardStatus.FAILED for r in shards),
+    }
+
+
+def _judge(
+    budget: ErrorPolicy, counts: dict[str, Any], accounting_ok: bool, fatal: ShardResult | None
+) -> tuple[RunStatus, list[str]]:
+    """The run's status against its error budget, and the reasons when it failed."""
+    n_failed, fraction = counts["shards_failed"], counts["rejected_fraction"]
+    reasons = []
+    if fatal is not None:
+        reasons.append(f"fatal error in {fatal.input} ({fatal.kind})")
+    if n_failed > budget.max_failed_shards:
+        reasons.append(
+            f"{n_failed} failed shards > errors.max_failed_shards = {budget.max_failed_shards}"
+        )
+    if fraction > budget.max_rejected_fraction:
+        reasons.append(
+            f"rejected fraction {fraction:.4g} > "
+            f"errors.max_rejected_fraction = {budget.max_rejected_fraction}"
+        )
+    if not accounting_ok:
+        reasons.append("rows in != rows scored + rows rejected for some shard")
+    if reasons:
+        return RunStatus.FAILED, reasons
+    if n_failed or counts["rows_rejected"]:
+        return RunStatus.SUCCEEDED_WITH_ERRORS, reasons
+    return RunStatus.SUCCEEDED, reasons
+
+
+def build_report(
+    facts: RunFacts, shards: list[ShardResult], fatal: ShardResult | None, duration: float
+) -> dict[str, Any]:
+    """The ``_report.json`` of a finished run (drift is added later, by the finish phase)."""
+    errors, warnings = _problems(facts, shards)
+    counts = _counts(shards)
+    accounting_ok = not any(e["kind"] == FailureKind.ACCOUNTING for e in errors)
+    status, reasons = _judge(facts.error_budget, counts, accounting_ok, fatal)
+    scored = [r for r in shards if r.status == ShardStatus.SCORED]
+    t0 = facts.started_at.timestamp()
+    processed = counts["rows_processed"]
+    budget = facts.error_budget
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": facts.run_id,
+        "job": facts.job,
+        "status": status,
+        "failure_reasons": reasons,
+        "started_at": facts.started_at.isoformat(),
+        "finished_at": (facts.started_at + dt.timedelta(seconds=duration)).isoformat(),
+        "duration_s": duration,
+        "input": facts.input,
+        "output": facts.output,
+        "rejects": facts.rejects,
+        "rows_in": counts["rows_in"],
+        "rows_out": counts["rows_out"],
+        "rows_rejected": counts["rows_rejected"],
+        "rows_processed": processed,
+        "rows_per_s": processed / duration if duration > 0 else 0.0,
+        "rejected_fraction": counts["rejected_fraction"],
+        "accounting_ok": accounting_ok,
+        "shards_total": counts["shards_total"],
+        "shards_scored": counts["shards_scored"],
+        "shards_skipped": counts["shards_skipped"],
+        "shards_failed": counts["shards_failed"],
+        "batch_size": facts.batch_size,
+        "execution": facts.execution,
+        "device": facts.device,
+        "threads": facts.threads,
+        "model": facts.model,
+        "settings": facts.settings,
+        "error_budget": {
+            "max_failed_shards": budget.max_failed_shards,
+            "max_rejected_fraction": budget.max_rejected_fraction,
+        },
+        "lock_taken_over": facts.lock_taken_over,
+        "oom_splits": sum(r.oom_splits for r in scored),
+        "duplicate_ids": sum(r.duplicate_ids for r in scored),
+        "versions": versions(),
+        "batch_latency_ms": latency_summary(scored),
+        "outputs": output_summary(scored),
+        "rejects_by_reason": _rejects_by_reason(shards),
+        "throughput": _throughput(scored, t0),
+        "drift": None,
+        "errors": errors,
+        "warnings": warnings,
+        "shards": [_shard_entry(r, t0) for r in shards],
+    }
+
+
+def _shard_entry(r: ShardResult, t0: float) -> dict[str, Any]:
+    d = r.public()
+    start, end = d.pop("started_at"), d.pop("finished_at")
+    d["started_s"] = None if start is None else max(0.0, start - t0)
+    d["finished_s"] = None if end is None else max(0.0, end - t0)
+    return d
+
+
+def _rejects_by_reason(shards: list[ShardResult]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for r in shards:
+        for reason, n in r.rejects_by_reason.items():
+            total[reason] = total.get(reason, 0) + n
+    return dict(sorted(total.items(), key=lambda kv: -kv[1]))
+
+
+def _throughput(scored: list[ShardResult], t0: float) -> list[dict[str, float]]:
+    """Cumulative rows scored against seconds since the run started, one point per shard."""
+    points: list[dict[str, float]] = [{"t_s": 0.0, "rows": 0}]
+    rows = 0
+    for r in sorted(
+        (r for r in scored if r.finished_at is not None), key=lambda r: r.finished_at or 0.0
+    ):
+        rows += r.rows_in or 0
+        points.append({"t_s": max(0.0, (r.finished_at or t0) - t0), "rows": rows})
+    return points
 
 
 def _fmt_int(n: int | None) -> str:

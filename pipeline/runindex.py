@@ -13,19 +13,21 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import posixpath
 import re
 import string
 from collections.abc import Mapping
 from typing import Any
 
 from pipeline import storage
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.statuses import RunStatus
 
 logger = logging.getLogger(__name__)
 
 INDEX_DIR = "_runs"
-SUCCESS_STATUSES = frozenset({"succeeded", "succeeded_with_errors", "succeeded_with_warnings"})
+SUCCESS_STATUSES = frozenset(
+    {RunStatus.SUCCEEDED, RunStatus.SUCCEEDED_WITH_ERRORS, RunStatus.SUCCEEDED_WITH_WARNINGS}
+)
 REQUIRED_KEYS = ("run_id", "job", "status", "started_at", "finished_at", "output", "report")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -128,30 +130,20 @@ def previous_success(
     """
     d = _job_dir(root, options, job)
     try:
-        names = storage.with_retries(lambda: d.fs.ls(d.path, detail=False), what=f"listing {d.uri}")
+        entries = [e for e in storage.ls(d) if e.name.endswith(".json")]
     except FileNotFoundError:
         return None
-    paths = sorted(
-        p
-        for p in (str(n) for n in names)
-        if p.endswith(".json") and not posixpath.basename(p).startswith(".")
-    )
-    if not paths:
+    entries = [e for e in entries if not e.name.startswith(".")]
+    if not entries:
         return None
     # One bulk fetch: object stores serve these concurrently, instead of one round trip each.
-    blobs = storage.with_retries(
-        lambda: d.fs.cat(paths, on_error="return"), what=f"reading {d.uri}"
-    )
+    blobs = storage.read_many(entries)
     best: tuple[dt.datetime, dict[str, Any]] | None = None
-    for path in paths:
-        name = f"{d.uri}/{posixpath.basename(path)}"
-        raw = blobs.get(path)
+    for e in entries:
+        raw = blobs[e.uri]
         try:
             if isinstance(raw, BaseException):
                 raise raw
-            if raw is None:
-                # The bulk answer is keyed by the filesystem's own spelling of each path.
-                raw = d.fs.cat_file(path)
             entry = json.loads(raw)
             if not isinstance(entry, dict):
                 raise ValueError("not a JSON object")
@@ -159,8 +151,8 @@ def previous_success(
         except FileNotFoundError:
             # Listed, then gone: pruned by someone else meanwhile; nothing to warn about.
             continue
-        except (OSError, ValueError, TypeError) as e:
-            logger.warning("skipping unreadable run index entry %s: %s", name, e)
+        except (OSError, ValueError, TypeError, PipelineError) as err:
+            logger.warning("skipping unreadable run index entry %s: %s", e.uri, err)
             continue
         if entry.get("job", job) != job or entry.get("status") not in SUCCESS_STATUSES:
             continue

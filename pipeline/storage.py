@@ -3,23 +3,38 @@
 Local paths and ``file://`` go to the local filesystem; ``s3://`` needs ``s3fs`` (the ``s3``
 extra); any other fsspec protocol works where its package is installed. Writes of anything a
 reader may see are staged: on local disk a hidden temporary file is renamed into place, on object
-stores an object becomes visible only when its upload completes.
+stores an object becomes visible only when its upload completes. Every other module reaches
+storage through the functions here (``read_bytes``, ``ls``, ``open_input``, ``exclusive_create``
+...), never through ``Location.fs`` itself.
+
+Retries: one layer, :func:`with_retries`, bounded by a total time (``retry_deadline_s``, default
+:data:`DEFAULT_RETRY_DEADLINE_S`; a job can set it in its ``[storage]`` table). s3fs and botocore
+each retry on their own by default (s3fs 5 times around botocore's 5 attempts: up to 25 requests
+per call, and no bound on the total time a caller can state), so :func:`locate` turns both off
+for ``s3://``: every request is tried once underneath and retried here, with one deadline and one
+message naming the URI. What this layer cannot repeat safely is a part upload in the middle of a
+streamed write (the file object has already consumed the part); such a write fails, and since
+every write is staged, the shard's task is simply run again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fnmatch
+import io
 import json
 import logging
 import os
 import posixpath
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import IO, Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any, Literal, TypeVar
 
 import fsspec
+import fsspec.utils
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ConfigError, InputError, StorageError
@@ -31,6 +46,13 @@ T = TypeVar("T")
 TMP_MARK = ".tmp-"
 _INSTALL_HINTS = {"s3": "s3fs (pip install 'score-catalog[s3]')", "gs": "gcsfs", "abfs": "adlfs"}
 
+#: Total time a storage call may spend retrying transient errors before it gives up.
+DEFAULT_RETRY_DEADLINE_S = 60.0
+#: The ``[storage]`` key that overrides it for a job; taken out before the options reach fsspec.
+RETRY_DEADLINE_OPTION = "retry_deadline_s"
+_MAX_DELAY_S = 8.0  # longest single back-off sleep
+_S3_PROTOCOLS = frozenset({"s3", "s3a"})
+
 
 @dataclass(frozen=True)
 class Location:
@@ -39,39 +61,104 @@ class Location:
     fs: Any
     path: str
     uri: str
+    # Bound on the total time one call on this location spends retrying (see with_retries).
+    retry_deadline_s: float = field(default=DEFAULT_RETRY_DEADLINE_S, compare=False)
 
     @property
     def is_local(self) -> bool:
         return isinstance(self.fs, LocalFileSystem)
 
     def child(self, rel: str) -> Location:
+        """The location ``rel`` below this one."""
         rel = rel.lstrip("/")
         sep = "" if self.uri.endswith("/") else "/"
-        return Location(self.fs, posixpath.join(self.path, rel), f"{self.uri}{sep}{rel}")
+        return Location(
+            self.fs, posixpath.join(self.path, rel), f"{self.uri}{sep}{rel}", self.retry_deadline_s
+        )
+
+    @property
+    def name(self) -> str:
+        """The last path segment."""
+        return posixpath.basename(self.path.rstrip("/"))
+
+
+def _without_backend_retries(options: dict[str, Any]) -> dict[str, Any]:
+    """Options for s3fs with botocore's own retries off (one attempt per request).
+
+    A ``retries`` entry the job sets in ``config_kwargs`` is kept: an explicit choice wins.
+    """
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    return {**options, "config_kwargs": config}
 
 
 def locate(uri: str, options: Mapping[str, Any] | None = None) -> Location:
-    """Resolve a local path or fsspec URI; a missing protocol package gets an install hint."""
+    """Resolve a local path or fsspec URI; a missing protocol package gets an install hint.
+
+    ``options`` go to fsspec unchanged, except ``retry_deadline_s`` (this module's retry bound).
+    """
+    opts = dict(options or {})
+    deadline = float(opts.pop(RETRY_DEADLINE_OPTION, DEFAULT_RETRY_DEADLINE_S))
+    proto = fsspec.utils.get_protocol(uri)
+    if proto in _S3_PROTOCOLS:
+        opts = _without_backend_retries(opts)
     try:
-        fs, path = fsspec.core.url_to_fs(uri, **dict(options or {}))
+        fs, path = fsspec.core.url_to_fs(uri, **opts)
     except ImportError as e:
-        proto = uri.split("://", 1)[0]
         hint = _INSTALL_HINTS.get(proto, f"the fsspec implementation for {proto}://")
         raise ConfigError(f"{uri}: reading {proto}:// needs {hint}") from e
     except ValueError as e:
         raise ConfigError(f"{uri}: not a usable location: {e}") from e
+    if proto in _S3_PROTOCOLS and hasattr(fs, "retries"):
+        # s3fs's own retry loop around each request (a class attribute, not an option); one
+        # attempt here, as botocore's above: with_retries is the only layer.
+        fs.retries = 1
     if isinstance(fs, LocalFileSystem):
         # Absolute paths in every message and task: workers may run in another directory.
         path = os.path.abspath(path)
         uri = path
-    return Location(fs, path, uri)
+    return Location(fs, path, uri, deadline)
 
+
+def same_filesystem(a: Location, b: Location) -> bool:
+    """True when ``a`` and ``b`` are on the same storage (then their paths can be compared)."""
+    return bool(a.fs is b.fs or a.fs.protocol == b.fs.protocol)
+
+
+# --------------------------------------------------------------------------- retries
 
 # Packages whose exceptions are network or service failures of an fsspec backend. They do not
 # derive from OSError (botocore's EndpointConnectionError, for one, when an endpoint is down or
 # wrong), so without this they would escape as tracebacks instead of storage errors.
 _BACKEND_PACKAGES = frozenset(
     {"botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google", "azure"}
+)
+# Backend errors that no retry can fix: the job's credentials or parameters are wrong.
+_PERMANENT_BACKEND_WORDS = ("Credential", "ParamValidation", "NoRegion", "InvalidConfig")
+# errno values of transient failures: s3fs maps SlowDown/503/409 to EBUSY, 500 to EREMOTEIO and
+# unknown service errors to EIO; the rest are the network's.
+_TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.EAGAIN,
+        errno.EBUSY,
+        errno.EINTR,
+        errno.EIO,
+        errno.ETIMEDOUT,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.ECONNREFUSED,
+        errno.ENETUNREACH,
+        errno.EHOSTUNREACH,
+        errno.EPIPE,
+        getattr(errno, "EREMOTEIO", 121),
+    }
+)
+_PERMANENT = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
 )
 
 
@@ -80,27 +167,62 @@ def is_backend_failure(e: BaseException) -> bool:
     return any(c.__module__.split(".")[0] in _BACKEND_PACKAGES for c in type(e).__mro__)
 
 
-def with_retries(
-    fn: Callable[[], T], *, what: str, attempts: int = 4, base_delay: float = 0.2
-) -> T:
-    """Call ``fn``, retrying transient storage errors with bounded exponential backoff.
+def is_transient(e: BaseException) -> bool:
+    """True for a storage error that may go away if the call is repeated."""
+    if isinstance(e, _PERMANENT):
+        return False
+    if isinstance(e, (TimeoutError, ConnectionError)):
+        return True
+    if is_backend_failure(e):
+        return not any(w in c.__name__ for c in type(e).__mro__ for w in _PERMANENT_BACKEND_WORDS)
+    if isinstance(e, OSError):
+        return e.errno is None or e.errno in _TRANSIENT_ERRNOS
+    return False
 
-    Missing files and permission errors are not transient and are raised at once.
+
+def with_retries(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    attempts: int | None = None,
+    base_delay: float = 0.2,
+    deadline_s: float | None = None,
+) -> T:
+    """Call ``fn``, retrying transient storage errors with exponential backoff.
+
+    Gives up with a :class:`StorageError` (``what`` should name the URI) once the next sleep
+    would pass ``deadline_s`` seconds since the first try (default
+    :data:`DEFAULT_RETRY_DEADLINE_S`) or after ``attempts`` tries when given. Missing files,
+    existing files (an exclusive create that lost), permission errors and anything that is not a
+    storage failure are raised at once, unchanged.
     """
-    for attempt in range(1, attempts + 1):
+    deadline = DEFAULT_RETRY_DEADLINE_S if deadline_s is None else deadline_s
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             return fn()
-        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
-            raise
         except Exception as e:
-            if not isinstance(e, (OSError, TimeoutError)) and not is_backend_failure(e):
+            if not is_transient(e):
                 raise
-            if attempt == attempts:
-                raise StorageError(f"{what} failed after {attempts} attempts: {e}") from e
-            delay = base_delay * 2 ** (attempt - 1)
+            elapsed = time.monotonic() - start
+            delay = min(base_delay * 2 ** (attempt - 1), _MAX_DELAY_S)
+            if (attempts is not None and attempt >= attempts) or elapsed + delay > deadline:
+                raise StorageError(
+                    f"{what} failed after {attempt} attempt(s) over {elapsed:.1f}s (retries "
+                    f"stop after {deadline:g}s; set [storage] {RETRY_DEADLINE_OPTION} to change "
+                    f"that): {type(e).__name__}: {e}"
+                ) from e
             logger.warning("%s failed (%s); retry %d in %.1fs", what, e, attempt, delay)
             time.sleep(delay)
-    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _retry(loc: Location, fn: Callable[[], T], what: str) -> T:
+    return with_retries(fn, what=f"{what} {loc.uri}", deadline_s=loc.retry_deadline_s)
+
+
+# --------------------------------------------------------------------------- listing input
 
 
 @dataclass(frozen=True)
@@ -132,35 +254,54 @@ def _version_of(info: Mapping[str, Any]) -> str:
     return ""
 
 
-def list_shards(input_uri: str, options: Mapping[str, Any] | None = None) -> list[ShardRef]:
+def _is_glob(path: str) -> bool:
+    return any(ch in path for ch in "*?[")
+
+
+def _glob_root(pattern: str) -> str:
+    """The directory part of ``pattern`` before its first wildcard."""
+    root = pattern.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0]
+    return root if root.endswith("/") else posixpath.dirname(root)
+
+
+def _find_input(loc: Location, input_uri: str) -> tuple[str, dict[str, Any]]:
+    """(root, path -> info) of everything ``loc`` names: a glob, a directory tree or a file."""
+    fs = loc.fs
+    if _is_glob(loc.path):
+        return _glob_root(loc.path), fs.glob(loc.path, detail=True)
+    if fs.isdir(loc.path):
+        return loc.path, fs.find(loc.path, detail=True)
+    if fs.exists(loc.path):
+        return posixpath.dirname(loc.path), {loc.path: fs.info(loc.path)}
+    raise InputError(f"input {input_uri} does not exist")
+
+
+def list_shards(
+    input_uri: str,
+    options: Mapping[str, Any] | None = None,
+    *,
+    exclude: Sequence[Location] = (),
+) -> list[ShardRef]:
     """List input shards deterministically (sorted by path relative to the input root).
 
     A directory means every ``*.parquet`` file below it, recursively, skipping names that start
     with ``_`` or ``.`` (Spark and Hive write those for metadata); a glob or a single file also
-    work. Matching nothing is an :class:`InputError`.
+    work. Matching nothing is an :class:`InputError`. A shard whose real path lies inside one of
+    the ``exclude`` trees (the run's output and rejects) is a :class:`ConfigError`: a run must
+    never read what it writes.
     """
     loc = locate(input_uri, options)
-    fs = loc.fs
     try:
-        if any(ch in loc.path for ch in "*?["):
-            root = loc.path.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0]
-            root = root if root.endswith("/") else posixpath.dirname(root)
-            found = fs.glob(loc.path, detail=True)
-        elif fs.isdir(loc.path):
-            root = loc.path
-            found = fs.find(loc.path, detail=True)
-        elif fs.exists(loc.path):
-            root = posixpath.dirname(loc.path)
-            found = {loc.path: fs.info(loc.path)}
-        else:
-            raise InputError(f"input {input_uri} does not exist")
+        root, found = _retry(loc, lambda: _find_input(loc, input_uri), "listing input")
     except (OSError, ValueError) as e:
         raise InputError(f"cannot list input {input_uri}: {e}") from e
+    except StorageError as e:
+        # The storage service could not be reached or answered with an error (wrong endpoint,
+        # network down): not a problem of the input itself, so a failed run (rerun when fixed).
+        raise StorageError(f"cannot list input {input_uri}: {e}") from e
     except Exception as e:
         if not is_backend_failure(e):
             raise
-        # The storage service could not be reached or answered with an error (wrong endpoint,
-        # network down): not a problem of the input itself, so a failed run (rerun when fixed).
         raise StorageError(f"cannot list input {input_uri}: {type(e).__name__}: {e}") from e
     shards = []
     for path, info in found.items():
@@ -183,19 +324,249 @@ def list_shards(input_uri: str, options: Mapping[str, Any] | None = None) -> lis
             f"input {input_uri} matched no Parquet shards (*.parquet, names starting with _ or . "
             "are skipped)"
         )
+    if exclude:
+        _refuse_shards_inside(input_uri, loc, shards, exclude)
     return shards
 
 
 def _uri_for(loc: Location, path: str) -> str:
     if loc.is_local:
         return path
-    return loc.fs.unstrip_protocol(path)
+    return str(loc.fs.unstrip_protocol(path))
+
+
+# --------------------------------------------------------------------------- overlap
+
+
+def real_path(loc: Location) -> Location:
+    """``loc`` with symlinks resolved (local disk; object stores have none).
+
+    Works for paths that do not exist yet: the existing part of the path is resolved.
+    """
+    if not loc.is_local:
+        return loc
+    real = os.path.realpath(loc.path)
+    return Location(loc.fs, real, real, loc.retry_deadline_s)
+
+
+def _inside(path: str, tree: str) -> bool:
+    """True when ``path`` is ``tree`` or lies below it."""
+    p, t = path.rstrip("/") + "/", tree.rstrip("/") + "/"
+    return p.startswith(t)
+
+
+def _pattern_reaches(pattern: str, tree: str) -> bool:
+    """True when glob ``pattern`` can match ``tree`` itself or a path below it."""
+    pat = [p for p in pattern.split("/") if p]
+    parts = [p for p in tree.split("/") if p]
+    for i, part in enumerate(parts):
+        if i >= len(pat):
+            return False
+        if pat[i] == "**":
+            return True
+        if not fnmatch.fnmatchcase(part, pat[i]):
+            return False
+    return True
+
+
+def _overlap_error(what: str, out: Location, input_uri: str, detail: str) -> ConfigError:
+    return ConfigError(
+        f"{what} {out.uri} overlaps the input {input_uri} ({detail}): the input is never written "
+        f"to, and the next run would read the scores as input. Choose a separate {what}."
+    )
+
+
+def _refuse_shards_inside(
+    input_uri: str, inp: Location, shards: Iterable[ShardRef], trees: Sequence[Location]
+) -> None:
+    resolved = [real_path(t) for t in trees]
+    for s in shards:
+        path = os.path.realpath(s.uri) if inp.is_local else inp.fs._strip_protocol(s.uri)
+        for tree, real in zip(trees, resolved, strict=True):
+            if same_filesystem(inp, tree) and _inside(path, real.path):
+                raise ConfigError(
+                    f"input {input_uri} matches {s.uri}, which lies inside {tree.uri} (real path "
+                    f"{path}): the run would read its own output. Choose an input that does "
+                    "not reach the output or rejects."
+                )
+
+
+def check_disjoint(
+    input_uri: str,
+    output_loc: Location,
+    rejects_loc: Location,
+    *,
+    options: Mapping[str, Any] | None = None,
+    shards: Sequence[ShardRef] | None = None,
+) -> None:
+    """Raise :class:`ConfigError` when the input and the output or rejects trees overlap.
+
+    Compared after resolving symlinks (local disk): the output may not lie inside the input's
+    directory, the input may not lie inside the output, and an input glob may not be able to
+    match anything inside the output. ``shards`` (what :func:`list_shards` found) are checked
+    one by one too, which catches a symlink inside the input that points into the output.
+    """
+    inp = locate(input_uri, options)
+    for loc, what in ((output_loc, "output"), (rejects_loc, "rejects")):
+        if not same_filesystem(inp, loc):
+            continue
+        out = real_path(loc)
+        if _is_glob(inp.path):
+            pattern = real_path(Location(inp.fs, _glob_root(inp.path), "")).path.rstrip("/")
+            pattern += "/" + inp.path[len(_glob_root(inp.path)) :].lstrip("/")
+            if _pattern_reaches(pattern, out.path):
+                raise _overlap_error(what, loc, input_uri, f"the glob can match {out.path}")
+            if _inside(_glob_root(pattern), out.path):
+                raise _overlap_error(what, loc, input_uri, f"the input lies inside {out.path}")
+            continue
+        src = real_path(inp).path
+        if _inside(out.path, src) or _inside(src, out.path):
+            raise _overlap_error(what, loc, input_uri, f"real paths {src} and {out.path}")
+    if shards:
+        _refuse_shards_inside(input_uri, inp, shards, [output_loc, rejects_loc])
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_bytes(loc: Location) -> bytes:
+    """The whole object at ``loc``; :class:`FileNotFoundError` when there is none."""
+    return bytes(_retry(loc, lambda: loc.fs.cat_file(loc.path), "reading"))
+
+
+def read_json(loc: Location) -> Any | None:
+    """The JSON document at ``loc``, or None when there is none."""
+    try:
+        raw = read_bytes(loc)
+    except FileNotFoundError:
+        return None
+    return json.loads(raw)
+
+
+def read_many(locs: Sequence[Location]) -> dict[str, bytes | BaseException]:
+    """Fetch several objects of one filesystem at once: ``uri`` -> bytes, or the error for it.
+
+    Object stores serve these concurrently, instead of one round trip each.
+    """
+    if not locs:
+        return {}
+    fs = locs[0].fs
+    paths = [loc.path for loc in locs]
+    blobs = _retry(locs[0], lambda: fs.cat(paths, on_error="return"), "reading objects under")
+    out: dict[str, bytes | BaseException] = {}
+    for loc in locs:
+        raw = blobs.get(loc.path) if isinstance(blobs, dict) else None
+        if raw is None:
+            # The bulk answer is keyed by the filesystem's own spelling of each path.
+            try:
+                raw = read_bytes(loc)
+            except Exception as e:
+                raw = e
+        out[loc.uri] = raw
+    return out
+
+
+def ls(loc: Location) -> list[Location]:
+    """The entries directly below ``loc`` (files and folders), sorted by name.
+
+    :class:`FileNotFoundError` when ``loc`` does not exist.
+    """
+    names = _retry(loc, lambda: loc.fs.ls(loc.path, detail=False), "listing")
+    own = loc.path.rstrip("/")
+    children = []
+    for name in sorted(str(n) for n in names):
+        base = posixpath.basename(name.rstrip("/"))
+        if name.rstrip("/") == own or not base:
+            continue  # some filesystems list the folder itself
+        children.append(loc.child(base))
+    return children
+
+
+def list_files(root: Location) -> list[str]:
+    """Paths relative to ``root`` of every file below it, recursively, sorted; [] if absent."""
+    try:
+        found = _retry(root, lambda: root.fs.find(root.path, detail=False), "listing")
+    except FileNotFoundError:
+        return []
+    base = root.path.rstrip("/")
+    rels = (posixpath.relpath(str(p), base) for p in found if str(p).rstrip("/") != base)
+    return sorted(r for r in rels if r != "." and not r.startswith("../"))
+
+
+def glob_names(loc: Location, prefix: str) -> list[Location]:
+    """The entries directly below ``loc`` whose names start with ``prefix`` (no wildcards)."""
+    pattern = posixpath.join(loc.path, f"{prefix}*")
+    names = _retry(loc, lambda: loc.fs.glob(pattern), "listing")
+    return [loc.child(posixpath.basename(str(n).rstrip("/"))) for n in sorted(names)]
+
+
+def exists(loc: Location) -> bool:
+    """Whether anything (a file or a folder) is at ``loc``."""
+    return bool(_retry(loc, lambda: loc.fs.exists(loc.path), "checking"))
+
+
+class _RetryingReader(io.RawIOBase):
+    """A read-only file whose reads are retried: a failed read leaves the position unchanged
+    (fsspec advances it only after a range has arrived), so repeating it is safe."""
+
+    def __init__(self, f: Any, loc: Location) -> None:
+        super().__init__()
+        self._f = f
+        self._loc = loc
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        n = -1 if size is None else size
+        return bytes(_retry(self._loc, lambda: self._f.read(n), "reading"))
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(memoryview(buffer)))
+        memoryview(buffer)[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return int(self._f.seek(offset, whence))
+
+    def tell(self) -> int:
+        return int(self._f.tell())
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()
+
+
+@contextlib.contextmanager
+def open_input(loc: Location) -> Iterator[IO[bytes]]:
+    """Open ``loc`` for streaming reads; on object stores each read is retried.
+
+    :class:`FileNotFoundError` when it does not exist.
+    """
+    f = _retry(loc, lambda: loc.fs.open(loc.path, "rb"), "opening")
+    reader: IO[bytes] = f if loc.is_local else _RetryingReader(f, loc)  # type: ignore[assignment]
+    try:
+        yield reader
+    finally:
+        reader.close()
+
+
+# --------------------------------------------------------------------------- writing
 
 
 def tmp_name(final_path: str) -> str:
     """A hidden sibling of ``final_path`` that dataset readers skip."""
     d, base = posixpath.split(final_path)
     return posixpath.join(d, f".{base}{TMP_MARK}{uuid.uuid4().hex[:12]}")
+
+
+def makedirs(loc: Location) -> None:
+    """Create the folder ``loc`` and its parents (nothing to do on object stores)."""
+    _retry(loc, lambda: loc.fs.makedirs(loc.path, exist_ok=True), "creating")
 
 
 @contextlib.contextmanager
@@ -234,7 +605,7 @@ def write_bytes(loc: Location, data: bytes, *, point: str = "") -> None:
         with staged_open(loc, point=point) as f:
             f.write(data)
 
-    with_retries(_write, what=f"writing {loc.uri}")
+    _retry(loc, _write, "writing")
 
 
 def write_json(loc: Location, obj: Any, *, point: str = "", compact: bool = False) -> None:
@@ -246,32 +617,155 @@ def write_json(loc: Location, obj: Any, *, point: str = "", compact: bool = Fals
     write_bytes(loc, data.encode(), point=point)
 
 
-def read_json(loc: Location) -> Any | None:
-    """The JSON document at ``loc``, or None when there is none."""
+def _create_local(path: str, data: bytes) -> bool:
+    # Write the whole content under a temporary name, then hard-link it to the final name:
+    # link() fails if the name exists, and a reader never sees a half-written file (an
+    # O_EXCL create would be visible, empty, until the write lands).
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = tmp_name(path)
+    with open(tmp, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     try:
-        raw = with_retries(lambda: loc.fs.cat_file(loc.path), what=f"reading {loc.uri}")
-    except FileNotFoundError:
-        return None
-    return json.loads(raw)
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        # A filesystem without hard links: O_EXCL, where a reader can briefly see the file
+        # empty (locking.py waits for a readable lock before judging it).
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
-def exists(loc: Location) -> bool:
-    return bool(with_retries(lambda: loc.fs.exists(loc.path), what=f"checking {loc.uri}"))
+def _create_remote(loc: Location, data: bytes) -> bool:
+    try:
+        # s3fs sends If-None-Match: * with "xb" (the store refuses the upload if the key
+        # exists); memory:// checks at open. An empty body would go through an unconditional
+        # touch in s3fs, hence the check below.
+        with loc.fs.open(loc.path, "xb") as f:
+            f.write(data)
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno == errno.EBUSY:
+            # 409 ConditionalRequestConflict: a concurrent conditional write to the same key
+            # is in flight; the caller looks again.
+            return False
+        raise
+    return True
+
+
+def exclusive_create(loc: Location, data: bytes) -> bool:
+    """Create ``loc`` holding ``data`` only if nothing is there; True if this call created it.
+
+    Atomic on local disk (link of a fully written file) and on S3 (``If-None-Match: *``): of
+    several concurrent callers, at most one gets True, and readers never see partial content.
+    """
+    if not data:
+        raise ValueError("exclusive_create needs non-empty data")
+    if loc.is_local:
+        return _retry(loc, lambda: _create_local(loc.path, data), "creating")
+    return _retry(loc, lambda: _create_remote(loc, data), "creating")
 
 
 def remove(loc: Location) -> None:
     """Delete ``loc`` if it exists."""
-    with contextlib.suppress(FileNotFoundError):
-        loc.fs.rm_file(loc.path)
+
+    def _rm() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            loc.fs.rm_file(loc.path)
+
+    _retry(loc, _rm, "deleting")
 
 
 def remove_stale_temporaries(root: Location) -> list[str]:
     """Delete temporary files that a crashed run left below ``root``; returns their paths."""
-    if not root.fs.exists(root.path):
+    if not exists(root):
         return []
     removed = []
-    for path in root.fs.find(root.path):
+    found = _retry(root, lambda: root.fs.find(root.path), "listing")
+    for path in found:
         if TMP_MARK in posixpath.basename(path) and posixpath.basename(path).startswith("."):
-            remove(Location(root.fs, path, path))
+            remove(Location(root.fs, path, path, root.retry_deadline_s))
             removed.append(path)
     return removed
+
+
+# --------------------------------------------------------------------------- output ownership
+
+#: Names this tool writes at an output root besides data files (``_lock.*`` covers the lock,
+#: its heartbeats and takeover claims; ``_runs``/``_backfills`` are the run and backfill
+#: indexes when the output root is also the template root).
+SUCCESS_NAME = "_SUCCESS"
+_OWN_DIRS = ("_rejects", "_runs", "_backfills")
+_MAX_FOREIGN = 10
+
+
+@dataclass(frozen=True)
+class OutputState:
+    """What is at an output root before a run writes there (see :func:`classify_output`)."""
+
+    # "absent": nothing there; "empty": an empty folder; "ours": a folder this tool wrote
+    # (its manifest, or only its own control files); "foreign": anything else.
+    kind: Literal["absent", "empty", "ours", "foreign"]
+    # Up to 10 names of entries that are not ours (for the message), when kind is "foreign".
+    foreign: tuple[str, ...] = ()
+    # How many entries are not ours in all (foreign may show only the first 10).
+    foreign_count: int = 0
+
+
+def _own_names() -> frozenset[str]:
+    # Imported here: manifest, report and locking import this module.
+    from pipeline.locking import LOCK_NAME
+    from pipeline.manifest import MANIFEST_NAME
+    from pipeline.report import HTML_NAME, REPORT_NAME
+
+    return frozenset({MANIFEST_NAME, REPORT_NAME, HTML_NAME, LOCK_NAME, SUCCESS_NAME, *_OWN_DIRS})
+
+
+def _is_own_entry(name: str, own: frozenset[str]) -> bool:
+    if name in own or name.startswith("_lock."):
+        return True
+    # A temporary file of an interrupted write (tmp_name): hidden, removed at the next run.
+    return name.startswith(".") and TMP_MARK in name
+
+
+def classify_output(root: Location) -> OutputState:
+    """Say whether ``root`` is absent, empty, written by this tool ("ours") or "foreign".
+
+    A root holding our ``_manifest.json`` is ours whatever else is there (a run wrote its data
+    files there); without one it is ours only if every entry is one of our control files, so a
+    folder of someone else's Parquet files is never taken for a resumable output.
+    """
+    try:
+        entries = ls(root)
+    except FileNotFoundError:
+        return OutputState("absent")
+    except NotADirectoryError:
+        return OutputState("foreign", (root.name,), 1)
+    if not entries and root.is_local and os.path.isfile(root.path):
+        return OutputState("foreign", (root.name,), 1)
+    if not entries:
+        return OutputState("absent" if not exists(root) else "empty")
+    own = _own_names()
+    from pipeline.manifest import MANIFEST_NAME
+
+    names = [e.name for e in entries]
+    if MANIFEST_NAME in names:
+        return OutputState("ours")
+    foreign = [n for n in names if not _is_own_entry(n, own)]
+    if not foreign:
+        return OutputState("ours")
+    return OutputState("foreign", tuple(foreign[:_MAX_FOREIGN]), len(foreign))

@@ -236,7 +236,56 @@ def _cuda_peak_bytes(fn: ModelFn, x: torch.Tensor, device: torch.device, batch: 
     return int(torch.cuda.max_memory_allocated(device))
 
 
-def auto_batch_size(
+class _Probe:
+    """Whether a batch size fits the memory budget, and its timing (None: out of memory)."""
+
+    def __init__(
+        self,
+        fn: ModelFn,
+        x: torch.Tensor,
+        device: torch.device,
+        budget: int | None,
+        timing: tuple[int, int, float],  # repeats, warmup, time budget per size
+    ) -> None:
+        self.fn, self.x, self.device, self.budget, self.timing = fn, x, device, budget, timing
+        self.row_bytes = x[0].numel() * x.element_size()
+
+    def fits(self, batch: int) -> bool:
+        budget, device = self.budget, self.device
+        if budget is None:
+            return True
+        if device.type == "cuda":
+            peak = _cuda_peak_bytes(self.fn, self.x, device, batch)
+            ok = peak is not None and peak <= budget
+            logger.debug("batch %d: peak %s bytes on %s (budget %d)", batch, peak, device, budget)
+            return ok
+        return batch * self.row_bytes * CPU_BYTES_PER_INPUT_BYTE <= budget
+
+    def measure(self, batch: int) -> BenchRow | None:
+        repeats, warmup, time_budget_s = self.timing
+        try:
+            (row,) = bench_batch_sizes(
+                self.fn,
+                self.x,
+                self.device,
+                [batch],
+                repeats=repeats,
+                warmup=warmup,
+                time_budget_s=time_budget_s,
+            )
+        except Exception as e:
+            # Memory use varies a little from call to call; an OOM while timing also means
+            # "does not fit", anything else is a real error.
+            if self.device.type != "cuda" or not _is_oom(e):
+                raise
+            torch.cuda.empty_cache()
+            return None
+        return row
+
+
+# The tuning knobs are keyword-only with defaults, mirroring bench_batch_sizes; the long body is
+# mostly the docstring that states the memory rules.
+def auto_batch_size(  # noqa: PLR0913
     fn: ModelFn,
     x: torch.Tensor,
     device: torch.device,
@@ -282,42 +331,13 @@ def auto_batch_size(
         raise ValueError(f"min_gain must be >= 0, got {min_gain}")
     _check_sample(x)
     x = x.contiguous()
-    row_bytes = x[0].numel() * x.element_size()
 
     budget = memory_budget_bytes
     if device.type == "cuda" and budget is None:
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(torch.cuda.memory_allocated(device) + DEFAULT_CUDA_FREE_FRACTION * free)
-
-    def fits(batch: int) -> bool:
-        if budget is None:
-            return True
-        if device.type == "cuda":
-            peak = _cuda_peak_bytes(fn, x, device, batch)
-            ok = peak is not None and peak <= budget
-            logger.debug("batch %d: peak %s bytes on %s (budget %d)", batch, peak, device, budget)
-            return ok
-        return batch * row_bytes * CPU_BYTES_PER_INPUT_BYTE <= budget
-
-    def measure(batch: int) -> BenchRow | None:
-        try:
-            (row,) = bench_batch_sizes(
-                fn,
-                x,
-                device,
-                [batch],
-                repeats=repeats,
-                warmup=warmup,
-                time_budget_s=time_budget_s,
-            )
-        except Exception as e:
-            # Memory use varies a little from call to call; an OOM while timing also means
-            # "does not fit", anything else is a real error.
-            if device.type != "cuda" or not _is_oom(e):
-                raise
-            torch.cuda.empty_cache()
-            return None
-        return row
+    probe = _Probe(fn, x, device, budget, (repeats, warmup, time_budget_s))
+    fits, measure = probe.fits, probe.measure
 
     first = start
     while not fits(first):

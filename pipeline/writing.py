@@ -1,5 +1,7 @@
 """Incremental Parquet writers for one output shard and its rejects, committed atomically.
 
+:class:`ShardSink` puts them together for one shard: write-behind, commit order, abort.
+
 Rows are buffered up to ``row_group_rows`` and written as one row group, so memory stays bounded
 whatever the shard size while the output does not end up with one tiny row group per batch.
 """
@@ -13,6 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
+from pipeline.faults import checkpoint
+from pipeline.overlap import WriteBehind
 from pipeline.storage import Location
 
 MODEL_VERSION_COLUMN = "model_version"
@@ -82,3 +86,80 @@ def rejects_schema(meta: pa.Schema) -> pa.Schema:
     fields = [meta.field(i) for i in range(len(meta))]
     fields.append(pa.field(REJECT_REASON_COLUMN, pa.string()))
     return pa.schema(fields)
+
+
+class ShardSink:
+    """Where one shard's rows go: its output, its rejects (opened on the first one), the commits.
+
+    With ``depth`` > 0 the Parquet encoding runs in a write-behind thread. :meth:`commit`
+    publishes the rejects first and the output last: a crash in between leaves no committed
+    output, so the shard is rescored and both files are replaced. Leaving the ``with`` block
+    by an exception drops everything staged and leaves the final names untouched.
+    """
+
+    def __init__(
+        self,
+        output: Location,
+        rejects: Location,
+        meta_schema: pa.Schema,
+        out_schema: pa.Schema,
+        *,
+        depth: int = 0,
+    ) -> None:
+        self.output = StagedParquetWriter(output, out_schema, point="output-rename")
+        self.rejects: StagedParquetWriter | None = None
+        self.rejects_loc = rejects
+        self.rejects_schema = rejects_schema(meta_schema)
+        self.rows_rejected = 0
+        self._behind = WriteBehind(_write_item, depth) if depth else None
+
+    def __enter__(self) -> ShardSink:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def _write(self, target: StagedParquetWriter, rb: pa.RecordBatch) -> None:
+        if self._behind is None:
+            target.write(rb)
+        else:
+            self._behind.submit((target, rb))
+
+    def write_output(self, rb: pa.RecordBatch) -> None:
+        """Queue one batch of scored rows (schema ``out_schema``)."""
+        self._write(self.output, rb)
+
+    def write_rejects(self, rb: pa.RecordBatch) -> None:
+        """Queue one batch of rejected rows (schema :attr:`rejects_schema`)."""
+        if self.rejects is None:
+            self.rejects = StagedParquetWriter(
+                self.rejects_loc, self.rejects_schema, point="rejects-rename"
+            )
+        self.rows_rejected += rb.num_rows
+        self._write(self.rejects, rb)
+
+    def commit(self) -> None:
+        """Finish writing, then publish the rejects (or remove stale ones) and the output."""
+        if self._behind is not None:
+            self._behind.drain()
+        if self.rejects is not None:
+            self.rejects.commit()
+        else:
+            storage.remove(self.rejects_loc)  # a rescored shard may have had rejects before
+        checkpoint("rejects-committed")
+        self.output.commit()
+        checkpoint("output-committed")
+
+    def abort(self) -> None:
+        """Drop everything staged; the final names are left as they were."""
+        if self._behind is not None:
+            with contextlib.suppress(BaseException):
+                self._behind.drain()
+        self.output.abort()
+        if self.rejects is not None:
+            self.rejects.abort()
+
+
+def _write_item(item: tuple[StagedParquetWriter, pa.RecordBatch]) -> None:
+    item[0].write(item[1])

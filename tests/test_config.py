@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import (
-    _ERROR_KEYS,
-    _TOP_KEYS,
     ENV_PREFIX,
+    SECTIONS,
+    SETTINGS,
     ErrorPolicy,
     JobConfig,
     build_config,
@@ -693,7 +693,8 @@ def test_later_layer_always_wins(
     assert cfg.errors.task_retries == last(file_tr, env_tr, flag_tr, default=2)
 
 
-_KNOWN = set(_TOP_KEYS) | set(_ERROR_KEYS) | {"errors", "storage"}
+# Every name a job file knows at the top level or inside [errors]/[monitoring].
+_KNOWN = {s.name for s in SETTINGS} | set(SECTIONS)
 _junk_key = st.text(alphabet=string.ascii_lowercase + "_", min_size=1, max_size=12).filter(
     lambda k: k not in _KNOWN
 )

@@ -6,6 +6,7 @@ import itertools
 import json
 from typing import Any
 
+import jsonschema
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -21,8 +22,16 @@ from pipeline.drift import (
     psi,
     sketch,
 )
+from pipeline.reportschema import report_schema
 
 N = 50_000
+
+
+def check_section(out: Any) -> None:
+    """``out`` is what the report's ``drift`` key may hold, per the committed schema."""
+    defs = report_schema()["$defs"]
+    schema = {"$defs": defs, "$ref": "#/$defs/drift_comparison"}
+    jsonschema.Draft202012Validator(schema).validate(json.loads(json.dumps(out)))
 
 
 def exact_ks(a: np.ndarray, b: np.ndarray) -> float:
@@ -223,6 +232,7 @@ def test_compare_no_drift(rng: np.random.Generator) -> None:
     base = report("20260301T020000Z-a1b2c3", {"score_p1": column(x)})
     cur = report("20260302T020000Z-d4e5f6", {"score_p1": column(x)}, rows_out=52_000)
     out = compare(base, cur, DriftThresholds())
+    check_section(out)
     assert out["alert"] is False and out["reasons"] == []
     assert out["baseline"] == {
         "run_id": base["run_id"],
@@ -247,6 +257,7 @@ def test_compare_drift_and_row_change_alert(rng: np.random.Generator) -> None:
         rows_out=20_000,
     )
     out = compare(base, cur, DriftThresholds())
+    check_section(out)
     assert out["alert"] is True
     assert out["columns"]["score_p1"]["alert"] is True
     assert out["columns"]["label"]["alert"] is False
@@ -272,6 +283,7 @@ def test_compare_schema_change_and_missing_sketches(rng: np.random.Generator) ->
         {"score": column(np.array([])), "new": column(x), "legacy": column(x)},
     )
     out = compare(base, cur, DriftThresholds())
+    check_section(out)
     cols = out["columns"]
     # No rows scored / a report from before sketches existed: nothing to compare, no alert.
     assert cols["score"] == {"psi": None, "ks": None, "alert": False}
@@ -295,3 +307,4 @@ def test_compare_zero_and_unknown_rows() -> None:
     out = compare(base, unknown, DriftThresholds())
     assert out["rows"] == {"previous": 0, "current": None, "change": None}
     assert out["alert"] is False
+    check_section(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.run import MIN_TASKS_PER_SLOT, group_tasks
+from pipeline.execution import MIN_TASKS_PER_SLOT, group_tasks
 from pipeline.scoring import ShardTask, pin_device
 
 
@@ -17,15 +17,6 @@ def _task(i: int, rows: int) -> ShardTask:
         rejects_uri=f"/out/_rejects/part-{i:05d}.parquet",
         num_rows=rows,
         meta_schema=b"",
-        model_uri="/model",
-        model_sha256="0" * 64,
-        device="cpu",
-        width=16,
-        id_column="item_id",
-        passthrough=(),
-        batch_size=4096,
-        on_invalid_rows="reject",
-        torch_threads=1,
     )
 
 

@@ -1,10 +1,10 @@
-"""``_report.html``: well-formed, self-contained, escaped, and robust to sparse or huge reports."""
+"""``_report.html``: well-formed, self-contained, escaped, for every shape the report schema allows
+(null latencies, no outputs, no drift, failed shards) and for huge reports."""
 
 from __future__ import annotations
 
 import copy
 import re
-import time
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 from typing import Any
@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from pipeline.html_report import SHARD_TABLE_CAP, render_html
+from pipeline.reportschema import SCHEMA_VERSION, validate_report
+from pipeline.statuses import RunStatus
 
 SECTIONS = (
     "status",
@@ -39,11 +41,12 @@ def _shard(i: int, status: str = "scored", duration: float = 0.4, **kw: Any) -> 
         "rows_out": 25000,
         "rows_rejected": 0,
         "duration_s": duration,
-        "rows_per_s": 25000 / duration,
+        "rows_per_s": 25000 / duration if duration else 0.0,
         "kind": None,
         "message": None,
         "oom_splits": 0,
         "duplicate_ids": 0,
+        "rejects_by_reason": {},
         "started_s": 0.1 * i,
         "finished_s": 0.1 * i + duration,
     }
@@ -65,18 +68,19 @@ def _output(mean: float) -> dict[str, Any]:
 
 
 def full_report() -> dict[str, Any]:
-    """The shape of a real ``_report.json`` (schema 1) plus the fields being added to the run."""
+    """A ``_report.json`` of the current schema (``test_full_report_matches_the_schema``)."""
     shards = [
         _shard(0, duration=0.43),
-        _shard(1, duration=0.47, rows_rejected=100, rows_out=24900),
+        _shard(1, duration=0.47, rows_rejected=100, rows_out=24900,
+               rejects_by_reason={"f3 is NaN": 60, "f7 is out of range": 40}),
         _shard(2, duration=2.9),  # a straggler (> 2x the median)
         _shard(
             3, "failed", 1.1, rows_in=None, rows_out=0, rows_per_s=0.0, kind="schema",
-            message="missing column f3", finished_s=None,
+            message="missing column f3", output=None, started_s=None, finished_s=None,
         ),
     ]  # fmt: skip
     return {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "run_id": "20261129T222511Z-0c60d1",
         "job": "score_catalog",
         "status": "succeeded_with_errors",
@@ -100,14 +104,22 @@ def full_report() -> dict[str, Any]:
         "shards_failed": 1,
         "batch_size": 4096,
         "execution": {"precision": "fp32", "compile": False, "compile_s": None, "tf32": False,
-                      "overlap": True, "parity": {"max_abs": 1e-6, "ok": True},
+                      "overlap": True,
+                      "parity": {"rows": 4096, "tolerance": 0.01, "reference": "fp32 on the CPU",
+                                 "columns": {"score": {"max_abs_diff": 1e-6}}},
                       "batch_size_auto": None},
         "device": "cpu",
         "threads": {"scheduler": "local", "cores": 2, "workers": 2, "threads_per_worker": 1,
                     "torch_threads": 1},
         "model": {"uri": "data/models/catalog-mlp", "name": "catalog-mlp", "version": "1",
-                  "format": "exported_program", "sha256": "c8801493d2db06b045e39b2d103d1337",
+                  "format": "exported_program", "sha256": "c8801493d2db06b045e39b2d103d1337" * 2,
                   "width": 16, "out_width": 2},
+        "settings": {"inputs": [f"f{i}" for i in range(16)],
+                     "outputs": [["score", "softmax:1"], ["label", "argmax"]],
+                     "id_column": "item_id", "passthrough": [], "precision": "fp32"},
+        "lock_taken_over": None,
+        "oom_splits": 0,
+        "duplicate_ids": 0,
         "error_budget": {"max_failed_shards": 1, "max_rejected_fraction": 0.01},
         "versions": {"python": "3.11.7", "torch": "2.13.0+cpu", "pyarrow": "26.0.1",
                      "dask": "2026.8.0"},
@@ -204,11 +216,17 @@ def test_full_report_content() -> None:
     assert page.count("<h3>score</h3>") == 1 and page.count("<h3>label</h3>") == 1
     assert "26.66" in page and "53.06" in page
     assert "c8801493d2db06b045e39b2d103d1337" in page
-    assert "{&quot;max_abs&quot;:1e-06,&quot;ok&quot;:true}" in page  # nested dict as JSON
+    assert "&quot;max_abs_diff&quot;:1e-06" in page  # nested dict as JSON
+    assert "fp32 on the CPU" in page
+
+
+def test_full_report_matches_the_schema() -> None:
+    validate_report(full_report())
 
 
 @pytest.mark.parametrize("status, cls", [("succeeded", "ok"), ("succeeded_with_warnings", "warn"),
-                                         ("failed", "bad"), ("weird", "unknown")])  # fmt: skip
+                                         ("succeeded_with_errors", "warn"), ("failed", "bad"),
+                                         ("interrupted", "bad"), ("weird", "unknown")])  # fmt: skip
 def test_status_banner_colour(status: str, cls: str) -> None:
     r = full_report()
     r["status"] = status
@@ -233,49 +251,91 @@ def test_user_strings_are_escaped() -> None:
     assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; co" in page
 
 
-def test_minimal_failed_report_renders() -> None:
-    page = render_html({"run_id": "r1", "job": "j", "status": "failed"})
+def failed_early_report() -> dict[str, Any]:
+    """A run that failed with nothing scored: every shard unreadable, no outputs, no drift."""
+    r = full_report()
+    r.update(
+        status=RunStatus.FAILED.value,
+        failure_reasons=["4 failed shards > errors.max_failed_shards = 1"],
+        rows_in=0, rows_out=0, rows_rejected=0, rows_processed=0, rows_per_s=0.0,
+        rejected_fraction=0.0, shards_scored=0, shards_failed=4,
+        batch_latency_ms={"p50": None, "p95": None, "p99": None},
+        outputs={}, rejects_by_reason={}, throughput=[{"t_s": 0.0, "rows": 0}], drift=None,
+        warnings=[],
+        errors=[{"shard": f"/in/{i}", "kind": "unreadable", "message": "bad footer"}
+                for i in range(4)],
+    )  # fmt: skip
+    r["shards"] = [
+        _shard(i, "failed", 0.0, rows_in=None, rows_out=0, rows_per_s=0.0, kind="unreadable",
+               message="bad footer", output=None, started_s=None, finished_s=None)
+        for i in range(4)
+    ]  # fmt: skip
+    return r
+
+
+def test_failed_report_without_scores_renders() -> None:
+    r = failed_early_report()
+    validate_report(r)
+    page = render_html(r)
     p = check(page)
     for sid in SECTIONS:
         assert sid in p.ids
-    assert 'class="banner bad"' in page
+    assert 'class="banner bad"' in page and "4 failed shards" in page
     assert "No rows were rejected." in page
     assert "fewer than 2 points" in page
+    assert "No batch latencies were recorded" in page
+    assert "No output statistics" in page
+    assert "monitoring.drift is off, or the run failed" in page
 
 
-def test_every_optional_key_none_renders() -> None:
-    r: dict[str, Any] = {k: None for k in full_report()}
-    r.update(run_id="r1", job="j", status="failed")
+def test_every_nullable_value_null_renders() -> None:
+    r = failed_early_report()
+    r["execution"].update(compile_s=None, parity=None, batch_size_auto=None)
+    r["threads"].update(workers=None, threads_per_worker=None, torch_threads=None)
+    for s in r["shards"]:
+        s.update(rejects=None, kind=None, message=None)
+    r["shards"][0].update(status="skipped", rows_in=1000, rows_out=1000, kind=None)
+    validate_report(r)
     page = render_html(r)
     check(page)
-    assert "No per-shard results" in page and "No output statistics" in page
+    assert "skipped" in page
 
 
-def test_malformed_values_do_not_raise() -> None:
+def test_edge_values_the_schema_allows() -> None:
     r = full_report()
-    r["shards"].append("not a dict")
-    r["shards"][0]["duration_s"] = "slow"
-    r["throughput"].append({"t_s": float("nan"), "rows": None})
-    r["outputs"]["score"]["histogram"] = {"edges": [0, 1], "counts": [1, 2, 3]}
+    r["outputs"]["score"]["histogram"] = {"edges": [0.0, 1.0], "counts": [1, 2, 3]}  # no match
     r["outputs"]["label"]["histogram"] = {"edges": [0.5, 0.5], "counts": [74900]}  # all equal
     r["outputs"]["extra"] = {"count": 0}
+    r["outputs"]["empty"] = {"count": 3, "mean": None, "min": None, "max": None, "sketch": [],
+                             "histogram": {"edges": [], "counts": []}}  # fmt: skip
     r["batch_latency_ms"] = {"p50": None, "p95": None, "p99": None}
     r["rejects_by_reason"] = {"zero": 0}
     r["drift"]["columns"]["gone"] = {"psi": None, "ks": None, "alert": True}
     r["drift"]["rows"]["change"] = None
-    r["errors"].append("just a string")
+    validate_report(r)
     page = render_html(r)
     check(page)
     assert "No histogram recorded for score." in page
     assert "No histogram recorded for extra." in page
+    assert "No histogram recorded for empty." in page
     assert "No batch latencies were recorded" in page
     assert "No rows were rejected." in page
+
+
+def test_a_malformed_section_costs_only_that_section() -> None:
+    r: Any = full_report()
+    r["shards"].append("not a dict")
+    page = render_html(r)
+    shards = page.split('id="shards"')[1].split("</section>")[0]
+    assert "could not be rendered: TypeError" in shards
+    assert page.count("could not be rendered") == 1
+    assert "DRIFT ALERT" in page and "f3 is NaN" in page  # the other sections are all there
 
 
 @pytest.mark.parametrize(
     "drift, expected",
     [
-        (None, "No drift comparison"),
+        (None, "monitoring.drift is off"),
         ({"baseline": None, "note": "first run of this job: no baseline"}, "first run of this job"),
     ],
 )
@@ -301,22 +361,20 @@ def test_drift_without_alert() -> None:
 
 def test_errors_are_capped_with_a_count() -> None:
     r = full_report()
-    r["errors"] = [{"shard": f"s{i}", "kind": "io", "message": f"boom {i}"} for i in range(45)]
+    r["errors"] = [{"shard": f"s{i}", "kind": "error", "message": f"boom {i}"} for i in range(45)]
     page = render_html(r)
     assert "boom 19" in page and "boom 20" not in page
     assert "25 more errors" in page and "Errors (45)" in page
 
 
-def test_ten_thousand_shards_render_fast_and_the_table_is_capped() -> None:
+def test_ten_thousand_shards_the_table_and_chart_are_capped() -> None:
     r = full_report()
     r["shards"] = [_shard(i, duration=0.2 + (i % 97) / 100) for i in range(10_000)]
-    r["shards"][9_999] = _shard(9_999, "failed", 0.1, kind="io", message="late failure")
+    r["shards"][9_999] = _shard(9_999, "failed", 0.1, kind="error", message="late failure")
     r["throughput"] = [{"t_s": i * 0.01, "rows": i * 25000} for i in range(10_001)]
-    start = time.perf_counter()
+    validate_report(r)
     page = render_html(r)
-    elapsed = time.perf_counter() - start
     check(page)
-    assert elapsed < 5, elapsed
     body = page.split('id="shards"')[1].split("</section>")[0]
     table = body.split("<tbody>")[1]
     assert table.count("<tr") == SHARD_TABLE_CAP

@@ -29,7 +29,7 @@ LIB_LOGGERS = ("distributed", "distributed.worker", "distributed.client", "bokeh
 
 @pytest.fixture(autouse=True)
 def restore_logging() -> Iterator[None]:
-    """Put the root and library loggers, warnings capture and module state back afterwards."""
+    """Put the root and library loggers and warnings capture back afterwards."""
     root = logging.getLogger()
     saved_root = (list(root.handlers), root.level)
     saved_libs = {
@@ -37,7 +37,6 @@ def restore_logging() -> Iterator[None]:
         for name in LIB_LOGGERS
         for lg in [logging.getLogger(name)]
     }
-    saved_state = dict(logs._STATE)
     yield
     logging.captureWarnings(False)
     for h in root.handlers:
@@ -50,9 +49,6 @@ def restore_logging() -> Iterator[None]:
         lg.handlers[:] = handlers
         lg.setLevel(level)
         lg.propagate = propagate
-    logs._STATE.clear()
-    logs._STATE.update(saved_state)
-    logs._ACTIVE = None
 
 
 def scored(rel: str = "part-0.parquet", **kw: Any) -> ShardResult:
@@ -273,11 +269,13 @@ def test_progress_enabled_only_for_text_not_quiet_tty() -> None:
 
 def test_progress_disabled_writes_nothing() -> None:
     stream = io.StringIO()
-    with logs.Progress(100, 2, enabled=False, stream=stream) as p:
+    terminal = logs.Terminal(stream)
+    with logs.Progress(100, 2, enabled=False, terminal=terminal) as p:
         p.update(scored(rows_in=60))
         p.update(SimpleNamespace(rows_in=None))
+        assert terminal.bar is None
     assert stream.getvalue() == ""
-    assert logs._ACTIVE is None
+    assert terminal.bar is None
 
 
 def test_non_tty_output_has_no_escape_codes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -299,12 +297,13 @@ def test_non_tty_output_has_no_escape_codes(capsys: pytest.CaptureFixture[str]) 
 
 def test_progress_counts_rows_and_shards() -> None:
     stream = FakeTTY()
-    with logs.Progress(100_000, 4, enabled=True, stream=stream) as p:
-        assert logs._ACTIVE is p
+    terminal = logs.Terminal(stream)
+    with logs.Progress(100_000, 4, enabled=True, terminal=terminal) as p:
+        assert terminal.bar is p
         p.update(scored(rows_in=25_000))
         p.update(ShardResult("f.parquet", "/in/f.parquet", "failed", kind="unreadable"))
         assert (p.rows_done, p.shards_done) == (25_000, 2)
-    assert logs._ACTIVE is None
+    assert terminal.bar is None
     text = stream.getvalue()
     assert "25,000/100,000 rows" in text
     assert "2/4 shards" in text
@@ -317,9 +316,9 @@ def test_log_lines_go_above_the_bar_and_scored_lines_wait_for_verbose(
 ) -> None:
     tty = FakeTTY()
     monkeypatch.setattr(sys, "stderr", tty)
-    logs.setup_logging("text", 0)
+    terminal = logs.setup_logging("text", 0)
     failed = ShardResult("bad.parquet", "/in/bad.parquet", "failed", kind="schema", message="x")
-    with logs.Progress(50_000, 2, enabled=True) as p:
+    with logs.Progress(50_000, 2, enabled=True, terminal=terminal) as p:
         logs.log_shard(scored("a.parquet"))  # the bar shows it; no line at verbosity 0
         p.update(scored("a.parquet"))
         logs.log_shard(failed)
@@ -333,10 +332,10 @@ def test_log_lines_go_above_the_bar_and_scored_lines_wait_for_verbose(
     assert re.search(r" ERROR failed bad\.parquet: \[schema\] x$", line), line
     assert rest.startswith("\rscoring")
 
-    logs.setup_logging("text", 1)
+    terminal = logs.setup_logging("text", 1)
     tty.truncate(0)
     tty.seek(0)
-    with logs.Progress(50_000, 2, enabled=True):
+    with logs.Progress(50_000, 2, enabled=True, terminal=terminal):
         logs.log_shard(scored("a.parquet"))
     assert "INFO scored a.parquet" in tty.getvalue()
 
@@ -463,3 +462,63 @@ def test_emit_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert TIME_RE.match(rec["time"])
     assert rec == {**rec, "level": "error", "event": "error", "message": "bad\nconfig"}
     assert rec["exit_code"] == 2
+
+
+# --------------------------------------------------------------------------------------------
+# No module state: each terminal has its own bar; Dask's levels through logging config
+
+
+def test_two_terminals_do_not_share_a_bar() -> None:
+    tty_a, tty_b = FakeTTY(), FakeTTY()
+    term_a, term_b = logs.Terminal(tty_a), logs.Terminal(tty_b)
+    handler_b = logs.TerminalHandler(term_b)
+    handler_b.setFormatter(logging.Formatter("%(message)s"))
+    record = logging.LogRecord("pipeline", logging.INFO, __file__, 1, "line on b", None, None)
+    with logs.Progress(10, 1, enabled=True, terminal=term_a):
+        assert term_a.bar is not None and term_b.bar is None
+        handler_b.emit(record)
+    # b has no bar: its line is written as is, with no clearing of a's bar.
+    assert tty_b.getvalue() == "line on b\n"
+    assert "\x1b[K" not in tty_a.getvalue()
+
+
+def test_configure_dask_logging_sets_levels_only() -> None:
+    dask_logger = logging.getLogger("distributed")
+    dask_logger.setLevel(logging.INFO)
+    marker = logging.NullHandler()
+    dask_logger.addHandler(marker)
+    logs.configure_dask_logging(debug=False)
+    assert dask_logger.level == logging.WARNING
+    assert marker in dask_logger.handlers  # incremental: handlers stay
+    dask_logger.setLevel(logging.INFO)
+    logs.configure_dask_logging(debug=True)
+    assert dask_logger.level == logging.INFO  # debugging: Dask's own INFO stays
+
+
+def test_console_run_progress_logs_shards_and_draws_on_a_tty(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    console = logs.Console.setup("text", 0)
+    failed = ShardResult("bad.parquet", "/in/bad.parquet", "failed", kind="schema", message="x")
+    with console.progress() as progress:
+        progress.on_start(50_000, 2)
+        assert console.terminal.bar is progress.bar
+        progress.on_shard(scored("a.parquet"))
+        progress.on_shard(failed)
+    assert console.terminal.bar is None
+    text = tty.getvalue()
+    assert "25,000/50,000 rows  2/2 shards" in text
+    assert "scored a.parquet" not in text  # the bar counted it
+    assert "ERROR failed bad.parquet: [schema] x" in text
+
+
+def test_console_without_a_tty_draws_no_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    console = logs.Console.setup("text", 0)
+    with console.progress() as progress:
+        progress.on_start(50_000, 1)
+        progress.on_shard(scored("a.parquet"))
+    err = capsys.readouterr().err
+    assert "INFO scored a.parquet" in err
+    assert "\r" not in err and "\x1b" not in err

@@ -22,6 +22,7 @@ from pipeline.metrics import (
     registry_for,
     write_metrics_file,
 )
+from pipeline.statuses import RunStatus
 
 JOB = "nightly-catalog"
 
@@ -117,6 +118,24 @@ def test_failed_run_keeps_the_previous_success(tmp_path: Path) -> None:
     later = report("succeeded_with_errors", day=4)
     write_metrics_file(path, later)
     assert previous_success_timestamp(path, JOB) == ts(later["finished_at"])
+
+
+def test_status_labels_are_the_run_statuses() -> None:
+    assert tuple(s.value for s in RunStatus) == STATUSES
+    assert "interrupted" in STATUSES
+
+
+def test_interrupted_run_is_not_a_success(tmp_path: Path) -> None:
+    path = str(tmp_path / "score_catalog.prom")
+    ok = report("succeeded", day=1)
+    write_metrics_file(path, ok)
+    stopped = report(RunStatus.INTERRUPTED, day=2, drift=None)
+    write_metrics_file(path, stopped)
+    found = samples(Path(path).read_text())
+    assert value(found, "last_success_timestamp_seconds") == ts(ok["finished_at"])
+    assert value(found, "last_run_end_timestamp_seconds") == ts(stopped["finished_at"])
+    assert value(found, "run_status", status="interrupted") == 1.0
+    assert sum(value(found, "run_status", status=s) for s in STATUSES) == 1.0
 
 
 def test_failed_run_without_history_has_no_last_success(tmp_path: Path) -> None:

@@ -1,36 +1,174 @@
-"""Running the real CLI in a subprocess and comparing output trees."""
+"""Running the real CLI, reading what it wrote, and comparing output trees.
+
+:func:`cli` is the one way the integration tests run ``score-catalog``: a real process by
+default, or in this process (Click's ``CliRunner``) where a suite makes dozens of calls and only
+the exit code and the output matter. Either way it returns a :class:`CliResult` and checks every
+``_report.json`` the run wrote against the report schema, once ``pipeline.reportschema`` exists.
+:func:`start_cli` starts the same command in the background, for tests that kill it part-way.
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import re
 import subprocess
 import sys
+import traceback
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10, as pipeline/config.py does
+    import tomli as tomllib
+
 REPO = Path(__file__).resolve().parents[2]
+# The CLI's fault-injection hook (pipeline/faults.py): a run that reaches the named point
+# SIGKILLs itself, so it must never be set in the pytest process or leak into a run by accident.
+KILL_AT = "_SCORE_CATALOG_KILL_AT"
+
+
+class CliResult(NamedTuple):
+    """What one ``score-catalog`` run did."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    report: dict[str, Any] | None  # the _report.json this run wrote, if it wrote one locally
+
+    @property
+    def output(self) -> str:
+        """stdout then stderr, for assertions that do not care which stream a line went to."""
+        return self.stdout + self.stderr
+
+
+def cli_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a CLI process: this one's without SCORE_CATALOG_* settings (so the
+    developer's shell cannot change a test's config), plus ``env``."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SCORE_CATALOG_")}
+    full.pop(KILL_AT, None)
+    full.update(env or {})
+    full.setdefault("PYTHONPATH", str(REPO))
+    return full
+
+
+def cli_argv(*args: str) -> list[str]:
+    """The command line of ``score-catalog ARGS`` (``python -m pipeline.cli``, this venv)."""
+    return [sys.executable, "-m", "pipeline.cli", *args]
 
 
 def cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run `score-catalog ARGS` as a real process (python -m pipeline.cli)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SCORE_CATALOG_")}
-    full_env.pop("_SCORE_CATALOG_KILL_AT", None)
-    full_env.update(env or {})
-    full_env.setdefault("PYTHONPATH", str(REPO))
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        cwd=cwd or REPO,
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    cwd: Path | None = None,
+    in_process: bool = False,
+    output: Path | None = None,
+) -> CliResult:
+    """Run ``score-catalog ARGS`` and return its exit code, output and report.
+
+    ``in_process`` runs it through Click's ``CliRunner`` instead of a new interpreter: a new
+    process costs about 2 s of imports before it does anything (`score-catalog --help` took
+    2.0 s here), which over the ~50 calls of test_failures and test_end_to_end is minutes of
+    ``make test``. It cannot take ``env`` with the fault-injection hook (it would kill pytest).
+
+    ``output`` is where to look for ``_report.json``; by default the ``--output`` flag, or the
+    job file's ``output`` (``{date}`` filled in from ``--date``). A report counts only if this
+    run wrote it (it is new or its modification time changed), and it is checked against the
+    report schema (see :func:`check_report`).
+    """
+    out = output if output is not None else output_of(args)
+    before = _stamp(out)
+    if in_process:
+        code, stdout, stderr = _invoke(args, env)
+    else:
+        done = subprocess.run(
+            cli_argv(*args),
+            capture_output=True,
+            text=True,
+            env=cli_env(env),
+            timeout=timeout,
+            cwd=cwd or REPO,
+        )
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    rep = None
+    if out is not None and _stamp(out) not in (None, before):
+        rep = report(out)
+    return CliResult(code, stdout, stderr, rep)
+
+
+def start_cli(
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    stdout: int | IO[Any] | None = subprocess.PIPE,
+    stderr: int | IO[Any] | None = subprocess.PIPE,
+) -> subprocess.Popen[str]:
+    """Start ``score-catalog ARGS`` in the background (same command and environment as
+    :func:`cli`), for a test that kills it or a worker part-way; the caller waits for it."""
+    return subprocess.Popen(
+        cli_argv(*args), cwd=REPO, env=cli_env(env), stdout=stdout, stderr=stderr, text=True
     )
+
+
+def _invoke(args: Sequence[str], env: Mapping[str, str] | None) -> tuple[int, str, str]:
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    if env and KILL_AT in env:
+        raise ValueError(f"{KILL_AT} would kill the test process: run with in_process=False")
+    res = CliRunner().invoke(main, list(args), env=dict(env) if env else None)
+    stderr = res.stderr
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        # An exception the CLI did not map to an exit code: show it in the test's message.
+        stderr += "".join(traceback.format_exception(res.exception))
+    return res.exit_code, res.stdout, stderr
+
+
+def output_of(args: Sequence[str]) -> Path | None:
+    """The local output folder a ``run`` command line names, or None (S3, or not given)."""
+    flags = _flags(args)
+    out = flags.get("--output")
+    if out is None and len(args) > 1 and args[0] == "run" and args[1].endswith(".toml"):
+        try:
+            out = tomllib.loads(Path(args[1]).read_text()).get("output")
+        except (OSError, tomllib.TOMLDecodeError):
+            return None
+    if not isinstance(out, str) or "://" in out:
+        return None
+    if "{date}" in out:
+        if "--date" not in flags:
+            return None
+        out = out.replace("{date}", flags["--date"])
+    return Path(out)
+
+
+def _flags(args: Sequence[str]) -> dict[str, str]:
+    """``--name value`` and ``--name=value`` pairs of a command line (the last one wins)."""
+    found: dict[str, str] = {}
+    for i, a in enumerate(args):
+        m = re.fullmatch(r"(--[a-z-]+)=(.*)", a)
+        if m:
+            found[m.group(1)] = m.group(2)
+        elif a.startswith("--") and i + 1 < len(args):
+            found[a] = args[i + 1]
+    return found
+
+
+def _stamp(out: Path | None) -> int | None:
+    """The report's modification time (ns), or None when there is none."""
+    if out is None:
+        return None
+    try:
+        return (out / "_report.json").stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 def job_args(inp: Path | str, out: Path | str, model: Path | str, *extra: str) -> list[str]:
@@ -38,8 +176,36 @@ def job_args(inp: Path | str, out: Path | str, model: Path | str, *extra: str) -
     return ["--input", str(inp), "--output", str(out), "--model", str(model), *extra]
 
 
+def check_report(rep: Mapping[str, Any], where: str = "_report.json") -> None:
+    """Fail unless ``rep`` passes ``pipeline.reportschema.validate_report``.
+
+    Until that module exists this checks nothing; once it exists the check is strict: a report
+    it refuses, or a module without ``validate_report``, fails the test.
+    """
+    try:
+        schema = importlib.import_module("pipeline.reportschema")
+    except ModuleNotFoundError as e:
+        if e.name == "pipeline.reportschema":
+            return
+        raise
+    validate = getattr(schema, "validate_report", None)
+    assert callable(validate), "pipeline.reportschema has no validate_report(report)"
+    try:
+        problems = validate(rep)
+    except Exception as e:  # any refusal, whatever its type, fails the test
+        raise AssertionError(f"{where} does not match the report schema: {e}") from e
+    # A validator may also return what is wrong instead of raising.
+    assert problems is not False and not (isinstance(problems, (list, tuple)) and problems), (
+        f"{where} does not match the report schema: {problems}"
+    )
+
+
 def report(out: Path) -> dict[str, Any]:
-    return json.loads((out / "_report.json").read_text())
+    """``out/_report.json``, checked against the report schema."""
+    path = out / "_report.json"
+    rep: dict[str, Any] = json.loads(path.read_text())
+    check_report(rep, str(path))
+    return rep
 
 
 def data_files(root: Path) -> list[Path]:
@@ -54,8 +220,10 @@ def data_files(root: Path) -> list[Path]:
 
 
 def read_tree(root: Path) -> dict[str, pa.Table]:
+    """Every data file under ``root``, by relative path."""
     return {str(p.relative_to(root)): pq.read_table(p) for p in data_files(root)}
 
 
 def temporaries(*roots: Path) -> list[Path]:
+    """Staging files (``.tmp-`` in the name) left under ``roots``."""
     return [p for r in roots if r.exists() for p in r.rglob("*") if ".tmp-" in p.name]

@@ -1,23 +1,12 @@
 """Real servers for the integration tests: an S3-compatible server (moto) and a Dask cluster.
 
-Every server is a real process started on 127.0.0.1 on a free port and stopped by its PID in the
-fixture's teardown (SIGTERM, then SIGKILL after a timeout). Nothing is mocked: the CLI under test
-talks to them over TCP exactly as it would to S3 or to a production Dask scheduler.
+Every server is a real process started on 127.0.0.1 on a free port and stopped by its PID when
+its ``with`` block ends (SIGTERM, then SIGKILL after a timeout). Nothing is mocked: the CLI under
+test talks to them over TCP exactly as it would to S3 or to a production Dask scheduler. The
+fixtures that hand them to tests (``moto_server``, ``s3_bucket``, ``dask_cluster``,
+``fresh_dask_cluster``) are in this folder's ``conftest.py``.
 
-Fixtures (bind them in a test module, e.g. ``s3_bucket = servers.s3_bucket``: a plain
-``from ... import s3_bucket`` trips ruff's F811, and ``pytest_plugins`` here trips pytest's
-assertion-rewrite warning, which the suite turns into an error):
-
-- ``moto_server`` (session): a running ``moto.server``; yields a :class:`MotoServer`.
-- ``s3_bucket`` (function): a fresh bucket on it, with the process environment cleaned of the
-  machine's AWS settings; yields an :class:`S3Bucket` (name, storage options, an s3fs
-  filesystem, helpers to upload a local tree and to write a job file with a ``[storage]`` table).
-- ``dask_cluster`` (module): ``dask scheduler`` + 2 ``dask worker`` processes; yields a
-  :class:`DaskCluster` (address, the `dask` process handles, ``workers``: address -> name,
-  worker PID and nanny PID, and ``kill_worker`` for a machine that dies).
-- ``fresh_dask_cluster`` (function): the same, for a test that kills a worker.
-
-The helper functions ``install_load_counter``, ``load_count``, ``cached_models`` and
+The helper functions ``install_load_counter``, ``load_count``, ``reuses_cached_model`` and
 ``executed_count`` run *inside* the Dask workers through ``Client.run``.
 """
 
@@ -33,13 +22,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -82,15 +70,11 @@ def kill_pid(pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie, which still answers kill(0), is not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
         return False
-    # A zombie child still answers kill(0); /proc tells whether it is really running.
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    return True
 
 
 def _wait_until(
@@ -195,12 +179,6 @@ def start_moto_server(log: Path, timeout: float = 30.0) -> Iterator[MotoServer]:
         stop_process(proc)
 
 
-@pytest.fixture(scope="session")
-def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
-    with start_moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as server:
-        yield server
-
-
 @dataclass
 class S3Bucket:
     """A fresh bucket on the moto server and everything a test needs to use it."""
@@ -272,20 +250,6 @@ def toml_job(keys: Mapping[str, Any], storage: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@pytest.fixture
-def s3_bucket(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
-    """A new, empty bucket; this process's environment (and so the CLI's) has no real AWS setup."""
-    for k in [k for k in os.environ if k.startswith("AWS_")]:
-        monkeypatch.delenv(k)
-    for k, v in aws_overrides().items():
-        monkeypatch.setenv(k, v)
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    moto_server.client().create_bucket(Bucket=name)
-    bucket = S3Bucket(name, moto_server.endpoint)
-    bucket.fs = bucket.new_fs()
-    yield bucket
-
-
 # --------------------------------------------------------------------------- Dask
 
 
@@ -303,7 +267,7 @@ class DaskCluster:
     def client(self, **kwargs: Any) -> Any:
         from distributed import Client
 
-        return Client(self.address, timeout="30s", **kwargs)
+        return Client(self.address, timeout="30s", **kwargs)  # type: ignore[no-untyped-call]
 
     def worker_pids(self) -> dict[str, dict[str, Any]]:
         """worker address -> {name, pid (the worker process), nanny (its parent)}."""
@@ -410,18 +374,6 @@ def start_dask_cluster(
             stop_process(p)
 
 
-@pytest.fixture(scope="module")
-def dask_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaskCluster]:
-    with start_dask_cluster(tmp_path_factory.mktemp("dask-logs")) as cluster:
-        yield cluster
-
-
-@pytest.fixture
-def fresh_dask_cluster(tmp_path: Path) -> Iterator[DaskCluster]:
-    with start_dask_cluster(tmp_path / "dask-logs") as cluster:
-        yield cluster
-
-
 # --------------------------------------------------------------------------- run inside workers
 
 _LOADS: list[str] = []
@@ -450,12 +402,17 @@ def load_count() -> list[str]:
     return list(_LOADS)
 
 
-def cached_models() -> list[tuple[str, str, str, int]]:
-    """In a worker: the keys (uri, device, sha256, width) of pipeline.model's load cache."""
-    from pipeline import model
+def reuses_cached_model(uri: str, device: str, sha256: str, width: int) -> bool:
+    """In a worker: whether asking for this bundle again is served from pipeline.model's cache.
 
-    with model._CACHE_LOCK:
-        return list(model._CACHE)
+    Through the public ``load_model`` only: a load that is not a cache hit logs "loaded model",
+    which :func:`install_load_counter` counts.
+    """
+    from pipeline.model import load_model
+
+    before = len(_LOADS)
+    load_model(uri, device, width=width, expected_sha256=sha256)
+    return len(_LOADS) == before
 
 
 def executed_count(dask_worker: Any) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -32,7 +33,8 @@ def archive(tmp_path: Path, bundle_dir: Path) -> Path:
     return job
 
 
-def _summary(tmp_path: Path, start: str, end: str) -> dict[str, object]:
+def _summary(tmp_path: Path, start: str, end: str) -> dict[str, Any]:
+    """The backfill's summary file for START..END."""
     path = tmp_path / "scored" / "_backfills" / "rescore" / f"{start}_{end}.json"
     return json.loads(path.read_text())
 
@@ -50,7 +52,7 @@ def test_backfill_interrupted_then_resumed_scores_every_row_once(
     resumed = cli(*args)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     s = _summary(tmp_path, "2025-01-01", "2025-01-04")
-    parts = {p["date"]: p for p in s["partitions"]}  # type: ignore[index, union-attr]
+    parts = {p["date"]: p for p in s["partitions"]}
     assert parts["2025-01-01"]["status"] == "skipped"  # finished before the kill
     assert parts["2025-01-02"]["status"] == "succeeded"
     assert parts["2025-01-02"]["shards_skipped"] == 1 and parts["2025-01-02"]["shards_scored"] == 1
@@ -79,12 +81,12 @@ def test_backfill_force_rescores_and_a_bad_partition_does_not_stop_the_others(
     r = cli("backfill", str(archive), "--from", "2025-01-01", "--to", "2025-01-03")
     assert r.returncode == 1, r.stdout + r.stderr
     s = _summary(tmp_path, "2025-01-01", "2025-01-03")
-    statuses = [p["status"] for p in s["partitions"]]  # type: ignore[union-attr]
+    statuses = [p["status"] for p in s["partitions"]]
     assert statuses == ["succeeded", "failed", "succeeded"]
     assert s["status"] == "failed"
     forced = cli("backfill", str(archive), "--from", "2025-01-01", "--to", "2025-01-01", "--force")
     assert forced.returncode == 0
-    assert _summary(tmp_path, "2025-01-01", "2025-01-01")["partitions"][0]["status"] == "succeeded"  # type: ignore[index]
+    assert _summary(tmp_path, "2025-01-01", "2025-01-01")["partitions"][0]["status"] == "succeeded"
 
 
 def test_backfill_needs_date_templates_and_a_sane_range(tmp_path: Path, bundle_dir: Path) -> None:

@@ -15,21 +15,28 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import write_shards
-from tests.integration.helpers import REPO, cli, read_tree, report, temporaries
+from tests.integration.helpers import (
+    KILL_AT,
+    cli,
+    job_args,
+    read_tree,
+    report,
+    start_cli,
+    temporaries,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -80,14 +87,9 @@ def _make_catalog(root: Path) -> Path:
 def _args(cat: Path, out: Path, rejects: Path, bundle: Path, scheduler: str = "sync") -> list[str]:
     return [
         "run",
-        "--input",
-        str(cat),
-        "--output",
-        str(out),
+        *job_args(cat, out, bundle),
         "--rejects",
         str(rejects),
-        "--model",
-        str(bundle),
         "--passthrough",
         "category",
         "--batch-size",
@@ -140,7 +142,7 @@ def test_sigkill_then_resume_equals_a_clean_run(
 ) -> None:
     out, rej = tmp_path / "out", tmp_path / "rejects"
     args = _args(clean_run["catalog"], out, rej, torchscript_bundle_dir)  # type: ignore[arg-type]
-    killed = cli(*args, env={"_SCORE_CATALOG_KILL_AT": point})
+    killed = cli(*args, env={KILL_AT: point})
     assert killed.returncode == -signal.SIGKILL, (
         f"the run did not reach {point}: rc={killed.returncode}\n{killed.stderr}"
     )
@@ -155,19 +157,11 @@ def test_sigkill_then_resume_equals_a_clean_run(
     assert rep["shards_scored"] + rep["shards_skipped"] == 3
 
 
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True)
-    children: dict[int, list[int]] = {}
-    for line in out.stdout.split("\n"):
-        if line.strip():
-            c, p = map(int, line.split())
-            children.setdefault(p, []).append(c)
-    found, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            found.append(c)
-            todo.append(c)
-    return found
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 @pytest.mark.parametrize("fraction", [0.5, 0.85])
@@ -176,29 +170,20 @@ def test_external_sigkill_of_a_dask_run_at_a_random_moment(
 ) -> None:
     out, rej = tmp_path / "out", tmp_path / "rejects"
     args = _args(clean_run["catalog"], out, rej, torchscript_bundle_dir, "local")  # type: ignore[arg-type]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SCORE_CATALOG_")}
-    env["PYTHONPATH"] = str(REPO)
     t0 = time.perf_counter()
-    first = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], env=env, capture_output=True, timeout=300
-    )
+    first = cli(*args)
     assert first.returncode == 0, first.stderr
-    full = time.perf_counter() - t0
+    full = time.perf_counter() - t0  # how long a whole run takes here, to kill it part-way
     shutil.rmtree(out)  # start again from nothing, then kill part-way
     shutil.rmtree(rej, ignore_errors=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start_cli(*args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(full * fraction * random.uniform(0.9, 1.1))
     family = _descendants(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    for pid in family:  # Dask's nanny and worker processes die with their parent's cluster
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    for child in family:  # Dask's nanny and worker processes die with their parent's cluster
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
     resumed = cli(*args)
     assert resumed.returncode == 0, resumed.stderr
     _assert_same_as_clean(out, rej, clean_run)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -10,11 +10,18 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
+import torch
 
-from pipeline.cli import main
 from tests.conftest import reference_scores, write_shards
-from tests.integration.helpers import cli, data_files, job_args, read_tree, report, temporaries
+from tests.integration.helpers import (
+    REPO,
+    cli,
+    data_files,
+    job_args,
+    read_tree,
+    report,
+    temporaries,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -94,12 +101,17 @@ def test_clirunner_job_file_env_and_flags(catalog: Path, bundle_dir: Path, tmp_p
         f'input = "{catalog}"\noutput = "{tmp_path}/out/run_date={{date}}"\n'
         f'model = "{bundle_dir}"\nbatch_size = 100\nscheduler = "sync"\n'
     )
-    res = CliRunner().invoke(
-        main,
-        ["run", str(job), "--date", "2026-01-02", "--batch-size", "700"],
+    res = cli(
+        "run",
+        str(job),
+        "--date",
+        "2026-01-02",
+        "--batch-size",
+        "700",
         env={"SCORE_CATALOG_BATCH_SIZE": "300", "SCORE_CATALOG_ID_COLUMN": "item_id"},
+        in_process=True,
     )
-    assert res.exit_code == 0, res.output
+    assert res.returncode == 0, res.output
     out = tmp_path / "out" / "run_date=2026-01-02"
     rep = report(out)
     assert rep["batch_size"] == 700  # flag beats env beats job file
@@ -112,8 +124,8 @@ def test_torchscript_bundle_scores_the_same(
 ) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     for bundle, out in ((bundle_dir, a), (torchscript_bundle_dir, b)):
-        res = CliRunner().invoke(main, _args(catalog, out, bundle, "--scheduler", "sync"))
-        assert res.exit_code == 0, res.output
+        res = cli(*_args(catalog, out, bundle, "--scheduler", "sync"), in_process=True)
+        assert res.returncode == 0, res.output
     ta, tb = read_tree(a), read_tree(b)
     assert ta.keys() == tb.keys()
     for k in ta:
@@ -124,12 +136,11 @@ def test_torchscript_bundle_scores_the_same(
 
 
 def test_help_documents_commands_options_and_exit_codes() -> None:
-    runner = CliRunner()
-    top = runner.invoke(main, ["--help"])
-    assert top.exit_code == 0
+    top = cli("--help", in_process=True)
+    assert top.returncode == 0
     for word in ("run", "demo", "Exit codes", "2 usage", "3 input"):
-        assert word in top.output
-    run_help = runner.invoke(main, ["run", "--help"]).output
+        assert word in top.stdout
+    run_help = cli("run", "--help", in_process=True).stdout
     for opt in (
         "--input",
         "--output",
@@ -152,14 +163,10 @@ def test_help_documents_commands_options_and_exit_codes() -> None:
 
 
 def test_readme_quickstart_and_documented_options_match_help() -> None:
-    from tests.integration.helpers import REPO
-
     readme = (REPO / "README.md").read_text()
     assert "make score-catalog" in readme and "make test" in readme
-    import re
-
     helps = {
-        name: CliRunner().invoke(main, [name, "--help"]).output
+        name: cli(name, "--help", in_process=True).stdout
         for name in ("run", "demo", "bench", "plan", "report", "backfill")
     }
     # Every option in the README's flag table is an option of `run`...
@@ -215,13 +222,11 @@ def test_readme_quickstart_and_documented_options_match_help() -> None:
 def test_exit_codes(
     args: list[str], code: int, needle: str, catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:
-    import torch
-
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     args = [a.format(tmp=tmp_path, catalog=catalog, bundle=bundle_dir) for a in args]
-    res = CliRunner().invoke(main, args)
-    assert res.exit_code == code, res.output
+    res = cli(*args, in_process=True)
+    assert res.returncode == code, res.output
     assert needle in res.output
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
 
@@ -240,8 +245,8 @@ def test_schema_drift_float64_and_int_features_score_like_float32(
     t = t.append_column("extra", pa.array(["x"] * t.num_rows))
     pq.write_table(t, p, row_group_size=300)
     out = tmp_path / "out"
-    res = CliRunner().invoke(main, _args(cat, out, bundle_dir, "--scheduler", "sync"))
-    assert res.exit_code == 0, res.output
+    res = cli(*_args(cat, out, bundle_dir, "--scheduler", "sync"), in_process=True)
+    assert res.returncode == 0, res.output
     t_out = pq.read_table(out / "part-00001.parquet")
     assert t_out.schema.field("item_id").type == pa.int32()  # pass-through types kept per shard
     score, _ = reference_scores(bundle_dir, pq.read_table(p))
@@ -252,12 +257,12 @@ def test_empty_shard_gets_an_empty_output_with_the_schema(bundle_dir: Path, tmp_
     cat = tmp_path / "cat"
     write_shards(cat, [500, 0, 400], row_group_rows=200)
     out = tmp_path / "out"
-    res = CliRunner().invoke(main, _args(cat, out, bundle_dir, "--scheduler", "sync"))
-    assert res.exit_code == 0, res.output
+    res = cli(*_args(cat, out, bundle_dir, "--scheduler", "sync"), in_process=True)
+    assert res.returncode == 0, res.output
     empty = pq.read_table(out / "part-00001.parquet")
     assert empty.num_rows == 0
     assert empty.column_names == ["item_id", "category", "score", "label", "model_version"]
-    assert json.loads((out / "_report.json").read_text())["rows_out"] == 900
+    assert report(out)["rows_out"] == 900
 
 
 def test_batch_size_auto_is_measured_once_then_cached(
@@ -267,10 +272,11 @@ def test_batch_size_auto_is_measured_once_then_cached(
     reps = []
     for name in ("a", "b"):
         out = tmp_path / name
-        res = CliRunner().invoke(
-            main, _args(catalog, out, bundle_dir, "--scheduler", "sync", "--batch-size", "auto")
+        res = cli(
+            *_args(catalog, out, bundle_dir, "--scheduler", "sync", "--batch-size", "auto"),
+            in_process=True,
         )
-        assert res.exit_code == 0, res.output
+        assert res.returncode == 0, res.output
         reps.append(report(out))
     first, second = (r["execution"]["batch_size_auto"] for r in reps)
     assert first["cached"] is False and second["cached"] is True
@@ -304,8 +310,8 @@ def test_every_option_keeps_order_and_exactly_once(
     write_shards(cat, [900, 0, 1300], row_group_rows=400)
     out = tmp_path / "o"
     args = _args(cat, out, bundle_dir, "--scheduler", "sync", *extra)
-    res = CliRunner().invoke(main, args)
-    assert res.exit_code == 0, res.output
+    res = cli(*args, in_process=True)
+    assert res.returncode == 0, res.output
     ids = [i for p in data_files(out) for i in pq.read_table(p).column("item_id").to_pylist()]
     assert ids == list(range(2200))
     rep = report(out)

@@ -17,35 +17,21 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import torch
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import ErrorPolicy, JobConfig, run
-from pipeline.cli import main
 from pipeline.demo import FEATURES
 from tests.conftest import demo_toml, write_shards
-from tests.integration.helpers import data_files, job_args, report, temporaries
+from tests.integration.helpers import CliResult, cli, data_files, job_args, report, temporaries
 
 pytestmark = pytest.mark.integration
 
 
-def _run(catalog: Path, out: Path, bundle: Path, *extra: str) -> tuple[int, str]:
-    res = CliRunner().invoke(
-        main,
-        [
-            "run",
-            *job_args(catalog, out, bundle),
-            "--passthrough",
-            "category",
-            "--batch-size",
-            "400",
-            "--scheduler",
-            "sync",
-            *extra,
-        ],
-    )
-    return res.exit_code, res.output
+def _run(catalog: Path, out: Path, bundle: Path, *extra: str) -> CliResult:
+    """`run` with this suite's common flags, in this process (see :func:`cli` for why)."""
+    opts = ("--passthrough", "category", "--batch-size", "400", "--scheduler", "sync")
+    return cli("run", *job_args(catalog, out, bundle, *opts, *extra), in_process=True)
 
 
 def _poison(path: Path, rows: dict[int, tuple[str, float | None]]) -> None:
@@ -68,8 +54,8 @@ def test_unreadable_shards_fail_alone_within_and_beyond_budget(
     (catalog / "truncated.parquet").write_bytes(good[: len(good) // 2])
     (catalog / "text.parquet").write_text("item_id,f0\n1,2\n")
     out = tmp_path / "o1"
-    code, output = _run(catalog, out, bundle_dir)
-    assert code == 1, output
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 1, r.output
     rep = report(out)
     assert rep["status"] == "failed" and not (out / "_SUCCESS").exists()
     failed = {Path(s["input"]).name: s for s in rep["shards"] if s["status"] == "failed"}
@@ -79,11 +65,11 @@ def test_unreadable_shards_fail_alone_within_and_beyond_budget(
     assert rep["rows_in"] == rep["rows_out"] == 7300  # readable shards only
     assert rep["shards_scored"] == 3 and rep["shards_failed"] == 3
     out2 = tmp_path / "o2"
-    code, output = _run(catalog, out2, bundle_dir, "--max-failed-shards", "3")
-    assert code == 0, output
+    r = _run(catalog, out2, bundle_dir, "--max-failed-shards", "3")
+    assert r.returncode == 0, r.output
     assert report(out2)["status"] == "succeeded_with_errors"
     assert (out2 / "_SUCCESS").exists()
-    assert "unreadable" in output
+    assert "unreadable" in r.output
 
 
 def test_schema_error_fails_before_scoring_or_skips_the_shard(
@@ -94,15 +80,15 @@ def test_schema_error_fails_before_scoring_or_skips_the_shard(
     t = t.set_column(t.schema.get_field_index("f5"), "f5", pa.array(["x"] * t.num_rows))
     pq.write_table(t, p)
     out = tmp_path / "o"
-    code, output = _run(catalog, out, bundle_dir)
-    assert code == 3, output
-    assert "part-00001.parquet" in output and "'f3' is missing" in output
-    assert "'f5' has type string" in output
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 3, r.output
+    assert "part-00001.parquet" in r.output and "'f3' is missing" in r.output
+    assert "'f5' has type string" in r.output
     assert not out.exists() or not data_files(out)
-    code, output = _run(
+    r = _run(
         catalog, out, bundle_dir, "--on-schema-error", "skip_shard", "--max-failed-shards", "1"
     )
-    assert code == 0, output
+    assert r.returncode == 0, r.output
     rep = report(out)
     assert rep["status"] == "succeeded_with_errors"
     bad = [s for s in rep["shards"] if s["status"] == "failed"]
@@ -118,8 +104,8 @@ def test_invalid_rows_are_rejected_with_reasons_and_accounted(
         {3: ("f2", None), 401: ("f7", float("nan")), 1699: ("f0", float("inf"))},
     )
     out = tmp_path / "o"
-    code, output = _run(catalog, out, bundle_dir)
-    assert code == 0, output
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
     rep = report(out)
     assert rep["status"] == "succeeded_with_errors"
     assert rep["rows_rejected"] == 3 and rep["rows_out"] == 7297 and rep["rows_in"] == 7300
@@ -147,16 +133,14 @@ def test_rejected_fraction_beyond_budget_fails_the_run(
 ) -> None:
     _poison(catalog / "part-00000.parquet", {i: ("f1", float("nan")) for i in range(100)})
     out, rejects = tmp_path / "o", tmp_path / "rejects"
-    code, output = _run(catalog, out, bundle_dir, "--rejects", str(rejects))
-    assert code == 1, output
+    r = _run(catalog, out, bundle_dir, "--rejects", str(rejects))
+    assert r.returncode == 1, r.output
     rep = report(out)
     assert rep["status"] == "failed" and not (out / "_SUCCESS").exists()
     assert "max_rejected_fraction" in " ".join(rep["failure_reasons"])
     assert pq.read_table(rejects / "part-00000.parquet").num_rows == 100
-    code, _ = _run(
-        catalog, out, bundle_dir, "--rejects", str(rejects), "--max-rejected-fraction", "0.05"
-    )
-    assert code == 0 and (out / "_SUCCESS").exists()
+    r = _run(catalog, out, bundle_dir, "--rejects", str(rejects), "--max-rejected-fraction", "0.05")
+    assert r.returncode == 0 and (out / "_SUCCESS").exists()
 
 
 def test_on_invalid_rows_fail_names_shard_row_group_and_id(
@@ -164,11 +148,11 @@ def test_on_invalid_rows_fail_names_shard_row_group_and_id(
 ) -> None:
     _poison(catalog / "part-00002.parquet", {1234: ("f9", float("nan"))})
     out = tmp_path / "o"
-    code, output = _run(catalog, out, bundle_dir, "--on-invalid-rows", "fail")
-    assert code == 1, output
+    r = _run(catalog, out, bundle_dir, "--on-invalid-rows", "fail")
+    assert r.returncode == 1, r.output
     first_id = pq.read_table(catalog / "part-00002.parquet").column("item_id")[0].as_py()
-    assert "part-00002.parquet" in output and "row group 4" in output
-    assert f"item_id = {first_id + 1234}" in output and "NaN in f9" in output
+    assert "part-00002.parquet" in r.output and "row group 4" in r.output
+    assert f"item_id = {first_id + 1234}" in r.output and "NaN in f9" in r.output
     assert not (out / "part-00002.parquet").exists() and not (out / "_SUCCESS").exists()
 
 
@@ -180,10 +164,10 @@ def test_resume_skips_done_shards_and_rescores_only_what_changed(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "o"
-    assert _run(catalog, out, bundle_dir)[0] == 0
+    assert _run(catalog, out, bundle_dir).returncode == 0
     before = _mtimes(out)
-    code, output = _run(catalog, out, bundle_dir)
-    assert code == 0, output
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
     rep = report(out)
     assert rep["shards_skipped"] == 3 and rep["shards_scored"] == 0
     assert rep["rows_out"] == 7300 and rep["rows_processed"] == 0
@@ -193,14 +177,14 @@ def test_resume_skips_done_shards_and_rescores_only_what_changed(
     p = catalog / "part-00001.parquet"
     time.sleep(0.01)
     pq.write_table(pq.read_table(p), p, row_group_size=500)
-    assert _run(catalog, out, bundle_dir)[0] == 0
+    assert _run(catalog, out, bundle_dir).returncode == 0
     rep = report(out)
     assert [s["status"] for s in rep["shards"]] == ["skipped", "scored", "skipped"]
     after = _mtimes(out)
     assert after["part-00000.parquet"] == before["part-00000.parquet"]
     assert after["part-00001.parquet"] != before["part-00001.parquet"]
     # --force rescores everything.
-    assert _run(catalog, out, bundle_dir, "--force")[0] == 0
+    assert _run(catalog, out, bundle_dir, "--force").returncode == 0
     assert report(out)["shards_scored"] == 3
     manifest = json.loads((out / "_manifest.json").read_text())
     entry = manifest["shards"]["part-00001.parquet"]
@@ -214,9 +198,9 @@ def test_changed_model_rescores_everything(catalog: Path, bundle_dir: Path, tmp_
     bundle2 = tmp_path / "bundle2"
     shutil.copytree(bundle_dir, bundle2)
     out = tmp_path / "o"
-    assert _run(catalog, out, bundle2)[0] == 0
+    assert _run(catalog, out, bundle2).returncode == 0
     (bundle2 / "model.toml").write_text(demo_toml(version="2"))
-    assert _run(catalog, out, bundle2)[0] == 0
+    assert _run(catalog, out, bundle2).returncode == 0
     rep = report(out)
     assert rep["shards_scored"] == 3 and rep["model"]["version"] == "2"
     assert set(pq.read_table(out / "part-00000.parquet").column("model_version").to_pylist()) == {
@@ -231,10 +215,10 @@ def test_stale_rejects_are_removed_when_a_shard_is_rescored_clean(
     clean = pq.read_table(p)
     _poison(p, {5: ("f1", None)})
     out = tmp_path / "o"
-    assert _run(catalog, out, bundle_dir)[0] == 0
+    assert _run(catalog, out, bundle_dir).returncode == 0
     assert (out / "_rejects" / "part-00000.parquet").exists()
     pq.write_table(clean, p)
-    assert _run(catalog, out, bundle_dir)[0] == 0
+    assert _run(catalog, out, bundle_dir).returncode == 0
     assert not (out / "_rejects" / "part-00000.parquet").exists()
     assert report(out)["rows_out"] == 7300
 
@@ -254,15 +238,15 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
             "started_ts": time.time(),
         }
         (out / "_lock.json").write_text(json.dumps(lock))
-        code, output = _run(catalog, out, bundle_dir)
-        assert code == 1
-        assert "locked by run other-run" in output and f"pid {holder.pid}" in output
+        r = _run(catalog, out, bundle_dir)
+        assert r.returncode == 1
+        assert "locked by run other-run" in r.output and f"pid {holder.pid}" in r.output
         assert not data_files(out)
     finally:
         holder.kill()
         holder.wait()
-    code, output = _run(catalog, out, bundle_dir)
-    assert code == 0, output
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
     taken = report(out)["lock_taken_over"]
     assert taken["run_id"] == "other-run" and "no longer running" in taken["reason"]
     assert not (out / "_lock.json").exists()
@@ -274,8 +258,8 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
         f'input = "{catalog}"\noutput = "{out}"\nmodel = "{bundle_dir}"\n'
         'scheduler = "sync"\nstale_lock_after_s = 10\n'
     )
-    res = CliRunner().invoke(main, ["run", str(job)])
-    assert res.exit_code == 0, res.output
+    res = cli("run", str(job), in_process=True)
+    assert res.returncode == 0, res.output
     assert report(out)["lock_taken_over"]["run_id"] == "ancient"
 
 
@@ -307,8 +291,8 @@ def test_rows_the_model_fails_on_are_bisected_out_and_rejected(
     bundle = _raising_bundle(tmp_path / "picky")
     _poison(catalog / "part-00000.parquet", {7: ("f0", 5000.0), 399: ("f0", 9999.0)})
     out = tmp_path / "o"
-    code, output = _run(catalog, out, bundle)
-    assert code == 0, output
+    r = _run(catalog, out, bundle)
+    assert r.returncode == 0, r.output
     rej = pq.read_table(out / "_rejects" / "part-00000.parquet")
     assert rej.num_rows == 2
     assert all("index out of range" in r for r in rej.column("reject_reason").to_pylist())
@@ -320,8 +304,8 @@ def test_rows_the_model_fails_on_are_bisected_out_and_rejected(
         t = t.set_column(i, "f0", pa.array(np.full(t.num_rows, 5000.0, np.float32)))
         pq.write_table(t, p)
     out2 = tmp_path / "o2"
-    code, output = _run(catalog, out2, bundle)
-    assert code == 1
+    r = _run(catalog, out2, bundle)
+    assert r.returncode == 1
     rep = report(out2)
     assert rep["status"] == "failed" and rep["errors"][0]["kind"] == "model"
     assert "failed on every row" in rep["errors"][0]["message"]
@@ -395,13 +379,13 @@ def test_duplicate_ids_are_counted_and_warned(bundle_dir: Path, tmp_path: Path) 
     t = t.set_column(0, "item_id", pa.array(ids))
     pq.write_table(t, paths[1], row_group_size=250)
     out = tmp_path / "o"
-    code, output = _run(cat, out, bundle_dir)
-    assert code == 0, output
+    r = _run(cat, out, bundle_dir)
+    assert r.returncode == 0, r.output
     rep = report(out)
     assert rep["duplicate_ids"] == 3
     assert [s["duplicate_ids"] for s in rep["shards"]] == [0, 3]
     assert any("3 rows have a item_id" in w for w in rep["warnings"])
-    assert "WARNING" in output
+    assert "WARNING" in r.output
     assert rep["rows_out"] == 1100  # warned, not dropped
 
 
@@ -411,7 +395,7 @@ def test_storage_credentials_never_reach_logs_report_or_manifest(
     secret = "hunter2-SECRET-VALUE"
     out = tmp_path / "o"
     (catalog / "zero.parquet").write_bytes(b"")  # an error message path, too
-    code, output = _run(
+    r = _run(
         catalog,
         out,
         bundle_dir,
@@ -421,8 +405,8 @@ def test_storage_credentials_never_reach_logs_report_or_manifest(
         "--max-failed-shards",
         "1",
     )
-    assert code == 0, output
-    assert secret not in output
+    assert r.returncode == 0, r.output
+    assert secret not in r.output
     for f in out.rglob("_*.json"):
         assert secret not in f.read_text(), f
     job = tmp_path / "job.toml"
@@ -430,8 +414,8 @@ def test_storage_credentials_never_reach_logs_report_or_manifest(
         f'input = "{catalog}"\noutput = "{out}"\nmodel = "{bundle_dir}"\n'
         f'batch_size = 0\n[storage]\nsecret = "{secret}"\n'
     )
-    res = CliRunner().invoke(main, ["run", str(job)])
-    assert res.exit_code == 2 and secret not in res.output
+    res = cli("run", str(job), in_process=True)
+    assert res.returncode == 2 and secret not in res.output
 
 
 def test_model_width_mismatch_is_exit_3_naming_bundle_and_spec(
@@ -443,7 +427,7 @@ def test_model_width_mismatch_is_exit_3_naming_bundle_and_spec(
     shutil.copytree(bundle_dir, narrow)
     (narrow / "model.toml").write_text(demo_toml(columns=("f0", "f1", "f2")))
     out = tmp_path / "o"
-    code, output = _run(catalog, out, narrow)
-    assert code == 3
-    assert str(narrow) in output and "inputs.columns = ['f0', 'f1', 'f2']" in output
+    r = _run(catalog, out, narrow)
+    assert r.returncode == 3
+    assert str(narrow) in r.output and "inputs.columns = ['f0', 'f1', 'f2']" in r.output
     assert not out.exists()

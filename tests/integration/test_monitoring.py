@@ -16,12 +16,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.demo import FEATURES
 from tests.conftest import write_shards
-from tests.integration.helpers import cli, job_args, report
+from tests.integration.helpers import CliResult, cli, job_args, report
 
 pytestmark = pytest.mark.integration
 
 
-def _run(inp: Path, root: Path, bundle: Path, date: str, *extra: str) -> object:
+def _run(inp: Path, root: Path, bundle: Path, date: str, *extra: str) -> CliResult:
+    """`run` into ``root/DATE`` on the sync scheduler."""
     return cli(
         "run",
         *job_args(inp, root / "{date}", bundle),
@@ -191,6 +192,7 @@ def test_plan_names_a_broken_shard_and_scores_nothing(
     assert not out.exists()  # nothing written, no lock taken
 
     j = cli("plan", *job_args(catalog, out, bundle_dir), "--json")
+    assert j.returncode == 3, j.stderr  # the same problem, the same exit code as text output
     plan = json.loads(j.stdout)
     assert plan["shards_failing"] == 1 and plan["shards_to_score"] == 3
     assert plan["calibration"]["rows_per_s"] > 0 and plan["estimated_scoring_s"] > 0

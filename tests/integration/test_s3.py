@@ -21,15 +21,10 @@ import pytest
 
 from pipeline.demo import FEATURES, make_rows
 from tests.conftest import reference_scores, write_shards
-from tests.integration import servers
-from tests.integration.helpers import cli, job_args
+from tests.integration.helpers import CliResult, check_report, cli, job_args
 from tests.integration.servers import S3Bucket, free_port
 
 pytestmark = pytest.mark.integration
-
-# Fixtures from servers.py.
-moto_server = servers.moto_server
-s3_bucket = servers.s3_bucket
 
 SIZES = [2500, 1700, 3100]  # rows per shard; 1,000-row row groups: 3 + 2 + 4 of them
 SHARDS = [f"part-{k:05d}.parquet" for k in range(len(SIZES))]
@@ -57,14 +52,19 @@ def _job(tmp_path: Path, bucket: S3Bucket, *, name: str = "s3job", **keys: Any) 
     )
 
 
-def _run(*args: str) -> Any:
+def _run(*args: str) -> CliResult:
+    """`run ARGS`, which must succeed."""
     r = cli("run", *args)
     assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     return r
 
 
 def _json(bucket: S3Bucket, path: str) -> dict[str, Any]:
-    return json.loads(bucket.fs.cat_file(f"{bucket.name}/{path}"))
+    """A JSON object in the bucket; a run report is checked against the report schema."""
+    data: dict[str, Any] = json.loads(bucket.fs.cat_file(f"{bucket.name}/{path}"))
+    if path.endswith("_report.json"):
+        check_report(data, bucket.uri(path))
+    return data
 
 
 def _read(bucket: S3Bucket, path: str) -> pa.Table:

@@ -1,0 +1,203 @@
+"""Where the run's threads go, and the Dask cluster it scores on.
+
+The thread plan splits the cores so that workers x threads per worker x torch threads never
+exceeds them; :class:`DaskSession` starts (or connects to) the cluster in the background while
+the driver plans, and warms each worker with the model before its first task.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from pipeline import logs
+from pipeline.errors import StorageError
+
+if TYPE_CHECKING:
+    from pipeline.config import JobConfig
+    from pipeline.scoring import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+START_METHOD = os.environ.get("_SCORE_CATALOG_START_METHOD", "fork")
+MMAP_THRESHOLD = 64 * 1024 * 1024
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where each worker's threads go: workers x threads per worker x torch threads <= cores."""
+
+    scheduler: str
+    workers: int | None  # None for an external cluster (its own size)
+    threads_per_worker: int | None
+    torch_threads: int | None  # None: each task derives it from its worker
+    cores: int = 1
+
+    def public(self) -> dict[str, Any]:
+        """The ``threads`` section of ``_report.json`` and of the plan."""
+        return {
+            "scheduler": self.scheduler,
+            "cores": self.cores,
+            "workers": self.workers,
+            "threads_per_worker": self.threads_per_worker,
+            "torch_threads": self.torch_threads,
+        }
+
+
+def thread_plan(config: JobConfig, pending: int) -> Plan:
+    """Split the cores: workers x threads per worker x torch threads <= cores (see README)."""
+    cores = config.cores or available_cores()
+    if config.scheduler == "sync":
+        return Plan("sync", 1, 1, cores, cores)
+    if config.scheduler == "threads":
+        w = max(1, min(config.workers or cores, cores, max(pending, 1)))
+        return Plan("threads", 1, w, max(1, cores // w), cores)
+    if config.scheduler == "local":
+        w = max(1, min(config.workers or cores, max(pending, 1)))
+        return Plan("local", w, 1, max(1, cores // w), cores)
+    return Plan(config.scheduler, None, None, None, cores)
+
+
+def torch_threads_by_host(client: Any) -> dict[str, int]:
+    """Torch threads per worker thread on each host of an existing cluster.
+
+    Several workers often share a machine (``dask worker --nworkers 4``); each then gets the
+    host's cores divided by all the worker threads on that host, never more than one busy
+    thread per core (oversubscribed torch threads were 10-40x slower here).
+    """
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    cores = client.run(available_cores)
+    threads: dict[str, int] = {}
+    host_cores: dict[str, int] = {}
+    for address, w in workers.items():
+        host = w.get("host") or urlsplit(address).hostname or ""
+        threads[host] = threads.get(host, 0) + int(w.get("nthreads") or 1)
+        host_cores[host] = int(cores.get(address, 1))
+    return {h: max(1, host_cores[h] // max(1, n)) for h, n in threads.items()}
+
+
+def _start_local(plan: Plan) -> tuple[Any, Any]:
+    import dask
+    from distributed import Client, LocalCluster
+
+    # Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in its workers, which pins glibc's mmap
+    # threshold at 128 KiB: every MLP activation (4 MiB at batch 4096) is then mmapped and
+    # page-faulted afresh, making the forward pass 2.4x slower (15.2 vs 6.5 ms measured). A
+    # fixed 64 MiB mmap threshold keeps the trimming and restores the speed (6.8 ms).
+    dask.config.set(
+        {
+            "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
+            "distributed.worker.multiprocessing-method": START_METHOD,
+        }
+    )
+    cluster = LocalCluster(  # type: ignore[no-untyped-call]  # distributed is untyped
+        n_workers=plan.workers,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    )
+    return cluster, Client(cluster)  # type: ignore[no-untyped-call]
+
+
+def _start_threads(plan: Plan) -> tuple[Any, Any]:
+    from distributed import Client, LocalCluster
+
+    cluster = LocalCluster(  # type: ignore[no-untyped-call]  # distributed is untyped
+        n_workers=1,
+        threads_per_worker=plan.threads_per_worker,
+        processes=False,
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    )
+    return cluster, Client(cluster)  # type: ignore[no-untyped-call]
+
+
+class DaskSession:
+    """A Dask client for the run, started in a background thread as soon as the run begins.
+
+    Worker processes take seconds to start and import torch; starting them while the driver
+    lists shards, reads footers and dry-runs the model hides most of that. Each worker also
+    loads the model bundle once, before the first task arrives (``warm``).
+    """
+
+    def __init__(self, plan: Plan, warm: WorkerSpec | None) -> None:
+        self.plan = plan
+        self._warm = warm
+        self._cluster: Any = None
+        self._client: Any = None
+        self.threads_by_host: dict[str, int] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._start, name="dask-start", daemon=True)
+        # Worker processes are forked from this one once planning is over: they inherit the
+        # imported torch and the loaded model, so they start in a fraction of a second instead
+        # of importing everything again (several CPU-seconds each). Forking while another
+        # thread imports modules can deadlock the child, so nothing starts before then.
+        if plan.scheduler != "local" or START_METHOD != "fork":
+            self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            # distributed sets its loggers to INFO when imported; its cluster chatter is noise
+            # in a nightly log unless debugging. So: import it first, then configure.
+            import distributed  # noqa: F401
+
+            logs.configure_dask_logging(debug=logger.isEnabledFor(logging.DEBUG))
+            plan = self.plan
+            if plan.scheduler == "local":
+                self._cluster, self._client = _start_local(plan)
+            elif plan.scheduler == "threads":
+                self._cluster, self._client = _start_threads(plan)
+            else:
+                from distributed import Client
+
+                self._client = Client(plan.scheduler, timeout="30s")  # type: ignore[no-untyped-call]
+                self.threads_by_host = torch_threads_by_host(self._client)
+            if self._warm is not None and plan.scheduler != "threads":
+                self._warm_workers(self._warm)
+        except BaseException as e:
+            self._error = e
+
+    def _warm_workers(self, spec: WorkerSpec) -> None:
+        import dataclasses
+
+        from pipeline.scoring import warm_worker
+
+        if self.threads_by_host:
+            spec = dataclasses.replace(spec, torch_threads_by_host=self.threads_by_host)
+        try:
+            self._client.run(warm_worker, spec)
+        except Exception as e:  # the tasks will load (and report) it themselves
+            logger.debug("preloading the model on the workers failed: %s", e)
+
+    def client(self) -> Any:
+        """The connected client; starts the cluster now if it has not started yet."""
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
+        self._thread.join()
+        if self._error is not None:
+            raise StorageError(
+                f"could not start or reach the Dask scheduler {self.plan.scheduler}: {self._error}"
+            ) from self._error
+        return self._client
+
+    def close(self) -> None:
+        """Close the client, and the cluster if this session started it."""
+        if self._thread.ident is not None:
+            self._thread.join()
+        if self._client is not None:
+            self._client.close()
+        if self._cluster is not None:
+            self._cluster.close()

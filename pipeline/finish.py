@@ -1,0 +1,160 @@
+"""After the last shard: drift against the previous success, the HTML page, the run index, metrics.
+
+Each of these is a view or a record on top of ``_report.json``: a failure here is logged and
+never fails a run whose shards are committed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any, cast
+
+from pipeline import drift as drift_mod
+from pipeline import runindex, storage
+from pipeline.config import JobConfig
+from pipeline.errors import PipelineError
+from pipeline.html_report import render_html
+from pipeline.report import HTML_NAME, REPORT_NAME
+from pipeline.reportschema import DriftComparison, ReportData
+from pipeline.statuses import RunStatus
+from pipeline.storage import Location
+
+logger = logging.getLogger(__name__)
+
+
+def add_drift(config: JobConfig, data: dict[str, Any], index_root: str) -> None:
+    """Compare with the previous success; a drift alert turns success into a warning."""
+    if not config.monitoring.drift or data["status"] == RunStatus.FAILED:
+        return
+    data["drift"] = drift_section(config, data, index_root)
+    if data["drift"].get("alert") and data["status"] == RunStatus.SUCCEEDED:
+        data["status"] = RunStatus.SUCCEEDED_WITH_WARNINGS
+    for reason in data["drift"].get("reasons", []):
+        data["warnings"].append(f"drift: {reason}")
+        logger.warning("drift: %s", reason)
+
+
+def drift_section(
+    config: JobConfig, data: dict[str, Any], index_root: str
+) -> DriftComparison | dict[str, Any]:
+    """Compare this run's scores with the previous successful run of the same job."""
+    if not data["rows_processed"]:
+        # A resume that found every shard done scored nothing: no distribution to compare.
+        return {"baseline": None, "note": "this run scored no rows (every shard was done)"}
+    try:
+        # The index entry carries the run's sketches: its _report.json may have been replaced
+        # since by a later run into the same output (a resume, a rerun of that night).
+        baseline = runindex.previous_success(
+            index_root,
+            config.storage,
+            config.name,
+            exclude_run_id=data["run_id"],
+            scored_only=True,
+        )
+    except Exception as e:  # drift is a check on top of a finished run: never fail it
+        logger.warning("could not read the run index at %s: %s", index_root, e)
+        return {"baseline": None, "note": f"run index unreadable: {e}"}
+    if baseline is None:
+        return {
+            "baseline": None,
+            "note": f"no previous successful run of job {config.name!r} in {index_root}/_runs",
+        }
+    m = config.monitoring
+    thresholds = drift_mod.DriftThresholds(
+        psi=m.psi_threshold, ks=m.ks_threshold, rows_change=m.rows_change_threshold
+    )
+    return drift_mod.compare(baseline, data, thresholds)
+
+
+def write_html(out_root: Location, data: dict[str, Any]) -> None:
+    """``_report.html`` beside the JSON report; a rendering error is logged, not raised."""
+    try:
+        page = render_html(cast(ReportData, data))
+    except Exception as e:  # the JSON report is the record; the page is a view of it
+        logger.warning("could not render %s: %s", HTML_NAME, e)
+        return
+    storage.write_bytes(out_root.child(HTML_NAME), page.encode("utf-8"), point="html-rename")
+
+
+_INDEX_KEYS = (
+    "run_id",
+    "job",
+    "status",
+    "started_at",
+    "finished_at",
+    "rows_out",
+    "rows_processed",
+    "output",
+)
+
+
+def record_run(
+    config: JobConfig, index_root: str, out_root: Location, data: dict[str, Any]
+) -> None:
+    """Add the run to the job's run index (with its score sketches, the next drift baseline)."""
+    entry = {key: data[key] for key in _INDEX_KEYS}
+    entry["report"] = out_root.child(REPORT_NAME).uri
+    entry["outputs"] = {
+        col: {"count": v.get("count"), "sketch": v.get("sketch")}
+        for col, v in (data.get("outputs") or {}).items()
+    }
+    try:
+        runindex.record(index_root, config.storage, config.name, entry)
+    except Exception as e:
+        logger.warning("could not record the run in the index at %s: %s", index_root, e)
+
+
+def failed_summary(
+    config: JobConfig, started_at: dt.datetime, duration: float, e: PipelineError
+) -> dict[str, Any]:
+    """What the metrics say about a run that stopped before scoring (exit 2 or 3)."""
+    return {
+        "job": config.name,
+        "status": RunStatus.FAILED,
+        "started_at": started_at.isoformat(),
+        "finished_at": (started_at + dt.timedelta(seconds=duration)).isoformat(),
+        "duration_s": duration,
+        "rows_out": 0,
+        "rows_rejected": 0,
+        "shards_failed": 0,
+        "rows_per_s": 0.0,
+        "drift": None,
+        "error": str(e),
+    }
+
+
+def publish_metrics(config: JobConfig, data: dict[str, Any]) -> None:
+    """The run's outcome to the metrics file and the Pushgateway, when configured."""
+    if config.metrics_file is None and config.pushgateway is None:
+        return
+    from pipeline import metrics
+
+    previous = None
+    if config.metrics_file is not None:
+        previous = metrics.previous_success_timestamp(config.metrics_file, config.name)
+        try:
+            metrics.write_metrics_file(config.metrics_file, data, previous_success_ts=previous)
+        except PipelineError as e:
+            logger.error("%s", e)
+    if config.pushgateway is not None:
+        if previous is None and data.get("status") == RunStatus.FAILED:
+            previous = last_success_from_index(config)
+        try:
+            metrics.push_metrics(config.pushgateway, data, previous_success_ts=previous)
+        except PipelineError as e:
+            logger.error("%s", e)
+
+
+def last_success_from_index(config: JobConfig) -> float | None:
+    """When the last success finished, from the run index (a push replaces the whole group)."""
+    try:
+        entry = runindex.previous_success(
+            runindex.index_root(config.output), config.storage, config.name
+        )
+        if entry is None:
+            return None
+        return dt.datetime.fromisoformat(str(entry["finished_at"])).timestamp()
+    except Exception as e:  # metrics are best effort once the run is over
+        logger.warning("could not read the last success from the run index: %s", e)
+        return None

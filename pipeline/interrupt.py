@@ -1,0 +1,101 @@
+"""SIGTERM and SIGINT as a run status: stop scheduling, let shards in flight finish, then report.
+
+Cron's ``timeout``, systemd and Kubernetes send SIGTERM; a person at a terminal sends SIGINT. The
+first signal asks the run to stop: nothing new is scheduled, shards in flight get
+``grace_period_s`` to commit, and the run then records what was committed, writes its report with
+status ``interrupted`` and exits 143 (SIGTERM) or 130 (SIGINT). A second signal stops at once
+(:class:`Aborted`): staged writes leave no visible partial file, and the cluster is closed on the
+way out so no worker process outlives the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType
+
+logger = logging.getLogger(__name__)
+
+#: Exit codes of an interrupted run: the shell's 128 + signal number.
+EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+
+class Aborted(BaseException):
+    """A second signal: stop now. A BaseException so that no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"aborted by a second {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class StopRequest:
+    """Whether, when and by which signal the run was asked to stop."""
+
+    def __init__(self, grace_period_s: float = 30.0) -> None:
+        self.grace_period_s = grace_period_s
+        self._event = threading.Event()
+        self.signum: int | None = None
+        self.requested_at: float | None = None
+
+    def request(self, signum: int) -> None:
+        """Ask the run to stop (what the first signal does; tests may call it directly)."""
+        if self.signum is None:
+            self.signum = signum
+            self.requested_at = time.monotonic()
+        self._event.set()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds, waking as soon as a stop is requested."""
+        return self._event.wait(timeout)
+
+    def grace_left(self) -> float:
+        """Seconds left for shards in flight to commit (infinite before any request)."""
+        if self.requested_at is None:
+            return float("inf")
+        return max(0.0, self.grace_period_s - (time.monotonic() - self.requested_at))
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES.get(signal.Signals(self.signum), 143) if self.signum else 0
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+
+@contextlib.contextmanager
+def handle_signals(stop: StopRequest) -> Iterator[StopRequest]:
+    """Route SIGTERM and SIGINT to ``stop`` while the block runs (main thread only).
+
+    Outside the main thread (a library user running jobs in threads) signals cannot be caught
+    there, so the block runs with the process's handlers unchanged.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if stop.requested:
+            raise Aborted(signum)
+        stop.request(signum)
+        logger.warning(
+            "%s received: no new shards are scheduled; shards in flight have %.0f s to commit "
+            "(send it again to stop at once)",
+            signal.Signals(signum).name,
+            stop.grace_period_s,
+        )
+
+    previous = {s: signal.signal(s, on_signal) for s in EXIT_CODES}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,264 @@
+"""What a run (and ``score-catalog plan``) learns before anything is scored or written.
+
+Footers and schemas against the model's dry run, the settings that decide resume, a sample of
+real rows, and how the model will run: precision, the parity check against fp32, the batch size.
+A problem found here fails the run up front (exit 2 or 3), never after hours of scoring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import uuid
+from typing import Any, NamedTuple
+
+import torch
+
+from pipeline.batching import ShardBatches
+from pipeline.cluster import Plan
+from pipeline.config import JobConfig
+from pipeline.errors import ModelError, SchemaError, ShardError
+from pipeline.manifest import settings_hash
+from pipeline.model import BundleSpec, LoadedModel, forward, load_model
+from pipeline.precision import (
+    DEFAULT_TOLERANCE,
+    PARITY_ROWS,
+    ExecutionOptions,
+    check_parity,
+    parity,
+    prepare,
+)
+from pipeline.reading import ShardInfo, check_schema, feature_width, read_footer
+from pipeline.scoring import ShardResult
+from pipeline.statuses import FailureKind, ShardStatus
+from pipeline.storage import ShardRef
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_ROWS = 65_536  # real rows read up front for the parity check and batch-size tuning
+
+
+def new_run_id() -> str:
+    """A sortable, unique run id: UTC start time and a random suffix."""
+    return f"{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The settings that change output rows; a change rescores every shard on resume."""
+
+    values: dict[str, Any]
+    hash: str
+
+
+def run_settings(config: JobConfig, spec: BundleSpec) -> Settings:
+    """The settings of ``config`` with model ``spec`` that decide what a row's output is."""
+    values = {
+        "inputs": list(spec.input_columns),
+        "outputs": [[o.name, o.describe()] for o in spec.outputs],
+        "id_column": config.id_column,
+        "passthrough": list(config.passthrough),
+        "precision": config.precision,
+    }
+    return Settings(values, settings_hash(values))
+
+
+class Inspection(NamedTuple):
+    """What the footers and the model's dry run say, before anything is scored or written."""
+
+    infos: dict[str, ShardInfo]
+    failed: dict[str, ShardResult]  # unreadable shards
+    schema_problems: dict[str, list[str]]
+    width: int
+    model: LoadedModel
+
+
+def _feature_width(config: JobConfig, spec: BundleSpec, infos: dict[str, ShardInfo]) -> int:
+    width = len(spec.columns) if spec.columns is not None else spec.dim
+    if width is not None:
+        return width
+    widths = {w for i in infos.values() if (w := feature_width(i.schema, spec)) is not None}
+    if len(widths) != 1:
+        raise ModelError(
+            f"model bundle {config.model}: {spec.describe_inputs()} has no inputs.dim and "
+            f"the data does not give one fixed list size (found {sorted(widths)}); set "
+            "inputs.dim in model.toml"
+        )
+    return widths.pop()
+
+
+def inspect_shards(
+    config: JobConfig,
+    shards: list[ShardRef],
+    spec: BundleSpec,
+    sha: str,
+    device: torch.device,
+    opts: Any,
+) -> Inspection:
+    """Read every footer, find the feature width, load the model and check each schema."""
+    uris = {s.rel_path: s.uri for s in shards}
+    infos: dict[str, ShardInfo] = {}
+    failed: dict[str, ShardResult] = {}
+    for s in shards:
+        try:
+            infos[s.rel_path] = read_footer(s.uri, opts)
+        except ShardError as e:
+            failed[s.rel_path] = ShardResult(
+                s.rel_path,
+                s.uri,
+                ShardStatus.FAILED,
+                rows_in=None,
+                kind=FailureKind.UNREADABLE,
+                message=str(e),
+            )
+    width = _feature_width(config, spec, infos)
+    model = load_model(config.model, device, width=width, options=opts, expected_sha256=sha)
+    schema_problems: dict[str, list[str]] = {}
+    for rel, info in infos.items():
+        probs = check_schema(
+            info.schema,
+            spec,
+            width=width,
+            id_column=config.id_column,
+            passthrough=config.passthrough,
+            shard=uris[rel],
+        )
+        if probs:
+            schema_problems[rel] = probs
+    return Inspection(infos, failed, schema_problems, width, model)
+
+
+def apply_schema_policy(
+    config: JobConfig, shards: list[ShardRef], found: Inspection
+) -> dict[str, ShardResult]:
+    """Unreadable and schema-failed shards by path; raises if a schema problem fails the run."""
+    spec = found.model.spec
+    problems = found.schema_problems
+    if problems and config.errors.on_schema_error == "fail":
+        lines = [p for probs in problems.values() for p in probs]
+        raise SchemaError(
+            f"{len(problems)} of {len(shards)} shards do not fit model "
+            f"{spec.name} v{spec.version} ({spec.describe_inputs()}); nothing was scored. "
+            "Fix the input, or set errors.on_schema_error = 'skip_shard' to score the rest:\n"
+            + "\n".join(f"  - {p}" for p in lines)
+        )
+    uris = {s.rel_path: s.uri for s in shards}
+    failed = dict(found.failed)
+    for rel, probs in problems.items():
+        failed[rel] = ShardResult(
+            rel,
+            uris[rel],
+            ShardStatus.FAILED,
+            rows_in=found.infos[rel].num_rows,
+            kind=FailureKind.SCHEMA,
+            message="; ".join(probs),
+        )
+    return failed
+
+
+def sample_rows(config: JobConfig, model: LoadedModel, shard: ShardRef, width: int) -> torch.Tensor:
+    """Up to SAMPLE_ROWS valid feature rows from the start of ``shard``."""
+    data = ShardBatches(
+        shard.uri,
+        model.spec,
+        width=width,
+        meta_columns=(config.id_column,),
+        batch_size=SAMPLE_ROWS,
+        storage_options=config.storage,
+    )
+    for batch in data:
+        return batch.tensor[torch.from_numpy(batch.features.valid)].clone()
+    return torch.zeros(0, width)
+
+
+class Execution(NamedTuple):
+    """How the model runs: the batch size, and the ``execution`` section of the report."""
+
+    batch_size: int
+    report: dict[str, Any]
+
+
+def prepare_execution(
+    config: JobConfig,
+    model: LoadedModel,
+    opts: ExecutionOptions,
+    sample_from: ShardRef | None,
+    width: int,
+    plan: Plan,
+) -> Execution:
+    """Set the model up as configured, check it against fp32 on real rows, pick the batch size.
+
+    Runs in the driver before anything is written, so a precision that is too far from fp32
+    fails the run up front (exit 3), never after hours of scoring.
+    """
+    prepared, compile_s = prepare(model, opts)
+    execution: dict[str, Any] = {
+        "precision": opts.precision,
+        "compile": opts.compile,
+        "compile_s": compile_s,
+        "tf32": model.device.type == "cuda" and not opts.strict_fp32,
+        "overlap": config.overlap,
+        "parity": None,
+        "batch_size_auto": None,
+    }
+    needs_parity = opts.precision != "fp32" or model.device.type != "cpu" or opts.compile
+    need_sample = needs_parity or config.batch_size == "auto"
+    x = sample_rows(config, model, sample_from, width) if need_sample and sample_from else None
+    if needs_parity:
+        execution["parity"] = _parity(config, prepared, opts, x, width)
+    if config.batch_size != "auto":
+        return Execution(int(config.batch_size), execution)
+    chosen, execution["batch_size_auto"] = _auto_batch_size(prepared, opts, x, width, plan)
+    return Execution(chosen, execution)
+
+
+def _parity(
+    config: JobConfig,
+    prepared: LoadedModel,
+    opts: ExecutionOptions,
+    x: torch.Tensor | None,
+    width: int,
+) -> dict[str, Any]:
+    tol = config.parity_tolerance
+    tol = DEFAULT_TOLERANCE[opts.precision] if tol is None else tol
+    if x is None or not len(x):
+        return {"rows": 0, "tolerance": tol, "columns": {}, "note": "no rows"}
+    reference = load_model(config.model, "cpu", width=width, options=config.storage)
+    rows = x[:PARITY_ROWS]
+    cols = parity(reference, prepared, rows)
+    found = {"rows": len(rows), "tolerance": tol, "columns": cols, "reference": "fp32 on the CPU"}
+    check_parity(cols, opts.precision, tol, f"model bundle {config.model}")
+    return found
+
+
+def _auto_batch_size(
+    prepared: LoadedModel,
+    opts: ExecutionOptions,
+    x: torch.Tensor | None,
+    width: int,
+    plan: Plan,
+) -> tuple[int, dict[str, Any]]:
+    from pipeline import tuning
+
+    key = tuning.cache_key(prepared.sha256, prepared.device, opts.precision, plan.torch_threads)
+    cache = tuning.BatchSizeCache(tuning.default_cache_path())
+    cached = cache.get(key)
+    if cached is not None:
+        return cached, {"cached": True, "key": key, "batch_size": cached}
+    if x is None or not len(x):
+        x = torch.randn(SAMPLE_ROWS, width)
+    before = torch.get_num_threads()
+    torch.set_num_threads(plan.torch_threads or before)  # measure as the workers will run
+    try:
+        chosen, sweep = tuning.auto_batch_size(lambda t: forward(prepared, t), x, prepared.device)
+    finally:
+        torch.set_num_threads(before)
+    cache.put(key, chosen, sweep)
+    logger.info("batch size auto: %d (sweep of %d sizes)", chosen, len(sweep))
+    return chosen, {
+        "cached": False,
+        "key": key,
+        "batch_size": chosen,
+        "sweep": [dataclasses.asdict(r) for r in sweep],
+    }

@@ -1,0 +1,66 @@
+"""Fixtures shared by the integration tests: real servers on 127.0.0.1, started per session,
+module or test, and stopped by PID (the machinery is in :mod:`tests.integration.servers`).
+
+- ``moto_server`` (session): a running ``moto.server``; yields a :class:`MotoServer`.
+- ``s3_bucket`` (function): a fresh bucket on it, with the process environment cleaned of the
+  machine's AWS settings; yields an :class:`S3Bucket`.
+- ``dask_cluster`` (module): ``dask scheduler`` + 2 ``dask worker`` processes; yields a
+  :class:`DaskCluster`.
+- ``fresh_dask_cluster`` (function): the same, for a test that kills a worker.
+
+The CLI itself is run with :func:`tests.integration.helpers.cli` (a plain function: pytest asks
+that conftest modules are not imported by tests).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.servers import (
+    DaskCluster,
+    MotoServer,
+    S3Bucket,
+    aws_overrides,
+    start_dask_cluster,
+    start_moto_server,
+)
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """One moto S3 server for the whole session (buckets keep tests apart)."""
+    with start_moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
+    """A new, empty bucket; this process's environment (and so the CLI's) has no real AWS setup."""
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, v in aws_overrides().items():
+        monkeypatch.setenv(k, v)
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    moto_server.client().create_bucket(Bucket=name)
+    bucket = S3Bucket(name, moto_server.endpoint)
+    bucket.fs = bucket.new_fs()
+    return bucket
+
+
+@pytest.fixture(scope="module")
+def dask_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaskCluster]:
+    """A scheduler and two single-threaded workers, shared by one test module."""
+    with start_dask_cluster(tmp_path_factory.mktemp("dask-logs")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def fresh_dask_cluster(tmp_path: Path) -> Iterator[DaskCluster]:
+    """A cluster of its own, for a test that kills one of its workers."""
+    with start_dask_cluster(tmp_path / "dask-logs") as cluster:
+        yield cluster

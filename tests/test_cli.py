@@ -1,0 +1,149 @@
+"""pipeline.cli: options made from the config's settings, layering through the CLI, errors.
+
+No scoring here (tests/integration covers runs); every command below stops at configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from pipeline import config
+from pipeline.cli import main, run
+from pipeline.errors import EXIT_USAGE
+
+# Settings only a job file or the environment can set (no flag), on purpose.
+NO_FLAG = {
+    "name",
+    "stale_lock_after_s",
+    "errors.task_retries",
+    "monitoring.drift",
+    "monitoring.psi_threshold",
+    "monitoring.ks_threshold",
+    "monitoring.rows_change_threshold",
+}
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logger() -> Iterator[None]:
+    """The commands configure logging; put the root logger back afterwards."""
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    yield
+    logging.captureWarnings(False)
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> click.testing.Result:
+    # Keep the caller's SCORE_CATALOG_* variables out: only what the test sets counts.
+    clean = {k: None for k in os.environ if k.startswith(config.ENV_PREFIX)}
+    return CliRunner().invoke(main, list(args), env={**clean, **(env or {})})
+
+
+def options_by_name() -> dict[str, click.Option]:
+    return {p.name: p for p in run.params if isinstance(p, click.Option) and p.name}
+
+
+def test_every_flagged_setting_is_a_run_option_with_the_config_choices() -> None:
+    options = options_by_name()
+    flagged = [s for s in config.SETTINGS if s.flag is not None]
+    assert {s.key for s in config.SETTINGS} - {s.key for s in flagged} == NO_FLAG
+    for s in flagged:
+        option = options[s.name]
+        assert s.flag in option.opts, (s.key, option.opts)
+        # None: "not given", so that the job file and the environment stay.
+        assert option.default is None or option.multiple, s.key
+        if s.kind.choices and s.kind.name == "str":
+            assert isinstance(option.type, click.Choice)
+            assert tuple(option.type.choices) == s.kind.choices
+    assert tuple(options["precision"].type.choices) == config.PRECISIONS  # type: ignore[attr-defined]
+
+
+def test_help_shows_the_dataclass_defaults() -> None:
+    text = invoke("run", "--help").output
+    flat = re.sub(r"\s+", " ", text)
+    for key in ("batch_size", "task_rows", "errors.max_rejected_fraction", "id_column"):
+        s = config.setting(key)
+        assert f"(default {s.default})" in flat, key
+    assert "--overlap / --no-overlap" in flat
+
+
+def test_invalid_job_file_reports_every_mistake_at_once(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'input = "i"\noutput = "o/{day}"\nmodel = "m"\nbatchsize = 5\n'
+        '[errors]\non_schema_error = "ignore"\n'
+    )
+    res = invoke("run", str(job))
+    assert res.exit_code == EXIT_USAGE
+    assert "(3 problems)" in res.output
+    assert "unknown key 'batchsize'" in res.output
+    assert "output = 'o/{day}' uses unknown placeholder(s) ['day']" in res.output
+    assert "errors.on_schema_error = 'ignore' must be 'fail' or 'skip_shard'" in res.output
+
+
+def test_flags_beat_environment_beats_job_file(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('input = "i"\noutput = "o"\nmodel = "m"\ndevice = "tpu"\nworkers = 0\n')
+    # The file's bad device is replaced by the environment's bad one, which the flag replaces;
+    # the file's bad workers stays. Only what survives the layering is reported.
+    res = invoke("run", str(job), "--device", "cpu", env={"SCORE_CATALOG_DEVICE": "gpu"})
+    assert res.exit_code == EXIT_USAGE
+    assert "workers = 0 must be an integer >= 1" in res.output
+    assert "device" not in res.output
+    res = invoke("run", str(job), "--workers", "2", env={"SCORE_CATALOG_DEVICE": "gpu"})
+    assert "device = 'gpu'" in res.output and "workers" not in res.output
+
+
+def test_flag_values_parse_like_environment_values() -> None:
+    res = invoke("run", "--input", "i", "--output", "o", "--batch-size", "lots")
+    assert res.exit_code == EXIT_USAGE
+    assert "'lots' is not an integer or \"auto\"" in res.output
+    res = invoke("run", "--output", "o", "--batch-size", "AUTO", "--precision", "bf16")
+    assert res.exit_code == EXIT_USAGE
+    assert "input is required" in res.output and "model is required" in res.output
+    assert "batch_size" not in res.output and "precision" not in res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--resource", "GPU"], "'GPU' is not NAME=N"),
+        (["--resource", "GPU=many"], "'GPU=many' is not NAME=N"),
+        (["--storage-option", "novalue"], "'novalue' is not KEY=VALUE"),
+        (["--precision", "fp64"], "'fp64' is not one of"),
+    ],
+)
+def test_bad_flag_values_are_usage_errors(args: list[str], needle: str) -> None:
+    res = invoke("run", "--input", "i", "--output", "o", "--model", "m", *args)
+    assert res.exit_code == EXIT_USAGE
+    assert needle in res.output
+
+
+def test_resource_values_reach_the_config_as_numbers() -> None:
+    res = invoke("run", "--output", "o/{day}", "--resource", "GPU=0", "--storage-option", "key=abc")
+    assert res.exit_code == EXIT_USAGE
+    assert "resources.GPU = 0.0 must be a number > 0" in res.output
+    assert "abc" not in res.output  # storage option values are never shown
+
+
+def test_from_flags_nests_table_keys_and_drops_unset() -> None:
+    assert config.from_flags(
+        {"batch_size": 8, "workers": None, "max_failed_shards": 2, "on_invalid_rows": None}
+    ) == {"batch_size": 8, "errors": {"max_failed_shards": 2}}
+
+
+def test_json_log_format_for_a_config_error(tmp_path: Path) -> None:
+    res = invoke("run", "--log-format", "json", "--output", "o")
+    assert res.exit_code == EXIT_USAGE
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("{"), res.output
+    assert '"event":"error"' in lines[0] and '"exit_code":2' in lines[0]

@@ -1,0 +1,161 @@
+"""The worker contract: one WorkerSpec per run, small ShardTasks, the shard sink and statistics."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import storage
+from pipeline.demo import FEATURES
+from pipeline.scoring import ShardTask, WorkerSpec, score_shard, score_shards
+from pipeline.stats import ShardStats
+from pipeline.statuses import FailureKind, ShardStatus
+from pipeline.writing import ShardSink
+from tests.conftest import reference_scores, write_shards
+
+
+def _spec(bundle: Path, **kw: object) -> WorkerSpec:
+    fields: dict[str, object] = dict(
+        model_uri=str(bundle),
+        model_sha256="",
+        device="cpu",
+        width=len(FEATURES),
+        id_column="item_id",
+        passthrough=("category",),
+        batch_size=700,  # not a divisor of the 1,000-row row groups
+        on_invalid_rows="reject",
+        torch_threads=1,
+    )
+    fields.update(kw)
+    from pipeline.model import read_bundle
+
+    fields["model_sha256"] = read_bundle(str(bundle))[2]
+    return WorkerSpec(**fields)  # type: ignore[arg-type]
+
+
+def _task(shard: Path, out: Path) -> ShardTask:
+    schema = pq.read_schema(shard)
+    meta = pa.schema([schema.field("item_id"), schema.field("category")])
+    return ShardTask(
+        rel_path=shard.name,
+        input_uri=str(shard),
+        output_uri=str(out / shard.name),
+        rejects_uri=str(out / "_rejects" / shard.name),
+        num_rows=pq.ParquetFile(shard).metadata.num_rows,
+        meta_schema=meta.serialize().to_pybytes(),
+    )
+
+
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_score_shard_writes_every_row_in_order_with_the_models_scores(
+    bundle_dir: Path, tmp_path: Path, overlap: int
+) -> None:
+    (shard,) = write_shards(tmp_path / "in", [2500], row_group_rows=1000)
+    table = pq.read_table(shard)
+    # Two invalid rows: rejected with a reason, not scored.
+    f0 = table.column(FEATURES[0]).to_numpy().copy()
+    f0[[3, 1777]] = np.nan
+    table = table.set_column(table.schema.get_field_index(FEATURES[0]), FEATURES[0], pa.array(f0))
+    pq.write_table(table, shard, row_group_size=1000)
+    out = tmp_path / "out"
+    spec = _spec(bundle_dir, overlap_depth=overlap)
+    result = score_shard(spec, _task(shard, out))
+
+    assert result.status == ShardStatus.SCORED
+    assert (result.rows_in, result.rows_out, result.rows_rejected) == (2500, 2498, 2)
+    written = pq.read_table(out / shard.name)
+    keep = np.ones(2500, bool)
+    keep[[3, 1777]] = False
+    assert written.column("item_id").to_numpy().tolist() == np.flatnonzero(keep).tolist()
+    p1, _ = reference_scores(bundle_dir, table.filter(pa.array(keep)))
+    np.testing.assert_allclose(written.column("score").to_numpy(), p1, rtol=1e-5, atol=1e-6)
+    rejects = pq.read_table(out / "_rejects" / shard.name)
+    assert rejects.column("item_id").to_pylist() == [3, 1777]
+    assert sum(result.rejects_by_reason.values()) == 2
+    # The typed statistics agree with the written column, exactly for count, sum, min, max.
+    col = result.stats.columns["score"]
+    values = written.column("score").to_numpy()
+    assert col.count == len(values) == result.stats.rows_out
+    assert col.total == pytest.approx(float(values.astype(np.float64).sum()), rel=1e-6)
+    assert (col.min, col.max) == (float(values.min()), float(values.max()))
+    assert col.samples == values[:: result.stats.step].astype(float).tolist()
+    assert len(result.stats.latencies_ms) == 4  # 2498 valid rows in batches of 700
+
+
+def test_spec_and_tasks_pickle_and_group_scoring_commits_each_shard(
+    bundle_dir: Path, tmp_path: Path
+) -> None:
+    shards = write_shards(tmp_path / "in", [1200, 0, 900], row_group_rows=500)
+    out = tmp_path / "out"
+    spec = _spec(bundle_dir)
+    tasks = [_task(s, out) for s in shards]
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    assert all(len(pickle.dumps(t)) < 2048 for t in tasks)  # small: what differs per shard
+    results = score_shards(spec, tasks)
+    assert [r.rows_out for r in results] == [1200, 0, 900]
+    assert [pq.read_metadata(out / s.name).num_rows for s in shards] == [1200, 0, 900]
+
+
+def test_a_bad_row_with_on_invalid_rows_fail_fails_the_shard_and_writes_nothing(
+    bundle_dir: Path, tmp_path: Path
+) -> None:
+    (shard,) = write_shards(tmp_path / "in", [1500], row_group_rows=500)
+    table = pq.read_table(shard)
+    f = table.column(FEATURES[2]).to_numpy().copy()
+    f[1234] = np.inf
+    table = table.set_column(table.schema.get_field_index(FEATURES[2]), FEATURES[2], pa.array(f))
+    pq.write_table(table, shard, row_group_size=500)
+    out = tmp_path / "out"
+    result = score_shard(_spec(bundle_dir, on_invalid_rows="fail"), _task(shard, out))
+    assert result.status == ShardStatus.FAILED and result.kind == FailureKind.INVALID_ROWS
+    assert "row 1234" in (result.message or "")
+    assert not list(out.rglob("*.parquet")), "a failed shard leaves no visible file"
+
+
+def _batch(schema: pa.Schema, ids: list[int]) -> pa.RecordBatch:
+    cols = [pa.array(ids, pa.int64()), pa.array([float(i) for i in ids])][: len(schema)]
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
+
+
+def test_sink_commits_rejects_before_output_and_abort_leaves_nothing(tmp_path: Path) -> None:
+    meta = pa.schema([pa.field("item_id", pa.int64())])
+    out_schema = meta.append(pa.field("score", pa.float64()))
+    out = storage.locate(str(tmp_path / "out.parquet"))
+    rej = storage.locate(str(tmp_path / "rej.parquet"))
+    with pytest.raises(RuntimeError), ShardSink(out, rej, meta, out_schema, depth=2) as sink:
+        sink.write_output(_batch(out_schema, [1, 2]))
+        sink.write_rejects(
+            pa.RecordBatch.from_arrays(
+                [pa.array([3], pa.int64()), pa.array(["nan"])], schema=sink.rejects_schema
+            )
+        )
+        raise RuntimeError("worker died")
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "rej.parquet").write_bytes(b"from an earlier run")
+    with ShardSink(out, rej, meta, out_schema, depth=2) as sink:
+        sink.write_output(_batch(out_schema, [1, 2]))
+        sink.write_output(_batch(out_schema, [4]))
+        sink.commit()
+    assert pq.read_table(tmp_path / "out.parquet").column("item_id").to_pylist() == [1, 2, 4]
+    assert not (tmp_path / "rej.parquet").exists(), "stale rejects of a rescored shard removed"
+
+
+def test_shard_stats_sample_every_step_th_row_across_batches() -> None:
+    stats = ShardStats.for_outputs(["s"], num_rows=100_000)
+    assert stats.step == 10 and stats.sample_weight == 10.0
+    values = np.arange(100_000, dtype=np.float64)
+    for lo in range(0, 100_000, 3_333):  # batches that do not line up with the step
+        chunk = pa.array(values[lo : lo + 3_333])
+        stats.add_scores({"s": chunk}, len(chunk))
+    col = stats.columns["s"]
+    assert col.samples == values[::10].tolist()
+    assert (col.count, col.total, col.min, col.max) == (100_000, values.sum(), 0.0, 99_999.0)
+    assert pc.sum(pa.array(col.samples)).as_py() * stats.sample_weight == pytest.approx(
+        values.sum(), rel=1e-3
+    )

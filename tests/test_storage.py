@@ -1,0 +1,260 @@
+"""The storage seam: retries with a deadline, exclusive create, reads, overlap and ownership checks.
+
+Local disk and ``memory://`` here; the S3 server variants are in ``tests/integration``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import storage
+from pipeline.errors import ConfigError, InputError, StorageError
+from pipeline.manifest import MANIFEST_NAME
+from tests.conftest import write_shards
+
+
+@pytest.fixture
+def mem_root() -> Iterator[str]:
+    root = f"memory://h4-{uuid.uuid4().hex[:8]}"
+    yield root
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+# --------------------------------------------------------------------------- retries
+
+
+class Flaky:
+    """Fails ``n`` times with ``error``, then returns "ok"."""
+
+    def __init__(self, n: int, error: BaseException) -> None:
+        self.n, self.error, self.calls = n, error, 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.calls <= self.n:
+            raise self.error
+        return "ok"
+
+
+def test_transient_errors_are_retried_until_success() -> None:
+    fn = Flaky(2, OSError(errno.EBUSY, "SlowDown"))
+    assert storage.with_retries(fn, what="reading s3://b/k", base_delay=0.001) == "ok"
+    assert fn.calls == 3
+
+
+def test_retries_stop_at_the_deadline_with_the_uri_in_the_message() -> None:
+    fn = Flaky(10**9, TimeoutError("read timed out"))
+    with pytest.raises(StorageError) as e:
+        storage.with_retries(fn, what="reading s3://b/key", base_delay=0.001, deadline_s=0.05)
+    msg = str(e.value)
+    assert "reading s3://b/key" in msg and "read timed out" in msg and "0.05s" in msg
+    assert storage.RETRY_DEADLINE_OPTION in msg
+    assert 1 < fn.calls < 10**9
+    assert isinstance(e.value.__cause__, TimeoutError)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        FileNotFoundError("k"),
+        FileExistsError("k"),
+        PermissionError("denied"),
+        OSError(errno.EINVAL, "InvalidBucketName"),
+        ValueError("a bug, not storage"),
+    ],
+)
+def test_permanent_errors_are_raised_at_once(error: BaseException) -> None:
+    fn = Flaky(1, error)
+    with pytest.raises(type(error)):
+        storage.with_retries(fn, what="x", base_delay=0.001)
+    assert fn.calls == 1
+
+
+def test_attempts_still_bound_the_retries() -> None:
+    fn = Flaky(10, ConnectionResetError("reset"))
+    with pytest.raises(StorageError, match="after 3 attempt"):
+        storage.with_retries(fn, what="x", attempts=3, base_delay=0.001)
+    assert fn.calls == 3
+
+
+def test_s3_locations_have_no_retry_layer_underneath() -> None:
+    pytest.importorskip("s3fs")
+    opts = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"}
+    loc = storage.locate("s3://bucket/x", {**opts, "retry_deadline_s": 7})
+    assert loc.retry_deadline_s == 7.0
+    assert loc.fs.retries == 1
+    assert loc.fs.config_kwargs["retries"] == {"total_max_attempts": 1}
+    assert loc.child("y").retry_deadline_s == 7.0
+    # A job that sets botocore's retries explicitly keeps them.
+    mine = storage.locate("s3://bucket/x", {**opts, "config_kwargs": {"retries": {"mode": "a"}}})
+    assert mine.fs.config_kwargs["retries"] == {"mode": "a"}
+    assert storage.locate("/tmp").retry_deadline_s == storage.DEFAULT_RETRY_DEADLINE_S
+
+
+# --------------------------------------------------------------------------- reads and creates
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_exclusive_create_refuses_an_existing_object(
+    where: str, tmp_path: Path, mem_root: str
+) -> None:
+    root = storage.locate(str(tmp_path) if where == "local" else mem_root)
+    loc = root.child("sub/_lock.json")
+    assert storage.exclusive_create(loc, b'{"a": 1}') is True
+    assert storage.exclusive_create(loc, b'{"a": 2}') is False
+    assert storage.read_bytes(loc) == b'{"a": 1}'
+    assert [c.name for c in storage.ls(root.child("sub"))] == ["_lock.json"]
+    with pytest.raises(ValueError):
+        storage.exclusive_create(root.child("empty"), b"")
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_reads_listings_and_bulk_reads(where: str, tmp_path: Path, mem_root: str) -> None:
+    root = storage.locate(str(tmp_path) if where == "local" else mem_root)
+    for name in ("b.json", "a.json", "_lock.one", "_lock.two"):
+        storage.write_json(root.child(name), {"name": name})
+    assert [c.name for c in storage.ls(root)] == ["_lock.one", "_lock.two", "a.json", "b.json"]
+    assert [c.name for c in storage.glob_names(root, "_lock.")] == ["_lock.one", "_lock.two"]
+    missing = root.child("missing.json")
+    got = storage.read_many([root.child("a.json"), missing])
+    assert json.loads(got[root.child("a.json").uri]) == {"name": "a.json"}  # type: ignore[arg-type]
+    assert isinstance(got[missing.uri], FileNotFoundError)
+    assert storage.read_json(missing) is None
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes(missing)
+    with pytest.raises(FileNotFoundError):
+        storage.ls(root.child("nowhere"))
+    storage.remove(root.child("a.json"))
+    storage.remove(root.child("a.json"))  # already gone: fine
+    assert not storage.exists(root.child("a.json"))
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_open_input_streams_a_multi_row_group_shard(
+    where: str, tmp_path: Path, mem_root: str
+) -> None:
+    (path,) = write_shards(tmp_path / "in", [2500], row_group_rows=1000)
+    if where == "memory":
+        fsspec.filesystem("memory").put_file(str(path), f"{mem_root}/part.parquet")
+        loc = storage.locate(f"{mem_root}/part.parquet")
+    else:
+        loc = storage.locate(str(path))
+    with storage.open_input(loc) as f:
+        pf = pq.ParquetFile(f, pre_buffer=False)
+        assert pf.metadata.num_row_groups == 3
+        rows = sum(b.num_rows for b in pf.iter_batches(batch_size=700))
+    assert rows == 2500
+    gone = storage.locate(str(tmp_path / "nope.parquet") if where == "local" else f"{mem_root}/x")
+    with pytest.raises(FileNotFoundError), storage.open_input(gone):
+        pass
+
+
+# --------------------------------------------------------------------------- overlap
+
+
+def test_output_symlinked_into_the_input_is_refused(tmp_path: Path) -> None:
+    write_shards(tmp_path / "in", [300, 200], row_group_rows=100)
+    (tmp_path / "in" / "scored").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "in" / "scored")
+    out = storage.locate(str(tmp_path / "out"))
+    rej = out.child("_rejects")
+    assert storage.real_path(out).path == str(tmp_path / "in" / "scored")
+    with pytest.raises(ConfigError) as e:
+        storage.check_disjoint(str(tmp_path / "in"), out, rej)
+    assert str(tmp_path / "out") in str(e.value) and str(tmp_path / "in") in str(e.value)
+
+
+def test_a_glob_that_can_match_the_output_is_refused(tmp_path: Path) -> None:
+    write_shards(tmp_path / "data" / "in", [300], row_group_rows=100)
+    out = storage.locate(str(tmp_path / "data" / "scored"))
+    rej = storage.locate(str(tmp_path / "rejects"))
+    with pytest.raises(ConfigError, match="glob can match"):
+        storage.check_disjoint(str(tmp_path / "data" / "*" / "*.parquet"), out, rej)
+    # A glob that cannot reach the output is fine, even next to it.
+    storage.check_disjoint(str(tmp_path / "data" / "in" / "*.parquet"), out, rej)
+    storage.check_disjoint(str(tmp_path / "data" / "i*"), out, rej)
+
+
+def test_input_inside_the_output_and_separate_trees(tmp_path: Path) -> None:
+    write_shards(tmp_path / "out" / "in", [300], row_group_rows=100)
+    out = storage.locate(str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match="output"):
+        storage.check_disjoint(str(tmp_path / "out" / "in"), out, out.child("_rejects"))
+    other = storage.locate(str(tmp_path / "elsewhere"))
+    with pytest.raises(ConfigError, match="rejects"):
+        storage.check_disjoint(str(tmp_path / "out" / "in"), other, out)
+    storage.check_disjoint(str(tmp_path / "out" / "in"), other, other.child("_rejects"))
+
+
+def test_a_shard_symlinked_from_the_output_is_refused(tmp_path: Path) -> None:
+    write_shards(tmp_path / "in", [300], row_group_rows=100)
+    (tmp_path / "out").mkdir()
+    write_shards(tmp_path / "out", [100], row_group_rows=50)
+    (tmp_path / "in" / "sneaky.parquet").symlink_to(tmp_path / "out" / "part-00000.parquet")
+    out = storage.locate(str(tmp_path / "out"))
+    rej = out.child("_rejects")
+    storage.check_disjoint(str(tmp_path / "in"), out, rej)  # the trees themselves are apart
+    shards = storage.list_shards(str(tmp_path / "in"))
+    assert [s.rel_path for s in shards] == ["part-00000.parquet", "sneaky.parquet"]
+    with pytest.raises(ConfigError, match=r"sneaky\.parquet") as e:
+        storage.check_disjoint(str(tmp_path / "in"), out, rej, shards=shards)
+    assert str(tmp_path / "out") in str(e.value)
+    with pytest.raises(ConfigError, match="would read its own output"):
+        storage.list_shards(str(tmp_path / "in"), exclude=[out, rej])
+    (tmp_path / "in" / "sneaky.parquet").unlink()
+    assert len(storage.list_shards(str(tmp_path / "in"), exclude=[out, rej])) == 1
+
+
+def test_different_filesystems_never_overlap(tmp_path: Path, mem_root: str) -> None:
+    write_shards(tmp_path / "in", [100], row_group_rows=50)
+    out = storage.locate(f"{mem_root}{tmp_path}/in/out")
+    storage.check_disjoint(str(tmp_path / "in"), out, out.child("_rejects"))
+
+
+def test_listing_a_missing_input_is_an_input_error(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="does not exist"):
+        storage.list_shards(str(tmp_path / "nothing"))
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+def test_classify_output_states(tmp_path: Path, mem_root: str) -> None:
+    assert storage.classify_output(storage.locate(str(tmp_path / "none"))).kind == "absent"
+    (tmp_path / "empty").mkdir()
+    assert storage.classify_output(storage.locate(str(tmp_path / "empty"))).kind == "empty"
+
+    ours = tmp_path / "ours"
+    write_shards(ours, [100], row_group_rows=50)
+    (ours / MANIFEST_NAME).write_text("{}")
+    assert storage.classify_output(storage.locate(str(ours))).kind == "ours"
+
+    control = tmp_path / "control"
+    (control / "_rejects").mkdir(parents=True)
+    for name in ("_lock.json", "_SUCCESS", "_report.json", ".part.parquet.tmp-0123456789ab"):
+        (control / name).write_text("x")
+    state = storage.classify_output(storage.locate(str(control)))
+    assert state.kind == "ours" and state.foreign == ()
+
+    foreign = tmp_path / "foreign"
+    write_shards(foreign, [10] * 12, row_group_rows=5)
+    (foreign / "_SUCCESS").write_text("")
+    (foreign / "notes.txt").write_text("someone else's")
+    state = storage.classify_output(storage.locate(str(foreign)))
+    assert state.kind == "foreign" and state.foreign_count == 13
+    assert len(state.foreign) == 10 and state.foreign[0] == "notes.txt"
+    assert "_SUCCESS" not in state.foreign
+
+    storage.write_json(storage.locate(mem_root).child("data.json"), {})
+    mem = storage.classify_output(storage.locate(mem_root))
+    assert mem.kind == "foreign" and mem.foreign == ("data.json",)
