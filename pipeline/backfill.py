@@ -82,7 +82,8 @@ def _check_templates(config: JobConfig) -> None:
     ]
     if problems:
         problems.append("a backfill needs both templated, e.g. dt={date}")
-    # Unset, rejects go to <output>/_rejects, which is per day since output has {date}. Set
+    # Unset, rejects go to <output's parent>/_rejects/<output's name>, which is per day since
+    # output has {date}. Set
     # without {date}, every day writes its rejects under the same names (part-00000.parquet...):
     # day 2 would silently replace day 1's rejected rows.
     if config.rejects is not None and "{date}" not in config.rejects:
@@ -90,7 +91,7 @@ def _check_templates(config: JobConfig) -> None:
             f"rejects = {config.rejects!r} has no {{date}}: every partition would write its "
             "rejected rows to the same files, each day replacing the one before; template it "
             "like output (e.g. .../rejects/dt={date}) or leave rejects unset "
-            "(<output>/_rejects, one per day)"
+            "(<output's parent>/_rejects/<output's name>, one per day)"
         )
     if problems:
         raise ConfigError(problems)

@@ -7,9 +7,9 @@ from :data:`pipeline.config.SETTINGS`, so their names, choices and defaults are 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +20,14 @@ import click
 from pipeline import config as cfg
 from pipeline import logs
 from pipeline.cli_bench import bench
-from pipeline.errors import EXIT_CODES_HELP, EXIT_INPUT, EXIT_RUN_FAILED, PipelineError
+from pipeline.errors import (
+    EXIT_CODES_HELP,
+    EXIT_INPUT,
+    EXIT_RUN_FAILED,
+    EXIT_SIGTERM,
+    PipelineError,
+)
+from pipeline.interrupt import EXIT_CODES, Aborted, StopRequest, handle_signals
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -155,6 +162,23 @@ def _fail(e: PipelineError, console: logs.Console) -> NoReturn:
     _exit(e.exit_code)
 
 
+def _crash(e: Exception, console: logs.Console) -> NoReturn:
+    """Any other error: one line naming it (its traceback only with -vv), exit 1."""
+    from pipeline.finish import describe
+
+    if console.verbosity >= 2:
+        logging.getLogger(__name__).debug("traceback of the error", exc_info=e)
+    console.error(f"run failed: {describe(e)}", EXIT_RUN_FAILED)
+    _exit(EXIT_RUN_FAILED)
+
+
+def _aborted(e: Aborted, console: logs.Console) -> NoReturn:
+    """A second signal stopped the run at once: the signal's exit code, no report."""
+    code = EXIT_CODES.get(signal.Signals(e.signum), EXIT_SIGTERM)
+    console.error(f"run {e}: stopped at once; no report was written", code)
+    _exit(code)
+
+
 def _exit(code: int) -> NoReturn:
     """Exit with ``code``. From the real command line, skip interpreter teardown.
 
@@ -193,10 +217,18 @@ def run(job: Path | None, **opts: Any) -> None:
     console = _console(opts)
     try:
         config = cfg.build_config(job, overrides=cfg.from_flags(opts))
-        with console.progress() as progress:
-            report = run_job(config, on_shard=progress.on_shard, on_start=progress.on_start)
+        # SIGTERM/SIGINT: stop scheduling, let shards in flight commit, report (exit 143/130).
+        stop = StopRequest(config.grace_period_s)
+        with handle_signals(stop), console.progress() as progress:
+            report = run_job(
+                config, on_shard=progress.on_shard, on_start=progress.on_start, stop=stop
+            )
     except PipelineError as e:
         _fail(e, console)
+    except Aborted as e:
+        _aborted(e, console)
+    except Exception as e:
+        _crash(e, console)
     console.summary({**report.data, "exit_code": report.exit_code}, summary_table(report))
     _exit(report.exit_code)
 
@@ -266,13 +298,14 @@ def plan(job: Path | None, as_json: bool, **opts: Any) -> None:
     would fail (unreadable, or its columns do not fit the model), naming it.
     """
     from pipeline.planning import plan_job, plan_table
+    from pipeline.storage import to_json
 
     console = _console(opts)
     try:
         result = plan_job(cfg.build_config(job, overrides=cfg.from_flags(opts)))
     except PipelineError as e:
         _fail(e, console)
-    click.echo(json.dumps(result, indent=2, default=str) if as_json else plan_table(result))
+    click.echo(to_json(result) if as_json else plan_table(result))
     _exit(EXIT_INPUT if result["shards_failing"] else 0)
 
 
@@ -301,6 +334,7 @@ def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_j
     fsspec URI works (s3://...).
     """
     from pipeline.report import RunReport, diff_table, load_report, summary_table
+    from pipeline.storage import to_json
 
     console = logs.Console.setup("text", -1)
     try:
@@ -309,7 +343,7 @@ def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_j
     except PipelineError as e:
         _fail(e, console)
     if as_json:
-        click.echo(json.dumps(current if previous is None else [current, previous], indent=2))
+        click.echo(to_json(current if previous is None else [current, previous]))
     elif previous is None:
         click.echo(summary_table(RunReport(current)))
     else:
@@ -371,8 +405,9 @@ def entrypoint() -> None:
     """The ``score-catalog`` console script."""
     try:
         main(obj=FAST_EXIT)
-    except Exception:  # pragma: no cover
-        logging.exception("unexpected error")
+    except Exception as e:  # pragma: no cover  (commands map their errors themselves)
+        logging.error("unexpected error: %s: %s", type(e).__name__, e)
+        logging.debug("traceback", exc_info=True)
         sys.exit(EXIT_RUN_FAILED)
 
 

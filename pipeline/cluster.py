@@ -7,8 +7,10 @@ the driver plans, and warms each worker with the model before its first task.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -109,7 +111,36 @@ def _start_local(plan: Plan) -> tuple[Any, Any]:
         dashboard_address=None,
         silence_logs=logging.ERROR,
     )
-    return cluster, Client(cluster)  # type: ignore[no-untyped-call]
+    client = Client(cluster)  # type: ignore[no-untyped-call]
+    client.register_plugin(_ignore_sigint_plugin())
+    return cluster, client
+
+
+def ignore_sigint() -> None:
+    """Make this process ignore SIGINT (in a worker's main thread; elsewhere a no-op).
+
+    Ctrl-C on a terminal signals the whole process group: the driver owns the shutdown (see
+    :mod:`pipeline.interrupt`), and workers that died of KeyboardInterrupt would only print
+    tracebacks and lose the shards the driver is letting them finish. SIGTERM gets its default
+    back: a forked worker inherits the driver's stop handler, which would keep the nanny from
+    terminating it when the cluster closes.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _ignore_sigint_plugin() -> Any:
+    """A worker plugin that runs :func:`ignore_sigint` in every worker, restarted ones too."""
+    from distributed import WorkerPlugin
+
+    class IgnoreSigint(WorkerPlugin):
+        name = "score-catalog-ignore-sigint"
+
+        def setup(self, worker: Any) -> None:
+            ignore_sigint()
+
+    return IgnoreSigint()
 
 
 def _start_threads(plan: Plan) -> tuple[Any, Any]:
@@ -194,10 +225,20 @@ class DaskSession:
         return self._client
 
     def close(self) -> None:
-        """Close the client, and the cluster if this session started it."""
+        """Close the client, and the cluster if this session started it (its worker processes
+        end with it). Each step is tried even if the one before failed; errors are logged."""
         if self._thread.ident is not None:
             self._thread.join()
-        if self._client is not None:
-            self._client.close()
-        if self._cluster is not None:
-            self._cluster.close()
+        with contextlib.ExitStack() as steps:
+            if self._cluster is not None:
+                steps.callback(_quietly, self._cluster.close, "closing the Dask cluster")
+            if self._client is not None:
+                steps.callback(_quietly, self._client.close, "closing the Dask client")
+
+
+def _quietly(step: Any, what: str) -> None:
+    """Run a clean-up ``step``; an error is logged, never raised (it would hide the run's)."""
+    try:
+        step()
+    except Exception as e:
+        logger.warning("error while %s: %s", what, e)

@@ -322,11 +322,13 @@ class JobConfig:
     overlap: bool = field(
         default=True, metadata=_meta("Read ahead and write behind in background threads.")
     )
-    # Where rejected rows go (template like output); None means <output>/_rejects.
+    # Where rejected rows go (template like output). None: <parent of output>/_rejects/<output's
+    # name>, beside the output and not inside it, so that no reader (DuckDB's '**/*.parquet',
+    # Dask) takes rejects for scores. An output at a bucket root has no parent: set it there.
     rejects: str | None = field(
         default=None,
         metadata=_meta(
-            "Where rejected rows go (default <output>/_rejects).",
+            "Where rejected rows go (default <output's parent>/_rejects/<output's name>).",
             checks=(_template(*TEMPLATE_FIELDS),),
             metavar="URI",
         ),
@@ -340,12 +342,29 @@ class JobConfig:
             metavar="YYYY-MM-DD",
         ),
     )
+    # What to do when the output folder holds files this tool did not write (no _manifest.json,
+    # no score-catalog footer). "refuse": exit 2 before anything is written, naming them.
+    # "replace": delete each such Parquet file (logged as a WARNING and listed in the report's
+    # foreign_removed); other files are left alone and listed in foreign_kept.
+    on_foreign_output: Literal["refuse", "replace"] = field(
+        default="refuse",
+        metadata=_meta("An output folder holding files this tool did not write."),
+    )
     # Rescore every shard even where the manifest says it is done.
     force: bool = field(default=False, metadata=_meta("Rescore shards the manifest says are done."))
     # A lock older than this many seconds is taken over even if its holder seems alive.
     stale_lock_after_s: float = field(
         default=6 * 3600.0,
         metadata=_meta(checks=(_at_least(0, "a number", strictly=True),), flag=None),
+    )
+    # After SIGTERM or SIGINT, how long shards in flight may take to commit before the run
+    # stops without them (Kubernetes' default terminationGracePeriodSeconds is 30 too).
+    grace_period_s: float = field(
+        default=30.0,
+        metadata=_meta(
+            "Seconds shards in flight may take to commit after SIGTERM/SIGINT.",
+            checks=(_at_least(0, "a number"),),
+        ),
     )
     # Target rows per Dask task: shards smaller than this are grouped into one task so that
     # scheduling and commit overhead do not dominate; a bigger shard is its own task (streamed by
@@ -410,9 +429,13 @@ class JobConfig:
         return self.output.format(date=self.run_date, run_id=run_id)
 
     def rejects_uri(self, run_id: str) -> str:
-        """Where rejected rows go for this run."""
+        """Where rejected rows go for this run (see :func:`default_rejects`)."""
         if self.rejects is None:
-            return self.output_uri(run_id).rstrip("/") + "/_rejects"
+            output = self.output_uri(run_id)
+            found = default_rejects(output)
+            if found is None:
+                raise ConfigError(_no_parent_message(output))
+            return found
         return self.rejects.format(date=self.run_date, run_id=run_id)
 
     def redacted(self) -> dict[str, Any]:
@@ -421,6 +444,31 @@ class JobConfig:
         d["passthrough"] = list(self.passthrough)
         d["storage"] = {k: "***" for k in self.storage}
         return d
+
+
+def default_rejects(output: str) -> str | None:
+    """``<parent of output>/_rejects/<output's name>``, or None when the output has no parent.
+
+    ``data/scored/run_date=X`` gives ``data/scored/_rejects/run_date=X`` and ``s3://b/scored/x``
+    gives ``s3://b/scored/_rejects/x``: beside the output, never inside it. A bucket root
+    (``s3://b``) or the filesystem root has no parent folder to hold them.
+    """
+    proto, sep, rest = output.rpartition("://")
+    path = rest.rstrip("/")
+    if not path or (sep and "/" not in path):
+        return None  # "/" or "", or a bucket root
+    parent, slash, name = path.rpartition("/")
+    if name in (".", ".."):
+        return None
+    return f"{proto}{sep}{parent}{slash}_rejects/{name}"
+
+
+def _no_parent_message(output: str) -> str:
+    return (
+        f"output = {output!r} has no parent folder to keep rejects beside it (the default is "
+        "<output's parent>/_rejects/<output's name>, outside the output so that readers see "
+        "only scores); set rejects (--rejects URI) to a location outside the output"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -761,6 +809,11 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[str]:
     id_column = good.get("id_column")
     if id_column is not None and id_column in good.get("passthrough", ()):
         problems.append(f"passthrough names the id column {id_column!r}; it is always copied first")
+    if "output" in good and "output" not in bad and good.get("rejects") is None:
+        # Placeholders filled with a sample value: the shape of the path is what matters.
+        sample = good["output"].format(date="2000-01-01", run_id="run")
+        if default_rejects(sample) is None:
+            problems.append(_no_parent_message(good["output"]))
     if "output" in good and "output" not in bad:
         from pipeline.runindex import index_root
 

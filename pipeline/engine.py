@@ -2,11 +2,13 @@
 
 A batch the model raises on is bisected until the offending rows are isolated: those rows are
 rejected with the exception's message and the rest are scored. A CUDA out-of-memory error splits
-the batch and retries the halves.
+the batch and retries the halves. A row whose output is NaN or infinite is rejected too: a NaN
+score written as a score (and a NaN logit's argmax written as a label) is worse than no score.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +25,8 @@ class Scored:
 
     outputs: torch.Tensor  # (rows_ok, out_width) float32 on the CPU
     ok: np.ndarray  # (rows,) bool over the input rows
-    errors: dict[int, str] = field(default_factory=dict)  # row index -> model error message
+    # row index -> why the model gave no score: it raised, or its output is not finite
+    errors: dict[int, str] = field(default_factory=dict)
     oom_splits: int = 0
     seconds: float = 0.0
 
@@ -88,7 +91,60 @@ def score(model: LoadedModel, x: torch.Tensor) -> Scored:
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     out = torch.cat(pieces) if pieces else torch.empty(0, model.out_width)
+    # After the every-row check on purpose: a batch whose outputs are all NaN is rows rejected
+    # (named, counted against max_rejected_fraction), not a broken model; see the README.
+    out = _reject_non_finite(out, model.spec.outputs, ok, errors)
     return Scored(out, ok, errors, oom, time.perf_counter() - t0)
+
+
+def _column_finite(
+    outputs: torch.Tensor, spec: OutputSpec, row_finite: torch.Tensor
+) -> torch.Tensor:
+    """Per row: whether the raw values ``spec``'s column is derived from are all finite.
+
+    A sigmoid reads one value; softmax, argmax and raw read the whole row (one NaN logit makes
+    every softmax probability NaN and the argmax arbitrary).
+    """
+    if spec.transform == "sigmoid":
+        return torch.isfinite(outputs[:, spec.index or 0])
+    return row_finite
+
+
+def _reject_non_finite(
+    out: torch.Tensor, specs: tuple[OutputSpec, ...], ok: np.ndarray, errors: dict[int, str]
+) -> torch.Tensor:
+    """Drop the rows of ``out`` that would give a declared column a non-finite value.
+
+    ``out`` holds the rows where ``ok`` is True; a dropped row turns False there and gets the
+    reason ``model output is not finite (<first such column>)`` in ``errors``. One vectorised
+    check per batch; the per-column work runs only on the rows that failed it.
+    """
+    # NaN and infinities propagate through a sum, so a finite sum means every value is: 2.5 us
+    # per 4096x2 batch here, against 21 us for isfinite(out).all() (three kernel dispatches).
+    if out.numel() == 0 or math.isfinite(float(out.sum())):
+        return out
+    finite = torch.isfinite(out)
+    if bool(finite.all()):  # the sum of finite values overflowed
+        return out
+    bad_rows = torch.nonzero(~finite.all(dim=1)).flatten()
+    sub, sub_finite = out[bad_rows], finite[bad_rows].all(dim=1)
+    first = torch.full((len(bad_rows),), -1, dtype=torch.long)
+    for k, spec in enumerate(specs):
+        hit = (~_column_finite(sub, spec, sub_finite)) & (first < 0)
+        first[hit] = k
+    # A non-finite value that no declared column reads (an unused logit) harms no written value.
+    rejected = first >= 0
+    drop = bad_rows[rejected]
+    if not len(drop):
+        return out
+    ok_idx = np.flatnonzero(ok)
+    for row, k in zip(drop.tolist(), first[rejected].tolist(), strict=True):
+        i = int(ok_idx[row])
+        ok[i] = False
+        errors[i] = f"model output is not finite ({specs[k].name})"
+    keep = torch.ones(out.shape[0], dtype=torch.bool)
+    keep[drop] = False
+    return out[keep]
 
 
 def output_columns(outputs: torch.Tensor, specs: tuple[OutputSpec, ...]) -> list[pa.Array]:

@@ -12,14 +12,19 @@ EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INPUT = 3
 EXIT_DRIFT = 4
+EXIT_SIGTERM = 143  # the shell's 128 + signal number (pipeline.interrupt.EXIT_CODES)
+EXIT_SIGINT = 130
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 success (status succeeded or succeeded_with_errors within the error budget); "
-    "1 run failed (shards failed or rows rejected beyond the error budget, or a crash); "
+    "1 run failed (shards failed or rows rejected beyond the error budget, the lock held by "
+    "another run or lost, or any other error during the run); "
     "2 usage or configuration error; "
     "3 input, schema or model error found before any row was scored; "
     "4 scored and committed, but the score distribution drifted from the previous successful "
-    "run beyond [monitoring] thresholds (status succeeded_with_warnings)."
+    "run beyond [monitoring] thresholds (status succeeded_with_warnings); "
+    "143 or 130 stopped by SIGTERM or SIGINT (status interrupted; committed shards are kept and "
+    "a rerun resumes)."
 )
 
 

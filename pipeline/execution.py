@@ -5,11 +5,20 @@ task that every scoring task depends on: each worker fetches it once and keeps i
 needs it. Unlike ``client.scatter`` data, a computed key is recomputed if every worker holding it
 dies, so a crashed worker's tasks are still retried as before (scattered data would be lost and
 fail them).
+
+A :class:`~pipeline.interrupt.StopRequest` stops scheduling: the sync loop checks it between
+shards. On a cluster the driver polls completions and, when a stop comes, raises a flag on every
+worker that each task checks before starting a shard (so a shard either starts and is waited
+for, or comes back unscored: no race between "is it running?" and a cancel). Shards in flight
+get ``grace_left()`` to commit; then a second flag makes every later commit refuse (the fence,
+:meth:`~pipeline.scoring.WorkerSpec.fence`) and the tasks are cancelled. Shards not yielded are
+the caller's to report as interrupted.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Generator, Iterator, Mapping
 from dataclasses import replace
@@ -17,12 +26,23 @@ from typing import Any
 
 from pipeline.cluster import DaskSession
 from pipeline.faults import checkpoint
-from pipeline.scoring import ShardResult, ShardTask, WorkerSpec, score_shard, score_shards
+from pipeline.interrupt import StopRequest
+from pipeline.scoring import (
+    ShardResult,
+    ShardTask,
+    WorkerSpec,
+    raise_flag,
+    score_shard,
+    score_shards,
+)
 from pipeline.statuses import FailureKind, ShardStatus
 
 logger = logging.getLogger(__name__)
 
 MIN_TASKS_PER_SLOT = 4  # grouping never leaves a worker thread with fewer tasks than this
+# How often the driver looks at a stop request while waiting for tasks: it sleeps on the stop's
+# event, so a signal wakes it at once; a finished task waits at most this long to be recorded.
+POLL_S = 0.05
 
 
 def group_tasks(tasks: list[ShardTask], target_rows: int, slots: int) -> list[list[ShardTask]]:
@@ -62,12 +82,33 @@ def crashed(task: ShardTask, e: BaseException) -> ShardResult:
 
 def cancelled(task: ShardTask, stopped_at: str) -> ShardResult:
     """The result of a shard not scored because the run stopped at a fatal error."""
+    return not_scored(
+        task.rel_path, task.input_uri, task.num_rows, FailureKind.CANCELLED, stopped_at
+    )
+
+
+def interrupted(task: ShardTask, signal_name: str) -> ShardResult:
+    """The result of a shard not scored (or not committed in time) because of a signal."""
     return ShardResult(
         task.rel_path,
         task.input_uri,
         ShardStatus.FAILED,
         rows_in=task.num_rows,
-        kind=FailureKind.CANCELLED,
+        kind=FailureKind.INTERRUPTED,
+        message=f"not scored: the run was interrupted by {signal_name}",
+    )
+
+
+def not_scored(
+    rel_path: str, input_uri: str, num_rows: int | None, kind: FailureKind, stopped_at: str
+) -> ShardResult:
+    """The result of a shard the run never scored because it stopped at ``stopped_at``."""
+    return ShardResult(
+        rel_path,
+        input_uri,
+        ShardStatus.FAILED,
+        rows_in=num_rows,
+        kind=kind,
         message=f"not scored: the run stopped at {stopped_at}",
     )
 
@@ -80,19 +121,25 @@ def execute(
     retries: int,
     task_rows: int,
     resources: Mapping[str, float] | None = None,
+    stop: StopRequest | None = None,
 ) -> Generator[tuple[ShardTask, ShardResult], None, None]:
     """Score ``tasks`` (in this process when ``session`` is None), yielding results as they end.
 
     Closing the iterator early (after a fatal error) cancels what is still queued or running.
+    Once ``stop`` is requested nothing new starts, and the iterator ends when the shards in
+    flight have finished or its grace period is over (see the module doc).
     """
+    stop = stop if stop is not None else StopRequest()
     if not tasks:
         return
     if session is None:
         for t in tasks:
+            if stop.requested:
+                return
             yield t, _attempts(spec, t, retries)
             checkpoint("between-shards")
         return
-    yield from _on_cluster(spec, tasks, session, retries, task_rows, resources)
+    yield from _on_cluster(spec, tasks, session, retries, task_rows, resources, stop)
 
 
 def _attempts(spec: WorkerSpec, task: ShardTask, retries: int) -> ShardResult:
@@ -118,6 +165,7 @@ def _on_cluster(
     retries: int,
     task_rows: int,
     resources: Mapping[str, float] | None,
+    stop: StopRequest,
 ) -> Iterator[tuple[ShardTask, ShardResult]]:
     from distributed import as_completed
 
@@ -126,6 +174,9 @@ def _on_cluster(
     if session.threads_by_host:
         spec = replace(spec, torch_threads_by_host=session.threads_by_host)
     tag = uuid.uuid4().hex[:8]
+    # Unique names: an external cluster's workers outlive the run.
+    stopping, abandon = f"score-catalog-stop-{tag}", f"score-catalog-abandon-{tag}"
+    spec = replace(spec, stop_event=stopping, abandon_event=abandon)
     spec_ref = client.submit(worker_spec, spec, key=f"worker-spec-{tag}", pure=False)
     by_key: dict[str, list[ShardTask]] = {}
     futures: list[Any] = []
@@ -142,17 +193,55 @@ def _on_cluster(
             )
             by_key[fut.key] = group
             futures.append(fut)
-        for fut in as_completed(futures):  # type: ignore[no-untyped-call]
-            group = by_key[fut.key]
-            try:
-                results = fut.result()
-            except Exception as e:  # the task crashed every retry (or its worker kept dying)
-                results = [crashed(t, e) for t in group]
-            for t, result in zip(group, results, strict=True):
-                yield t, result
-                checkpoint("between-shards")
+        done: Any = as_completed(futures)  # type: ignore[no-untyped-call]
+        stopped = False
+        while not done.is_empty():
+            if stop.requested and not stopped:
+                stopped = True
+                _raise(client, stopping)  # shards not started yet come back unscored, at once
+            if stopped and stop.grace_left() <= 0:
+                logger.warning(
+                    "grace period over: %d task(s) still running are cancelled",
+                    sum(not f.done() for f in futures),
+                )
+                return
+            if not done.has_ready():
+                if stopped:
+                    time.sleep(POLL_S)
+                else:
+                    stop.wait(POLL_S)  # wakes at once on a stop request
+                continue
+            for fut in done.next_batch(block=False):
+                if not fut.cancelled():
+                    yield from _results(fut, by_key[fut.key], stop)
     finally:
-        # Stop what is still running (after a fatal error); the session is closed by the run.
+        # Stop what is still running (after a fatal error, or the grace period); the session is
+        # closed by the run. A task cancelled while running still runs on in its worker: the
+        # abandon Event (and then the lock's release) keeps it from committing.
+        if futures:
+            _raise(client, abandon)
         for fut in futures:
             fut.cancel()
         spec_ref.cancel()
+
+
+def _results(
+    fut: Any, group: list[ShardTask], stop: StopRequest
+) -> Iterator[tuple[ShardTask, ShardResult]]:
+    try:
+        results = fut.result()
+    except Exception as e:  # the task crashed every retry (or its worker kept dying)
+        results = [crashed(t, e) for t in group]
+    for t, result in zip(group, results, strict=True):
+        if result.kind == FailureKind.INTERRUPTED:  # the worker does not know which signal
+            result = interrupted(t, stop.signal_name or "a signal")
+        yield t, result
+        checkpoint("between-shards")
+
+
+def _raise(client: Any, flag: str) -> None:
+    """Raise ``flag`` on every worker (see :func:`pipeline.scoring.raise_flag`); best effort."""
+    try:
+        client.run(raise_flag, flag)
+    except Exception as e:  # a worker gone: its tasks are lost anyway
+        logger.warning("could not tell every worker that the run is stopping: %s", e)

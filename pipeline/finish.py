@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def add_drift(config: JobConfig, data: dict[str, Any], index_root: str) -> None:
     """Compare with the previous success; a drift alert turns success into a warning."""
-    if not config.monitoring.drift or data["status"] == RunStatus.FAILED:
+    if not config.monitoring.drift or data["status"] in (RunStatus.FAILED, RunStatus.INTERRUPTED):
         return
     data["drift"] = drift_section(config, data, index_root)
     if data["drift"].get("alert") and data["status"] == RunStatus.SUCCEEDED:
@@ -106,12 +106,17 @@ def record_run(
 
 
 def failed_summary(
-    config: JobConfig, started_at: dt.datetime, duration: float, e: PipelineError
+    config: JobConfig,
+    started_at: dt.datetime,
+    duration: float,
+    e: BaseException,
+    status: RunStatus = RunStatus.FAILED,
 ) -> dict[str, Any]:
-    """What the metrics say about a run that stopped before scoring (exit 2 or 3)."""
+    """What the metrics say about a run that ended without a report: stopped before scoring
+    (exit 2 or 3), an error where no report could be written, or a second signal (aborted)."""
     return {
         "job": config.name,
-        "status": RunStatus.FAILED,
+        "status": status,
         "started_at": started_at.isoformat(),
         "finished_at": (started_at + dt.timedelta(seconds=duration)).isoformat(),
         "duration_s": duration,
@@ -120,14 +125,33 @@ def failed_summary(
         "shards_failed": 0,
         "rows_per_s": 0.0,
         "drift": None,
-        "error": str(e),
+        "error": describe(e),
     }
 
 
+def describe(e: BaseException) -> str:
+    """One line naming what went wrong and where: our errors say it; others get their type
+    (``NotADirectoryError: [Errno 20] Not a directory: '/data/out/x.parquet'``)."""
+    if isinstance(e, PipelineError):
+        return str(e)
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
 def publish_metrics(config: JobConfig, data: dict[str, Any]) -> None:
-    """The run's outcome to the metrics file and the Pushgateway, when configured."""
+    """The run's outcome to the metrics file and the Pushgateway, when configured.
+
+    Never raises: the run is over, and an error here must not hide how it ended.
+    """
     if config.metrics_file is None and config.pushgateway is None:
         return
+    try:
+        _publish(config, data)
+    except Exception as e:
+        logger.error("could not publish the run's metrics: %s", describe(e))
+
+
+def _publish(config: JobConfig, data: dict[str, Any]) -> None:
     from pipeline import metrics
 
     previous = None

@@ -18,10 +18,12 @@ import time
 from collections.abc import Iterator
 from types import FrameType
 
+from pipeline.errors import EXIT_SIGINT, EXIT_SIGTERM
+
 logger = logging.getLogger(__name__)
 
 #: Exit codes of an interrupted run: the shell's 128 + signal number.
-EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
+EXIT_CODES = {signal.SIGTERM: EXIT_SIGTERM, signal.SIGINT: EXIT_SIGINT}
 
 
 class Aborted(BaseException):
@@ -64,11 +66,41 @@ class StopRequest:
 
     @property
     def exit_code(self) -> int:
+        """The shell's 128 + signal for the signal received (0 while none was)."""
         return EXIT_CODES.get(signal.Signals(self.signum), 143) if self.signum else 0
 
     @property
     def signal_name(self) -> str:
+        """``SIGTERM`` or ``SIGINT`` (empty while no signal was received)."""
         return signal.Signals(self.signum).name if self.signum else ""
+
+    @property
+    def reason(self) -> str:
+        """The run's failure reason and the unfinished shards' message once stopped."""
+        return interrupted_reason(self.signal_name or "SIGTERM")
+
+
+def interrupted_reason(signal_name: str) -> str:
+    """``interrupted by SIGTERM``: the first of ``failure_reasons`` of an interrupted run."""
+    return f"{INTERRUPTED_PREFIX}{signal_name}"
+
+
+INTERRUPTED_PREFIX = "interrupted by "
+
+
+def exit_code_of(failure_reasons: list[str]) -> int:
+    """The exit code of an interrupted run from its report's ``failure_reasons`` (143 or 130).
+
+    The report names the signal in its first reason (:func:`interrupted_reason`), so a report
+    read back from storage gives the same code as the run that wrote it.
+    """
+    by_name = {signum.name: code for signum, code in EXIT_CODES.items()}
+    for text in failure_reasons:
+        if text.startswith(INTERRUPTED_PREFIX):
+            words = text[len(INTERRUPTED_PREFIX) :].split()
+            if words and words[0] in by_name:
+                return by_name[words[0]]
+    return EXIT_CODES[signal.SIGTERM]
 
 
 @contextlib.contextmanager
@@ -82,8 +114,15 @@ def handle_signals(stop: StopRequest) -> Iterator[StopRequest]:
         yield stop
         return
 
+    aborted = threading.Event()
+
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if aborted.is_set():
+            # Already stopping at once: let the clean-up (closing the cluster) finish.
+            logger.warning("%s received again: still closing down", signal.Signals(signum).name)
+            return
         if stop.requested:
+            aborted.set()
             raise Aborted(signum)
         stop.request(signum)
         logger.warning(

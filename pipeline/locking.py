@@ -66,6 +66,11 @@ class LockLostError(LockError):
     """This run no longer holds its lock: another run took it over, or it was deleted."""
 
 
+#: ``kind`` of the result of a shard whose commit found the lock lost (never in a report: the
+#: run stops at it without writing one, since the output belongs to another run now).
+LOCK_LOST_KIND = "lock_lost"
+
+
 # --------------------------------------------------------------------------- who is alive
 
 

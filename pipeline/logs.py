@@ -22,7 +22,6 @@ to load before anything else.
 
 from __future__ import annotations
 
-import json
 import logging
 import logging.config
 import math
@@ -132,26 +131,12 @@ def _iso_utc(created: float) -> str:
     return f"{stamp:%Y-%m-%dT%H:%M:%S}.{ms:03d}Z"
 
 
-def _jsonable(value: Any) -> Any:
-    """Plain JSON values: NaN/inf become null (``NaN`` is not JSON), unknown objects str()."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, (str, int, bool)):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [_jsonable(v) for v in value]
-    try:  # numpy scalars and the like
-        item = value.item()
-    except (AttributeError, TypeError, ValueError):
-        return str(value)
-    return _jsonable(item) if isinstance(item, (str, int, float, bool)) else str(value)
-
-
 def json_line(obj: Mapping[str, Any]) -> str:
-    """One line of ASCII JSON: control characters and non-ASCII escaped, never a raw newline."""
-    return json.dumps(_jsonable(obj), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    """One line of ASCII JSON: control characters and non-ASCII escaped, never a raw newline;
+    strict JSON like every document the tool writes (NaN/inf become null: ``NaN`` is not JSON)."""
+    from pipeline.storage import to_json  # here, not at the top: this module imports nothing heavy
+
+    return to_json(obj, compact=True)
 
 
 class JsonFormatter(logging.Formatter):

@@ -1,8 +1,9 @@
 """``_manifest.json``: what was scored from what, so that a rerun skips finished shards.
 
 An entry is reused only if the input shard's fingerprint (size, modification time or ETag, footer
-row count), the model's SHA-256 and the hash of the settings that change scores are all the same,
-and its output file still exists. The file is replaced atomically, so a crash leaves either the
+row count and a hash of the footer's row-group layout and column statistics), the model's SHA-256
+and the hash of the settings that change scores are all the same, and its output file still
+exists. The file is replaced atomically, so a crash leaves either the
 previous or the next version, never a torn one.
 
 It is saved after each shard while saving is cheap, and less often once it is not: rewriting a
@@ -25,6 +26,7 @@ from pipeline.errors import StorageError
 from pipeline.storage import Location, ShardRef
 
 if TYPE_CHECKING:  # storage reads MANIFEST_NAME from here: keep torch out of this import
+    from pipeline.reading import ShardInfo
     from pipeline.scoring import ShardResult
 
 MANIFEST_NAME = "_manifest.json"
@@ -38,11 +40,23 @@ def settings_hash(settings: dict[str, Any]) -> str:
 
 
 def expectation(
-    shard: ShardRef, num_rows: int, model_sha256: str, settings_hash: str
+    shard: ShardRef, footer: ShardInfo | int, model_sha256: str, settings_hash: str
 ) -> dict[str, Any]:
-    """What an entry must say for ``shard`` to count as done: input, model and settings."""
+    """What an entry must say for ``shard`` to count as done: input, model and settings.
+
+    ``footer``: the shard's :class:`~pipeline.reading.ShardInfo`, whose row count and
+    ``footer_hash`` (row-group layout and column statistics) join size and mtime/ETag in the
+    fingerprint. A bare row count is accepted from older callers, without the content signal:
+    such an expectation never matches an entry written with one, so the shard is rescored.
+    """
+    fingerprint: dict[str, Any] = {**shard.fingerprint()}
+    if isinstance(footer, int):
+        fingerprint["num_rows"] = footer
+    else:
+        fingerprint["num_rows"] = footer.num_rows
+        fingerprint["footer_hash"] = footer.footer_hash
     return {
-        "fingerprint": {**shard.fingerprint(), "num_rows": num_rows},
+        "fingerprint": fingerprint,
         "model_sha256": model_sha256,
         "settings_hash": settings_hash,
     }
@@ -60,6 +74,9 @@ def scored_entry(
         "rows_in": result.rows_in,
         "rows_scored": result.rows_out,
         "rows_rejected": result.rows_rejected,
+        # Kept so that a run which skips this shard still reports on the whole output.
+        "outputs": result.stats.summary(),  # per column: count, sum, min, max, 101-point sketch
+        "rejects_by_reason": result.rejects_by_reason,
         "run_id": run_id,
         "scored_at": dt.datetime.now(dt.timezone.utc).isoformat(),
     }

@@ -104,7 +104,7 @@ def _shard_entries(
             entry.update(action=action, problem="; ".join(problems[s.rel_path]))
         else:
             assert info is not None
-            expect = expectation(s, info.num_rows, *expect_done)
+            expect = expectation(s, info, *expect_done)
             done = not config.force and manifest.is_done(
                 s.rel_path, expect, out_root.child(s.rel_path)
             )

@@ -9,18 +9,25 @@ rows), a shard that fails this run keeps last night's output, a schema-skipped s
 previous model's rows. :func:`reconcile` removes those, and :func:`verify` checks what is left
 against the report from the files' own footers; ``_SUCCESS`` is written only when it finds
 nothing wrong.
+
+What this tool wrote is known from two sources: the manifest's entries, and the key-value
+metadata in the footer of every output file (:func:`footer_metadata`), which survives a crash
+that lost the manifest entry. A visible file known by neither is someone else's: it is never
+deleted unless the job says ``on_foreign_output = "replace"`` (:func:`remove_foreign`), and
+:func:`check_output_owner` refuses a foreign output folder before anything is written.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pipeline import storage
-from pipeline.errors import ShardError
+from pipeline.errors import ConfigError, ShardError
 from pipeline.reading import read_footer
+from pipeline.statuses import FailureKind, ShardStatus
 from pipeline.storage import Location
 
 logger = logging.getLogger(__name__)
@@ -31,6 +38,12 @@ WRITER_KEY = b"score_catalog.writer"
 MODEL_SHA_KEY = b"score_catalog.model_sha256"
 SETTINGS_KEY = b"score_catalog.settings_hash"
 WRITER = b"score-catalog"
+#: Names that readers globbing for Parquet (DuckDB, Polars, Spark '*.parquet') take for data.
+DATA_SUFFIXES = (".parquet", ".parq", ".pq")
+#: Where rejects lived inside the output before they moved beside it (config.default_rejects).
+LEGACY_REJECTS = "_rejects"
+#: The flag that lets a run delete foreign data files (config.JobConfig.on_foreign_output).
+REPLACE_FLAG = "--on-foreign-output replace"
 
 
 def footer_metadata(model_sha256: str, settings_hash: str) -> dict[bytes, bytes]:
@@ -52,15 +65,113 @@ def visible_files(root: Location) -> list[str]:
     return [rel for rel in storage.list_files(root) if is_visible(rel)]
 
 
+def _footer_meta(loc: Location, options: Mapping[str, Any] | None) -> dict[bytes, bytes] | None:
+    """The footer's key-value metadata, or None when ``loc`` is not a readable Parquet file."""
+    try:
+        return dict(read_footer(loc.uri, options).schema.metadata or {})
+    except (ShardError, OSError):  # a folder, or a file that is not Parquet
+        return None
+
+
+def written_by_us(loc: Location, options: Mapping[str, Any] | None = None) -> bool:
+    """True when the file's footer says this tool wrote it (a crash can lose its manifest entry)."""
+    meta = _footer_meta(loc, options)
+    return meta is not None and meta.get(WRITER_KEY) == WRITER
+
+
+def is_data(loc: Location, options: Mapping[str, Any] | None = None) -> bool:
+    """True for a file a reader may take for data: a Parquet name, or a Parquet footer."""
+    return loc.name.endswith(DATA_SUFFIXES) or _footer_meta(loc, options) is not None
+
+
+# --------------------------------------------------------------------------- before the lock
+
+
+def _entry_is_ours(loc: Location, options: Mapping[str, Any] | None) -> bool:
+    """An entry at the output root: a file we wrote, or a folder holding only such files."""
+    files = storage.list_files(loc)
+    if not files:
+        return written_by_us(loc, options)
+    return all(not is_visible(rel) or written_by_us(loc.child(rel), options) for rel in files)
+
+
+def output_state(root: Location, options: Mapping[str, Any] | None = None) -> storage.OutputState:
+    """:func:`pipeline.storage.classify_output`, counting our footer-marked files as ours."""
+    return storage.classify_output(root, is_ours=lambda loc: _entry_is_ours(loc, options))
+
+
+def check_output_owner(
+    root: Location, mode: str, options: Mapping[str, Any] | None = None
+) -> storage.OutputState:
+    """Refuse (``ConfigError``, exit 2) an output folder holding what this tool did not write.
+
+    Called before the lock is taken, so a refused folder is left exactly as it was. With
+    ``mode == "replace"`` the state is returned and :func:`remove_foreign` deals with it once
+    the lock is held.
+    """
+    state = output_state(root, options)
+    if state.kind != "foreign" or mode == "replace":
+        return state
+    shown = ", ".join(state.foreign)
+    more = (
+        f" (the first {len(state.foreign)} of {state.foreign_count})"
+        if state.foreign_count > len(state.foreign)
+        else ""
+    )
+    raise ConfigError(
+        f"output {root.uri} holds {state.foreign_count} entries that score-catalog did not "
+        f"write{more}: {shown}. Nothing was written. Point --output at a new or empty folder, "
+        f'or pass {REPLACE_FLAG} (on_foreign_output = "replace") to delete the Parquet files '
+        "among them (other files are left alone)."
+    )
+
+
+@dataclass
+class ForeignFiles:
+    """Visible files this tool did not write: deleted (data) and left alone (anything else)."""
+
+    removed: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+
+
+def remove_foreign(
+    out_root: Location, ours: set[str], options: Mapping[str, Any] | None = None
+) -> ForeignFiles:
+    """With ``on_foreign_output = "replace"``: delete every visible foreign data file.
+
+    ``ours``: relative paths the manifest lists. A file neither listed there nor marked in its
+    footer is foreign: a data file (a Parquet name or footer) is deleted with a WARNING naming
+    it; any other file (``notes.txt``) is left alone and listed. Nothing is overwritten without
+    a word: a later commit to the same name finds it already gone and logged.
+    """
+    found = ForeignFiles()
+    for rel in visible_files(out_root):
+        loc = out_root.child(rel)
+        if rel in ours or written_by_us(loc, options):
+            continue
+        if is_data(loc, options):
+            storage.remove(loc)
+            logger.warning("removed %s from the output: score-catalog did not write it", loc.uri)
+            found.removed.append(loc.uri)
+        else:
+            found.kept.append(loc.uri)
+    return found
+
+
+# --------------------------------------------------------------------------- after scoring
+
+
 @dataclass(frozen=True)
 class Removal:
     """An output this run took out of the dataset, and why (listed in the report)."""
 
+    rel_path: str  # relative to the output root (and the rejects root)
     output: str
     reason: str
     rejects: str | None = None
 
     def public(self) -> dict[str, Any]:
+        """The report's entry (``removed_outputs``)."""
         return {"output": self.output, "reason": self.reason, "rejects": self.rejects}
 
 
@@ -72,6 +183,53 @@ class Reconciliation:
     foreign: list[str] = field(default_factory=list)
 
 
+class Outcome(Protocol):
+    """What :func:`wanted` reads of a shard's result (``pipeline.scoring.ShardResult``)."""
+
+    rel_path: str
+    status: str
+    kind: str | None
+    rows_out: int
+
+
+#: Failure kinds of shards this run did not get to (a fatal error or a signal stopped it): their
+#: previous output is left as it was, with its manifest entry, for the next run to judge.
+NOT_ATTEMPTED = frozenset({FailureKind.CANCELLED, FailureKind.INTERRUPTED})
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What the output should hold after a run, from its shards' results."""
+
+    rows: dict[str, int]  # shards in the output (scored or skipped): their row counts
+    untouched: set[str]  # shards not attempted: their outputs are left alone
+    reasons: dict[str, str]  # shards whose previous output must go, and why
+
+    @property
+    def keep(self) -> set[str]:
+        """Relative paths :func:`reconcile` leaves in place."""
+        return set(self.rows) | self.untouched
+
+
+def wanted(results: Iterable[Outcome]) -> Wanted:
+    """Sort a run's shard results into outputs to keep, to leave alone and to remove."""
+    rows: dict[str, int] = {}
+    untouched: set[str] = set()
+    reasons: dict[str, str] = {}
+    for r in results:
+        if r.status in (ShardStatus.SCORED, ShardStatus.SKIPPED):
+            rows[r.rel_path] = r.rows_out
+        elif r.kind in NOT_ATTEMPTED:
+            untouched.add(r.rel_path)
+        elif r.kind == FailureKind.SCHEMA:
+            reasons[r.rel_path] = (
+                "its shard does not fit the model and was skipped (errors.on_schema_error)"
+            )
+        else:
+            reasons[r.rel_path] = f"its shard failed in this run ({r.kind})"
+    return Wanted(rows, untouched, reasons)
+
+
 def reconcile(
     out_root: Location,
     rej_root: Location,
@@ -80,45 +238,53 @@ def reconcile(
     reasons: Mapping[str, str],
     options: Mapping[str, Any] | None = None,
 ) -> Reconciliation:
-    """Remove every visible output of ours that is not in ``keep``.
+    """Remove every visible output of ours that is not in ``keep``, with its rejects.
 
     ``keep``: relative paths of shards scored or skipped in this run (their outputs stay).
-    ``ours``: relative paths this tool wrote earlier (the manifest's entries). ``reasons``:
-    why a relative path is no longer wanted (failed this run, skipped by the schema policy);
-    anything else in ``ours`` lost its input shard. A visible file in neither set was not
-    written by this tool: it is never deleted, only reported, and :func:`verify` then refuses
-    ``_SUCCESS``.
+    ``ours``: relative paths this tool wrote earlier (the manifest's entries as the run found
+    them, before it forgot failed shards). ``reasons``: why a relative path is no longer wanted
+    (failed this run, skipped by the schema policy); anything else in ``ours`` lost its input
+    shard. A visible file in neither set whose footer does not carry this tool's mark was not
+    written by it: it is never deleted, only listed, and :func:`verify` then refuses
+    ``_SUCCESS`` if it is data.
     """
     result = Reconciliation()
     for rel in visible_files(out_root):
         if rel in keep:
             continue
-        if rel not in ours and not _written_by_us(out_root.child(rel), options):
+        loc = out_root.child(rel)
+        if rel not in ours and not written_by_us(loc, options):
             result.foreign.append(rel)
             continue
         reason = reasons.get(rel, "its input shard no longer exists")
         rejects = rej_root.child(rel)
         had_rejects = storage.exists(rejects)
-        storage.remove(out_root.child(rel))
+        storage.remove(loc)  # the output first: a crash in between leaves orphan rejects only
         if had_rejects:
             storage.remove(rejects)
-        removal = Removal(out_root.child(rel).uri, reason, rejects.uri if had_rejects else None)
+        removal = Removal(rel, loc.uri, reason, rejects.uri if had_rejects else None)
         logger.warning("removed %s from the output: %s", removal.output, reason)
         result.removed.append(removal)
-    # Rejects of shards that are gone: their rows are no longer part of this dataset either.
+    gone = (ours | set(reasons)) - keep
+    # Rejects of shards that are no longer in the dataset, whose output was already missing.
     for rel in storage.list_files(rej_root):
-        if is_visible(rel) and rel not in keep and (rel in ours or rel in reasons):
+        if is_visible(rel) and rel in gone:
             storage.remove(rej_root.child(rel))
+    _remove_legacy_rejects(out_root, rej_root, ours | keep | set(reasons))
     return result
 
 
-def _written_by_us(loc: Location, options: Mapping[str, Any] | None) -> bool:
-    """True when the file's footer says this tool wrote it (a crash can lose its manifest entry)."""
-    try:
-        meta = read_footer(loc.uri, options).schema.metadata or {}
-    except ShardError:
-        return False
-    return meta.get(WRITER_KEY) == WRITER
+def _remove_legacy_rejects(out_root: Location, rej_root: Location, known: set[str]) -> None:
+    """Rejects an older version kept inside the output (``<output>/_rejects``), where DuckDB's
+    ``'<output>/**/*.parquet'`` read them as scores. Each shard this run knows has its rejects
+    at ``rej_root`` now (or none), so its old copy goes."""
+    legacy = out_root.child(LEGACY_REJECTS)
+    if legacy.path.rstrip("/") == rej_root.path.rstrip("/"):
+        return  # the job chose <output>/_rejects explicitly
+    for rel in storage.list_files(legacy):
+        if rel in known:
+            storage.remove(legacy.child(rel))
+            logger.info("removed rejects kept inside the output by an older version: %s", rel)
 
 
 def verify(
@@ -126,34 +292,60 @@ def verify(
     expected_rows: Mapping[str, int],
     model_sha256: str,
     options: Mapping[str, Any] | None = None,
+    *,
+    settings_hash: str | None = None,
 ) -> list[str]:
     """Problems that forbid ``_SUCCESS``: what a reader would see differs from the report.
 
     ``expected_rows``: for each shard the report counts as output (scored or skipped), its row
-    count. The check reads only footers: every visible file must be one of those shards, have
-    that many rows, and carry this run's model SHA-256 in its footer metadata.
+    count. The check reads only footers: every visible data file must be one of those shards,
+    have that many rows, and carry this run's model SHA-256 (and ``settings_hash`` when given)
+    in its footer metadata. Visible files that are not data (``notes.txt``) are not counted:
+    Parquet readers skip them by name or fail on them loudly, they do not read them as rows.
     """
     problems: list[str] = []
-    seen = set(visible_files(out_root))
+    visible = visible_files(out_root)
+    seen = {rel for rel in visible if rel in expected_rows or is_data(out_root.child(rel), options)}
     for rel in sorted(seen - set(expected_rows)):
-        problems.append(f"{out_root.child(rel).uri} is in the output but not in the report")
+        problems.append(
+            f"{out_root.child(rel).uri} is in the output but not in the report (a reader would "
+            f"take its rows for scores; delete it, or rerun with {REPLACE_FLAG})"
+        )
     for rel in sorted(set(expected_rows) - seen):
         problems.append(f"{out_root.child(rel).uri} is in the report but missing from the output")
     for rel in sorted(seen & set(expected_rows)):
-        uri = out_root.child(rel).uri
-        try:
-            info = read_footer(uri, options)
-        except ShardError as e:
-            problems.append(f"{uri} cannot be read back: {e}")
-            continue
-        if info.num_rows != expected_rows[rel]:
-            problems.append(
-                f"{uri} holds {info.num_rows} rows, the report says {expected_rows[rel]}"
-            )
-        sha = (info.schema.metadata or {}).get(MODEL_SHA_KEY, b"").decode()
-        if sha != model_sha256:
-            problems.append(
-                f"{uri} was scored by model {sha[:12] or 'unknown'}, not this run's "
-                f"{model_sha256[:12]}"
-            )
+        problems += _file_problems(
+            out_root.child(rel), expected_rows[rel], model_sha256, settings_hash, options
+        )
+    return problems
+
+
+def _file_problems(
+    loc: Location,
+    rows: int,
+    model_sha256: str,
+    settings_hash: str | None,
+    options: Mapping[str, Any] | None,
+) -> list[str]:
+    """How one output file differs from its line in the report, from its footer alone."""
+    try:
+        info = read_footer(loc.uri, options)
+    except ShardError as e:
+        return [f"{loc.uri} cannot be read back: {e}"]
+    problems = []
+    if info.num_rows != rows:
+        problems.append(f"{loc.uri} holds {info.num_rows} rows, the report says {rows}")
+    meta = info.schema.metadata or {}
+    sha = meta.get(MODEL_SHA_KEY, b"").decode()
+    if sha != model_sha256:
+        problems.append(
+            f"{loc.uri} was scored by model {sha[:12] or 'unknown'}, not this run's "
+            f"{model_sha256[:12]}"
+        )
+    found = meta.get(SETTINGS_KEY, b"").decode()
+    if settings_hash is not None and found != settings_hash:
+        problems.append(
+            f"{loc.uri} was scored with settings {found or 'unknown'}, not this run's "
+            f"{settings_hash}"
+        )
     return problems

@@ -13,6 +13,7 @@ import numpy as np
 
 from pipeline import drift as drift_mod
 from pipeline.errors import EXIT_DRIFT, EXIT_OK, EXIT_RUN_FAILED
+from pipeline.interrupt import exit_code_of
 from pipeline.statuses import FailureKind, RunStatus, ShardStatus
 
 if TYPE_CHECKING:  # `score-catalog report` reads reports without importing torch
@@ -52,6 +53,9 @@ class RunReport:
 
     @property
     def exit_code(self) -> int:
+        """0, 1 (failed), 4 (drift), or 143/130 when interrupted by SIGTERM/SIGINT."""
+        if self.status == RunStatus.INTERRUPTED:
+            return exit_code_of(list(self.data.get("failure_reasons") or []))
         if self.status == RunStatus.FAILED:
             return EXIT_RUN_FAILED
         drift = self.data.get("drift") or {}
@@ -82,15 +86,17 @@ def _weighted_quantiles(values: np.ndarray, weights: np.ndarray) -> dict[str, fl
 class ScoreProfile:
     """Per output column: exact count, sum, min and max, and a bounded weighted sample of scores.
 
-    Each shard sends every k-th score with weight k; the driver merges them here. Quantiles,
-    the drift sketch and the histogram come from the merged sample.
+    Each scored shard sends every k-th score with weight k; a skipped shard brings the sketch
+    its manifest entry kept (read as equally weighted values). The driver merges them here, so
+    the summary covers every shard in the output. Quantiles, the drift sketch and the histogram
+    come from the merged sample.
     """
 
     def __init__(self) -> None:
         self.cols: dict[str, dict[str, Any]] = {}
 
     def add(self, r: ShardResult) -> None:
-        """Merge one scored shard's statistics."""
+        """Merge one shard's statistics (scored now, or skipped with its manifest's)."""
         weight = r.stats.sample_weight
         for col, c in r.stats.columns.items():
             m = self.cols.setdefault(
@@ -101,10 +107,10 @@ class ScoreProfile:
             m["sum"] += c.total
             m["min"] = min(m["min"], c.min)
             m["max"] = max(m["max"], c.max)
-            vals = np.asarray(c.samples, dtype=float)
+            vals, wts = c.weighted_sample(weight)
             if len(vals):
                 m["v"].append(vals)
-                m["w"].append(np.full(len(vals), weight))
+                m["w"].append(wts)
                 m["n"] += len(vals)
             if m["n"] > MAX_SAMPLE:
                 v, w = np.concatenate(m["v"]), np.concatenate(m["w"])
@@ -125,6 +131,8 @@ class ScoreProfile:
                 if len(v):
                     entry["quantiles"] = _weighted_quantiles(v, w)
                     entry["sketch"] = drift_mod.sketch(v, w)
+                    if entry["sketch"]:  # a sample may miss the extremes; min and max are exact
+                        entry["sketch"][0], entry["sketch"][-1] = entry["min"], entry["max"]
                     entry["histogram"] = drift_mod.histogram(v, w, bins=HISTOGRAM_BINS)
             out[col] = entry
         return out
@@ -199,6 +207,15 @@ def _problems(facts: RunFacts, shards: list[ShardResult]) -> tuple[list[dict[str
         )
     if facts.lock_taken_over:
         warnings.append(f"took over a stale lock: {facts.lock_taken_over['reason']}")
+    bare = [
+        r.rel_path for r in shards if r.status == ShardStatus.SKIPPED and not r.stats.summarised
+    ]
+    if bare:
+        warnings.append(
+            f"outputs and drift leave out {len(bare)} skipped shards whose manifest entries hold "
+            f"no score statistics (written by an older version; e.g. {bare[0]}); "
+            "rerun with --force to rescore them"
+        )
     for w in warnings:
         logger.warning("%s", w)
     for r in shards:
@@ -309,12 +326,16 @@ def build_report(
         "duplicate_ids": sum(r.duplicate_ids for r in scored),
         "versions": versions(),
         "batch_latency_ms": latency_summary(scored),
-        "outputs": output_summary(scored),
+        "outputs": output_summary(r for r in shards if r.status != ShardStatus.FAILED),
         "rejects_by_reason": _rejects_by_reason(shards),
         "throughput": _throughput(scored, t0),
         "drift": None,
         "errors": errors,
         "warnings": warnings,
+        # Filled in by the run's finish phase (pipeline.reconcile), which knows what it removed.
+        "removed_outputs": [],
+        "foreign_removed": [],
+        "foreign_kept": [],
         "shards": [_shard_entry(r, t0) for r in shards],
     }
 

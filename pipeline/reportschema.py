@@ -52,6 +52,14 @@ class ReportSchemaError(ValueError):
 # ---------------------------------------------------------------- per shard and per error
 
 
+class RemovedOutput(TypedDict):
+    """One entry of ``removed_outputs``: an output this run took out of the dataset."""
+
+    output: str  # the removed file's URI
+    reason: str  # its input shard is gone, failed in this run, or was schema-skipped
+    rejects: str | None  # its rejects file, removed with it (None: it had none)
+
+
 class ErrorEntry(TypedDict):
     """One entry of ``errors``: a failed shard, or a shard whose rows did not add up."""
 
@@ -326,6 +334,9 @@ class ReportData(TypedDict):
     drift: DriftComparison | DriftNote | None  # None when [monitoring] drift is off or failed
     errors: list[ErrorEntry]
     warnings: list[str]
+    removed_outputs: list[RemovedOutput]  # taken out of the dataset by this run (reconcile)
+    foreign_removed: list[str]  # files this tool did not write, deleted (on_foreign_output)
+    foreign_kept: list[str]  # visible files this tool did not write, left alone
     shards: list[ShardEntry]
 
 
@@ -334,6 +345,7 @@ SCHEMA_OBJECTS: dict[str, type] = {
     "#": ReportData,
     "#/$defs/shard": ShardEntry,
     "#/$defs/error": ErrorEntry,
+    "#/$defs/removed_output": RemovedOutput,
     "#/$defs/execution": Execution,
     "#/$defs/parity": ParityWithNote,
     "#/$defs/batch_size_auto": BatchSizeAutoWithSweep,

@@ -7,27 +7,31 @@ passes), ``lock`` (take the output, clear what a crashed run left, find what is 
 
 Order of commits on the output root: each shard's rejects, then its output, then its manifest
 entry; ``_report.json``, ``_report.html`` and the run-index entry after every shard has finished;
-``_SUCCESS`` last and only when the run succeeded within its error budget.
+``_SUCCESS`` last and only when the run succeeded within its error budget and what readers see
+of the output matched the report (``pipeline.reconcile``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pyarrow as pa
 
 from pipeline import finish, runindex, storage
 from pipeline.cluster import DaskSession, Plan, thread_plan
 from pipeline.config import JobConfig
-from pipeline.errors import ConfigError, PipelineError
-from pipeline.execution import cancelled, execute
+from pipeline.errors import ConfigError
+from pipeline.execution import cancelled, execute, interrupted, not_scored
 from pipeline.faults import checkpoint
-from pipeline.locking import RunLock
+from pipeline.interrupt import StopRequest
+from pipeline.locking import LOCK_LOST_KIND, LockLostError, RunLock
 from pipeline.manifest import Manifest, expectation, scored_entry
 from pipeline.model import LoadedModel, read_bundle, resolve_device
 from pipeline.precision import ExecutionOptions
@@ -41,9 +45,19 @@ from pipeline.preparation import (
     prepare_execution,
     run_settings,
 )
+from pipeline.reconcile import (
+    ForeignFiles,
+    Reconciliation,
+    Wanted,
+    check_output_owner,
+    reconcile,
+    remove_foreign,
+    verify,
+    wanted,
+)
 from pipeline.report import REPORT_NAME, RunFacts, RunReport, build_report, model_section
 from pipeline.scoring import ShardResult, ShardTask, WorkerSpec
-from pipeline.statuses import FATAL_KINDS, RunStatus, ShardStatus
+from pipeline.statuses import FATAL_KINDS, FailureKind, RunStatus, ShardStatus
 from pipeline.storage import ShardRef
 
 logger = logging.getLogger(__name__)
@@ -55,6 +69,19 @@ OnShard = Callable[[ShardResult], None]
 OnStart = Callable[[int, int], None]
 
 
+@dataclasses.dataclass
+class FencedManifest(Manifest):
+    """The manifest of a locked run: every save first checks that the run still holds its lock
+    (``fence`` raises :class:`~pipeline.locking.LockLostError` otherwise)."""
+
+    fence: Callable[[], None] | None = dataclasses.field(default=None, repr=False)
+
+    def save(self) -> None:
+        if self.fence is not None:
+            self.fence()
+        super().save()
+
+
 class ScoringRun:
     """One run of a job, phase by phase; its state lives here instead of in long argument lists.
 
@@ -64,11 +91,19 @@ class ScoringRun:
     """
 
     def __init__(
-        self, config: JobConfig, on_shard: OnShard | None = None, on_start: OnStart | None = None
+        self,
+        config: JobConfig,
+        on_shard: OnShard | None = None,
+        on_start: OnStart | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.config = config
         self.on_shard = on_shard
         self.on_start = on_start
+        # Never requested unless the caller routes signals to it (the CLI does).
+        self.stop = stop if stop is not None else StopRequest(config.grace_period_s)
+        # The failed report written for an unexpected error, for the metrics (see run()).
+        self.failure_data: dict[str, Any] | None = None
         self.started_at = dt.datetime.now(dt.timezone.utc)
         self.t0 = time.perf_counter()
         self.run_id = new_run_id()
@@ -81,22 +116,30 @@ class ScoringRun:
         self.results: dict[str, ShardResult] = {}
         self.tasks: list[ShardTask] = []
         self.fatal: ShardResult | None = None
+        self.previous_outputs: set[str] = set()
+        self.foreign = ForeignFiles()
 
     # -- the phases --------------------------------------------------------------------------
 
     def execute(self) -> RunReport:
-        """All phases in order; the cluster and the lock are released whatever happens."""
-        try:
+        """All phases in order; the cluster and the lock are released whatever happens.
+
+        An error after planning gets a failed ``_report.json`` where the output is writable and
+        this run still holds it. Clean-up errors are logged and never replace the error that
+        stopped the run (or a second signal's :class:`~pipeline.interrupt.Aborted`).
+        """
+        with contextlib.ExitStack() as cleanup:
+            cleanup.callback(self._close_session)
             self.prepare()
+            cleanup.callback(self._release)
             try:
                 self.lock()
                 self.score()
                 return self.finish()
-            finally:
-                self._release()
-        finally:
-            if self.session is not None:
-                self.session.close()
+            except Exception as e:
+                self._report_failure(e)
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover  (ExitStack never swallows)
 
     def prepare(self) -> None:
         """Plan from footers and the model's dry run: nothing is written before this passes."""
@@ -109,6 +152,8 @@ class ScoringRun:
         self._by_path = {s.rel_path: s for s in self.shards}
         self.device = resolve_device(config.device)
         bundle, _, self.sha = read_bundle(config.model, opts)
+        # Before any worker spec: each output file's footer carries the settings hash.
+        self.settings: Settings = run_settings(config, bundle)
         self.plan: Plan = thread_plan(config, len(self.shards))
         if self.plan.scheduler != "sync":
             # Workers start (and load the model) while the driver reads footers below.
@@ -132,20 +177,34 @@ class ScoringRun:
         self.execution: Execution = prepare_execution(
             config, self.model, exec_opts, sample_from, self.found.width, self.plan
         )
-        self.settings: Settings = run_settings(config, bundle)
         self.spec = self._worker_spec(self.found.width, self.execution.batch_size)
 
     def lock(self) -> None:
         """Lock the output, clear what a crashed run left, and find what is already done."""
+        # A folder holding files this tool did not write is refused before anything is written.
+        opts = self.config.storage
+        check_output_owner(self.out_root, self.config.on_foreign_output, opts)
         self.lock_ = RunLock.acquire(
             self.out_root, self.run_id, stale_after_s=self.config.stale_lock_after_s
+        )
+        # The fence: every shard commit checks this token (the spec was built before the lock).
+        self.spec = dataclasses.replace(
+            self.spec,
+            lock_root=self.out_root.uri,
+            lock_run_id=self.lock_.run_id,
+            lock_token=self.lock_.token,
         )
         checkpoint("locked")
         for root in (self.out_root, self.rej_root):
             for path in storage.remove_stale_temporaries(root):
                 logger.info("removed a temporary file left by an interrupted run: %s", path)
         storage.remove(self.out_root.child(SUCCESS_NAME))
-        self.manifest = Manifest.load(self.out_root)
+        loaded = Manifest.load(self.out_root)
+        self.manifest = FencedManifest(loaded.loc, loaded.shards, fence=self.lock_.assert_held)
+        # What earlier runs wrote, before failed shards are forgotten: reconcile's "ours".
+        self.previous_outputs = set(self.manifest.shards)
+        if self.config.on_foreign_output == "replace":
+            self.foreign = remove_foreign(self.out_root, self.previous_outputs, opts)
         self.results = dict(self.failed)
         for s in self.shards:
             if s.rel_path in self.failed:
@@ -168,6 +227,7 @@ class ScoringRun:
             retries=errors.task_retries,
             task_rows=self.config.task_rows,
             resources=dict(self.config.resources) or None,
+            stop=self.stop,
         )
         with contextlib.closing(results):
             for task, result in results:
@@ -179,21 +239,71 @@ class ScoringRun:
         if self.fatal is not None:
             for t in tasks:
                 self.results.setdefault(t.rel_path, cancelled(t, self.fatal.input))
+        elif self.stop.requested:
+            for t in tasks:
+                self.results.setdefault(t.rel_path, interrupted(t, self.stop.signal_name))
         self.manifest.flush()
 
     def finish(self) -> RunReport:
-        """Account, judge against the error budget, report, and mark success last."""
+        """Reconcile the output, account, judge against the error budget, report, check what
+        readers see against the report, and mark success last."""
         ordered = [self.results[s.rel_path] for s in self.shards]
+        want = wanted(ordered)
+        assert self.lock_ is not None
+        self.lock_.assert_held()  # the fence: reconciling deletes from the output
+        settled = self._reconcile(want)
         data = build_report(self._facts(), ordered, self.fatal, time.perf_counter() - self.t0)
+        if any(r.kind == FailureKind.INTERRUPTED for r in ordered):
+            data["status"] = RunStatus.INTERRUPTED
+            data["failure_reasons"] = [self.stop.reason, *data["failure_reasons"]]
+        data["removed_outputs"] = [r.public() for r in settled.removed]
+        data["foreign_removed"] = list(self.foreign.removed)
+        data["foreign_kept"] = sorted(
+            {*self.foreign.kept, *(self.out_root.child(rel).uri for rel in settled.foreign)}
+        )
+        self._verify(data, want)
         index_root = runindex.index_root(self.config.output)
         finish.add_drift(self.config, data, index_root)
         report = RunReport(data)
+        self.lock_.assert_held()  # the fence, before each commit on the output root
         storage.write_json(self.out_root.child(REPORT_NAME), data, point="report-rename")
+        self.lock_.assert_held()
         finish.write_html(self.out_root, data)
         finish.record_run(self.config, index_root, self.out_root, data)
-        if report.status != RunStatus.FAILED:
+        if report.status not in (RunStatus.FAILED, RunStatus.INTERRUPTED):
+            self.lock_.assert_held()
             storage.write_bytes(self.out_root.child(SUCCESS_NAME), b"", point="success-rename")
         return report
+
+    def _reconcile(self, want: Wanted) -> Reconciliation:
+        """Take out of the output what this run does not vouch for (gone inputs, failed and
+        schema-skipped shards), with their rejects and manifest entries."""
+        assert self.manifest is not None
+        ours = self.previous_outputs | set(self.manifest.shards)
+        settled = reconcile(
+            self.out_root, self.rej_root, want.keep, ours, want.reasons, self.config.storage
+        )
+        for rel in set(self.manifest.shards) - want.keep:
+            self.manifest.forget(rel)
+        self.manifest.flush()
+        return settled
+
+    def _verify(self, data: dict[str, Any], want: Wanted) -> None:
+        """Fail a run whose visible output differs from its report: no ``_SUCCESS`` then."""
+        if data["status"] in (RunStatus.FAILED, RunStatus.INTERRUPTED):
+            return  # no _SUCCESS anyway; spare a failing or stopping run the footer reads
+        problems = verify(
+            self.out_root,
+            want.rows,
+            self.sha,
+            self.config.storage,
+            settings_hash=self.settings.hash,
+        )
+        if problems:
+            for p in problems:
+                logger.error("%s", p)
+            data["status"] = RunStatus.FAILED
+            data["failure_reasons"] = [*data["failure_reasons"], *problems]
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -213,17 +323,18 @@ class ScoringRun:
             batch_size,
             overlap_depth=overlap,
             torch_threads=torch_threads,
+            settings_hash=self.settings.hash,
         )
 
-    def _expect(self, s: ShardRef, num_rows: int) -> dict[str, object]:
-        return expectation(s, num_rows, self.sha, self.settings.hash)
+    def _expect(self, s: ShardRef) -> dict[str, object]:
+        # The footer read in prepare: row count and the hash of its layout and statistics.
+        return expectation(s, self.found.infos[s.rel_path], self.sha, self.settings.hash)
 
     def _skip_if_done(self, s: ShardRef) -> bool:
         """Record ``s`` as skipped if the manifest says this model and settings scored it."""
         assert self.manifest is not None
-        info = self.found.infos[s.rel_path]
         out_loc = self.out_root.child(s.rel_path)
-        expect = self._expect(s, info.num_rows)
+        expect = self._expect(s)
         if self.config.force or not self.manifest.is_done(s.rel_path, expect, out_loc):
             return False
         done = self.manifest.shards[s.rel_path]
@@ -244,6 +355,9 @@ class ScoringRun:
 
     def _record(self, task: ShardTask, result: ShardResult) -> None:
         assert self.manifest is not None
+        if result.kind == LOCK_LOST_KIND:
+            # Another run owns the output now: stop without writing anything more.
+            raise LockLostError(result.message or f"run {self.run_id} lost its lock")
         self.results[task.rel_path] = result
         if result.status != ShardStatus.SCORED:
             self.manifest.forget(task.rel_path)
@@ -251,7 +365,7 @@ class ScoringRun:
                 self.fatal = result
             return
         s = self._by_path[task.rel_path]
-        expect = self._expect(s, task.num_rows)
+        expect = self._expect(s)
         self.manifest.record(task.rel_path, scored_entry(s.uri, expect, result, self.run_id))
 
     def _facts(self) -> RunFacts:
@@ -276,12 +390,55 @@ class ScoringRun:
         )
 
     def _release(self) -> None:
+        """Save the manifest and release the lock; errors are logged, never raised."""
         if self.manifest is not None:
             # After an unexpected error too: keep what was committed so the rerun skips it.
-            with contextlib.suppress(Exception):
-                self.manifest.flush()
+            _log_cleanup_error(self.manifest.flush, "saving the manifest")
         if self.lock_ is not None:
-            self.lock_.release()
+            _log_cleanup_error(self.lock_.release, "releasing the lock")
+
+    def _close_session(self) -> None:
+        if self.session is not None:
+            _log_cleanup_error(self.session.close, "closing the Dask cluster")
+
+    def _report_failure(self, e: Exception) -> None:
+        """A failed ``_report.json`` for an error after planning, where it can be written.
+
+        Only while this run holds the output's lock (a run refused the lock, or one that lost
+        it, writes nothing there). Best effort: a failure to write it is logged.
+        """
+        if self.lock_ is None or isinstance(e, LockLostError):
+            return
+        why = f"unexpected error: {finish.describe(e)}"
+        try:
+            ordered = [self._unfinished(s, why) for s in self.shards]
+            data = build_report(self._facts(), ordered, None, time.perf_counter() - self.t0)
+            data["status"] = RunStatus.FAILED
+            data["failure_reasons"] = [why, *data["failure_reasons"]]
+            for key in ("removed_outputs", "foreign_removed", "foreign_kept"):
+                data.setdefault(key, [])  # nothing was reconciled: the run stopped before
+            self.failure_data = data
+            self.lock_.assert_held()
+            storage.write_json(self.out_root.child(REPORT_NAME), data, point="report-rename")
+            finish.write_html(self.out_root, data)
+        except Exception as report_error:
+            logger.error("could not write the report: %s", finish.describe(report_error))
+
+    def _unfinished(self, s: ShardRef, why: str) -> ShardResult:
+        """``s``'s result so far, or one saying it was not scored because of ``why``."""
+        if s.rel_path in self.results:
+            return self.results[s.rel_path]
+        info = self.found.infos.get(s.rel_path)
+        rows = info.num_rows if info is not None else None
+        return not_scored(s.rel_path, s.uri, rows, FailureKind.CANCELLED, why)
+
+
+def _log_cleanup_error(step: Callable[[], None], what: str) -> None:
+    """Run a clean-up ``step``; its error is logged, never raised (it would hide the run's)."""
+    try:
+        step()
+    except Exception as e:
+        logger.warning("error while %s: %s", what, finish.describe(e))
 
 
 def run(
@@ -289,6 +446,7 @@ def run(
     *,
     on_shard: OnShard | None = None,
     on_start: OnStart | None = None,
+    stop: StopRequest | None = None,
 ) -> RunReport:
     """Score every input shard of ``config`` and write outputs, manifest and ``_report.json``.
 
@@ -297,6 +455,11 @@ def run(
     input listing, schema, model), which leave the output untouched. Either way the metrics
     file and Pushgateway, when configured, get the outcome. ``on_start(rows, shards)`` is called
     once scoring starts with what is left to score; ``on_shard`` after each shard.
+
+    Any other error after planning is raised too, after a failed ``_report.json`` (where the
+    output is writable) and the metrics. ``stop``, once requested (the CLI routes SIGTERM and
+    SIGINT to it), ends the run early with status ``interrupted`` (see
+    :mod:`pipeline.interrupt`).
     """
     started_at = dt.datetime.now(dt.timezone.utc)
     t0 = time.perf_counter()
@@ -307,10 +470,16 @@ def run(
                 f"metrics_file = {config.metrics_file!r}: directory {parent} does not exist "
                 "(point it at node_exporter's --collector.textfile.directory)"
             )
+    scoring: ScoringRun | None = None
     try:
-        report = ScoringRun(config, on_shard, on_start).execute()
-    except PipelineError as e:
-        summary = finish.failed_summary(config, started_at, time.perf_counter() - t0, e)
+        scoring = ScoringRun(config, on_shard, on_start, stop)
+        report = scoring.execute()
+    except BaseException as e:  # Aborted (a second signal) too: the metrics say how it ended
+        summary = scoring.failure_data if scoring is not None else None
+        if summary is None:
+            status = RunStatus.FAILED if isinstance(e, Exception) else RunStatus.INTERRUPTED
+            duration = time.perf_counter() - t0
+            summary = finish.failed_summary(config, started_at, duration, e, status)
         finish.publish_metrics(config, summary)
         raise
     finish.publish_metrics(config, report.data)

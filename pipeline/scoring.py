@@ -26,9 +26,11 @@ from pipeline.batching import Batch, ShardBatches, make_loader, to_device_ahead
 from pipeline.engine import ModelFailedEverywhere, Scored, output_columns, score
 from pipeline.errors import ShardError
 from pipeline.faults import checkpoint
+from pipeline.locking import LOCK_LOST_KIND, LockLostError, assert_holder
 from pipeline.model import LoadedModel, load_model
 from pipeline.overlap import read_ahead
 from pipeline.precision import ExecutionOptions, prepare
+from pipeline.reconcile import footer_metadata
 from pipeline.stats import DuplicateIds, ShardStats
 from pipeline.statuses import FailureKind, ShardStatus
 from pipeline.writing import ShardSink, output_schema
@@ -60,6 +62,30 @@ class WorkerSpec:
     # On an existing cluster: torch threads for a worker on each host, so that all the worker
     # threads of one machine together use its cores once (see cluster.torch_threads_by_host).
     torch_threads_by_host: Mapping[str, int] = field(default_factory=dict)
+    # Hash of the settings that change output rows (preparation.run_settings); written with the
+    # model's SHA-256 into every output file's footer (reconcile.footer_metadata).
+    settings_hash: str = ""
+    # The run lock's fence (pipeline.locking): right before committing, each shard checks that
+    # run ``lock_run_id`` still holds the lock of ``lock_root`` with ``lock_token``. Empty while
+    # warming the workers (before the lock is taken): nothing is committed then.
+    lock_root: str = ""
+    lock_run_id: str = ""
+    lock_token: str = ""
+    # On a cluster, names of two flags the driver raises on every worker (raise_flag) when a
+    # signal stops the run: once ``stop_event`` is raised no new shard starts; once
+    # ``abandon_event`` is (the grace period is over) no shard commits (see pipeline.execution).
+    stop_event: str = ""
+    abandon_event: str = ""
+
+    def fence(self) -> None:
+        """Raise :class:`~pipeline.locking.LockLostError` unless this run still holds its lock
+        (and has not given up on the shards still in flight)."""
+        if _event_set(self.abandon_event):
+            raise LockLostError(
+                f"run {self.lock_run_id} stopped before this shard could commit (interrupted)"
+            )
+        if self.lock_token:
+            assert_holder(self.lock_root, self.lock_run_id, self.lock_token, self.storage_options)
 
     @classmethod
     def for_job(
@@ -72,6 +98,7 @@ class WorkerSpec:
         *,
         overlap_depth: int,
         torch_threads: int | None,
+        settings_hash: str = "",
     ) -> WorkerSpec:
         """The spec of a run of ``config`` (``torch_threads_by_host`` is added on a cluster)."""
         return cls(
@@ -89,6 +116,7 @@ class WorkerSpec:
             strict_fp32=config.strict_fp32,
             overlap_depth=overlap_depth,
             storage_options=dict(config.storage),
+            settings_hash=settings_hash,
         )
 
     @property
@@ -135,7 +163,9 @@ class ShardResult:
 
     @classmethod
     def skipped(cls, rel_path: str, input_uri: str, entry: Mapping[str, Any]) -> ShardResult:
-        """A shard an earlier run scored with this model and settings (its manifest ``entry``)."""
+        """A shard an earlier run scored with this model and settings (its manifest ``entry``),
+        with the score statistics and reject reasons that run kept there, so that the report
+        describes the whole output (entries from before they were kept have none)."""
         return cls(
             rel_path,
             input_uri,
@@ -145,6 +175,8 @@ class ShardResult:
             rows_in=entry["rows_in"],
             rows_out=entry["rows_scored"],
             rows_rejected=entry["rows_rejected"],
+            stats=ShardStats.from_summary(entry.get("outputs"), entry["rows_scored"]),
+            rejects_by_reason=dict(entry.get("rejects_by_reason") or {}),
         )
 
     def public(self) -> dict[str, Any]:
@@ -228,9 +260,36 @@ def score_shards(spec: WorkerSpec, tasks: list[ShardTask]) -> list[ShardResult]:
 
     Each shard still commits on its own; if one raises (a crash Dask should retry), the whole
     group is retried and its already committed shards are scored and replaced again, which the
-    per-shard commit makes harmless.
+    per-shard commit makes harmless. Once the run is stopping (``spec.stop_event``), the shards
+    not started yet are returned unscored, as ``interrupted``.
     """
-    return [score_shard(spec, t) for t in tasks]
+    return [_not_started(t) if _event_set(spec.stop_event) else score_shard(spec, t) for t in tasks]
+
+
+# Flags the driver raised in this worker process (raise_flag). A plain set read before each
+# shard and commit: a Dask Event would cost a scheduler round trip each time instead.
+_RAISED: set[str] = set()
+
+
+def raise_flag(name: str) -> None:
+    """Raise the flag ``name`` in this process (the driver runs it on every worker)."""
+    _RAISED.add(name)
+
+
+def _event_set(name: str) -> bool:
+    """Whether the flag ``name`` was raised here (False for no name: not on a cluster)."""
+    return bool(name) and name in _RAISED
+
+
+def _not_started(task: ShardTask) -> ShardResult:
+    return ShardResult(
+        task.rel_path,
+        task.input_uri,
+        ShardStatus.FAILED,
+        rows_in=task.num_rows,
+        kind=FailureKind.INTERRUPTED,
+        message="not scored: the run was interrupted",
+    )
 
 
 def score_shard(spec: WorkerSpec, task: ShardTask) -> ShardResult:
@@ -252,6 +311,18 @@ def score_shard(spec: WorkerSpec, task: ShardTask) -> ShardResult:
             message=str(e),
             duration_s=time.perf_counter() - t0,
         )
+    except LockLostError as e:
+        # A result, not an exception: Dask must not retry a task of a run that lost its lock
+        # (each retry would fail the same way). The driver stops the run on this kind.
+        return ShardResult(
+            task.rel_path,
+            task.input_uri,
+            ShardStatus.FAILED,
+            rows_in=task.num_rows,
+            kind=LOCK_LOST_KIND,
+            message=str(e),
+            duration_s=time.perf_counter() - t0,
+        )
 
 
 class _Shard:
@@ -268,7 +339,8 @@ class _Shard:
         # Output and rejects schemas keep the id/pass-through types this shard's footer
         # declares; the driver read the footer already and sends those fields along.
         self.meta_schema = pa.ipc.read_schema(pa.py_buffer(task.meta_schema))
-        self.out_schema = output_schema(self.meta_schema, self.out_fields)
+        footer = footer_metadata(spec.model_sha256, spec.settings_hash)
+        self.out_schema = output_schema(self.meta_schema, self.out_fields, footer)
         self.numeric = [
             i for i, (_, t) in enumerate(self.out_fields) if not pa.types.is_fixed_size_list(t)
         ]
@@ -399,7 +471,9 @@ def _score(spec: WorkerSpec, task: ShardTask, t0: float) -> ShardResult:
     out_loc = storage.locate(task.output_uri, opts)
     rej_loc = storage.locate(task.rejects_uri, opts)
     depth = spec.overlap_depth
-    with ShardSink(out_loc, rej_loc, shard.meta_schema, shard.out_schema, depth=depth) as sink:
+    with ShardSink(
+        out_loc, rej_loc, shard.meta_schema, shard.out_schema, depth=depth, fence=spec.fence
+    ) as sink:
         for batch in shard.batches():
             checkpoint("batch-read")
             shard.score_batch(batch, sink)

@@ -3,31 +3,49 @@
 A worker fills a :class:`ShardStats` batch by batch and sends it back inside the shard's result;
 the report merges them (:class:`pipeline.report.ScoreProfile`) without knowing how they were kept.
 Everything here is per batch and vectorised, never per row in Python.
+
+A scored shard's score statistics also go into its manifest entry, compactly
+(:meth:`ShardStats.summary`: exact count, sum, min and max, and a 101-point quantile sketch per
+column), so that a later run which skips the shard still reports on the whole output
+(:meth:`ShardStats.from_summary`). Such a shard's quantiles are approximate: its distribution is
+rebuilt from the sketch, linear between the sketch's percentiles.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from pipeline.drift import LEVELS, SKETCH_POINTS, sketch
+
 SAMPLE_ROWS = 10_000  # per shard, for output quantiles in the report
+# A shard known only by its sketch stands for this many equally weighted values, read off the
+# sketch's piecewise-linear quantile function: 5 per percentile keeps the rebuilt CDF within
+# the sketch's own 1% resolution.
+SKETCH_SAMPLE = 500
 LATENCY_SAMPLES = 10_000  # per shard
 MAX_REASONS = 50  # distinct reject reasons kept per shard; the rest are counted as "other"
 
 
 @dataclass
 class ColumnStats:
-    """One numeric output column of one shard: exact count, sum, min, max, and a sample."""
+    """One numeric output column of one shard: exact count, sum, min, max, and a sample.
+
+    The sample is every ``step``-th scored row (each weighs ``step`` rows) for a shard scored in
+    this run, or ``sketch`` (101 quantiles) for a shard known from its manifest entry only.
+    """
 
     count: int = 0
     total: float = 0.0
     min: float = float("inf")
     max: float = float("-inf")
     samples: list[float] = field(default_factory=list)  # every ``step``-th scored row
+    sketch: list[float] = field(default_factory=list)  # set only when rebuilt from a summary
 
     def add(self, values: np.ndarray, first: int, step: int) -> None:
         """Fold in one batch of scores; ``first`` is the batch's first sampled row."""
@@ -38,6 +56,45 @@ class ColumnStats:
         self.min = min(self.min, float(values.min()))
         self.max = max(self.max, float(values.max()))
         self.samples.extend(values[first::step].astype(float).tolist())
+
+    def weighted_sample(self, weight: float) -> tuple[np.ndarray, np.ndarray]:
+        """Values and how many rows each stands for: the samples at ``weight`` each, or
+        SKETCH_SAMPLE values read off the sketch, sharing ``count`` equally."""
+        if self.samples or len(self.sketch) != SKETCH_POINTS or not self.count:
+            v = np.asarray(self.samples, dtype=float)
+            return v, np.full(len(v), weight)
+        levels = (np.arange(SKETCH_SAMPLE) + 0.5) / SKETCH_SAMPLE
+        v = np.interp(levels, LEVELS, np.asarray(self.sketch, dtype=float))
+        return v, np.full(SKETCH_SAMPLE, self.count / SKETCH_SAMPLE)
+
+    def summary(self, weight: float) -> dict[str, Any]:
+        """The column in a manifest entry: count, sum, min, max (None without rows), sketch."""
+        v, w = self.weighted_sample(weight)
+        points = sketch(v, w)
+        if points:  # the sample's extremes are the exact ones when the ends are pinned
+            points[0], points[-1] = self.min, self.max
+        return {
+            "count": self.count,
+            "sum": self.total,
+            "min": self.min if self.count else None,
+            "max": self.max if self.count else None,
+            # Not rounded: a sketch must stay sorted with its exact ends, and a rounded point
+            # mass can fall below the exact minimum it sits on.
+            "sketch": points,
+        }
+
+    @classmethod
+    def from_summary(cls, d: Mapping[str, Any]) -> ColumnStats:
+        """The column as :meth:`summary` wrote it (its sketch stands in for the sample)."""
+        count = int(d.get("count") or 0)
+        lo, hi = d.get("min"), d.get("max")
+        return cls(
+            count=count,
+            total=float(d.get("sum") or 0.0),
+            min=float(lo) if count and lo is not None else float("inf"),
+            max=float(hi) if count and hi is not None else float("-inf"),
+            sketch=[float(x) for x in d.get("sketch") or []],
+        )
 
 
 @dataclass
@@ -54,6 +111,9 @@ class ShardStats:
     rejects_by_reason: dict[str, int] = field(default_factory=dict)
     rows_out: int = 0
     oom_splits: int = 0
+    # False for a shard skipped by a run whose manifest entry holds no score statistics (it was
+    # written before they were kept): the report's outputs then miss that shard's rows.
+    summarised: bool = True
 
     @classmethod
     def for_outputs(cls, names: Sequence[str], num_rows: int) -> ShardStats:
@@ -83,6 +143,19 @@ class ShardStats:
         for reason in reasons.values():
             key = reason if reason in counts or len(counts) < MAX_REASONS else "other"
             counts[key] = counts.get(key, 0) + 1
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per numeric output column, what the manifest keeps: count, sum, min, max, sketch."""
+        return {name: c.summary(self.sample_weight) for name, c in self.columns.items()}
+
+    @classmethod
+    def from_summary(cls, summary: Mapping[str, Any] | None, rows_out: int) -> ShardStats:
+        """A skipped shard's score statistics from its manifest entry's :meth:`summary`
+        (None for an entry written before they were kept)."""
+        if summary is None:
+            return cls(rows_out=rows_out, summarised=False)
+        columns = {name: ColumnStats.from_summary(d) for name, d in summary.items()}
+        return cls(columns=columns, rows_out=rows_out)
 
     def finish(self) -> None:
         """Thin the latencies to at most LATENCY_SAMPLES (evenly spaced) before sending."""

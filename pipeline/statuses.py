@@ -52,6 +52,7 @@ class FailureKind(_StrEnum):
     MODEL = "model"  # the model failed on every row it was given (fatal)
     ERROR = "error"  # the task crashed on every retry
     CANCELLED = "cancelled"  # not scored: the run stopped at a fatal error
+    INTERRUPTED = "interrupted"  # not scored: the run was stopped by SIGTERM or SIGINT
     ACCOUNTING = "accounting"  # rows in != rows scored + rows rejected
 
 

@@ -25,6 +25,7 @@ import fnmatch
 import io
 import json
 import logging
+import math
 import os
 import posixpath
 import time
@@ -608,13 +609,58 @@ def write_bytes(loc: Location, data: bytes, *, point: str = "") -> None:
     _retry(loc, _write, "writing")
 
 
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON values: NaN and infinities become null (``NaN`` is not JSON),
+    mapping keys str, numpy scalars and arrays Python numbers and lists, anything else str()."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if getattr(value, "ndim", 0):  # a numpy array
+        return jsonable(value.tolist())
+    try:  # numpy scalars and the like
+        item = value.item()
+    except (AttributeError, TypeError, ValueError):
+        return str(value)
+    return jsonable(item) if isinstance(item, (str, int, float, bool)) else str(value)
+
+
+def _plain(value: Any) -> Any:
+    """``json.dumps``'s fallback for what it cannot encode: numpy values, else str()."""
+    if getattr(value, "ndim", 0):
+        return value.tolist()
+    try:
+        item = value.item()
+    except (AttributeError, TypeError, ValueError):
+        return str(value)
+    return item if isinstance(item, (str, int, float, bool)) else str(value)
+
+
+def to_json(obj: Any, *, compact: bool = False) -> str:
+    """``obj`` as strict JSON text (RFC 8259): no ``NaN`` or ``Infinity`` tokens, ever.
+
+    A non-finite float (an undefined statistic) is written as null. Every JSON document the tool
+    writes or prints goes through here. The common case (nothing to replace) is one C-encoder
+    pass; only a document that holds a non-finite number or an odd key is walked in Python.
+    ``compact`` gives one line without spaces (big documents, log lines); otherwise indent 2.
+    """
+    kwargs: dict[str, Any] = (
+        {"separators": (",", ":")} if compact else {"indent": 2, "sort_keys": False}
+    )
+    try:
+        return json.dumps(obj, allow_nan=False, default=_plain, **kwargs)
+    except (ValueError, TypeError):  # NaN/inf somewhere, or a key json cannot take
+        return json.dumps(jsonable(obj), allow_nan=False, default=_plain, **kwargs)
+
+
 def write_json(loc: Location, obj: Any, *, point: str = "", compact: bool = False) -> None:
-    """Write ``obj`` as JSON atomically; ``compact`` drops the indentation (big documents)."""
-    if compact:
-        data = json.dumps(obj, separators=(",", ":"), default=str) + "\n"
-    else:
-        data = json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n"
-    write_bytes(loc, data.encode(), point=point)
+    """Write ``obj`` as strict JSON (:func:`to_json`) atomically; ``compact`` drops the
+    indentation (big documents)."""
+    write_bytes(loc, (to_json(obj, compact=compact) + "\n").encode(), point=point)
 
 
 def _create_local(path: str, data: bytes) -> bool:
@@ -742,12 +788,16 @@ def _is_own_entry(name: str, own: frozenset[str]) -> bool:
     return name.startswith(".") and TMP_MARK in name
 
 
-def classify_output(root: Location) -> OutputState:
+def classify_output(
+    root: Location, is_ours: Callable[[Location], bool] | None = None
+) -> OutputState:
     """Say whether ``root`` is absent, empty, written by this tool ("ours") or "foreign".
 
     A root holding our ``_manifest.json`` is ours whatever else is there (a run wrote its data
     files there); without one it is ours only if every entry is one of our control files, so a
-    folder of someone else's Parquet files is never taken for a resumable output.
+    folder of someone else's Parquet files is never taken for a resumable output. ``is_ours``
+    may vouch for other entries (``pipeline.reconcile`` reads the writer mark in a file's
+    footer: a run that crashed before its first manifest save left only such files).
     """
     try:
         entries = ls(root)
@@ -765,7 +815,11 @@ def classify_output(root: Location) -> OutputState:
     names = [e.name for e in entries]
     if MANIFEST_NAME in names:
         return OutputState("ours")
-    foreign = [n for n in names if not _is_own_entry(n, own)]
+    foreign = [
+        e.name
+        for e in entries
+        if not _is_own_entry(e.name, own) and not (is_ours is not None and is_ours(e))
+    ]
     if not foreign:
         return OutputState("ours")
     return OutputState("foreign", tuple(foreign[:_MAX_FOREIGN]), len(foreign))

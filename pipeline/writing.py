@@ -9,6 +9,7 @@ whatever the shard size while the output does not end up with one tiny row group
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -74,12 +75,22 @@ class StagedParquetWriter:
         self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
 
 
-def output_schema(meta: pa.Schema, outputs: list[tuple[str, pa.DataType]]) -> pa.Schema:
-    """id + pass-through columns as read, then outputs in model.toml order, then model_version."""
+def output_schema(
+    meta: pa.Schema,
+    outputs: list[tuple[str, pa.DataType]],
+    metadata: Mapping[bytes, bytes] | None = None,
+) -> pa.Schema:
+    """id + pass-through columns as read, then outputs in model.toml order, then model_version.
+
+    ``metadata`` goes into the Parquet footer as key-value metadata: the run's writer, model
+    SHA-256 and settings hash (``pipeline.reconcile.footer_metadata``), so that the check before
+    ``_SUCCESS`` and a later run can tell this tool's files, and their model, from the files
+    alone. Any metadata of the input schema is dropped: it described the input, not the scores.
+    """
     fields = [meta.field(i) for i in range(len(meta))]
     fields += [pa.field(name, t) for name, t in outputs]
     fields.append(pa.field(MODEL_VERSION_COLUMN, pa.string()))
-    return pa.schema(fields)
+    return pa.schema(fields, metadata=dict(metadata) if metadata else None)
 
 
 def rejects_schema(meta: pa.Schema) -> pa.Schema:
@@ -105,7 +116,11 @@ class ShardSink:
         out_schema: pa.Schema,
         *,
         depth: int = 0,
+        fence: Callable[[], None] | None = None,
     ) -> None:
+        # Called right before each commit; raises (LockLostError) once the run lost its lock,
+        # so that a superseded run publishes nothing more (see pipeline.locking).
+        self._fence = fence if fence is not None else _no_fence
         self.output = StagedParquetWriter(output, out_schema, point="output-rename")
         self.rejects: StagedParquetWriter | None = None
         self.rejects_loc = rejects
@@ -143,11 +158,13 @@ class ShardSink:
         """Finish writing, then publish the rejects (or remove stale ones) and the output."""
         if self._behind is not None:
             self._behind.drain()
+        self._fence()
         if self.rejects is not None:
             self.rejects.commit()
         else:
             storage.remove(self.rejects_loc)  # a rescored shard may have had rejects before
         checkpoint("rejects-committed")
+        self._fence()
         self.output.commit()
         checkpoint("output-committed")
 
@@ -159,6 +176,10 @@ class ShardSink:
         self.output.abort()
         if self.rejects is not None:
             self.rejects.abort()
+
+
+def _no_fence() -> None:
+    """The fence of a sink written outside any run lock (tests, tools)."""
 
 
 def _write_item(item: tuple[StagedParquetWriter, pa.RecordBatch]) -> None:

@@ -260,3 +260,140 @@ def test_raw_multi_column_output_of_a_sliced_tensor() -> None:
     (col,) = output_columns(y, (OutputSpec("r", "raw"),))
     assert col.type == pa.list_(pa.float32(), 3)
     assert col.to_pylist() == y.tolist()
+
+
+# --- non-finite outputs --------------------------------------------------------------------
+
+NAN_F0 = 1.5  # NonFiniteRows: f0 above this gives NaN in logit 0 ...
+INF_F0 = -1.5  # ... and f0 below this gives +inf in every logit
+
+
+class NonFiniteRows(nn.Module):
+    """A small MLP whose logit 0 is NaN where f0 > 1.5, whose logits are all +inf where
+    f0 < -1.5, and which raises (an out-of-range embedding index) where f0 > 1000."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = make_model(seed=4)
+        self.emb = nn.Embedding(10, 2)
+        self.register_buffer("col0", torch.tensor([True, False]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mlp(x) + self.emb((x[:, 0] > 1000).long() * 10)
+        y = torch.where((x[:, :1] > NAN_F0) & self.col0, torch.full_like(y, float("nan")), y)
+        return torch.where(x[:, :1] < INF_F0, torch.full_like(y, float("inf")), y)
+
+
+def _nonfinite_model(tmp_path_factory: pytest.TempPathFactory, outputs: str) -> LoadedModel:
+    d = tmp_path_factory.mktemp("nonfinite_bundle")
+    torch.manual_seed(0)
+    export_bundle(NonFiniteRows().eval(), d, demo_toml(outputs=outputs), n_in=16)
+    return load_model(str(d), "cpu")
+
+
+@pytest.fixture(scope="module")
+def nonfinite_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """score = softmax:1, label = argmax: both read the whole output row."""
+    return _nonfinite_model(tmp_path_factory, 'score = "softmax:1"\nlabel = "argmax"\n')
+
+
+def _rows_by_f0(x: torch.Tensor) -> tuple[list[int], list[int]]:
+    f0 = x[:, 0]
+    return (
+        torch.nonzero(f0 > NAN_F0).flatten().tolist(),
+        torch.nonzero(f0 < INF_F0).flatten().tolist(),
+    )
+
+
+def test_non_finite_rows_are_rejected_and_the_rest_scored(nonfinite_model: LoadedModel) -> None:
+    x = _x(2000, 8)
+    nan_rows, inf_rows = _rows_by_f0(x)
+    assert len(nan_rows) > 20 and len(inf_rows) > 20  # both kinds really occur
+    s = score(nonfinite_model, x)
+    bad = sorted(nan_rows + inf_rows)
+    assert np.flatnonzero(~s.ok).tolist() == bad
+    # Softmax and argmax read the whole row: the first declared column, score, is named.
+    assert s.errors == dict.fromkeys(bad, "model output is not finite (score)")
+    assert tuple(s.outputs.shape) == (2000 - len(bad), 2)
+    assert bool(torch.isfinite(s.outputs).all())
+    with torch.inference_mode():
+        expected = nonfinite_model.module(x[torch.from_numpy(s.ok)])
+    torch.testing.assert_close(s.outputs, expected)
+
+
+def test_the_reason_names_the_first_column_that_reads_a_non_finite_value(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    model = _nonfinite_model(tmp_path_factory, 's1 = "sigmoid:1"\ns0 = "sigmoid:0"\n')
+    x = _x(500, 9)
+    nan_rows, inf_rows = _rows_by_f0(x)
+    s = score(model, x)
+    # NaN only in logit 0: s1 is finite, s0 is not. +inf everywhere: s1 comes first.
+    assert s.errors == {
+        **dict.fromkeys(nan_rows, "model output is not finite (s0)"),
+        **dict.fromkeys(inf_rows, "model output is not finite (s1)"),
+    }
+    assert s.outputs.shape[0] == int(s.ok.sum()) == 500 - len(nan_rows) - len(inf_rows)
+
+
+def test_a_non_finite_value_no_column_reads_is_kept(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    model = _nonfinite_model(tmp_path_factory, 's1 = "sigmoid:1"\n')
+    x = _x(500, 10)
+    nan_rows, inf_rows = _rows_by_f0(x)
+    assert nan_rows
+    s = score(model, x)
+    # Logit 0 is NaN on nan_rows, but the only written column is sigmoid(logit 1).
+    assert sorted(s.errors) == inf_rows
+    assert s.outputs.shape[0] == 500 - len(inf_rows)
+    assert bool(torch.isnan(s.outputs[:, 0]).any())
+    (col,) = output_columns(s.outputs, model.spec.outputs)
+    assert np.isfinite(col.to_numpy()).all()
+
+
+def test_non_finite_and_raising_rows_in_one_batch(nonfinite_model: LoadedModel) -> None:
+    x = _x(300, 11)
+    raising = [0, 7, 150]
+    x[raising, 0] = BAD_F0
+    nan_rows, inf_rows = _rows_by_f0(x)
+    nan_rows = [i for i in nan_rows if i not in raising]
+    s = score(nonfinite_model, x)
+    assert sorted(s.errors) == sorted(raising + nan_rows + inf_rows)
+    assert all(s.errors[i].startswith("model error: ") for i in raising)
+    assert all(s.errors[i] == "model output is not finite (score)" for i in nan_rows + inf_rows)
+    assert np.flatnonzero(~s.ok).tolist() == sorted(s.errors)
+    with torch.inference_mode():
+        expected = nonfinite_model.module(x[torch.from_numpy(s.ok)])
+    torch.testing.assert_close(s.outputs, expected)
+
+
+def test_a_batch_non_finite_everywhere_is_rows_rejected_not_a_broken_model(
+    nonfinite_model: LoadedModel,
+) -> None:
+    x = _x(64, 12)
+    x[:, 0] = 3.0
+    s = score(nonfinite_model, x)
+    assert not s.ok.any() and len(s.errors) == 64
+    assert tuple(s.outputs.shape) == (0, 2)
+    cols = output_columns(s.outputs, nonfinite_model.spec.outputs)
+    assert [len(c) for c in cols] == [0, 0]
+
+
+class Huge(nn.Module):
+    """Finite outputs whose sum over a batch overflows float32 (3e38 each)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :2] * 0.0 + 3e38
+
+
+def test_finite_outputs_whose_sum_overflows_are_kept(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    d = tmp_path_factory.mktemp("huge_bundle")
+    export_bundle(Huge().eval(), d, demo_toml(outputs='r = "raw"\n'), n_in=16)
+    model = load_model(str(d), "cpu")
+    s = score(model, _x(100, 13))
+    assert float(s.outputs.sum()) == float("inf")  # the quick check cannot tell ...
+    assert s.ok.all() and s.errors == {}  # ... and the exact one keeps every row
+    assert tuple(s.outputs.shape) == (100, 2)

@@ -142,6 +142,10 @@ def full_report() -> dict[str, Any]:
                     "message": "missing column f3"}],
         "warnings": ["drift: score: PSI 0.31 > 0.2 against run 20261128T222511Z-aaaaaa"],
         "shards": shards,
+        "removed_outputs": [{"output": "/data/scored/part-00009.parquet",
+                             "reason": "its input shard no longer exists", "rejects": None}],
+        "foreign_removed": [],
+        "foreign_kept": [],
     }  # fmt: skip
 
 

@@ -34,6 +34,11 @@ def _run(catalog: Path, out: Path, bundle: Path, *extra: str) -> CliResult:
     return cli("run", *job_args(catalog, out, bundle, *opts, *extra), in_process=True)
 
 
+def rejects_of(out: Path) -> Path:
+    """The default rejects folder of output ``out``: ``<parent>/_rejects/<name>``."""
+    return out.parent / "_rejects" / out.name
+
+
 def _poison(path: Path, rows: dict[int, tuple[str, float | None]]) -> None:
     """Set feature values of given rows (index -> (column, value)); None writes a null."""
     t = pq.read_table(path)
@@ -110,7 +115,7 @@ def test_invalid_rows_are_rejected_with_reasons_and_accounted(
     assert rep["status"] == "succeeded_with_errors"
     assert rep["rows_rejected"] == 3 and rep["rows_out"] == 7297 and rep["rows_in"] == 7300
     assert rep["accounting_ok"]
-    rej = pq.read_table(out / "_rejects" / "part-00001.parquet")
+    rej = pq.read_table(rejects_of(out) / "part-00001.parquet")
     assert rej.column_names == ["item_id", "category", "reject_reason"]
     assert rej.column("reject_reason").to_pylist() == [
         "null in f2",
@@ -121,8 +126,8 @@ def test_invalid_rows_are_rejected_with_reasons_and_accounted(
     assert rej.column("item_id").to_pylist() == [first_id + 3, first_id + 401, first_id + 1699]
     scored = pq.read_table(out / "part-00001.parquet").column("item_id").to_pylist()
     assert len(scored) == 1697 and not set(scored) & set(rej.column("item_id").to_pylist())
-    assert not (out / "_rejects" / "part-00000.parquet").exists()  # only shards with rejects
-    # pyarrow.dataset skips the _rejects folder: the output reads as scores only.
+    assert not (rejects_of(out) / "part-00000.parquet").exists()  # only shards with rejects
+    # Rejects live beside the output, not inside it: the output reads as scores only.
     assert ds.dataset(out, format="parquet").count_rows() == 7297
     shard = next(s for s in rep["shards"] if s["rel_path"] == "part-00001.parquet")
     assert shard["rows_in"] == shard["rows_out"] + shard["rows_rejected"]
@@ -216,10 +221,10 @@ def test_stale_rejects_are_removed_when_a_shard_is_rescored_clean(
     _poison(p, {5: ("f1", None)})
     out = tmp_path / "o"
     assert _run(catalog, out, bundle_dir).returncode == 0
-    assert (out / "_rejects" / "part-00000.parquet").exists()
+    assert (rejects_of(out) / "part-00000.parquet").exists()
     pq.write_table(clean, p)
     assert _run(catalog, out, bundle_dir).returncode == 0
-    assert not (out / "_rejects" / "part-00000.parquet").exists()
+    assert not (rejects_of(out) / "part-00000.parquet").exists()
     assert report(out)["rows_out"] == 7300
 
 
@@ -293,7 +298,7 @@ def test_rows_the_model_fails_on_are_bisected_out_and_rejected(
     out = tmp_path / "o"
     r = _run(catalog, out, bundle)
     assert r.returncode == 0, r.output
-    rej = pq.read_table(out / "_rejects" / "part-00000.parquet")
+    rej = pq.read_table(rejects_of(out) / "part-00000.parquet")
     assert rej.num_rows == 2
     assert all("index out of range" in r for r in rej.column("reject_reason").to_pylist())
     assert report(out)["rows_out"] == 7298
@@ -357,7 +362,7 @@ def test_property_rows_in_equals_scored_plus_rejected(
         assert rep["rows_in"] == sum(sizes)
         assert rep["rows_out"] + rep["rows_rejected"] == sum(sizes)
         rejected = set()
-        for f in (root / "out" / "_rejects").glob("*.parquet"):
+        for f in (root / "_rejects" / "out").glob("*.parquet"):
             rejected |= set(pq.read_table(f).column("item_id").to_pylist())
         assert rejected == expected_bad
         scored = [

@@ -1,0 +1,346 @@
+"""``_SUCCESS`` means exactly the current input, scored once by one model (issue #11).
+
+Each test changes the input (or the output folder) the way upstream jobs and people do, reruns
+the real CLI into the same output, and checks the contract: when ``_SUCCESS`` is there, what a
+reader sees (every Parquet file without a ``_``/``.`` path component) is exactly the shards the
+report lists as scored or skipped, with the report's row counts and this run's model SHA-256 in
+every file's footer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.reconcile import MODEL_SHA_KEY, SETTINGS_KEY, WRITER, WRITER_KEY
+from tests.conftest import demo_toml, write_shards
+from tests.integration.helpers import CliResult, cli, data_files, job_args, report
+
+pytestmark = pytest.mark.integration
+
+OUTPUT_COLUMNS = ["item_id", "category", "score", "label", "model_version"]
+
+
+def _run(catalog: Path, out: Path, bundle: Path, *extra: str) -> CliResult:
+    opts = ("--passthrough", "category", "--batch-size", "400", "--scheduler", "sync")
+    return cli("run", *job_args(catalog, out, bundle, *opts, *extra), in_process=True)
+
+
+def _rejects_of(out: Path) -> Path:
+    return out.parent / "_rejects" / out.name
+
+
+def _visible_matches_report(out: Path, rep: dict[str, Any]) -> list[str]:
+    """How the visible output differs from the report (empty when it matches)."""
+    problems = []
+    in_output = {
+        s["rel_path"]: s["rows_out"] for s in rep["shards"] if s["status"] in ("scored", "skipped")
+    }
+    files = {str(p.relative_to(out)): p for p in data_files(out)}
+    if set(files) != set(in_output):
+        problems.append(f"files {sorted(files)} != report shards {sorted(in_output)}")
+    total = 0
+    for rel, path in files.items():
+        meta = pq.ParquetFile(path).metadata
+        total += meta.num_rows
+        kv = meta.metadata or {}
+        if rel in in_output and meta.num_rows != in_output[rel]:
+            problems.append(f"{rel}: {meta.num_rows} rows, report {in_output[rel]}")
+        if kv.get(WRITER_KEY) != WRITER:
+            problems.append(f"{rel}: no score-catalog writer mark in its footer")
+        if kv.get(MODEL_SHA_KEY, b"").decode() != rep["model"]["sha256"]:
+            problems.append(f"{rel}: model {kv.get(MODEL_SHA_KEY)!r} in its footer")
+        if not kv.get(SETTINGS_KEY):
+            problems.append(f"{rel}: no settings hash in its footer")
+    if total != rep["rows_out"]:
+        problems.append(f"{total} visible rows != rows_out {rep['rows_out']}")
+    return problems
+
+
+def _check_contract(out: Path, *, success: bool) -> dict[str, Any]:
+    """The report, after checking that ``_SUCCESS`` is there exactly when expected and that it
+    is only there when the visible data equals the report."""
+    rep = report(out)
+    assert (out / "_SUCCESS").exists() == success, rep["failure_reasons"]
+    if success:
+        assert _visible_matches_report(out, rep) == []
+    return rep
+
+
+def _ids(out: Path) -> list[int]:
+    return [i for p in data_files(out) for i in pq.read_table(p).column("item_id").to_pylist()]
+
+
+def _poison_one_row(path: Path, row: int) -> None:
+    t = pq.read_table(path)
+    vals = t.column("f2").to_pylist()
+    vals[row] = None
+    t = t.set_column(t.schema.get_field_index("f2"), "f2", pa.array(vals, pa.float32()))
+    pq.write_table(t, path, row_group_size=1000)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------- inputs that change shape
+
+
+def test_deleted_input_shard_takes_its_output_and_rejects_away(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    _poison_one_row(catalog / "part-00001.parquet", 7)  # so that the shard has rejects too
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    first = _check_contract(out, success=True)
+    assert first["rows_out"] == 7299
+    assert (_rejects_of(out) / "part-00001.parquet").exists()
+
+    (catalog / "part-00001.parquet").unlink()
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    assert rep["rows_out"] == 5600 and len(_ids(out)) == 5600
+    assert rep["shards_skipped"] == 2
+    assert not (out / "part-00001.parquet").exists()
+    assert not (_rejects_of(out) / "part-00001.parquet").exists()
+    [removed] = rep["removed_outputs"]
+    assert removed["output"] == str(out / "part-00001.parquet")
+    assert removed["rejects"] == str(_rejects_of(out) / "part-00001.parquet")
+    assert "no longer exists" in removed["reason"]
+    manifest = (out / "_manifest.json").read_text()
+    assert "part-00001.parquet" not in manifest
+    assert ds.dataset(out, format="parquet").count_rows() == rep["rows_out"]
+
+
+def test_compacted_shards_are_not_duplicated(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    a, b = catalog / "part-00000.parquet", catalog / "part-00001.parquet"
+    merged = pa.concat_tables([pq.read_table(a), pq.read_table(b)])
+    pq.write_table(merged, catalog / "compacted-00000.parquet", row_group_size=1000)
+    a.unlink()
+    b.unlink()
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    ids = _ids(out)
+    assert len(ids) == len(set(ids)) == 7300 == rep["rows_out"]
+    assert {Path(x["output"]).name for x in rep["removed_outputs"]} == {a.name, b.name}
+
+
+def test_truncated_shard_within_budget_loses_its_old_output(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    p = catalog / "part-00002.parquet"
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    r = _run(catalog, out, bundle_dir, "--max-failed-shards", "1")
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    assert rep["status"] == "succeeded_with_errors" and rep["shards_failed"] == 1
+    assert not (out / "part-00002.parquet").exists()
+    assert rep["rows_out"] == 4200 == len(_ids(out))
+    [removed] = rep["removed_outputs"]
+    assert removed["output"] == str(out / "part-00002.parquet")
+    assert "unreadable" in removed["reason"]
+
+
+def test_schema_skipped_shard_leaves_no_rows_of_the_previous_model(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    v2 = tmp_path / "bundle-v2"
+    shutil.copytree(bundle_dir, v2)
+    (v2 / "model.toml").write_text(demo_toml(version="2"))
+    out = tmp_path / "out"
+    assert _run(catalog, out, v2).returncode == 0
+    assert _check_contract(out, success=True)["model"]["version"] == "2"
+
+    p = catalog / "part-00001.parquet"
+    pq.write_table(pq.read_table(p).drop_columns(["f3"]), p, row_group_size=1000)
+    r = _run(
+        catalog, out, bundle_dir, "--on-schema-error", "skip_shard", "--max-failed-shards", "1"
+    )
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    assert rep["model"]["version"] == "1" and rep["shards_failed"] == 1
+    versions = set(ds.dataset(out, format="parquet").to_table().column("model_version").to_pylist())
+    assert versions == {"1"}
+    assert not (out / "part-00001.parquet").exists()
+    [removed] = rep["removed_outputs"]
+    assert "does not fit the model" in removed["reason"]
+
+
+def test_rewrite_with_same_size_mtime_and_rows_is_detected_by_footer_statistics(
+    tmp_path: Path, bundle_dir: Path
+) -> None:
+    catalog = tmp_path / "catalog"
+    write_shards(catalog, [1500, 1200], row_group_rows=500)
+    p = catalog / "part-00000.parquet"
+    # Plain, uncompressed floats: changing a value keeps every byte count the same.
+    pq.write_table(
+        pq.read_table(p), p, row_group_size=500, compression="none", use_dictionary=False
+    )
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    before = pq.read_table(out / "part-00000.parquet")
+
+    stat = p.stat()
+    t = pq.read_table(p)
+    f0 = t.column("f0").to_pylist()
+    f0[10] = 1000.0  # a new maximum in the first row group: its statistics change
+    t = t.set_column(t.schema.get_field_index("f0"), "f0", pa.array(f0, pa.float32()))
+    pq.write_table(t, p, row_group_size=500, compression="none", use_dictionary=False)
+    os.utime(p, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert p.stat().st_size == stat.st_size and p.stat().st_mtime_ns == stat.st_mtime_ns
+    assert pq.ParquetFile(p).metadata.num_rows == 1500
+
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    status = {s["rel_path"]: s["status"] for s in rep["shards"]}
+    assert status == {"part-00000.parquet": "scored", "part-00001.parquet": "skipped"}
+    after = pq.read_table(out / "part-00000.parquet")
+    assert after.column("score")[10] != before.column("score")[10]
+    assert after.column("score")[11] == before.column("score")[11]
+
+
+# ---------------------------------------------------------------- an output folder not ours
+
+
+def _foreign_folder(out: Path) -> dict[str, str]:
+    out.mkdir(parents=True)
+    (out / "notes.txt").write_text("the analytics team's folder\n")
+    pq.write_table(pa.table({"x": list(range(50))}), out / "part-00000.parquet")
+    pq.write_table(pa.table({"y": [1.5] * 20}), out / "old_other.parquet")
+    return {p.name: _sha(p) for p in out.iterdir()}
+
+
+def test_foreign_output_folder_is_refused_untouched(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "theirs"
+    sums = _foreign_folder(out)
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 2, r.output
+    for name in ("notes.txt", "part-00000.parquet", "old_other.parquet"):
+        assert name in r.output
+    assert "--on-foreign-output replace" in r.output
+    assert {p.name: _sha(p) for p in out.iterdir()} == sums  # nothing added, nothing changed
+    assert not _rejects_of(out).exists()
+
+
+def test_replace_deletes_foreign_data_files_loudly_and_keeps_other_files(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "theirs"
+    sums = _foreign_folder(out)
+    r = _run(catalog, out, bundle_dir, "--on-foreign-output", "replace")
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    assert sorted(rep["foreign_removed"]) == [
+        str(out / "old_other.parquet"),
+        str(out / "part-00000.parquet"),
+    ]
+    assert rep["foreign_kept"] == [str(out / "notes.txt")]
+    assert _sha(out / "notes.txt") == sums["notes.txt"]
+    assert not (out / "old_other.parquet").exists()
+    assert pq.read_table(out / "part-00000.parquet").column_names == OUTPUT_COLUMNS
+    for name in ("old_other.parquet", "part-00000.parquet"):
+        assert any("WARNING" in line and name in line for line in r.output.splitlines()), r.output
+    # The folder is ours now: a plain rerun resumes instead of refusing.
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    assert _check_contract(out, success=True)["shards_skipped"] == 3
+
+
+def test_stray_file_in_our_output_fails_the_check_before_success(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    pq.write_table(pa.table({"item_id": [1, 2, 3]}), out / "stray.parquet")
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 1, r.output
+    rep = _check_contract(out, success=False)
+    assert rep["status"] == "failed"
+    assert any("stray.parquet" in reason for reason in rep["failure_reasons"])
+    assert (out / "stray.parquet").exists()  # someone else's file is never deleted unasked
+
+
+def test_crash_before_the_first_manifest_save_is_still_ours(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """Outputs carry the writer mark in their footers: a folder holding only those (the run
+    died before its first manifest save) resumes instead of being refused as foreign."""
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    for name in ("_manifest.json", "_report.json", "_report.html", "_SUCCESS"):
+        (out / name).unlink()
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    assert _check_contract(out, success=True)["shards_scored"] == 3
+
+
+# ---------------------------------------------------------------- readers see only scores
+
+
+def test_every_reader_sees_exactly_the_scores(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    import dask.dataframe as dd
+    import duckdb
+    import pandas as pd
+    import polars as pl
+
+    _poison_one_row(catalog / "part-00000.parquet", 3)
+    _poison_one_row(catalog / "part-00002.parquet", 5)
+    # The usual nightly layout: the run index and the rejects land beside the day's output.
+    template = str(tmp_path / "scored" / "{date}")
+    assert _run(catalog, Path(template), bundle_dir, "--date", "2026-11-29").returncode == 0
+    out = tmp_path / "scored" / "2026-11-29"
+    rep = _check_contract(out, success=True)
+    assert rep["rows_rejected"] == 2 and rep["rows_out"] == 7298
+    assert rep["rejects"] == str(tmp_path / "scored" / "_rejects" / "2026-11-29")
+    assert (tmp_path / "scored" / "_runs").is_dir()
+    assert len(list(_rejects_of(out).glob("*.parquet"))) == 2
+    n = rep["rows_out"]
+
+    def duck(pattern: str, **kw: str) -> tuple[int, list[str]]:
+        args = "".join(f", {k}={v}" for k, v in kw.items())
+        rel = duckdb.sql(f"select * from read_parquet('{out}/{pattern}'{args})")
+        return len(rel.fetchall()), rel.columns
+
+    assert duck("*.parquet") == (n, OUTPUT_COLUMNS)
+    assert duck("**/*.parquet", hive_partitioning="true") == (n, OUTPUT_COLUMNS)
+    for frame in (
+        pl.scan_parquet(f"{out}/*.parquet").collect(),
+        pl.scan_parquet(f"{out}/**/*.parquet").collect(),
+        pl.scan_parquet(out, hidden_file_prefix=["_", "."]).collect(),
+    ):
+        assert frame.height == n and frame.columns == OUTPUT_COLUMNS
+    table = ds.dataset(out, format="parquet").to_table()
+    assert table.num_rows == n and table.column_names == OUTPUT_COLUMNS
+    frame = pd.read_parquet(out)
+    assert len(frame) == n and list(frame.columns) == OUTPUT_COLUMNS
+    dframe = dd.read_parquet(str(out)).compute()
+    assert len(dframe) == n and list(dframe.columns) == OUTPUT_COLUMNS
+    # No rejected id is among the scores.
+    rejected = {
+        i
+        for p in _rejects_of(out).glob("*.parquet")
+        for i in pq.read_table(p)["item_id"].to_pylist()
+    }
+    assert rejected and not rejected & set(table.column("item_id").to_pylist())
+    assert pc.sum(pc.is_null(table.column("score"))).as_py() == 0

@@ -1,0 +1,263 @@
+"""SIGTERM and SIGINT as a run status: real CLI processes, real signals.
+
+The first signal stops scheduling; shards in flight commit within ``grace_period_s``; the run
+records every committed shard, writes ``_report.json`` with status ``interrupted`` and exits 143
+(SIGTERM) or 130 (SIGINT), without ``_SUCCESS``. A rerun rescores only what was not committed
+and ends with a clean run's output. A second signal stops at once, closing the embedded Dask
+cluster so that no worker process outlives the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import write_shards
+from tests.integration.helpers import (
+    cli,
+    cli_argv,
+    cli_env,
+    data_files,
+    job_args,
+    read_tree,
+    report,
+    temporaries,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SHARDS = 16
+ROWS = 3_000
+
+
+@pytest.fixture(scope="module")
+def catalog16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cat = tmp_path_factory.mktemp("interrupt") / "catalog"
+    write_shards(cat, [ROWS] * SHARDS, row_group_rows=1_000)
+    return cat
+
+
+def _args(cat: Path, out: Path, bundle: Path, *extra: str) -> list[str]:
+    # Small batches and one shard per task: the run lasts seconds, so a signal finds it busy.
+    return ["run", *job_args(cat, out, bundle), "--batch-size", "32", "--task-rows", "1", *extra]
+
+
+@pytest.fixture(scope="module")
+def clean(
+    catalog16: Path, torchscript_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, pa.Table]:
+    out = tmp_path_factory.mktemp("clean") / "out"
+    args = _args(catalog16, out, torchscript_bundle_dir, "--scheduler", "sync", "-q")
+    r = cli(*args, in_process=True)
+    assert r.returncode == 0, r.output
+    return read_tree(out)
+
+
+def _start(args: list[str], *, own_group: bool = False) -> subprocess.Popen[str]:
+    """The CLI in the background; ``own_group``: in a process group of its own, so that a
+    signal to the group reaches its worker processes too, as Ctrl-C on a terminal does."""
+    return subprocess.Popen(
+        cli_argv(*args),
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=own_group,
+    )
+
+
+def _wait_for(
+    proc: subprocess.Popen[str], ready: Callable[[], bool], what: str, timeout: float = 120
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            _, err = proc.communicate()
+            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{err}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _staged_shards(out: Path) -> int:
+    """Shards being written now: their staged (hidden) Parquet files."""
+    return sum(p.name.startswith(".part-") for p in temporaries(out))
+
+
+def _descendants(proc: subprocess.Popen[str]) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _assert_no_orphans(procs: list[psutil.Process]) -> None:
+    """Every process the run started is gone (a zombie awaiting its reaper counts as gone)."""
+    deadline = time.monotonic() + 5
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes outlived the run: {alive}"
+
+
+def _send(proc: subprocess.Popen[str], sig: signal.Signals, *, group: bool) -> None:
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "sig", "code", "group"),
+    [
+        ("sync", signal.SIGTERM, 143, False),
+        ("local", signal.SIGTERM, 143, False),
+        # Ctrl-C on a terminal: SIGINT to the whole process group, Dask workers included.
+        ("local", signal.SIGINT, 130, True),
+    ],
+)
+def test_a_signal_after_a_commit_interrupts_and_a_rerun_completes(
+    tmp_path: Path,
+    catalog16: Path,
+    torchscript_bundle_dir: Path,
+    clean: dict[str, pa.Table],
+    scheduler: str,
+    sig: signal.Signals,
+    code: int,
+    group: bool,
+) -> None:
+    out = tmp_path / "out"
+    metrics = tmp_path / "metrics.prom"
+    args = _args(catalog16, out, torchscript_bundle_dir, "--scheduler", scheduler, "-q")
+    args += ["--workers", "2"] if scheduler == "local" else []
+    args += ["--metrics-file", str(metrics)]
+    proc = _start(args, own_group=group)
+    _wait_for(proc, lambda: bool(data_files(out)), "the first shard was committed")
+    kids = _descendants(proc)
+    _send(proc, sig, group=group)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr
+    _assert_no_orphans(kids)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+
+    rep = report(out)  # checked against the report schema
+    assert rep["status"] == "interrupted"
+    assert rep["failure_reasons"][0] == f"interrupted by {sig.name}"
+    assert not (out / "_SUCCESS").exists() and not (out / "_lock.json").exists()
+    assert 'status="interrupted"} 1' in metrics.read_text()
+    scored = {s["rel_path"] for s in rep["shards"] if s["status"] == "scored"}
+    left = {s["rel_path"] for s in rep["shards"] if s["status"] != "scored"}
+    assert scored and left, rep["shards"]
+    assert {s["kind"] for s in rep["shards"] if s["status"] != "scored"} == {"interrupted"}
+    assert all(
+        s["message"] == f"not scored: the run was interrupted by {sig.name}"
+        for s in rep["shards"]
+        if s["status"] != "scored"
+    )
+    # Every committed shard is in the manifest, and what readers see is exactly those shards.
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert set(manifest["shards"]) == scored
+    assert {str(p.relative_to(out)) for p in data_files(out)} == scored
+
+    again = cli(*_args(catalog16, out, torchscript_bundle_dir, "--scheduler", "sync", "-q"))
+    assert again.returncode == 0, again.output
+    assert again.report is not None
+    assert again.report["shards_skipped"] == len(scored)
+    assert again.report["shards_scored"] == len(left)
+    assert (out / "_SUCCESS").exists() and temporaries(out) == []
+    tree = read_tree(out)
+    assert set(tree) == set(clean)
+    for rel, table in tree.items():
+        assert table.equals(clean[rel]), rel
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "group"), [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)]
+)
+def test_a_second_signal_aborts_at_once_and_leaves_no_worker(
+    tmp_path: Path, torchscript_bundle_dir: Path, sig: signal.Signals, code: int, group: bool
+) -> None:
+    cat = tmp_path / "catalog"
+    # Shards that take seconds each at batch 8: both workers are mid-shard when signalled.
+    write_shards(cat, [40_000] * 4, row_group_rows=10_000)
+    out = tmp_path / "out"
+    args = ["run", *job_args(cat, out, torchscript_bundle_dir), "--batch-size", "8"]
+    args += ["--scheduler", "local", "--workers", "2", "--grace-period-s", "600", "-q"]
+    metrics = tmp_path / "metrics.prom"
+    proc = _start([*args, "--metrics-file", str(metrics)], own_group=group)
+    _wait_for(proc, lambda: _staged_shards(out) >= 2, "both workers were writing a shard")
+    kids = _descendants(proc)
+    assert kids, "the embedded cluster has no worker process"
+    _send(proc, sig, group=group)
+    time.sleep(0.5)
+    assert proc.poll() is None, "the first signal should wait for the shards in flight"
+    second = time.monotonic()
+    _send(proc, sig, group=group)
+    _, stderr = proc.communicate(timeout=120)
+    took = time.monotonic() - second
+    assert proc.returncode == code, stderr
+    assert took < 60, f"a second signal took {took:.0f}s to stop the run (grace is 600s)"
+    _assert_no_orphans(kids)
+    assert f"aborted by a second {sig.name}" in stderr
+    # Only the driver reacts (workers ignore SIGINT): no worker tracebacks on Ctrl-C.
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert not (out / "_report.json").exists() and not (out / "_SUCCESS").exists()
+    assert not (out / "_lock.json").exists()
+    assert 'status="interrupted"} 1' in metrics.read_text()
+    # Whatever is visible is whole: a staged write never shows a partial file.
+    for p in data_files(out):
+        assert pq.read_metadata(p).num_rows == 40_000
+
+    again = cli("run", *job_args(cat, out, torchscript_bundle_dir), "--scheduler", "sync", "-q")
+    assert again.returncode == 0, again.output
+    assert again.report is not None and again.report["rows_out"] == 160_000
+    assert temporaries(out) == []
+
+
+def test_shards_still_running_when_the_grace_period_ends_commit_nothing(
+    tmp_path: Path, torchscript_bundle_dir: Path
+) -> None:
+    cat = tmp_path / "catalog"
+    write_shards(cat, [40_000] * 4, row_group_rows=10_000)
+    out = tmp_path / "out"
+    args = ["run", *job_args(cat, out, torchscript_bundle_dir), "--batch-size", "8"]
+    args += ["--scheduler", "local", "--workers", "2", "--grace-period-s", "0", "-q"]
+    proc = _start(args)
+    _wait_for(proc, lambda: _staged_shards(out) >= 2, "both workers were writing a shard")
+    kids = _descendants(proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    _assert_no_orphans(kids)
+    rep = report(out)
+    assert rep["status"] == "interrupted"
+    scored = {s["rel_path"] for s in rep["shards"] if s["status"] == "scored"}
+    assert len(scored) < 4
+    # What readers see is what the report and the manifest say: the shards abandoned in flight
+    # never appear, not even after their workers would have finished them.
+    time.sleep(2)
+    assert {str(p.relative_to(out)) for p in data_files(out)} == scored
+    manifest = out / "_manifest.json"
+    recorded = set(json.loads(manifest.read_text())["shards"]) if manifest.exists() else set()
+    assert recorded == scored

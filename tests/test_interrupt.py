@@ -1,0 +1,105 @@
+"""Signals as a stop request: the first asks, the second aborts, later ones wait for clean-up;
+the exit codes of an interrupted run, from the run and from its report read back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from pipeline import JobConfig, run
+from pipeline.errors import EXIT_CODES_HELP
+from pipeline.interrupt import (
+    EXIT_CODES,
+    Aborted,
+    StopRequest,
+    exit_code_of,
+    handle_signals,
+    interrupted_reason,
+)
+from pipeline.report import RunReport
+from pipeline.statuses import FailureKind, RunStatus
+
+
+def _signal_self(sig: signal.Signals) -> None:
+    """Deliver ``sig`` to this process; Python runs the handler before the next bytecode."""
+    os.kill(os.getpid(), sig)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_first_signal_requests_a_stop_second_aborts_third_waits(
+    sig: signal.Signals, code: int
+) -> None:
+    before = signal.getsignal(sig)
+    stop = StopRequest(grace_period_s=7)
+    assert not stop.requested and stop.grace_left() == float("inf") and stop.exit_code == 0
+    with handle_signals(stop):
+        _signal_self(sig)
+        assert stop.requested and stop.signal_name == sig.name and stop.exit_code == code
+        assert 0 <= stop.grace_left() <= 7
+        with pytest.raises(Aborted) as info:
+            _signal_self(sig)
+        assert info.value.signum == sig
+        _signal_self(sig)  # a third one lets the clean-up after the abort finish
+    assert signal.getsignal(sig) is before
+
+
+def test_aborted_is_not_an_exception() -> None:
+    """``except Exception`` in clean-up code must not swallow a second signal."""
+    assert not issubclass(Aborted, Exception)
+
+
+def test_outside_the_main_thread_signals_are_left_alone() -> None:
+    seen: list[object] = []
+
+    def body() -> None:
+        with handle_signals(StopRequest()) as stop:
+            seen.append(signal.getsignal(signal.SIGTERM))
+            seen.append(stop.requested)
+
+    before = signal.getsignal(signal.SIGTERM)
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == [before, False]
+
+
+def test_wait_wakes_on_request() -> None:
+    stop = StopRequest()
+    threading.Timer(0.05, stop.request, args=(signal.SIGTERM,)).start()
+    assert stop.wait(60) is True
+
+
+def test_the_exit_code_follows_the_reason_in_the_report() -> None:
+    for sig, code in EXIT_CODES.items():
+        reasons = [interrupted_reason(sig.name), "1 failed shards > errors.max_failed_shards = 0"]
+        assert exit_code_of(reasons) == code
+        data = {"status": RunStatus.INTERRUPTED, "failure_reasons": reasons}
+        assert RunReport(data).exit_code == code
+    assert RunReport({"status": "interrupted", "failure_reasons": []}).exit_code == 143
+    assert RunReport({"status": "failed", "failure_reasons": []}).exit_code == 1
+
+
+def test_the_help_lists_the_signal_exit_codes() -> None:
+    assert "143" in EXIT_CODES_HELP and "130" in EXIT_CODES_HELP
+    assert "interrupted" in EXIT_CODES_HELP
+
+
+def test_a_stop_before_scoring_reports_every_shard_interrupted(
+    tmp_path: Path, catalog: Path, bundle_dir: Path
+) -> None:
+    """The library API: a stop already requested schedules nothing; the run says so."""
+    stop = StopRequest(grace_period_s=0)
+    stop.request(signal.SIGTERM)
+    out = tmp_path / "out"
+    config = JobConfig(input=str(catalog), output=str(out), model=str(bundle_dir), scheduler="sync")
+    report = run(config, stop=stop)
+    assert report.status == RunStatus.INTERRUPTED and report.exit_code == 143
+    assert report["failure_reasons"][0] == "interrupted by SIGTERM"
+    assert {s["kind"] for s in report["shards"]} == {FailureKind.INTERRUPTED}
+    assert report["rows_out"] == 0
+    assert (out / "_report.json").exists() and not (out / "_SUCCESS").exists()
+    assert not (out / "_lock.json").exists()

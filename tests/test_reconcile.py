@@ -1,0 +1,239 @@
+"""pipeline.reconcile on real Parquet files: who wrote a file, what goes, what the check finds."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import storage
+from pipeline.config import build_config, default_rejects
+from pipeline.errors import ConfigError
+from pipeline.reading import read_footer
+from pipeline.reconcile import (
+    check_output_owner,
+    footer_metadata,
+    is_data,
+    reconcile,
+    remove_foreign,
+    verify,
+    wanted,
+    written_by_us,
+)
+from pipeline.scoring import ShardResult
+from pipeline.statuses import FailureKind, ShardStatus
+from pipeline.writing import output_schema
+
+SHA = "a" * 64
+SETTINGS = "0123456789abcdef"
+
+
+def _ours(path: Path, rows: int, sha: str = SHA) -> None:
+    """An output file as a run writes it: output schema with the footer metadata."""
+    meta = pa.schema([pa.field("item_id", pa.int64())])
+    schema = output_schema(meta, [("score", pa.float32())], footer_metadata(sha, SETTINGS))
+    table = pa.table(
+        {
+            "item_id": pa.array(range(rows), pa.int64()),
+            "score": pa.array([0.5] * rows, pa.float32()),
+            "model_version": pa.array(["1"] * rows),
+        },
+        schema=schema,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, row_group_size=max(1, rows // 3))
+
+
+def _theirs(path: Path, rows: int = 10) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"x": list(range(rows))}), path, row_group_size=4)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_footer_marks_our_files_only(tmp_path: Path) -> None:
+    _ours(tmp_path / "a.parquet", 9)
+    _theirs(tmp_path / "b.parquet")
+    (tmp_path / "notes.txt").write_text("hello")
+    loc = storage.locate(str(tmp_path))
+    assert written_by_us(loc.child("a.parquet"))
+    assert not written_by_us(loc.child("b.parquet"))
+    assert not written_by_us(loc.child("notes.txt"))
+    assert is_data(loc.child("b.parquet")) and not is_data(loc.child("notes.txt"))
+    (tmp_path / "data.bin").write_bytes((tmp_path / "b.parquet").read_bytes())
+    assert is_data(loc.child("data.bin"))  # a Parquet footer under another name is data too
+
+
+def test_reconcile_removes_ours_not_kept_with_rejects_and_never_foreign(tmp_path: Path) -> None:
+    out, rej = tmp_path / "out", tmp_path / "_rejects" / "out"
+    _ours(out / "kept.parquet", 30)
+    _ours(out / "gone.parquet", 30)  # in the manifest, its input deleted
+    _ours(rej / "gone.parquet", 2)
+    _ours(out / "d=1" / "failed.parquet", 30)  # failed in this run
+    _ours(out / "crashed.parquet", 12)  # lost its manifest entry, but marked in its footer
+    _theirs(out / "theirs.parquet")
+    (out / "notes.txt").write_text("x")
+    before = _sha(out / "theirs.parquet")
+    done = reconcile(
+        storage.locate(str(out)),
+        storage.locate(str(rej)),
+        keep={"kept.parquet"},
+        ours={"kept.parquet", "gone.parquet"},
+        reasons={"d=1/failed.parquet": "its shard failed in this run (unreadable)"},
+    )
+    removed = {Path(r.output).relative_to(out).as_posix(): r for r in done.removed}
+    assert set(removed) == {"gone.parquet", "d=1/failed.parquet", "crashed.parquet"}
+    assert removed["gone.parquet"].rejects == str(rej / "gone.parquet")
+    assert "no longer exists" in removed["gone.parquet"].reason
+    assert "unreadable" in removed["d=1/failed.parquet"].reason
+    assert not (rej / "gone.parquet").exists()
+    assert sorted(done.foreign) == ["notes.txt", "theirs.parquet"]
+    assert _sha(out / "theirs.parquet") == before and (out / "kept.parquet").exists()
+
+
+def test_reconcile_removes_legacy_rejects_inside_the_output(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _ours(out / "a.parquet", 5)
+    _ours(out / "_rejects" / "a.parquet", 1)
+    _ours(out / "_rejects" / "unknown.parquet", 1)
+    reconcile(
+        storage.locate(str(out)),
+        storage.locate(str(tmp_path / "_rejects" / "out")),
+        keep={"a.parquet"},
+        ours={"a.parquet"},
+        reasons={},
+    )
+    assert not (out / "_rejects" / "a.parquet").exists()
+    assert (out / "_rejects" / "unknown.parquet").exists()  # not a shard this run knows
+
+
+def test_verify_names_every_difference(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _ours(out / "good.parquet", 30)
+    _ours(out / "short.parquet", 20)
+    _ours(out / "other_model.parquet", 30, sha="b" * 64)
+    _theirs(out / "stray.parquet")
+    (out / "notes.txt").write_text("not data")
+    problems = verify(
+        storage.locate(str(out)),
+        {
+            "good.parquet": 30,
+            "short.parquet": 30,
+            "other_model.parquet": 30,
+            "missing.parquet": 5,
+        },
+        SHA,
+        settings_hash=SETTINGS,
+    )
+    text = "\n".join(problems)
+    assert len(problems) == 4, text
+    assert "stray.parquet is in the output but not in the report" in text
+    assert "missing.parquet is in the report but missing" in text
+    assert "short.parquet holds 20 rows, the report says 30" in text
+    assert "other_model.parquet was scored by model bbbbbbbbbbbb" in text
+    assert "notes.txt" not in text and "good.parquet" not in text
+    ok = verify(storage.locate(str(out)), {"good.parquet": 30}, SHA, settings_hash="f" * 16)
+    assert any("settings" in p for p in ok)
+
+
+def test_foreign_output_is_refused_with_names_and_the_flag(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    for i in range(12):
+        _theirs(out / f"t{i:02d}.parquet")
+    (out / "notes.txt").write_text("x")
+    loc = storage.locate(str(out))
+    with pytest.raises(ConfigError) as info:
+        check_output_owner(loc, "refuse")
+    msg = str(info.value)
+    assert "13 entries" in msg and "the first 10 of 13" in msg
+    assert "notes.txt" in msg and "t00.parquet" in msg and "t11.parquet" not in msg
+    assert "--on-foreign-output replace" in msg
+    assert check_output_owner(loc, "replace").kind == "foreign"
+
+
+def test_a_folder_of_our_marked_files_is_ours_without_a_manifest(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _ours(out / "a.parquet", 5)
+    _ours(out / "d=1" / "b.parquet", 5)
+    (out / "_lock.json").write_text("{}")
+    assert check_output_owner(storage.locate(str(out)), "refuse").kind == "ours"
+    _theirs(out / "d=1" / "c.parquet")
+    with pytest.raises(ConfigError, match="d=1"):
+        check_output_owner(storage.locate(str(out)), "refuse")
+
+
+def test_remove_foreign_deletes_data_and_keeps_the_rest(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _ours(out / "ours.parquet", 5)
+    _ours(out / "listed.parquet", 5)
+    _theirs(out / "theirs.parquet")
+    _theirs(out / "sub" / "deep.parquet")
+    (out / "notes.txt").write_text("x")
+    found = remove_foreign(storage.locate(str(out)), {"listed.parquet"})
+    assert sorted(found.removed) == [str(out / "sub" / "deep.parquet"), str(out / "theirs.parquet")]
+    assert found.kept == [str(out / "notes.txt")]
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == [
+        "listed.parquet",
+        "notes.txt",
+        "ours.parquet",
+    ]
+
+
+def test_wanted_sorts_results() -> None:
+    def result(rel: str, status: str, kind: str | None = None, rows: int = 0) -> ShardResult:
+        return ShardResult(rel, f"/in/{rel}", status, rows_out=rows, kind=kind)
+
+    w = wanted(
+        [
+            result("a", ShardStatus.SCORED, rows=3),
+            result("b", ShardStatus.SKIPPED, rows=4),
+            result("c", ShardStatus.FAILED, FailureKind.SCHEMA),
+            result("d", ShardStatus.FAILED, FailureKind.UNREADABLE),
+            result("e", ShardStatus.FAILED, FailureKind.CANCELLED),
+        ]
+    )
+    assert w.rows == {"a": 3, "b": 4}
+    assert w.untouched == {"e"} and w.keep == {"a", "b", "e"}
+    assert set(w.reasons) == {"c", "d"} and "unreadable" in w.reasons["d"]
+
+
+def test_footer_hash_follows_values_not_just_size(tmp_path: Path) -> None:
+    p = tmp_path / "s.parquet"
+    values = [float(i) for i in range(100)]
+    pq.write_table(pa.table({"f": values}), p, row_group_size=30, compression="none")
+    first = read_footer(str(p)).footer_hash
+    assert read_footer(str(p)).footer_hash == first
+    size = p.stat().st_size
+    values[5] = 1e6
+    pq.write_table(pa.table({"f": values}), p, row_group_size=30, compression="none")
+    assert p.stat().st_size == size
+    assert read_footer(str(p)).footer_hash != first
+
+
+@pytest.mark.parametrize(
+    ("output", "rejects"),
+    [
+        ("data/scored/run_date=X", "data/scored/_rejects/run_date=X"),
+        ("s3://bucket/scored/x/", "s3://bucket/scored/_rejects/x"),
+        ("s3://bucket/x", "s3://bucket/_rejects/x"),
+        ("out", "_rejects/out"),
+        ("s3://bucket", None),
+        ("s3://bucket/", None),
+        ("/", None),
+    ],
+)
+def test_default_rejects_sit_beside_the_output(output: str, rejects: str | None) -> None:
+    assert default_rejects(output) == rejects
+
+
+def test_an_output_without_a_parent_must_set_rejects() -> None:
+    base = {"input": "in", "model": "m", "output": "s3://bucket"}
+    with pytest.raises(ConfigError, match="set rejects"):
+        build_config(env={}, overrides=base)
+    cfg = build_config(env={}, overrides={**base, "rejects": "s3://other/rej"})
+    assert cfg.rejects_uri("r") == "s3://other/rej"
