@@ -24,12 +24,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import JobConfig, run
+from pipeline import JobConfig, run, storage
 from pipeline.locking import LOCK_NAME, LockLostError, RunLock
 from pipeline.scoring import ShardResult
 from tests.conftest import write_shards
 from tests.integration.helpers import cli, cli_argv, cli_env, data_files, job_args
-from tests.integration.servers import S3Bucket, aws_env, start_moto_server
+from tests.integration.servers import DaskCluster, S3Bucket, aws_env, start_moto_server
 
 pytestmark = pytest.mark.integration
 
@@ -332,3 +332,39 @@ def test_an_object_store_killed_mid_run_fails_within_the_retry_deadline(
     # Each storage call gives up after 3 s; a handful of them (the shard, the report, the
     # manifest, the lock) stay far below botocore's and s3fs's unbounded retries.
     assert took < 120, f"the run took {took:.0f}s to give up after the server died"
+
+
+def test_tasks_of_a_killed_driver_on_a_cluster_cannot_commit_after_a_takeover(
+    tmp_path: Path, torchscript_bundle_dir: Path, dask_cluster: DaskCluster
+) -> None:
+    """The issue's case: a SIGKILLed driver's tasks keep running on an external cluster. Once
+    another run has taken the (now stale) lock over, none of them commits."""
+    cat = tmp_path / "catalog"
+    write_shards(cat, [40_000] * 2, row_group_rows=10_000)  # seconds per shard at batch 8
+    out = tmp_path / "out"
+    args = ["run", *job_args(cat, out, torchscript_bundle_dir), "--batch-size", "8"]
+    args += ["--scheduler", dask_cluster.address, "--task-rows", "1", "-q"]
+    proc = subprocess.Popen(
+        cli_argv(*args), env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while sum(p.name.startswith(".part-") for p in out.glob(".*")) < 2:
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "the workers never started writing"
+        time.sleep(0.02)
+    proc.kill()  # SIGKILL: no clean-up, the lock stays, the tasks run on
+    proc.communicate()
+    root = storage.locate(str(out))
+    successor = RunLock.acquire(root, "successor", stale_after_s=3600)  # its pid is gone
+    try:
+        assert successor.took_over is not None
+        at_takeover = set(data_files(out))
+        # Wait until the orphaned tasks are done (their staged files are gone one way or the
+        # other), then look: nothing they wrote became visible.
+        deadline = time.monotonic() + 120
+        while any(p.name.startswith(".part-") for p in out.glob(".*")):
+            assert time.monotonic() < deadline, "the orphaned tasks never finished"
+            time.sleep(0.1)
+        assert set(data_files(out)) == at_takeover
+    finally:
+        successor.release()
