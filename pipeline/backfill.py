@@ -30,6 +30,7 @@ from pipeline.errors import (
     PipelineError,
     StorageError,
 )
+from pipeline.interrupt import StopRequest
 from pipeline.model import read_bundle
 from pipeline.report import REPORT_NAME, RunReport
 from pipeline.run import SUCCESS_NAME, run
@@ -119,6 +120,7 @@ def backfill(
     force: bool = False,
     on_partition: Callable[[dict[str, Any]], None] | None = None,
     on_shard: Callable[[ShardResult], None] | None = None,
+    stop: StopRequest | None = None,
 ) -> BackfillReport:
     """Run ``config`` once per date partition from ``start`` to ``end`` and write a summary.
 
@@ -126,9 +128,9 @@ def backfill(
     ``_SUCCESS`` from the same model bundle) as ``skipped`` unless ``force``. A partition that
     fails, whatever the exception, is listed with its message and does not stop the others; an
     interrupted one (SIGTERM/SIGINT) stops the backfill, and the days left are listed in the
-    summary's ``not_run``. The summary is written either way; the exit code is the worst
-    outcome. Templates that would make days share a location raise :class:`ConfigError`
-    before any day runs.
+    summary's ``not_run`` (``stop`` is the signal state the CLI installs). The summary is
+    written either way; the exit code is the worst outcome. Templates that would make days
+    share a location raise :class:`ConfigError` before any day runs.
     """
     _check_templates(config)
     days = dates(start, end)
@@ -140,7 +142,7 @@ def backfill(
         entry: dict[str, Any] = {"date": day, "input": config.input.format(date=day)}
         try:
             cfg = dataclasses.replace(config, date=day, force=force or config.force)
-            entry.update(_partition(cfg, sha, force, on_shard))
+            entry.update(_partition(cfg, sha, force, on_shard, stop))
         except PipelineError as e:
             entry.update(status=PartitionStatus.ERROR, exit_code=e.exit_code, message=str(e))
         except Exception as e:  # one day's unexpected error must not cost the other days
@@ -171,6 +173,7 @@ def _partition(
     sha: str,
     force: bool,
     on_shard: Callable[[ShardResult], None] | None,
+    stop: StopRequest | None = None,
 ) -> dict[str, Any]:
     """One day: missing, skipped (done earlier with this bundle), or run; its summary entry."""
     inp = storage.locate(cfg.input_uri(), cfg.storage)
@@ -185,7 +188,7 @@ def _partition(
             "rows_out": done.get("rows_out"),
             "note": "finished earlier with this model bundle",
         }
-    report: RunReport = run(cfg, on_shard=on_shard)
+    report: RunReport = run(cfg, on_shard=on_shard, stop=stop)
     d = report.data
     return {
         "status": d["status"],

@@ -384,16 +384,23 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
     force = bool(opts.pop("force"))
     opts.pop("date")  # each partition sets its own
     try:
-        result = run_backfill(
-            cfg.build_config(job, overrides=cfg.from_flags(opts)),
-            start.date(),
-            end.date(),
-            force=force,
-            on_partition=logs.log_partition,
-            on_shard=logs.log_shard,
-        )
+        config = cfg.build_config(job, overrides=cfg.from_flags(opts))
+        # SIGTERM/SIGINT: the day in progress stops as a run does; the days left are not run.
+        stop = StopRequest(config.grace_period_s)
+        with handle_signals(stop):
+            result = run_backfill(
+                config,
+                start.date(),
+                end.date(),
+                force=force,
+                on_partition=logs.log_partition,
+                on_shard=logs.log_shard,
+                stop=stop,
+            )
     except PipelineError as e:
         _fail(e, console)
+    except Aborted as e:
+        _aborted(e, console)
     console.summary({**result.data, "exit_code": result.exit_code}, summary_table(result))
     _exit(result.exit_code)
 

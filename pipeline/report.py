@@ -247,6 +247,7 @@ def _counts(shards: list[ShardResult]) -> dict[str, Any]:
         "shards_scored": len(scored),
         "shards_skipped": sum(r.status == ShardStatus.SKIPPED for r in shards),
         "shards_failed": sum(r.status == ShardStatus.FAILED for r in shards),
+        "shards_interrupted": sum(r.kind == FailureKind.INTERRUPTED for r in shards),
     }
 
 
@@ -254,7 +255,9 @@ def _judge(
     budget: ErrorPolicy, counts: dict[str, Any], accounting_ok: bool, fatal: ShardResult | None
 ) -> tuple[RunStatus, list[str]]:
     """The run's status against its error budget, and the reasons when it failed."""
-    n_failed, fraction = counts["shards_failed"], counts["rejected_fraction"]
+    # Shards an interrupt left unscored are not failures of the data: the budget ignores them.
+    n_failed = counts["shards_failed"] - counts["shards_interrupted"]
+    fraction = counts["rejected_fraction"]
     reasons = []
     if fatal is not None:
         reasons.append(f"fatal error in {fatal.input} ({fatal.kind})")

@@ -788,6 +788,13 @@ def _is_own_entry(name: str, own: frozenset[str]) -> bool:
     return name.startswith(".") and TMP_MARK in name
 
 
+def _not_a_folder(root: Location) -> StorageError:
+    return StorageError(
+        f"output {root.uri} is a file (or lies under one), not a folder: nothing was written. "
+        "Point output at a folder (it is created if absent)."
+    )
+
+
 def classify_output(
     root: Location, is_ours: Callable[[Location], bool] | None = None
 ) -> OutputState:
@@ -803,10 +810,10 @@ def classify_output(
         entries = ls(root)
     except FileNotFoundError:
         return OutputState("absent")
-    except NotADirectoryError:
-        return OutputState("foreign", (root.name,), 1)
+    except NotADirectoryError as e:
+        raise _not_a_folder(root) from e
     if not entries and root.is_local and os.path.isfile(root.path):
-        return OutputState("foreign", (root.name,), 1)
+        raise _not_a_folder(root)
     if not entries:
         return OutputState("absent" if not exists(root) else "empty")
     own = _own_names()

@@ -258,3 +258,12 @@ def test_classify_output_states(tmp_path: Path, mem_root: str) -> None:
     storage.write_json(storage.locate(mem_root).child("data.json"), {})
     mem = storage.classify_output(storage.locate(mem_root))
     assert mem.kind == "foreign" and mem.foreign == ("data.json",)
+
+
+def test_classify_output_refuses_a_file_or_a_path_under_one(tmp_path: Path) -> None:
+    target = tmp_path / "scores.parquet"
+    target.write_bytes(b"not a folder")
+    for path in (target, target / "out"):
+        with pytest.raises(StorageError, match="is a file .*not a folder"):
+            storage.classify_output(storage.locate(str(path)))
+    assert target.read_bytes() == b"not a folder"
