@@ -482,6 +482,23 @@ def _environment(r: ReportData) -> str:
     return "".join(out)
 
 
+def _output_changes(r: ReportData) -> str:
+    """What reconciling the output with the input removed, and files this tool did not write."""
+    removed = r["removed_outputs"]
+    out = (
+        _table(["output", "reason"], [[x["output"], x["reason"]] for x in removed])
+        if removed
+        else _p("Nothing was removed: every output file belongs to a current input shard.", "")
+    )
+    if r["foreign_removed"]:
+        out += "<h3>Foreign data files deleted (--on-foreign-output replace)</h3>"
+        out += _ul(r["foreign_removed"])
+    if r["foreign_kept"]:
+        out += "<h3>Files in the output that score-catalog did not write (left alone)</h3>"
+        out += _ul(r["foreign_kept"])
+    return out
+
+
 _SECTIONS: list[tuple[str, str, Callable[[ReportData], str]]] = [
     ("status", "Status", _status),
     ("totals", "Totals", _totals),
@@ -490,6 +507,7 @@ _SECTIONS: list[tuple[str, str, Callable[[ReportData], str]]] = [
     ("latency", "Batch latency", _latency),
     ("scores", "Score distributions", _scores),
     ("rejects", "Rejected rows", _rejects),
+    ("output-changes", "Removed from the output", _output_changes),
     ("drift", "Drift against the previous run", _drift),
     ("environment", "Model and environment", _environment),
 ]

@@ -414,6 +414,11 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
             lines.append(f"  ... {len(shards) - max_shards} more shards in _report.json")
     for warning in d.get("warnings", []):
         lines.append(f"  WARNING {warning}")
+    removed = d.get("removed_outputs", [])
+    for r in removed[:10]:
+        lines.append(f"  REMOVED {r['output']}: {r['reason']}")
+    if len(removed) > 10:
+        lines.append(f"  ... {len(removed) - 10} more removals in _report.json")
     for err in d["errors"][:10]:
         lines.append(f"  ERROR [{err['kind']}] {err['message']}")
     if len(d["errors"]) > 10:

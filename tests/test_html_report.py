@@ -23,6 +23,7 @@ SECTIONS = (
     "latency",
     "scores",
     "rejects",
+    "output-changes",
     "drift",
     "environment",
 )
@@ -393,3 +394,9 @@ def test_render_does_not_mutate_the_report() -> None:
     before = copy.deepcopy(r)
     render_html(r)
     assert r == before
+
+
+def test_removed_outputs_are_listed_with_their_reason() -> None:
+    page = render_html(full_report())  # type: ignore[arg-type]
+    assert "Removed from the output" in page
+    assert "part-00009.parquet" in page and "its input shard no longer exists" in page

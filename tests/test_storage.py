@@ -264,6 +264,6 @@ def test_classify_output_refuses_a_file_or_a_path_under_one(tmp_path: Path) -> N
     target = tmp_path / "scores.parquet"
     target.write_bytes(b"not a folder")
     for path in (target, target / "out"):
-        with pytest.raises(StorageError, match="is a file .*not a folder"):
+        with pytest.raises(StorageError, match=r"is a file .*not a folder"):
             storage.classify_output(storage.locate(str(path)))
     assert target.read_bytes() == b"not a folder"

@@ -227,3 +227,8 @@ def read_tree(root: Path) -> dict[str, pa.Table]:
 def temporaries(*roots: Path) -> list[Path]:
     """Staging files (``.tmp-`` in the name) left under ``roots``."""
     return [p for r in roots if r.exists() for p in r.rglob("*") if ".tmp-" in p.name]
+
+
+def rejects_of(out: Path) -> Path:
+    """The default rejects folder of output ``out``: ``<parent>/_rejects/<name>``."""
+    return out.parent / "_rejects" / out.name

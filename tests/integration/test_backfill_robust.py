@@ -23,7 +23,7 @@ from pipeline.config import ErrorPolicy, JobConfig
 from pipeline.demo import make_rows
 from pipeline.errors import ConfigError
 from tests.conftest import write_shards
-from tests.integration.helpers import cli, data_files, report
+from tests.integration.helpers import cli, data_files, rejects_of, report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -123,7 +123,7 @@ def test_every_days_rejected_rows_are_kept(
         rep = report(out)  # checked against the report schema
         assert rep["status"] == OK
         assert rep["rows_rejected"] == archive[day]
-        where = tmp_path / "rejects" / f"dt={day}" if templated else out / "_rejects"
+        where = tmp_path / "rejects" / f"dt={day}" if templated else rejects_of(out)
         assert _rejected_ids(where) == _expected_rejects(k)  # day 2 did not replace day 1's
         scored = [
             i for p in data_files(out) for i in pq.read_table(p).column("item_id").to_pylist()

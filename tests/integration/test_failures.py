@@ -23,7 +23,15 @@ from hypothesis import strategies as st
 from pipeline import ErrorPolicy, JobConfig, run
 from pipeline.demo import FEATURES
 from tests.conftest import demo_toml, write_shards
-from tests.integration.helpers import CliResult, cli, data_files, job_args, report, temporaries
+from tests.integration.helpers import (
+    CliResult,
+    cli,
+    data_files,
+    job_args,
+    rejects_of,
+    report,
+    temporaries,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -32,11 +40,6 @@ def _run(catalog: Path, out: Path, bundle: Path, *extra: str) -> CliResult:
     """`run` with this suite's common flags, in this process (see :func:`cli` for why)."""
     opts = ("--passthrough", "category", "--batch-size", "400", "--scheduler", "sync")
     return cli("run", *job_args(catalog, out, bundle, *opts, *extra), in_process=True)
-
-
-def rejects_of(out: Path) -> Path:
-    """The default rejects folder of output ``out``: ``<parent>/_rejects/<name>``."""
-    return out.parent / "_rejects" / out.name
 
 
 def _poison(path: Path, rows: dict[int, tuple[str, float | None]]) -> None:
