@@ -33,9 +33,10 @@ from pipeline.errors import (
 from pipeline.interrupt import StopRequest
 from pipeline.model import read_bundle
 from pipeline.report import REPORT_NAME, RunReport
-from pipeline.run import SUCCESS_NAME, run
+from pipeline.run import run
 from pipeline.scoring import ShardResult
 from pipeline.statuses import FAILED_PARTITION_STATUSES, PartitionStatus, RunStatus
+from pipeline.storage import SUCCESS_NAME
 
 logger = logging.getLogger(__name__)
 

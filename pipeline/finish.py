@@ -8,17 +8,27 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from typing import Any, cast
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from pipeline import drift as drift_mod
 from pipeline import runindex, storage
 from pipeline.config import JobConfig
-from pipeline.errors import PipelineError
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.execution import not_scored
 from pipeline.html_report import render_html
-from pipeline.report import HTML_NAME, REPORT_NAME
+from pipeline.locking import LockLostError
+from pipeline.reconcile import Reconciliation, Wanted, reconcile, verify, wanted
+from pipeline.report import HTML_NAME, REPORT_NAME, RunFacts, RunReport, build_report, model_section
 from pipeline.reportschema import DriftComparison, ReportData
-from pipeline.statuses import RunStatus
-from pipeline.storage import Location
+from pipeline.statuses import FailureKind, RunStatus
+from pipeline.storage import SUCCESS_NAME, Location, ShardRef
+
+if TYPE_CHECKING:
+    from pipeline.run import ScoringRun
+    from pipeline.scoring import ShardResult
 
 logger = logging.getLogger(__name__)
 
@@ -182,3 +192,146 @@ def last_success_from_index(config: JobConfig) -> float | None:
     except Exception as e:  # metrics are best effort once the run is over
         logger.warning("could not read the last success from the run index: %s", e)
         return None
+
+
+# -- the finish phase of a ScoringRun ------------------------------------------------------------
+
+
+def finish_run(run: ScoringRun) -> RunReport:
+    """Reconcile the output, account, judge against the error budget, report, check what
+    readers see against the report, and mark success last."""
+    ordered = [run.results[s.rel_path] for s in run.shards]
+    want = wanted(ordered)
+    lock = run.lock_
+    assert lock is not None
+    lock.assert_held()  # the fence: reconciling deletes from the output
+    settled = _reconcile(run, want)
+    data = build_report(run_facts(run), ordered, run.fatal, time.perf_counter() - run.t0)
+    if any(r.kind == FailureKind.INTERRUPTED for r in ordered):
+        data["status"] = RunStatus.INTERRUPTED
+        data["failure_reasons"] = [run.stop.reason, *data["failure_reasons"]]
+    data["removed_outputs"] = [r.public() for r in settled.removed]
+    data["foreign_removed"] = list(run.foreign.removed)
+    data["foreign_kept"] = sorted(
+        {*run.foreign.kept, *(run.out_root.child(rel).uri for rel in settled.foreign)}
+    )
+    _verify(run, data, want)
+    index_root = runindex.index_root(run.config.output)
+    add_drift(run.config, data, index_root)
+    report = RunReport(data)
+    lock.assert_held()  # the fence, before each commit on the output root
+    storage.write_json(run.out_root.child(REPORT_NAME), data, point="report-rename")
+    lock.assert_held()
+    write_html(run.out_root, data)
+    record_run(run.config, index_root, run.out_root, data)
+    if report.status not in (RunStatus.FAILED, RunStatus.INTERRUPTED):
+        lock.assert_held()
+        storage.write_bytes(run.out_root.child(SUCCESS_NAME), b"", point="success-rename")
+    return report
+
+
+def _reconcile(run: ScoringRun, want: Wanted) -> Reconciliation:
+    """Take out of the output what this run does not vouch for (gone inputs, failed and
+    schema-skipped shards), with their rejects and manifest entries."""
+    manifest = run.manifest
+    assert manifest is not None
+    ours = run.previous_outputs | set(manifest.shards)
+    settled = reconcile(
+        run.out_root, run.rej_root, want.keep, ours, want.reasons, run.config.storage
+    )
+    for rel in set(manifest.shards) - want.keep:
+        manifest.forget(rel)
+    manifest.flush()
+    return settled
+
+
+def _verify(run: ScoringRun, data: dict[str, Any], want: Wanted) -> None:
+    """Fail a run whose visible output differs from its report: no ``_SUCCESS`` then."""
+    if data["status"] in (RunStatus.FAILED, RunStatus.INTERRUPTED):
+        return  # no _SUCCESS anyway; spare a failing or stopping run the footer reads
+    problems = verify(
+        run.out_root, want.rows, run.sha, run.config.storage, settings_hash=run.settings.hash
+    )
+    if problems:
+        for p in problems:
+            logger.error("%s", p)
+        data["status"] = RunStatus.FAILED
+        data["failure_reasons"] = [*data["failure_reasons"], *problems]
+
+
+def report_failure(run: ScoringRun, e: Exception) -> dict[str, Any] | None:
+    """A failed ``_report.json`` for an error after planning, where it can be written.
+
+    Only while the run holds the output's lock (a run refused the lock, or one that lost it,
+    writes nothing there). Best effort: a failure to write it is logged. Returns the report
+    (for the metrics), or None when none was built.
+    """
+    if run.lock_ is None or isinstance(e, LockLostError):
+        return None
+    why = f"unexpected error: {describe(e)}"
+    data: dict[str, Any] | None = None
+    try:
+        ordered = [_unfinished(run, s, why) for s in run.shards]
+        data = build_report(run_facts(run), ordered, None, time.perf_counter() - run.t0)
+        data["status"] = RunStatus.FAILED
+        data["failure_reasons"] = [why, *data["failure_reasons"]]
+        for key in ("removed_outputs", "foreign_removed", "foreign_kept"):
+            data.setdefault(key, [])  # nothing was reconciled: the run stopped before
+        run.lock_.assert_held()
+        storage.write_json(run.out_root.child(REPORT_NAME), data, point="report-rename")
+        write_html(run.out_root, data)
+    except Exception as report_error:
+        logger.error("could not write the report: %s", describe(report_error))
+    return data
+
+
+def log_cleanup_error(step: Callable[[], None], what: str) -> None:
+    """Run a clean-up ``step``; its error is logged, never raised (it would hide the run's)."""
+    try:
+        step()
+    except Exception as e:
+        logger.warning("error while %s: %s", what, describe(e))
+
+
+def run_facts(run: ScoringRun) -> RunFacts:
+    """What the report says about the run itself (identity, locations, model, settings)."""
+    config = run.config
+    assert run.lock_ is not None
+    return RunFacts(
+        run_id=run.run_id,
+        job=config.name,
+        started_at=run.started_at,
+        input=storage.locate(config.input_uri(), config.storage).uri,
+        output=run.out_root.uri,
+        rejects=run.rej_root.uri,
+        id_column=config.id_column,
+        error_budget=config.errors,
+        model=model_section(config.model, run.model),
+        device=str(run.device),
+        threads=run.plan.public(),
+        settings=run.settings.values,
+        batch_size=run.execution.batch_size,
+        execution=run.execution.report,
+        lock_taken_over=run.lock_.took_over,
+    )
+
+
+def _unfinished(run: ScoringRun, s: ShardRef, why: str) -> ShardResult:
+    """``s``'s result so far, or one saying it was not scored because of ``why``."""
+    if s.rel_path in run.results:
+        return run.results[s.rel_path]
+    info = run.found.infos.get(s.rel_path)
+    rows = info.num_rows if info is not None else None
+    return not_scored(s.rel_path, s.uri, rows, FailureKind.CANCELLED, why)
+
+
+def check_metrics_file(config: JobConfig) -> None:
+    """Refuse a metrics file whose folder does not exist, before the run starts."""
+    if config.metrics_file is None:
+        return
+    parent = os.path.dirname(os.path.abspath(config.metrics_file))
+    if not os.path.isdir(parent):
+        raise ConfigError(
+            f"metrics_file = {config.metrics_file!r}: directory {parent} does not exist "
+            "(point it at node_exporter's --collector.textfile.directory)"
+        )

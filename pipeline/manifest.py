@@ -18,6 +18,7 @@ import datetime as dt
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -152,3 +153,16 @@ class Manifest:
         self._dirty = False
         self._last_end = time.monotonic()
         self._last_cost = self._last_end - t0
+
+
+@dataclass
+class FencedManifest(Manifest):
+    """The manifest of a locked run: every save first checks that the run still holds its lock
+    (``fence`` raises :class:`~pipeline.locking.LockLostError` otherwise)."""
+
+    fence: Callable[[], None] | None = field(default=None, repr=False)
+
+    def save(self) -> None:
+        if self.fence is not None:
+            self.fence()
+        super().save()

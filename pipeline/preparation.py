@@ -11,6 +11,7 @@ import dataclasses
 import datetime as dt
 import logging
 import uuid
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -177,6 +178,23 @@ class Execution(NamedTuple):
 
     batch_size: int
     report: dict[str, Any]
+
+
+def plan_execution(
+    config: JobConfig,
+    shards: list[ShardRef],
+    failed: Mapping[str, ShardResult],
+    found: Inspection,
+    plan: Plan,
+) -> Execution:
+    """:func:`prepare_execution` with the options of ``config``, sampling real rows from the
+    first shard that is neither failed nor empty."""
+    opts = ExecutionOptions(config.precision, config.compile, config.strict_fp32)
+    sample_from = next(
+        (s for s in shards if s.rel_path not in failed and found.infos[s.rel_path].num_rows),
+        None,
+    )
+    return prepare_execution(config, found.model, opts, sample_from, found.width, plan)
 
 
 def prepare_execution(

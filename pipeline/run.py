@@ -17,24 +17,21 @@ import contextlib
 import dataclasses
 import datetime as dt
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 
-from pipeline import finish, runindex, storage
+from pipeline import finish, storage
 from pipeline.cluster import DaskSession, Plan, thread_plan
 from pipeline.config import JobConfig
-from pipeline.errors import ConfigError
-from pipeline.execution import cancelled, execute, interrupted, not_scored
+from pipeline.execution import cancelled, execute, interrupted
 from pipeline.faults import checkpoint
 from pipeline.interrupt import StopRequest
 from pipeline.locking import LOCK_LOST_KIND, LockLostError, RunLock
-from pipeline.manifest import Manifest, expectation, scored_entry
+from pipeline.manifest import FencedManifest, Manifest, expectation, scored_entry
 from pipeline.model import LoadedModel, read_bundle, resolve_device
-from pipeline.precision import ExecutionOptions
 from pipeline.preparation import (
     Execution,
     Inspection,
@@ -42,44 +39,26 @@ from pipeline.preparation import (
     apply_schema_policy,
     inspect_shards,
     new_run_id,
-    prepare_execution,
+    plan_execution,
     run_settings,
 )
 from pipeline.reconcile import (
     ForeignFiles,
-    Reconciliation,
-    Wanted,
     check_output_owner,
-    reconcile,
     remove_foreign,
-    verify,
-    wanted,
 )
-from pipeline.report import REPORT_NAME, RunFacts, RunReport, build_report, model_section
+from pipeline.report import RunReport
 from pipeline.scoring import ShardResult, ShardTask, WorkerSpec
-from pipeline.statuses import FATAL_KINDS, FailureKind, RunStatus, ShardStatus
+from pipeline.statuses import FATAL_KINDS, RunStatus, ShardStatus
+from pipeline.storage import SUCCESS_NAME as SUCCESS_NAME  # public: pipeline.run.SUCCESS_NAME
 from pipeline.storage import ShardRef
 
 logger = logging.getLogger(__name__)
 
-SUCCESS_NAME = "_SUCCESS"
 OVERLAP_DEPTH = 2  # batches in flight on each side of the model: memory stays a few batches
 
 OnShard = Callable[[ShardResult], None]
 OnStart = Callable[[int, int], None]
-
-
-@dataclasses.dataclass
-class FencedManifest(Manifest):
-    """The manifest of a locked run: every save first checks that the run still holds its lock
-    (``fence`` raises :class:`~pipeline.locking.LockLostError` otherwise)."""
-
-    fence: Callable[[], None] | None = dataclasses.field(default=None, repr=False)
-
-    def save(self) -> None:
-        if self.fence is not None:
-            self.fence()
-        super().save()
 
 
 class ScoringRun:
@@ -164,18 +143,8 @@ class ScoringRun:
             config, self.shards, bundle, self.sha, self.device, opts
         )
         self.failed = apply_schema_policy(config, self.shards, self.found)
-        exec_opts = ExecutionOptions(config.precision, config.compile, config.strict_fp32)
-        infos = self.found.infos
-        sample_from = next(
-            (
-                s
-                for s in self.shards
-                if s.rel_path not in self.failed and infos[s.rel_path].num_rows
-            ),
-            None,
-        )
-        self.execution: Execution = prepare_execution(
-            config, self.model, exec_opts, sample_from, self.found.width, self.plan
+        self.execution: Execution = plan_execution(
+            config, self.shards, self.failed, self.found, self.plan
         )
         self.spec = self._worker_spec(self.found.width, self.execution.batch_size)
 
@@ -246,64 +215,8 @@ class ScoringRun:
 
     def finish(self) -> RunReport:
         """Reconcile the output, account, judge against the error budget, report, check what
-        readers see against the report, and mark success last."""
-        ordered = [self.results[s.rel_path] for s in self.shards]
-        want = wanted(ordered)
-        assert self.lock_ is not None
-        self.lock_.assert_held()  # the fence: reconciling deletes from the output
-        settled = self._reconcile(want)
-        data = build_report(self._facts(), ordered, self.fatal, time.perf_counter() - self.t0)
-        if any(r.kind == FailureKind.INTERRUPTED for r in ordered):
-            data["status"] = RunStatus.INTERRUPTED
-            data["failure_reasons"] = [self.stop.reason, *data["failure_reasons"]]
-        data["removed_outputs"] = [r.public() for r in settled.removed]
-        data["foreign_removed"] = list(self.foreign.removed)
-        data["foreign_kept"] = sorted(
-            {*self.foreign.kept, *(self.out_root.child(rel).uri for rel in settled.foreign)}
-        )
-        self._verify(data, want)
-        index_root = runindex.index_root(self.config.output)
-        finish.add_drift(self.config, data, index_root)
-        report = RunReport(data)
-        self.lock_.assert_held()  # the fence, before each commit on the output root
-        storage.write_json(self.out_root.child(REPORT_NAME), data, point="report-rename")
-        self.lock_.assert_held()
-        finish.write_html(self.out_root, data)
-        finish.record_run(self.config, index_root, self.out_root, data)
-        if report.status not in (RunStatus.FAILED, RunStatus.INTERRUPTED):
-            self.lock_.assert_held()
-            storage.write_bytes(self.out_root.child(SUCCESS_NAME), b"", point="success-rename")
-        return report
-
-    def _reconcile(self, want: Wanted) -> Reconciliation:
-        """Take out of the output what this run does not vouch for (gone inputs, failed and
-        schema-skipped shards), with their rejects and manifest entries."""
-        assert self.manifest is not None
-        ours = self.previous_outputs | set(self.manifest.shards)
-        settled = reconcile(
-            self.out_root, self.rej_root, want.keep, ours, want.reasons, self.config.storage
-        )
-        for rel in set(self.manifest.shards) - want.keep:
-            self.manifest.forget(rel)
-        self.manifest.flush()
-        return settled
-
-    def _verify(self, data: dict[str, Any], want: Wanted) -> None:
-        """Fail a run whose visible output differs from its report: no ``_SUCCESS`` then."""
-        if data["status"] in (RunStatus.FAILED, RunStatus.INTERRUPTED):
-            return  # no _SUCCESS anyway; spare a failing or stopping run the footer reads
-        problems = verify(
-            self.out_root,
-            want.rows,
-            self.sha,
-            self.config.storage,
-            settings_hash=self.settings.hash,
-        )
-        if problems:
-            for p in problems:
-                logger.error("%s", p)
-            data["status"] = RunStatus.FAILED
-            data["failure_reasons"] = [*data["failure_reasons"], *problems]
+        readers see against the report, and mark success last (:func:`finish.finish_run`)."""
+        return finish.finish_run(self)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -368,77 +281,20 @@ class ScoringRun:
         expect = self._expect(s)
         self.manifest.record(task.rel_path, scored_entry(s.uri, expect, result, self.run_id))
 
-    def _facts(self) -> RunFacts:
-        config = self.config
-        assert self.lock_ is not None
-        return RunFacts(
-            run_id=self.run_id,
-            job=config.name,
-            started_at=self.started_at,
-            input=storage.locate(config.input_uri(), config.storage).uri,
-            output=self.out_root.uri,
-            rejects=self.rej_root.uri,
-            id_column=config.id_column,
-            error_budget=config.errors,
-            model=model_section(config.model, self.model),
-            device=str(self.device),
-            threads=self.plan.public(),
-            settings=self.settings.values,
-            batch_size=self.execution.batch_size,
-            execution=self.execution.report,
-            lock_taken_over=self.lock_.took_over,
-        )
-
     def _release(self) -> None:
         """Save the manifest and release the lock; errors are logged, never raised."""
         if self.manifest is not None:
             # After an unexpected error too: keep what was committed so the rerun skips it.
-            _log_cleanup_error(self.manifest.flush, "saving the manifest")
+            finish.log_cleanup_error(self.manifest.flush, "saving the manifest")
         if self.lock_ is not None:
-            _log_cleanup_error(self.lock_.release, "releasing the lock")
+            finish.log_cleanup_error(self.lock_.release, "releasing the lock")
 
     def _close_session(self) -> None:
         if self.session is not None:
-            _log_cleanup_error(self.session.close, "closing the Dask cluster")
+            finish.log_cleanup_error(self.session.close, "closing the Dask cluster")
 
     def _report_failure(self, e: Exception) -> None:
-        """A failed ``_report.json`` for an error after planning, where it can be written.
-
-        Only while this run holds the output's lock (a run refused the lock, or one that lost
-        it, writes nothing there). Best effort: a failure to write it is logged.
-        """
-        if self.lock_ is None or isinstance(e, LockLostError):
-            return
-        why = f"unexpected error: {finish.describe(e)}"
-        try:
-            ordered = [self._unfinished(s, why) for s in self.shards]
-            data = build_report(self._facts(), ordered, None, time.perf_counter() - self.t0)
-            data["status"] = RunStatus.FAILED
-            data["failure_reasons"] = [why, *data["failure_reasons"]]
-            for key in ("removed_outputs", "foreign_removed", "foreign_kept"):
-                data.setdefault(key, [])  # nothing was reconciled: the run stopped before
-            self.failure_data = data
-            self.lock_.assert_held()
-            storage.write_json(self.out_root.child(REPORT_NAME), data, point="report-rename")
-            finish.write_html(self.out_root, data)
-        except Exception as report_error:
-            logger.error("could not write the report: %s", finish.describe(report_error))
-
-    def _unfinished(self, s: ShardRef, why: str) -> ShardResult:
-        """``s``'s result so far, or one saying it was not scored because of ``why``."""
-        if s.rel_path in self.results:
-            return self.results[s.rel_path]
-        info = self.found.infos.get(s.rel_path)
-        rows = info.num_rows if info is not None else None
-        return not_scored(s.rel_path, s.uri, rows, FailureKind.CANCELLED, why)
-
-
-def _log_cleanup_error(step: Callable[[], None], what: str) -> None:
-    """Run a clean-up ``step``; its error is logged, never raised (it would hide the run's)."""
-    try:
-        step()
-    except Exception as e:
-        logger.warning("error while %s: %s", what, finish.describe(e))
+        self.failure_data = finish.report_failure(self, e)
 
 
 def run(
@@ -463,13 +319,7 @@ def run(
     """
     started_at = dt.datetime.now(dt.timezone.utc)
     t0 = time.perf_counter()
-    if config.metrics_file is not None:
-        parent = os.path.dirname(os.path.abspath(config.metrics_file))
-        if not os.path.isdir(parent):
-            raise ConfigError(
-                f"metrics_file = {config.metrics_file!r}: directory {parent} does not exist "
-                "(point it at node_exporter's --collector.textfile.directory)"
-            )
+    finish.check_metrics_file(config)
     scoring: ScoringRun | None = None
     try:
         scoring = ScoringRun(config, on_shard, on_start, stop)

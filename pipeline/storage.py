@@ -571,10 +571,14 @@ def makedirs(loc: Location) -> None:
 
 
 @contextlib.contextmanager
-def staged_open(loc: Location, *, point: str = "") -> Iterator[IO[bytes]]:
+def staged_open(
+    loc: Location, *, point: str = "", before_publish: Callable[[], None] | None = None
+) -> Iterator[IO[bytes]]:
     """Open ``loc`` for writing; it appears under its final name only if the block succeeds.
 
     ``point`` names the crash point just before the rename, for the SIGKILL tests.
+    ``before_publish`` runs last before the file becomes visible (the run lock's fence); if it
+    raises, nothing is published.
     """
     fs = loc.fs
     parent = posixpath.dirname(loc.path)
@@ -588,15 +592,33 @@ def staged_open(loc: Location, *, point: str = "") -> Iterator[IO[bytes]]:
                 f.flush()
                 os.fsync(f.fileno())
             checkpoint(point or "before-rename")
+            if before_publish is not None:
+                before_publish()
             os.replace(tmp, loc.path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
     else:
-        # Object stores publish an object only when its upload completes, so writing under
-        # the final name is already atomic; an aborted upload leaves nothing behind.
-        with fs.open(loc.path, "wb") as f:
+        # Object stores publish an object when its upload completes, on close: a failed
+        # block must discard the upload instead (fsspec's ``with`` would close, and so
+        # publish the partial object).
+        f = fs.open(loc.path, "wb")
+        try:
             yield f
+            if before_publish is not None:
+                before_publish()  # before close, which uploads the last part
+        except BaseException:
+            _discard(f)
+            raise
+        f.close()
+
+
+def _discard(f: Any) -> None:
+    """Abandon an object-store upload: abort its multipart upload, never complete it."""
+    with contextlib.suppress(Exception):
+        if hasattr(f, "discard"):
+            f.discard()
+    f.closed = True  # so that neither close() nor garbage collection completes the upload
 
 
 def write_bytes(loc: Location, data: bytes, *, point: str = "") -> None:

@@ -35,13 +35,16 @@ class StagedParquetWriter:
         *,
         row_group_rows: int = DEFAULT_ROW_GROUP_ROWS,
         point: str = "",
+        before_publish: Callable[[], None] | None = None,
     ) -> None:
         self.loc = loc
         self.schema = schema
         self.row_group_rows = row_group_rows
         self.rows = 0
         self._stack = contextlib.ExitStack()
-        self._file: Any = self._stack.enter_context(storage.staged_open(loc, point=point))
+        self._file: Any = self._stack.enter_context(
+            storage.staged_open(loc, point=point, before_publish=before_publish)
+        )
         self._writer = pq.ParquetWriter(self._file, schema, compression="zstd")
         self._buffer: list[pa.RecordBatch] = []
         self._buffered = 0
@@ -121,7 +124,9 @@ class ShardSink:
         # Called right before each commit; raises (LockLostError) once the run lost its lock,
         # so that a superseded run publishes nothing more (see pipeline.locking).
         self._fence = fence if fence is not None else _no_fence
-        self.output = StagedParquetWriter(output, out_schema, point="output-rename")
+        self.output = StagedParquetWriter(
+            output, out_schema, point="output-rename", before_publish=self._fence
+        )
         self.rejects: StagedParquetWriter | None = None
         self.rejects_loc = rejects
         self.rejects_schema = rejects_schema(meta_schema)
@@ -149,7 +154,10 @@ class ShardSink:
         """Queue one batch of rejected rows (schema :attr:`rejects_schema`)."""
         if self.rejects is None:
             self.rejects = StagedParquetWriter(
-                self.rejects_loc, self.rejects_schema, point="rejects-rename"
+                self.rejects_loc,
+                self.rejects_schema,
+                point="rejects-rename",
+                before_publish=self._fence,
             )
         self.rows_rejected += rb.num_rows
         self._write(self.rejects, rb)
@@ -158,13 +166,15 @@ class ShardSink:
         """Finish writing, then publish the rejects (or remove stale ones) and the output."""
         if self._behind is not None:
             self._behind.drain()
-        self._fence()
+        # The fence runs as late as it can: right before each file is published (after its
+        # last row group is encoded and synced), so a run that lost its lock while finishing
+        # a shard publishes nothing more.
         if self.rejects is not None:
             self.rejects.commit()
         else:
+            self._fence()
             storage.remove(self.rejects_loc)  # a rescored shard may have had rejects before
         checkpoint("rejects-committed")
-        self._fence()
         self.output.commit()
         checkpoint("output-committed")
 

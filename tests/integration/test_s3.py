@@ -347,3 +347,28 @@ def test_unreachable_endpoint_is_a_storage_error_naming_the_uri(
     assert "Traceback" not in r.stderr, r.stderr
     assert s3_bucket.uri("catalog/") in r.stderr, r.stderr
     assert "error:" in r.stderr
+
+
+@pytest.mark.parametrize("size", [1_000, 12 * 2**20], ids=["one-put", "multipart"])
+def test_an_aborted_staged_write_publishes_nothing(s3_bucket: S3Bucket, size: int) -> None:
+    """A write that fails (or whose fence refuses) must not complete the upload: fsspec's
+    ``with fs.open(...)`` would close the file, and so publish the partial object."""
+    from pipeline import storage
+
+    loc = storage.locate(s3_bucket.uri("out/part-0.parquet"), s3_bucket.storage_options)
+
+    def refuse() -> None:
+        raise RuntimeError("lost the lock")
+
+    with (
+        pytest.raises(RuntimeError, match="lost the lock"),
+        storage.staged_open(loc, before_publish=refuse) as f,
+    ):
+        f.write(b"x" * size)
+    with pytest.raises(ValueError, match="mid-write"), storage.staged_open(loc) as f:
+        f.write(b"y" * size)
+        raise ValueError("mid-write")
+    assert not s3_bucket.new_fs().exists(s3_bucket.uri("out/part-0.parquet"))
+    with storage.staged_open(loc) as f:  # and a write that succeeds is published
+        f.write(b"z" * size)
+    assert s3_bucket.new_fs().cat(s3_bucket.uri("out/part-0.parquet")) == b"z" * size
