@@ -128,6 +128,11 @@ def ignore_sigint() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # A process group of its own: GNU timeout, `kill -- -PGID` and Ctrl-C signal the whole
+        # group, and a worker killed by them is restarted by its nanny and reruns the shards
+        # the driver was stopping. The driver closes the cluster (and so its workers) itself.
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
 
 
 def _ignore_sigint_plugin() -> Any:

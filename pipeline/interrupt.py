@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 EXIT_CODES = {signal.SIGTERM: EXIT_SIGTERM, signal.SIGINT: EXIT_SIGINT}
 
 
+#: A repeat of the stop signal within this many seconds is the same request, not a second one.
+REPEAT_WINDOW_S = 1.0
+
+
 class Aborted(BaseException):
     """A second signal: stop now. A BaseException so that no ``except Exception`` swallows it."""
 
@@ -57,6 +61,12 @@ class StopRequest:
     def wait(self, timeout: float) -> bool:
         """Sleep up to ``timeout`` seconds, waking as soon as a stop is requested."""
         return self._event.wait(timeout)
+
+    def seconds_since_request(self) -> float:
+        """Seconds since the first stop request (infinite before any)."""
+        if self.requested_at is None:
+            return float("inf")
+        return time.monotonic() - self.requested_at
 
     def grace_left(self) -> float:
         """Seconds left for shards in flight to commit (infinite before any request)."""
@@ -122,6 +132,10 @@ def handle_signals(stop: StopRequest) -> Iterator[StopRequest]:
             logger.warning("%s received again: still closing down", signal.Signals(signum).name)
             return
         if stop.requested:
+            if stop.seconds_since_request() < REPEAT_WINDOW_S:
+                # One stop sent twice: GNU timeout signals its child and then the child's whole
+                # process group, so a single cron timeout arrives as two SIGTERMs at once.
+                return
             aborted.set()
             raise Aborted(signum)
         stop.request(signum)

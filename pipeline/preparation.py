@@ -19,7 +19,7 @@ import torch
 from pipeline.batching import ShardBatches
 from pipeline.cluster import Plan
 from pipeline.config import JobConfig
-from pipeline.errors import ModelError, SchemaError, ShardError
+from pipeline.errors import ConfigError, ModelError, SchemaError, ShardError
 from pipeline.manifest import settings_hash
 from pipeline.model import BundleSpec, LoadedModel, forward, load_model
 from pipeline.precision import (
@@ -34,6 +34,7 @@ from pipeline.reading import ShardInfo, check_schema, feature_width, read_footer
 from pipeline.scoring import ShardResult
 from pipeline.statuses import FailureKind, ShardStatus
 from pipeline.storage import ShardRef
+from pipeline.writing import MODEL_VERSION_COLUMN
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,12 @@ class Settings:
 
 
 def run_settings(config: JobConfig, spec: BundleSpec) -> Settings:
-    """The settings of ``config`` with model ``spec`` that decide what a row's output is."""
+    """The settings of ``config`` with model ``spec`` that decide what a row's output is.
+
+    Refuses (:class:`ConfigError`) output columns that would share a name: a Parquet file with
+    two ``score`` columns is refused by pyarrow and Polars and read as the wrong one by DuckDB.
+    """
+    check_output_columns(config, spec)
     values = {
         "inputs": list(spec.input_columns),
         "outputs": [[o.name, o.describe()] for o in spec.outputs],
@@ -63,6 +69,26 @@ def run_settings(config: JobConfig, spec: BundleSpec) -> Settings:
         "precision": config.precision,
     }
     return Settings(values, settings_hash(values))
+
+
+def check_output_columns(config: JobConfig, spec: BundleSpec) -> None:
+    """Every output column (id, pass-through, model outputs, model_version) named once."""
+    sources = [("id_column", config.id_column)]
+    sources += [("passthrough", c) for c in config.passthrough]
+    sources += [(f"outputs in {spec.uri}/model.toml", o.name) for o in spec.outputs]
+    sources.append(("the column score-catalog adds", MODEL_VERSION_COLUMN))
+    seen: dict[str, str] = {}
+    problems = []
+    for where, name in sources:
+        if name in seen:
+            problems.append(
+                f"output column {name!r} comes twice ({seen[name]}, and {where}): rename the "
+                "output in model.toml or drop the pass-through column"
+            )
+        else:
+            seen[name] = where
+    if problems:
+        raise ConfigError(problems)
 
 
 class Inspection(NamedTuple):

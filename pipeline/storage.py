@@ -407,6 +407,18 @@ def check_disjoint(
     match anything inside the output. ``shards`` (what :func:`list_shards` found) are checked
     one by one too, which catches a symlink inside the input that points into the output.
     """
+    if same_filesystem(output_loc, rejects_loc):
+        out_p, rej_p = real_path(output_loc).path, real_path(rejects_loc).path
+        # A hidden subfolder (``<output>/_rejects``, the old default) is allowed: dataset
+        # readers skip it. A visible one, the output itself, or one around it is not.
+        below = posixpath.relpath(rej_p, out_p) if _inside(rej_p, out_p) else None
+        if _inside(out_p, rej_p) or (below is not None and not _is_hidden(below)):
+            raise ConfigError(
+                f"rejects {rejects_loc.uri} overlaps the output {output_loc.uri}: rejected rows "
+                "would be read as scores, or a shard's output would replace its rejects. Leave "
+                "rejects unset (<output's parent>/_rejects/<output's name>) or choose a "
+                "separate folder."
+            )
     inp = locate(input_uri, options)
     for loc, what in ((output_loc, "output"), (rejects_loc, "rejects")):
         if not same_filesystem(inp, loc):

@@ -267,3 +267,12 @@ def test_classify_output_refuses_a_file_or_a_path_under_one(tmp_path: Path) -> N
         with pytest.raises(StorageError, match=r"is a file .*not a folder"):
             storage.classify_output(storage.locate(str(path)))
     assert target.read_bytes() == b"not a folder"
+
+
+@pytest.mark.parametrize("rejects", ["out", "out/rej", "."], ids=["same", "inside", "around"])
+def test_rejects_overlapping_the_output_is_refused(tmp_path: Path, rejects: str) -> None:
+    (tmp_path / "in").mkdir()
+    out = storage.locate(str(tmp_path / "out"))
+    rej = storage.locate(str(tmp_path / rejects))
+    with pytest.raises(ConfigError, match="overlaps the output"):
+        storage.check_disjoint(str(tmp_path / "in"), out, rej)
