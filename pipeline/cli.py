@@ -373,8 +373,9 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
 
     JOB's input and output must contain {date} (e.g. data/archive/dt={date}). Each day gets its
     own output, manifest and report; days whose output already has _SUCCESS from the current
-    model bundle are skipped (--force rescores them) and missing input folders are listed as
-    missing. A summary of every day goes to <output root>/_backfills/<job>/<from>_<to>.json.
+    model bundle, over the same input shards, are skipped (--force rescores them) and missing
+    input folders are listed as missing. A summary of every day goes to
+    <output root>/_backfills/<job>/<from>_<to>.json.
     Exit code: the worst of the days' (1 if any failed, 4 if any drifted, else 0).
     """
     from pipeline.backfill import backfill as run_backfill

@@ -202,3 +202,23 @@ def test_an_unexpected_exception_is_recorded_and_later_days_run(
     assert result.data["status"] == "failed"
     on_disk = {k: v for k, v in result.data.items() if k != "summary_uri"}
     assert _summary(tmp_path) == json.loads(json.dumps(on_disk))
+
+
+def test_a_finished_day_whose_input_changed_is_run_again(
+    tmp_path: Path, bundle_dir: Path, archive: dict[str, int]
+) -> None:
+    """A day is skipped only while its input lists the shards its manifest recorded: a shard
+    deleted upstream since must not stay in an output that carries ``_SUCCESS``."""
+    job = _job(tmp_path, bundle_dir, None)
+    first = cli("backfill", str(job), "--from", DAYS[0], "--to", DAYS[-1])
+    assert first.returncode == 0, first.output
+    (tmp_path / "archive" / f"dt={DAYS[1]}" / "part-00001.parquet").unlink()
+    again = cli("backfill", str(job), "--from", DAYS[0], "--to", DAYS[-1])
+    assert again.returncode == 0, again.output
+    statuses = {p["date"]: p["status"] for p in _summary(tmp_path)["partitions"]}
+    assert statuses[DAYS[0]] == statuses[DAYS[2]] == "skipped"
+    assert statuses[DAYS[1]] == "succeeded"
+    out = tmp_path / "scored" / f"dt={DAYS[1]}"
+    assert (out / "_SUCCESS").exists()
+    assert [p.name for p in data_files(out)] == ["part-00000.parquet"]
+    assert report(out)["rows_out"] == 900
