@@ -14,6 +14,7 @@ from pipeline import JobConfig, run
 from pipeline.errors import EXIT_CODES_HELP
 from pipeline.interrupt import (
     EXIT_CODES,
+    REPEAT_WINDOW_S,
     Aborted,
     StopRequest,
     exit_code_of,
@@ -40,6 +41,11 @@ def test_first_signal_requests_a_stop_second_aborts_third_waits(
         _signal_self(sig)
         assert stop.requested and stop.signal_name == sig.name and stop.exit_code == code
         assert 0 <= stop.grace_left() <= 7
+        _signal_self(sig)  # a repeat within REPEAT_WINDOW_S is the same request (GNU timeout)
+        assert stop.requested
+        # Later than the window: a second request, which aborts (no sleeping: move the clock).
+        assert stop.requested_at is not None
+        stop.requested_at -= REPEAT_WINDOW_S + 1
         with pytest.raises(Aborted) as info:
             _signal_self(sig)
         assert info.value.signum == sig
