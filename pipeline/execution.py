@@ -35,7 +35,7 @@ from pipeline.scoring import (
     score_shard,
     score_shards,
 )
-from pipeline.statuses import FailureKind, ShardStatus
+from pipeline.statuses import FailureKind
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +70,12 @@ def group_tasks(tasks: list[ShardTask], target_rows: int, slots: int) -> list[li
 
 def crashed(task: ShardTask, e: BaseException) -> ShardResult:
     """The result of a shard whose task raised on every try."""
-    return ShardResult(
+    return ShardResult.failed(
         task.rel_path,
         task.input_uri,
-        ShardStatus.FAILED,
-        rows_in=task.num_rows,
-        kind=FailureKind.ERROR,
-        message=f"shard {task.input_uri}: scoring crashed: {type(e).__name__}: {e}",
+        task.num_rows,
+        FailureKind.ERROR,
+        f"shard {task.input_uri}: scoring crashed: {type(e).__name__}: {e}",
     )
 
 
@@ -89,13 +88,12 @@ def cancelled(task: ShardTask, stopped_at: str) -> ShardResult:
 
 def interrupted(task: ShardTask, signal_name: str) -> ShardResult:
     """The result of a shard not scored (or not committed in time) because of a signal."""
-    return ShardResult(
+    return ShardResult.failed(
         task.rel_path,
         task.input_uri,
-        ShardStatus.FAILED,
-        rows_in=task.num_rows,
-        kind=FailureKind.INTERRUPTED,
-        message=f"not scored: the run was interrupted by {signal_name}",
+        task.num_rows,
+        FailureKind.INTERRUPTED,
+        f"not scored: the run was interrupted by {signal_name}",
     )
 
 
@@ -103,13 +101,8 @@ def not_scored(
     rel_path: str, input_uri: str, num_rows: int | None, kind: FailureKind, stopped_at: str
 ) -> ShardResult:
     """The result of a shard the run never scored because it stopped at ``stopped_at``."""
-    return ShardResult(
-        rel_path,
-        input_uri,
-        ShardStatus.FAILED,
-        rows_in=num_rows,
-        kind=kind,
-        message=f"not scored: the run stopped at {stopped_at}",
+    return ShardResult.failed(
+        rel_path, input_uri, num_rows, kind, f"not scored: the run stopped at {stopped_at}"
     )
 
 

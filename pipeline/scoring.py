@@ -162,6 +162,15 @@ class ShardResult:
     finished_at: float | None = None  # ... and finish on this shard; None when not scored
 
     @classmethod
+    def failed(
+        cls, rel_path: str, input_uri: str, rows_in: int | None, kind: str, message: str
+    ) -> ShardResult:
+        """A shard that failed, or was never scored, for ``kind``; ``message`` says why."""
+        return cls(
+            rel_path, input_uri, ShardStatus.FAILED, rows_in=rows_in, kind=kind, message=message
+        )
+
+    @classmethod
     def skipped(cls, rel_path: str, input_uri: str, entry: Mapping[str, Any]) -> ShardResult:
         """A shard an earlier run scored with this model and settings (its manifest ``entry``),
         with the score statistics and reject reasons that run kept there, so that the report
@@ -282,13 +291,12 @@ def _event_set(name: str) -> bool:
 
 
 def _not_started(task: ShardTask) -> ShardResult:
-    return ShardResult(
+    return ShardResult.failed(
         task.rel_path,
         task.input_uri,
-        ShardStatus.FAILED,
-        rows_in=task.num_rows,
-        kind=FailureKind.INTERRUPTED,
-        message="not scored: the run was interrupted",
+        task.num_rows,
+        FailureKind.INTERRUPTED,
+        "not scored: the run was interrupted",
     )
 
 
