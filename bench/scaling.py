@@ -1,4 +1,4 @@
-"""Scaling-out figures for the README: 1 vs 2 workers, an external cluster, and tiny shards.
+"""Scaling-out figures for docs/scaling.md: 1 vs 2 workers, an external cluster, and tiny shards.
 
 Runs the real CLI, alternating configurations so that machine noise hits each alike, and writes
 the medians to BENCHMARKS_SCALING.md. Usage: ``make bench-scaling`` (about 4 minutes on 2 cores).

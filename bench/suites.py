@@ -255,7 +255,7 @@ def precision_flag_available(cli: str) -> bool:
 
 
 def _read_output(path: Path, columns: list[str]) -> pa.Table:
-    # pyarrow.dataset skips _ and . names (manifest, report, rejects) as the README says.
+    # pyarrow.dataset skips _ and . names (manifest, report, rejects) as docs/output.md says.
     files = sorted(str(p) for p in path.rglob("*.parquet") if not p.name.startswith(("_", ".")))
     files = [f for f in files if "/_" not in f[len(str(path)) :]]
     return pads.dataset(files, format="parquet").to_table(columns=columns)

@@ -59,7 +59,7 @@ class Plan:
 
 
 def thread_plan(config: JobConfig, pending: int) -> Plan:
-    """Split the cores: workers x threads per worker x torch threads <= cores (see README)."""
+    """Split the cores: workers x threads per worker x torch threads <= cores (docs/tuning.md)."""
     cores = config.cores or available_cores()
     if config.scheduler == "sync":
         return Plan("sync", 1, 1, cores, cores)

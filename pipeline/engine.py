@@ -92,7 +92,7 @@ def score(model: LoadedModel, x: torch.Tensor) -> Scored:
         torch.cuda.synchronize(model.device)
     out = torch.cat(pieces) if pieces else torch.empty(0, model.out_width)
     # After the every-row check on purpose: a batch whose outputs are all NaN is rows rejected
-    # (named, counted against max_rejected_fraction), not a broken model; see the README.
+    # (named, counted against max_rejected_fraction), not a broken model (docs/failure-handling.md).
     out = _reject_non_finite(out, model.spec.outputs, ok, errors)
     return Scored(out, ok, errors, oom, time.perf_counter() - t0)
 

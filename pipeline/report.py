@@ -1,4 +1,4 @@
-"""The run report: ``_report.json`` (schema in the README, versioned) and the CLI summary table."""
+"""The run report: ``_report.json`` (schema in docs/report.md, versioned) and the CLI summary."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ Two descriptions of one document, kept equal by ``tests/test_report_schema.py``:
 * ``pipeline/schemas/report.schema.json`` (JSON Schema draft 2020-12), which programs outside
   Python read, and which :func:`validate_report` checks a report against. It refuses unknown
   top-level keys: a new key must be added to the schema (and to :class:`ReportData` and the
-  README's "Run report" table) in the same change, with a ``schema_version`` bump when a reader
-  could be broken by it.
+  "Run report" table in docs/report.md) in the same change, with a ``schema_version`` bump
+  when a reader could be broken by it.
 
 Status and failure-kind values come from :mod:`pipeline.statuses`; the schema's ``enum`` lists
 are checked against those enums by the tests.

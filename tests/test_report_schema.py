@@ -1,4 +1,4 @@
-"""``_report.json`` against its committed JSON Schema, its TypedDicts and the README's table.
+"""``_report.json`` against its committed JSON Schema, its TypedDicts and docs/report.md's table.
 
 The reports validated here come from real runs of :func:`pipeline.run` on real Parquet shards
 (several row groups each): a success, a resumed run (one shard scored again, one skipped, drift
@@ -103,13 +103,15 @@ def test_every_object_in_the_schema_has_a_typeddict() -> None:
     assert SCHEMA_OBJECTS["#"] is ReportData
 
 
-# ---------------------------------------------------------------- the README
+# ---------------------------------------------------------------- docs/report.md
+
+REPORT_DOC = REPO / "docs" / "report.md"
 
 
-def _readme_report_keys() -> tuple[int, set[str]]:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+def _report_doc_keys() -> tuple[int, set[str]]:
+    text = REPORT_DOC.read_text(encoding="utf-8")
     m = re.search(r"^## Run report \(`_report\.json`, `schema_version` (\d+)\)$", text, re.M)
-    assert m, "README.md has no '## Run report (`_report.json`, `schema_version` N)' heading"
+    assert m, "docs/report.md has no '## Run report (`_report.json`, `schema_version` N)' heading"
     section = text[m.end() :].split("\n## ", 1)[0]
     keys: set[str] = set()
     for line in section.splitlines():
@@ -119,21 +121,21 @@ def _readme_report_keys() -> tuple[int, set[str]]:
     return int(m.group(1)), keys
 
 
-def test_readme_table_lists_exactly_the_schema_keys() -> None:
-    version, keys = _readme_report_keys()
+def test_report_doc_table_lists_exactly_the_schema_keys() -> None:
+    version, keys = _report_doc_keys()
     assert version == SCHEMA_VERSION
     props = set(report_schema()["properties"])
-    assert keys - props == set(), "README lists keys the schema does not have"
-    assert props - keys == set(), "README's Run report table misses these keys"
+    assert keys - props == set(), "docs/report.md lists keys the schema does not have"
+    assert props - keys == set(), "docs/report.md's Run report table misses these keys"
 
 
-def test_readme_names_every_status_and_failure_kind() -> None:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+def test_report_doc_names_every_status_and_failure_kind() -> None:
+    text = REPORT_DOC.read_text(encoding="utf-8")
     section = text.split("## Run report", 1)[1].split("\n## ", 1)[0]
     rows = {line.split("|")[1].strip(): line for line in section.splitlines() if "|" in line}
     for key, values in (("`status`", RunStatus), ("`errors`", FailureKind)):
         missing = [v.value for v in values if f"`{v.value}`" not in rows[key]]
-        assert not missing, f"README's {key} row does not name {missing}"
+        assert not missing, f"docs/report.md's {key} row does not name {missing}"
 
 
 # ---------------------------------------------------------------- the validator refuses

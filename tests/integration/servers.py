@@ -34,7 +34,7 @@ BIN = Path(sys.executable).parent
 REGION = "us-east-1"
 DUMMY_KEY = "testing"
 DUMMY_SECRET = "testing"
-MMAP_THRESHOLD = "67108864"  # README: start the workers of your own cluster with it
+MMAP_THRESHOLD = "67108864"  # docs/tuning.md: start the workers of your own cluster with it
 
 
 # --------------------------------------------------------------------------- processes
@@ -305,7 +305,7 @@ def start_dask_cluster(
     """``dask scheduler`` + ``n_workers`` single-threaded ``dask worker`` processes.
 
     With ``pin_cores`` each worker (nanny and worker process) is pinned to one core, as if each
-    were a separate one-core machine; torch in the worker then uses one thread, as the README's
+    were a separate one-core machine; torch in the worker then uses one thread, as docs/tuning.md's
     rule workers x threads x torch threads <= cores asks.
     """
     logs.mkdir(parents=True, exist_ok=True)

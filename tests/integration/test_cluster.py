@@ -2,8 +2,8 @@
 
 The cluster is the kind a team runs next to its data: started from the command line, reached by
 ``--scheduler tcp://HOST:PORT``. Workers run from this repository's virtualenv (they import
-``pipeline``) with the README's MALLOC_MMAP_THRESHOLD_; each is pinned to one core, as if it were
-its own one-core machine.
+``pipeline``) with docs/scaling.md's MALLOC_MMAP_THRESHOLD_; each is pinned to one core, as if
+it were its own one-core machine.
 """
 
 from __future__ import annotations

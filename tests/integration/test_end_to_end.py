@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,6 @@ import torch
 
 from tests.conftest import reference_scores, write_shards
 from tests.integration.helpers import (
-    REPO,
     cli,
     data_files,
     job_args,
@@ -160,27 +158,6 @@ def test_help_documents_commands_options_and_exit_codes() -> None:
         "Exit codes",
     ):
         assert opt in run_help, opt
-
-
-def test_readme_quickstart_and_documented_options_match_help() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert "make score-catalog" in readme and "make test" in readme
-    helps = {
-        name: cli(name, "--help", in_process=True).stdout
-        for name in ("run", "demo", "bench", "plan", "report", "backfill")
-    }
-    # Every option in the README's flag table is an option of `run`...
-    table = re.findall(r"^\| `(--[a-z][a-z0-9-]+)", readme, flags=re.M)
-    assert len(table) >= 20
-    for opt in table:
-        assert opt in helps["run"], f"README's run table documents {opt}, missing from --help"
-    # ...and every option mentioned anywhere belongs to some command.
-    for opt in set(re.findall(r"`(--[a-z][a-z0-9-]+)", readme)) - {"--help", "--version"}:
-        assert any(opt in h for h in helps.values()), f"README documents unknown {opt}"
-    # Every `run` option is documented.
-    for opt in re.findall(r"^\s+(--[a-z][a-z0-9-]+)", helps["run"], flags=re.M):
-        if opt not in ("--help", "--verbose", "--quiet"):
-            assert f"`{opt}" in readme, f"`run {opt}` is not documented in the README"
 
 
 @pytest.mark.parametrize(

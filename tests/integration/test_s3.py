@@ -284,7 +284,8 @@ def test_model_from_s3_and_credentials_never_appear(
 
 
 def test_debug_log_does_not_show_the_access_key_id(s3_bucket: S3Bucket, tmp_path: Path) -> None:
-    """README: storage option values are never logged; -v turns on botocore's DEBUG logging."""
+    """docs/failure-handling.md: storage option values are never logged; -v turns on botocore's
+    DEBUG logging."""
     _catalog(tmp_path, s3_bucket)
     r = cli(
         "run",
