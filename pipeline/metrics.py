@@ -1,15 +1,22 @@
 """Prometheus metrics about each run, for alerting on a batch job that has no server to scrape.
 
-Two ways out, both carrying the same gauges (every one labelled ``job`` with the job's name):
+Two ways out, both carrying the same gauges, all named ``score_catalog_*`` with their unit last
+(``_seconds``, ``_rows``, ``_shards``, ``_rows_per_second``) and labelled ``job_name`` with the
+job's name (the table is in docs/monitoring.md):
 
 * a file for node_exporter's textfile collector (:func:`write_metrics_file`); the file must end
   in ``.prom`` and sit in ``--collector.textfile.directory``. Use one file per job
-  (e.g. ``score_catalog_<job>.prom``): each write replaces the whole file.
-* a Prometheus Pushgateway (:func:`push_metrics`).
+  (e.g. ``score_catalog_<job>.prom``): each write replaces the whole file. The label is not
+  ``job`` because Prometheus sets ``job`` itself when it scrapes node_exporter (ours would be
+  renamed ``exported_job``).
+* a Prometheus Pushgateway (:func:`push_metrics`), in the group ``job=<job name>``: there the
+  job belongs in the grouping key, which the Pushgateway adds to every series as ``job``.
 
-The usual alerts: ``time() - score_catalog_last_success_timestamp_seconds > 26 * 3600`` (the
-nightly run has not succeeded for a day), ``score_catalog_run_status{status="failed"} == 1``,
-``score_catalog_drift_psi > 0.25``.
+Every metric is a gauge describing the last run (a batch job's counters would restart at 0 on
+each run), so none ends in ``_total``. The usual alerts:
+``time() - score_catalog_last_success_timestamp_seconds > 26 * 3600`` (the nightly run has not
+succeeded for a day), ``score_catalog_last_run_status{status="failed"} == 1``,
+``score_catalog_last_run_drift_psi > 0.25``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,11 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "score_catalog"
 LAST_SUCCESS = f"{PREFIX}_last_success_timestamp_seconds"
-#: Every ``status`` label of ``score_catalog_run_status``: one sample per status, 1 for the run's.
+#: The label naming the job on every metric (not ``job``: Prometheus owns that one).
+JOB_LABEL = "job_name"
+#: The label of files written before ``job_name``; read only, to carry their last success forward.
+LEGACY_JOB_LABEL = "job"
+#: Every ``status`` label of ``score_catalog_last_run_status``: one sample each, 1 for the run's.
 STATUSES = tuple(s.value for s in RunStatus)
 
 
@@ -57,7 +68,7 @@ def _number(value: Any) -> float | None:
 def registry_for(
     report: Mapping[str, Any], *, previous_success_ts: float | None
 ) -> CollectorRegistry:
-    """A fresh registry holding this run's gauges, labelled ``job=report["job"]``.
+    """A fresh registry holding this run's gauges, labelled ``job_name=report["job"]``.
 
     Reads ``job``, ``status``, ``started_at``, ``finished_at``, ``duration_s``, ``rows_out``,
     ``rows_rejected``, ``shards_failed``, ``rows_per_s`` and ``drift``; a field that is missing
@@ -72,9 +83,9 @@ def registry_for(
     job = str(report["job"])
 
     def gauge(name: str, doc: str, value: float | None) -> None:
-        g = Gauge(f"{PREFIX}_{name}", doc, ["job"], registry=reg)
+        g = Gauge(f"{PREFIX}_{name}", doc, [JOB_LABEL], registry=reg)
         if value is not None:
-            g.labels(job=job).set(value)
+            g.labels(job).set(value)
 
     status = report.get("status")
     end = _timestamp(report.get("finished_at"))
@@ -95,60 +106,69 @@ def registry_for(
         last_success,
     )
     gauge(
-        "run_duration_seconds",
+        "last_run_duration_seconds",
         "Wall-clock duration of the last run in seconds.",
         _number(report.get("duration_s")),
     )
     gauge(
-        "rows_scored",
-        "Rows scored and written by the last run.",
+        "last_run_scored_rows",
+        "Rows in the scored output of the last run (scored now or skipped as already done).",
         _number(report.get("rows_out")),
     )
     gauge(
-        "rows_rejected",
+        "last_run_rejected_rows",
         "Rows the last run rejected as invalid (written to the rejects location).",
         _number(report.get("rows_rejected")),
     )
     gauge(
-        "shards_failed",
+        "last_run_failed_shards",
         "Input shards the last run could not score.",
         _number(report.get("shards_failed")),
     )
     gauge(
-        "rows_per_second",
-        "Scoring throughput of the last run in rows per second.",
+        "last_run_throughput_rows_per_second",
+        "Scoring throughput of the last run in rows per second, start-up included.",
         _number(report.get("rows_per_s")),
     )
+    _drift_gauge(reg, job, report.get("drift"))
+    _status_gauge(reg, job, status)
+    return reg
 
+
+def _drift_gauge(reg: CollectorRegistry, job: str, drift: Any) -> None:
+    """One PSI sample per output column that has one; none when drift was not computed."""
     psi = Gauge(
-        f"{PREFIX}_drift_psi",
-        "Population stability index of each output column of the last run against the "
-        "previous successful run (above 0.25: significant shift).",
-        ["job", "output"],
+        f"{PREFIX}_last_run_drift_psi",
+        "Population stability index (dimensionless) of each output column of the last run "
+        "against the previous successful run (above 0.25: significant shift).",
+        [JOB_LABEL, "output"],
         registry=reg,
     )
-    drift = report.get("drift")
     columns = drift.get("columns") if isinstance(drift, Mapping) else None
     for col, stats in (columns or {}).items():
         value = _number(stats.get("psi")) if isinstance(stats, Mapping) else None
         if value is not None:
-            psi.labels(job=job, output=str(col)).set(value)
+            psi.labels(job, str(col)).set(value)
 
+
+def _status_gauge(reg: CollectorRegistry, job: str, status: Any) -> None:
+    """A state set: one sample per run status, 1 for the last run's and 0 for the others."""
     st = Gauge(
-        f"{PREFIX}_run_status",
+        f"{PREFIX}_last_run_status",
         "Outcome of the last run: 1 for its status, 0 for the others.",
-        ["job", "status"],
+        [JOB_LABEL, "status"],
         registry=reg,
     )
     for s in STATUSES:
-        st.labels(job=job, status=s).set(1 if s == status else 0)
-    return reg
+        st.labels(job, s).set(1 if s == status else 0)
 
 
 def previous_success_timestamp(path: str, job: str) -> float | None:
     """The last-success timestamp of ``job`` in an existing metrics file, or None.
 
     None when the file is missing, unreadable, not in the text format, or has no such sample.
+    A file from before the ``job_name`` label (labelled ``job``) is read too, so that the first
+    run after an upgrade keeps the last success even if it fails.
     """
     try:
         with open(path, encoding="utf-8") as f:
@@ -163,7 +183,9 @@ def previous_success_timestamp(path: str, job: str) -> float | None:
             if family.name != LAST_SUCCESS:
                 continue
             for sample in family.samples:
-                if sample.name == LAST_SUCCESS and sample.labels.get("job") == job:
+                labels = sample.labels
+                owner = labels.get(JOB_LABEL, labels.get(LEGACY_JOB_LABEL))
+                if sample.name == LAST_SUCCESS and owner == job:
                     return float(sample.value)
     except (ValueError, TypeError, IndexError, KeyError) as e:
         # The parser raises a variety of errors on garbage; a damaged file just has no history.
@@ -204,9 +226,11 @@ def push_metrics(
 ) -> None:
     """Push this run's metrics to the Pushgateway at ``url`` (HTTP PUT).
 
-    The Pushgateway group is ``/metrics/job/<report["job"]>``: the group's ``job`` label equals
-    the ``job`` label on every gauge, so the two never disagree, and each score-catalog job has
-    a group of its own that its next push replaces whole (jobs never overwrite each other).
+    The Pushgateway group is ``/metrics/job/<report["job"]>``: the job belongs in the grouping
+    key, which the Pushgateway adds to every series as ``job``; the gauges are the ones the
+    textfile carries (labelled ``job_name`` with the same name), so one set of alert rules fits
+    both. Each score-catalog job has a group of its own that its next push replaces whole
+    (jobs never overwrite each other).
     Because a push replaces the group, pass ``previous_success_ts`` for a failed run, or its
     last-success sample disappears. Network and HTTP errors are a :class:`StorageError`.
     """

@@ -1,10 +1,14 @@
-"""Metrics files read back with prometheus_client's own parser; pushes to a real HTTP server."""
+"""Metrics files read back with prometheus_client's own parser and checked by ``promtool check
+metrics`` (Prometheus's own linter); pushes to a real HTTP server."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+import re
+import shutil
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.errors import StorageError
 from pipeline.metrics import (
+    LAST_SUCCESS,
     STATUSES,
     previous_success_timestamp,
     push_metrics,
@@ -23,6 +28,7 @@ from pipeline.metrics import (
     write_metrics_file,
 )
 from pipeline.statuses import RunStatus
+from tests.conftest import REPO
 
 JOB = "nightly-catalog"
 
@@ -69,7 +75,7 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def value(found: dict[Any, float], name: str, **labels: str) -> float:
-    return found[(f"score_catalog_{name}", tuple(sorted({"job": JOB, **labels}.items())))]
+    return found[(f"score_catalog_{name}", tuple(sorted({"job_name": JOB, **labels}.items())))]
 
 
 def test_file_values_equal_the_report(tmp_path: Path) -> None:
@@ -81,20 +87,96 @@ def test_file_values_equal_the_report(tmp_path: Path) -> None:
     assert value(found, "last_run_start_timestamp_seconds") == ts(r["started_at"])
     assert value(found, "last_run_end_timestamp_seconds") == ts(r["finished_at"])
     assert value(found, "last_success_timestamp_seconds") == ts(r["finished_at"])
-    assert value(found, "run_duration_seconds") == r["duration_s"]
-    assert value(found, "rows_scored") == r["rows_out"]
-    assert value(found, "rows_rejected") == r["rows_rejected"]
-    assert value(found, "shards_failed") == r["shards_failed"]
-    assert value(found, "rows_per_second") == r["rows_per_s"]
-    assert value(found, "drift_psi", output="score_p1") == 0.031
-    assert value(found, "drift_psi", output="label") == 0.4
+    assert value(found, "last_run_duration_seconds") == r["duration_s"]
+    assert value(found, "last_run_scored_rows") == r["rows_out"]
+    assert value(found, "last_run_rejected_rows") == r["rows_rejected"]
+    assert value(found, "last_run_failed_shards") == r["shards_failed"]
+    assert value(found, "last_run_throughput_rows_per_second") == r["rows_per_s"]
+    assert value(found, "last_run_drift_psi", output="score_p1") == 0.031
+    assert value(found, "last_run_drift_psi", output="label") == 0.4
     for s in STATUSES:
-        assert value(found, "run_status", status=s) == (1.0 if s == "succeeded" else 0.0)
+        assert value(found, "last_run_status", status=s) == (1.0 if s == "succeeded" else 0.0)
     # The column without a PSI has no sample; nothing beyond the above is exported.
-    assert ("score_catalog_drift_psi", (("job", JOB), ("output", "new_col"))) not in found
+    assert (
+        "score_catalog_last_run_drift_psi",
+        (("job_name", JOB), ("output", "new_col")),
+    ) not in found
     assert len(found) == 8 + 2 + len(STATUSES)
     assert "# HELP score_catalog_last_success_timestamp_seconds Unix time" in text
-    assert "# TYPE score_catalog_run_status gauge" in text
+    assert "# TYPE score_catalog_last_run_status gauge" in text
+
+
+# --- Names and labels that fit Prometheus --------------------------------------------------
+
+#: Unit suffixes in Prometheus's naming convention for what a run measures; a name ends in one
+#: unless its value has no unit (an index, a 0/1 state).
+UNITS = ("_timestamp_seconds", "_seconds", "_rows", "_shards", "_rows_per_second")
+UNITLESS = {"score_catalog_last_run_drift_psi", "score_catalog_last_run_status"}
+
+
+def _families(tmp_path: Path, **extra: Any) -> tuple[str, list[Any]]:
+    path = tmp_path / "score_catalog.prom"
+    write_metrics_file(str(path), report(**extra))
+    text = path.read_text()
+    return text, list(text_string_to_metric_families(text))
+
+
+def test_names_and_labels_fit_prometheus_conventions(tmp_path: Path) -> None:
+    text, families = _families(tmp_path)
+    assert len(families) == 10
+    for fam in families:
+        # One prefix, units last, `_total` only on counters (there are none: every metric
+        # describes the last run, and a batch job's counter would restart at 0 each run).
+        assert re.fullmatch(r"score_catalog_[a-z][a-z0-9_]*", fam.name), fam.name
+        assert "score_catalog" not in fam.name[len("score_catalog") :], fam.name
+        assert fam.name.endswith(UNITS) or fam.name in UNITLESS, fam.name
+        assert fam.type == "gauge" and not fam.name.endswith("_total"), fam.name
+        assert fam.documentation, fam.name
+        for s in fam.samples:
+            # `job` is the label Prometheus sets on what it scrapes (node_exporter's job): ours
+            # would come out as `exported_job`.
+            assert "job" not in s.labels and s.labels["job_name"] == JOB, s
+    assert "job=" not in text
+
+
+def test_promtool_check_metrics_passes(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        # Debian's `prometheus` package ships it (apt-get install prometheus); no PyPI wheel does.
+        pytest.skip("promtool is not installed (Debian package `prometheus`)")
+    text, _ = _families(tmp_path)
+    lint = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert (lint.returncode, lint.stdout + lint.stderr) == (0, "")
+    # The linter does catch what it is here for: a `_total` gauge and a counter without one.
+    bad = "# HELP a_total x\n# TYPE a_total gauge\na_total 1\n# HELP b x\n# TYPE b counter\nb 1\n"
+    lint = subprocess.run(
+        [promtool, "check", "metrics"], input=bad, capture_output=True, text=True, timeout=60
+    )
+    assert lint.returncode != 0 and "_total" in lint.stdout + lint.stderr
+
+
+def test_docs_table_lists_exactly_the_metrics(tmp_path: Path) -> None:
+    _, families = _families(tmp_path)
+    doc = (REPO / "docs" / "monitoring.md").read_text(encoding="utf-8")
+    section = doc.split("\n## Metrics", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(score_catalog_[a-z0-9_]+)", section, flags=re.M)
+    assert sorted(rows) == sorted(f.name for f in families)
+
+
+def test_last_success_carried_from_a_file_labelled_job(tmp_path: Path) -> None:
+    # A file from before the `job_name` label: the first run after an upgrade, failing, keeps
+    # the last success instead of resetting the "hours since last success" alert.
+    path = tmp_path / "score_catalog.prom"
+    path.write_text(
+        f"# HELP {LAST_SUCCESS} x\n# TYPE {LAST_SUCCESS} gauge\n"
+        f'{LAST_SUCCESS}{{job="{JOB}"}} 1.7723310716e+09\n'
+    )
+    write_metrics_file(str(path), report("failed", day=2, drift=None))
+    found = samples(path.read_text())
+    assert value(found, "last_success_timestamp_seconds") == 1.7723310716e09
+    assert not any(("job", JOB) in labels for _, labels in found)
 
 
 def test_failed_run_keeps_the_previous_success(tmp_path: Path) -> None:
@@ -108,9 +190,9 @@ def test_failed_run_keeps_the_previous_success(tmp_path: Path) -> None:
     found = samples(Path(path).read_text())
     assert value(found, "last_success_timestamp_seconds") == ts(ok["finished_at"])
     assert value(found, "last_run_end_timestamp_seconds") == ts(failed["finished_at"])
-    assert value(found, "run_status", status="failed") == 1.0
-    assert value(found, "run_status", status="succeeded") == 0.0
-    assert value(found, "shards_failed") == 3
+    assert value(found, "last_run_status", status="failed") == 1.0
+    assert value(found, "last_run_status", status="succeeded") == 0.0
+    assert value(found, "last_run_failed_shards") == 3
 
     # And again: the carried timestamp survives a second failure, then a success moves it.
     write_metrics_file(path, report("failed", day=3, drift=None))
@@ -134,8 +216,8 @@ def test_interrupted_run_is_not_a_success(tmp_path: Path) -> None:
     found = samples(Path(path).read_text())
     assert value(found, "last_success_timestamp_seconds") == ts(ok["finished_at"])
     assert value(found, "last_run_end_timestamp_seconds") == ts(stopped["finished_at"])
-    assert value(found, "run_status", status="interrupted") == 1.0
-    assert sum(value(found, "run_status", status=s) for s in STATUSES) == 1.0
+    assert value(found, "last_run_status", status="interrupted") == 1.0
+    assert sum(value(found, "last_run_status", status=s) for s in STATUSES) == 1.0
 
 
 def test_failed_run_without_history_has_no_last_success(tmp_path: Path) -> None:
@@ -143,7 +225,7 @@ def test_failed_run_without_history_has_no_last_success(tmp_path: Path) -> None:
     write_metrics_file(str(path), report("failed"))
     found = samples(path.read_text())
     assert not any(name.endswith("last_success_timestamp_seconds") for name, _ in found)
-    assert value(found, "run_status", status="failed") == 1.0
+    assert value(found, "last_run_status", status="failed") == 1.0
 
 
 def test_early_failure_summary(tmp_path: Path) -> None:
@@ -164,8 +246,8 @@ def test_early_failure_summary(tmp_path: Path) -> None:
     path = tmp_path / "m.prom"
     write_metrics_file(str(path), r)
     found = samples(path.read_text())
-    assert value(found, "rows_scored") == 0
-    assert value(found, "run_duration_seconds") == 1.5
+    assert value(found, "last_run_scored_rows") == 0
+    assert value(found, "last_run_duration_seconds") == 1.5
 
 
 def test_no_drift_means_no_drift_samples(tmp_path: Path) -> None:
@@ -173,14 +255,14 @@ def test_no_drift_means_no_drift_samples(tmp_path: Path) -> None:
         path = tmp_path / f"m{i}.prom"
         write_metrics_file(str(path), report(drift=drift))
         text = path.read_text()
-        assert "score_catalog_drift_psi{" not in text
+        assert "score_catalog_last_run_drift_psi{" not in text
         found = samples(text)
-        assert not any(name == "score_catalog_drift_psi" for name, _ in found)
+        assert not any(name == "score_catalog_last_run_drift_psi" for name, _ in found)
     r = report()
     del r["drift"]
     reg = registry_for(r, previous_success_ts=None)
-    labels = {"job": JOB, "output": "score_p1"}
-    assert reg.get_sample_value("score_catalog_drift_psi", labels) is None
+    labels = {"job_name": JOB, "output": "score_p1"}
+    assert reg.get_sample_value("score_catalog_last_run_drift_psi", labels) is None
 
 
 def test_missing_fields_are_left_out() -> None:
@@ -188,9 +270,17 @@ def test_missing_fields_are_left_out() -> None:
     del r["rows_per_s"]
     r["duration_s"] = None
     reg = registry_for(r, previous_success_ts=None)
-    assert reg.get_sample_value("score_catalog_rows_per_second", {"job": JOB}) is None
-    assert reg.get_sample_value("score_catalog_run_duration_seconds", {"job": JOB}) is None
-    assert reg.get_sample_value("score_catalog_rows_scored", {"job": JOB}) == r["rows_out"]
+    assert (
+        reg.get_sample_value("score_catalog_last_run_throughput_rows_per_second", {"job_name": JOB})
+        is None
+    )
+    assert (
+        reg.get_sample_value("score_catalog_last_run_duration_seconds", {"job_name": JOB}) is None
+    )
+    assert (
+        reg.get_sample_value("score_catalog_last_run_scored_rows", {"job_name": JOB})
+        == r["rows_out"]
+    )
 
 
 def test_file_is_replaced_atomically(tmp_path: Path) -> None:
@@ -217,7 +307,7 @@ def test_missing_directory_is_a_storage_error(tmp_path: Path) -> None:
 def test_previous_success_of_missing_garbled_or_other_job(tmp_path: Path) -> None:
     path = tmp_path / "m.prom"
     assert previous_success_timestamp(str(path), JOB) is None
-    path.write_text('score_catalog_last_success_timestamp_seconds{job="x" 17\n}}} garbage\n')
+    path.write_text('score_catalog_last_success_timestamp_seconds{job_name="x" 17\n}}} garbage\n')
     assert previous_success_timestamp(str(path), JOB) is None
     path.write_bytes(b"\xff\xfe\x00\x01")
     assert previous_success_timestamp(str(path), JOB) is None
@@ -274,9 +364,11 @@ def test_push_sends_the_metrics(gateway: Any) -> None:
     assert path == f"/metrics/job/{JOB}"
     assert headers["Content-Type"].startswith("text/plain")
     found = samples(body.decode())
-    assert value(found, "rows_scored") == r["rows_out"]
+    # The job is the grouping key (in the path); the series carry the textfile's job_name.
+    assert all(dict(labels)["job_name"] == JOB and "job" not in dict(labels) for _, labels in found)
+    assert value(found, "last_run_scored_rows") == r["rows_out"]
     assert value(found, "last_success_timestamp_seconds") == ts(r["finished_at"])
-    assert value(found, "run_status", status="succeeded") == 1.0
+    assert value(found, "last_run_status", status="succeeded") == 1.0
 
 
 def test_push_of_failed_run_carries_the_given_success(gateway: Any) -> None:

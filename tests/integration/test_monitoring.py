@@ -151,14 +151,19 @@ def test_html_report_and_metrics_match_the_json_report(
         for fam in text_string_to_metric_families(metrics.read_text())
         for s in fam.samples
     }
-    job = (("job", rep["job"]),)
-    assert samples[("score_catalog_rows_scored", job)] == rep["rows_out"] == 7300
-    assert samples[("score_catalog_rows_rejected", job)] == rep["rows_rejected"]
-    assert samples[("score_catalog_shards_failed", job)] == rep["shards_failed"]
-    assert samples[("score_catalog_run_duration_seconds", job)] == pytest.approx(rep["duration_s"])
-    assert samples[("score_catalog_rows_per_second", job)] == pytest.approx(rep["rows_per_s"])
-    status = (("job", rep["job"]), ("status", "succeeded"))
-    assert samples[("score_catalog_run_status", status)] == 1
+    # One prefix, no `job` label (Prometheus's own, on node_exporter's series): `job_name`.
+    assert all(name.startswith("score_catalog_last_") for name, _ in samples)
+    assert all(dict(labels)["job_name"] == rep["job"] for _, labels in samples)
+    job = (("job_name", rep["job"]),)
+    assert samples[("score_catalog_last_run_scored_rows", job)] == rep["rows_out"] == 7300
+    assert samples[("score_catalog_last_run_rejected_rows", job)] == rep["rows_rejected"]
+    assert samples[("score_catalog_last_run_failed_shards", job)] == rep["shards_failed"]
+    duration = samples[("score_catalog_last_run_duration_seconds", job)]
+    assert duration == pytest.approx(rep["duration_s"])
+    throughput = samples[("score_catalog_last_run_throughput_rows_per_second", job)]
+    assert throughput == pytest.approx(rep["rows_per_s"])
+    status = (("job_name", rep["job"]), ("status", "succeeded"))
+    assert samples[("score_catalog_last_run_status", status)] == 1
     assert list(metrics.parent.iterdir()) == [metrics]  # written atomically: no temp file left
 
 
@@ -172,7 +177,7 @@ def test_metrics_file_records_a_failure_before_scoring(bundle_dir: Path, tmp_pat
     )
     assert r.returncode == 3
     text = metrics.read_text()
-    assert 'score_catalog_run_status{job="score-catalog",status="failed"} 1.0' in text
+    assert 'score_catalog_last_run_status{job_name="score-catalog",status="failed"} 1.0' in text
 
 
 def test_plan_names_a_broken_shard_and_scores_nothing(
