@@ -87,6 +87,28 @@ def histogram(
     return {"edges": [float(e) for e in edges], "counts": [round(float(c)) for c in counts]}
 
 
+def value_counts(
+    values: np.ndarray, weights: np.ndarray | None = None, max_values: int = 20
+) -> dict[str, list[Any]] | None:
+    """Rows per distinct value, for a discrete column; None for any other.
+
+    A column is discrete when every (finite) value is a whole number and there are at most
+    ``max_values`` distinct ones: argmax labels, 0/1 outputs. Their histogram would spread two
+    values over 20 bins; this says how many rows took each value. Returns ``{"values":
+    [ascending], "counts": [summed weights rounded to whole rows]}``; None when nothing is left.
+    """
+    v, w = _clean(values, weights)
+    if not v.size or not np.all(v == np.rint(v)):
+        return None
+    distinct, index = np.unique(v, return_inverse=True)
+    if len(distinct) > max_values:
+        return None
+    sums = np.bincount(index, weights=w, minlength=len(distinct))
+    # Whole numbers as ints (JSON 1, not 1.0) while they are exact in a float.
+    shown = [int(x) if abs(x) < 2**53 else float(x) for x in distinct]
+    return {"values": shown, "counts": [round(float(c)) for c in sums]}
+
+
 def _as_sketch(s: Sequence[float], name: str) -> np.ndarray:
     a = np.asarray(s, dtype=float)
     if a.shape != (SKETCH_POINTS,):

@@ -28,6 +28,7 @@ from pipeline.reportschema import (
     OutputStats,
     ReportData,
     ShardEntry,
+    ValueCounts,
 )
 from pipeline.statuses import RunStatus, ShardStatus
 
@@ -51,8 +52,11 @@ h1{font-size:22px;margin:8px 0}h2{font-size:18px;border-bottom:1px solid #ccc;pa
 h3{font-size:15px;margin:14px 0 6px}
 table{border-collapse:collapse;margin:6px 0 12px;font-variant-numeric:tabular-nums}
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
-th{background:#f3f3f3}td.n{text-align:right}thead{display:table-header-group}
-.kv th{width:14em}td{overflow-wrap:anywhere}
+th{background:#f3f3f3}thead{display:table-header-group}
+td.n{text-align:right}td.n,td.num{white-space:nowrap}
+.kv th{width:14em}td{overflow-wrap:break-word}.kv td{overflow-wrap:anywhere}
+td.n,td.num{overflow-wrap:normal}
+.tw{overflow-x:auto;max-width:100%}p,li,h1,h2,h3,figcaption{overflow-wrap:break-word}
 .banner{padding:10px 14px;border-radius:6px;border:2px solid;font-weight:600;font-size:16px}
 .ok{background:#e6f4ea;border-color:#1e7e34;color:#14532d}
 .warn{background:#fff4d6;border-color:#b7791f;color:#6b4403}
@@ -60,14 +64,14 @@ th{background:#f3f3f3}td.n{text-align:right}thead{display:table-header-group}
 .unknown{background:#eee;border-color:#777}
 tr.alert td,tr.failed td{background:#fde8e8}tr.slow td{background:#fff4d6}
 .note{color:#555;font-style:italic}
-figure{margin:8px 0 14px;break-inside:avoid;page-break-inside:avoid}
-svg{width:100%;height:auto;max-width:900px}svg text{font:11px sans-serif;fill:#222}
+figure{margin:8px 0 14px;break-inside:avoid;page-break-inside:avoid;overflow-x:auto}
+svg{width:100%;height:auto;max-width:900px;min-width:520px}svg text{font:11px sans-serif;fill:#222}
 .bar{fill:#4a78b5}.bar.hi{fill:#d97706}.line{fill:none;stroke:#2f6db5;stroke-width:2}
 .axis{stroke:#555}.grid{stroke:#e3e3e3}
 @media print{body{font-size:11px;background:#fff!important;color:#000}main{max-width:none;
 padding:0}.banner{background:#fff!important;color:#000}th{background:#fff}
 tr.alert td,tr.failed td,tr.slow td{background:#fff;font-weight:600}
-section{break-inside:auto}h2{break-after:avoid}svg{max-width:100%}}
+section{break-inside:auto}h2{break-after:avoid}svg{max-width:100%;min-width:0}.tw,figure{overflow:visible}}
 """
 
 
@@ -92,14 +96,31 @@ def _fmt(value: float | None, digits: int = 0, suffix: str = "") -> str:
     return f"{f:,.{digits}f}{suffix}"
 
 
+#: Decimal places at most: a score of 1.898e-13 reads "<0.000001", never in exponent notation.
+MAX_DECIMALS = 6
+
+
 def _g(value: float | None) -> str:
-    """Compact number for quantiles and axis ticks: thousands separators, else 4 significant."""
+    """A number as plain decimals, for quantiles, statistics and axis ticks.
+
+    Whole numbers with thousands separators (``74,900``); from 1,000 up, rounded to a whole
+    number; below, 4 significant digits with trailing zeros dropped (``0.9673``, ``12.35``,
+    ``0.5``) but never more than :data:`MAX_DECIMALS` places, so a value too small to show is
+    ``<0.000001`` (or ``>-0.000001``) rather than ``1.898e-13``.
+    """
     f = _num(value)
     if f is None:
         return "-"
     if f == int(f) and abs(f) < 1e15:
         return f"{int(f):,}"
-    return f"{f:,.0f}" if abs(f) >= 1000 else f"{f:.4g}"
+    if abs(f) >= 1000:
+        return f"{f:,.0f}"
+    places = min(MAX_DECIMALS, 3 - math.floor(math.log10(abs(f))))
+    text = f"{f:.{places}f}".rstrip("0").rstrip(".")
+    if text in ("0", "-0"):
+        tiny = f"0.{'0' * (MAX_DECIMALS - 1)}1"
+        return f"<{tiny}" if f > 0 else f">-{tiny}"
+    return text
 
 
 def _pct(value: float | None, signed: bool = False) -> str:
@@ -132,17 +153,24 @@ def _table(
             f'<td class="n">{_e(c)}</td>' if _looks_numeric(c) else f"<td>{_e(c)}</td>" for c in row
         )
         body.append(f"<tr{cls}>{cells}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return f'<div class="tw">{table}</div>'
 
 
 def _looks_numeric(cell: Any) -> bool:
-    s = str(cell).replace(",", "").replace("%", "").replace(" s", "").lstrip("+-")
+    s = str(cell).replace(",", "").replace("%", "").replace(" s", "").replace(" ms", "")
+    s = s.lstrip("<>").lstrip("+-")
     return s.replace(".", "", 1).isdigit()
 
 
 def _kv(pairs: Sequence[tuple[str, Any]]) -> str:
-    rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(_plain(v))}</td></tr>" for k, v in pairs)
-    return f'<table class="kv"><tbody>{rows}</tbody></table>'
+    """A two-column table of names and values; a numeric value never wraps (class ``num``)."""
+    rows = []
+    for k, v in pairs:
+        text = _plain(v)
+        cls = ' class="num"' if _looks_numeric(text) else ""
+        rows.append(f"<tr><th>{_e(k)}</th><td{cls}>{_e(text)}</td></tr>")
+    return f'<div class="tw"><table class="kv"><tbody>{"".join(rows)}</tbody></table></div>'
 
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -270,6 +298,46 @@ def histogram(edges: Sequence[float], counts: Sequence[float], xlabel: str, titl
     return _plot(list(edges), list(counts), xlabel, "rows", title, body)
 
 
+def count_chart(values: Sequence[float], counts: Sequence[float], xlabel: str, title: str) -> str:
+    """Vertical bars, one per value of a discrete column (argmax labels, 0/1 outputs).
+
+    Each bar stands over its value's label with its row count on top: a 0/1 column shows two
+    bars labelled 0 and 1, not 20 histogram bins with ticks at 0.2 to 0.8.
+    """
+    left, right, top, bottom, h = 80, 20, 20, 48, 280
+    base = h - bottom
+    yt = _ticks(0.0, max(max(counts, default=0.0), 0.0) or 1.0)
+
+    def py(y: float) -> float:
+        return top + (1 - y / (yt[-1] or 1.0)) * (base - top)
+
+    slot = (_W - left - right) / max(len(values), 1)
+    width = min(slot * 0.7, 80.0)
+    parts = [
+        f'<line class="grid" x1="{left}" y1="{py(t):.1f}" x2="{_W - right}" y2="{py(t):.1f}"/>'
+        f'<text x="{left - 6}" y="{py(t) + 4:.1f}" text-anchor="end">{_e(_g(t))}</text>'
+        for t in yt
+    ]
+    for i, (v, c) in enumerate(zip(values, counts, strict=True)):
+        mid = left + (i + 0.5) * slot
+        label, n = _g(v), _g(c)
+        parts.append(
+            f"<g><title>{_e(xlabel)} = {_e(label)}: {_e(n)} rows</title>"
+            f'<rect class="bar" x="{mid - width / 2:.1f}" y="{py(c):.1f}" width="{width:.1f}" '
+            f'height="{base - py(c):.1f}"/>'
+            f'<text x="{mid:.1f}" y="{py(c) - 4:.1f}" text-anchor="middle">{_e(n)}</text>'
+            f'<text x="{mid:.1f}" y="{base + 16}" text-anchor="middle">{_e(label)}</text></g>'
+        )
+    parts.append(
+        f'<line class="axis" x1="{left}" y1="{base}" x2="{_W - right}" y2="{base}"/>'
+        f'<line class="axis" x1="{left}" y1="{top}" x2="{left}" y2="{base}"/>'
+        f'<text x="{(left + _W - right) / 2}" y="{h - 10}" text-anchor="middle">{_e(xlabel)}</text>'
+        f'<text transform="translate(14 {(top + base) / 2}) rotate(-90)" text-anchor="middle">'
+        "rows</text>"
+    )
+    return _svg(h, title, "".join(parts))
+
+
 def _figure(svg: str, caption: str) -> str:
     return f"<figure>{svg}<figcaption class='note'>{_e(caption)}</figcaption></figure>"
 
@@ -366,15 +434,37 @@ def _shards(r: ReportData) -> str:
     return "".join(out)
 
 
+def _first_start(r: ReportData) -> float | None:
+    """Seconds from the run's start to the first shard's start: when scoring began.
+
+    None when no shard says (nothing ran); a malformed shard entry is the shards section's
+    problem, so it is passed over here rather than costing this chart too.
+    """
+    starts = [_num(s.get("started_s")) for s in r["shards"] if isinstance(s, Mapping)]
+    known = [t for t in starts if t is not None]
+    return min(known) if known else None
+
+
 def _throughput(r: ReportData) -> str:
     pts = sorted((float(p["t_s"]), float(p["rows"])) for p in r["throughput"])
+    start = _first_start(r)
+    if start is not None and len(pts) > 1:
+        # The report's first point is (0, 0), the run's start. Planning, starting the cluster and
+        # loading the model come before any shard starts: a line from (0, 0) would draw that
+        # start-up as slow scoring. The line starts where the first shard started instead.
+        pts = [(start, 0.0)] + [p for p in pts if p[0] >= start and p[1] > 0]
     if len(pts) < 2:
         return _p("Not enough throughput samples to draw a chart (fewer than 2 points).")
     (t0, n0), (t1, n1) = pts[0], pts[-1]
     rate = (n1 - n0) / (t1 - t0) if t1 > t0 else None
-    chart = line_chart(pts, "seconds since start", "rows scored (cumulative)", "Rows over time")
-    cap = f"{len(pts):,} samples; {_g(n1)} rows scored by {_g(t1)} s; average {_fmt(rate)} "
-    cap += "rows/s between the first and last sample. A flat stretch means nothing finished then."
+    chart = line_chart(pts, "seconds since the run started", "rows scored (cumulative)",
+                       "Rows over time")  # fmt: skip
+    cap = ""
+    if start is not None:
+        cap = f"Scoring began {_fmt(start, 1)} s after the run started (planning, starting "
+        cap += "workers, loading the model); the line starts there. "
+    cap += f"{len(pts):,} samples; {_g(n1)} rows scored by {_fmt(t1, 1)} s; average "
+    cap += f"{_fmt(rate)} rows/s since scoring began. A flat stretch means nothing finished then."
     return _figure(chart, cap)
 
 
@@ -399,6 +489,15 @@ def _score_column(col: str, o: OutputStats) -> str:
     stats = [_fmt(o["count"]), _g(o.get("mean")), _g(o.get("min")), _g(o.get("max"))]
     head = ["count", "mean", "min", "max", *_QUANTILE_KEYS]
     out = [f"<h3>{_e(col)}</h3>", _table(head, [stats + [_g(q.get(k)) for k in _QUANTILE_KEYS]])]
+    discrete: ValueCounts | None = o.get("value_counts")
+    if discrete and discrete["values"] and len(discrete["values"]) == len(discrete["counts"]):
+        values, counts_ = list(discrete["values"]), list(discrete["counts"])
+        shown = ", ".join(_g(v) for v in values)
+        cap = (
+            f"Rows per value of {col} ({len(values)} distinct: {shown}), from the report's sample."
+        )
+        out.append(_figure(count_chart(values, counts_, col, f"Rows per value of {col}"), cap))
+        return "".join(out)
     h = o.get("histogram")
     edges, counts = (list(h["edges"]), list(h["counts"])) if h else ([], [])
     if counts and len(edges) == len(counts) + 1:

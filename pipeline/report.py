@@ -39,6 +39,8 @@ STATUSES = (
 MAX_SAMPLE = 200_000
 COMPRESSED_SAMPLE = 20_000
 HISTOGRAM_BINS = 20
+# A column with at most this many distinct whole-number values gets rows per value as well.
+DISCRETE_MAX_VALUES = 20
 
 
 @dataclass
@@ -134,6 +136,9 @@ class ScoreProfile:
                     if entry["sketch"]:  # a sample may miss the extremes; min and max are exact
                         entry["sketch"][0], entry["sketch"][-1] = entry["min"], entry["max"]
                     entry["histogram"] = drift_mod.histogram(v, w, bins=HISTOGRAM_BINS)
+                    counts = drift_mod.value_counts(v, w, max_values=DISCRETE_MAX_VALUES)
+                    if counts is not None:
+                        entry["value_counts"] = counts
             out[col] = entry
         return out
 

@@ -223,6 +223,13 @@ class Histogram(TypedDict):
     counts: list[int]
 
 
+class ValueCounts(TypedDict):
+    """Rows per value of a discrete column (all sampled values integers, at most 20 of them)."""
+
+    values: list[float]  # ascending; whole numbers
+    counts: list[int]
+
+
 class OutputCount(TypedDict):
     count: int
 
@@ -236,6 +243,7 @@ class OutputStats(OutputCount, total=False):
     quantiles: Quantiles
     sketch: list[float]  # SKETCH_POINTS (101) quantiles, or [] when no finite score was sampled
     histogram: Histogram
+    value_counts: ValueCounts  # only for a discrete column: argmax labels, 0/1 outputs
 
 
 class ThroughputPoint(TypedDict):
@@ -360,6 +368,7 @@ SCHEMA_OBJECTS: dict[str, type] = {
     "#/$defs/output_stats": OutputStats,
     "#/$defs/quantiles": Quantiles,
     "#/$defs/histogram": Histogram,
+    "#/$defs/value_counts": ValueCounts,
     "#/$defs/throughput_point": ThroughputPoint,
     "#/$defs/drift_note": DriftNote,
     "#/$defs/drift_comparison": DriftComparison,

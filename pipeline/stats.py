@@ -64,7 +64,13 @@ class ColumnStats:
             v = np.asarray(self.samples, dtype=float)
             return v, np.full(len(v), weight)
         levels = (np.arange(SKETCH_SAMPLE) + 0.5) / SKETCH_SAMPLE
-        v = np.interp(levels, LEVELS, np.asarray(self.sketch, dtype=float))
+        points = np.asarray(self.sketch, dtype=float)
+        v = np.interp(levels, LEVELS, points)
+        if np.all(points == np.rint(points)):
+            # A whole-number column (argmax labels): reading between two sketch points must not
+            # invent values such as 0.4 that no row has; the nearest whole number keeps the step
+            # where it was, within the sketch's 1% resolution.
+            v = np.rint(v)
         return v, np.full(SKETCH_SAMPLE, self.count / SKETCH_SAMPLE)
 
     def summary(self, weight: float) -> dict[str, Any]:

@@ -400,3 +400,127 @@ def test_removed_outputs_are_listed_with_their_reason() -> None:
     page = render_html(full_report())  # type: ignore[arg-type]
     assert "Removed from the output" in page
     assert "part-00009.parquet" in page and "its input shard no longer exists" in page
+
+
+# ---------------------------------------------------------------- a page that reads right
+
+
+def _section(page: str, sid: str) -> str:
+    return page.split(f'id="{sid}"')[1].split("</section>")[0]
+
+
+def _points(page: str) -> list[tuple[float, float]]:
+    (poly,) = re.findall(r'<polyline class="line" points="([^"]+)"', _section(page, "throughput"))
+    return [(float(x), float(y)) for x, y in (p.split(",") for p in poly.split())]
+
+
+def test_throughput_starts_at_the_first_shards_start_not_at_zero() -> None:
+    r = full_report()
+    # 2.5 s of start-up (planning, workers, model) before the first shard started.
+    for i, s in enumerate(r["shards"][:3]):
+        s["started_s"], s["finished_s"] = 2.5 + 0.2 * i, 3.0 + 0.3 * i
+    r["throughput"] = [{"t_s": 0.0, "rows": 0}, {"t_s": 3.0, "rows": 25000},
+                       {"t_s": 3.3, "rows": 50000}, {"t_s": 5.4, "rows": 75000}]  # fmt: skip
+    validate_report(r)
+    page = render_html(r)
+    check(page)
+    pts = _points(page)
+    assert len(pts) == 4
+    (x0, y0), base = pts[0], max(y for _, y in pts)
+    assert y0 == base  # the line starts at 0 rows...
+    # ...at 2.5 s, well right of the y axis (x = 80), where (0, 0) would have put it: the axis
+    # runs from 2 to 6 s over 620 units, so 2.5 s sits at 80 + 0.5 / 4 * 620.
+    assert x0 == pytest.approx(80 + 0.5 / 4 * 620, abs=0.1)
+    # Ticks cover the scoring time only; start-up is said in words.
+    ticks = re.findall(r'text-anchor="middle">([0-9.]+)</text>', _section(page, "throughput"))
+    assert "0" not in ticks and ticks[0] == "2"
+    assert "Scoring began 2.5 s after the run started" in page
+    # The average counts from when scoring began, not from the run's start.
+    assert f"average {75000 / (5.4 - 2.5):,.0f} rows/s since scoring began" in page
+
+
+def test_throughput_without_shard_starts_keeps_the_run_start() -> None:
+    r = full_report()
+    for s in r["shards"]:
+        s["started_s"] = s["finished_s"] = None
+    pts = _points(render_html(r))
+    assert pts[0][0] == pytest.approx(80.0)  # (0, 0): nothing says when scoring began
+    assert "Scoring began" not in render_html(r)
+
+
+def test_a_discrete_output_is_a_bar_chart_of_counts() -> None:
+    r = full_report()
+    label = r["outputs"]["label"]
+    label.update(min=0.0, max=1.0, mean=36900 / 74900)
+    label["histogram"] = {
+        "edges": [i / 20 for i in range(21)],
+        "counts": [38000] + [0] * 18 + [36900],
+    }
+    label["value_counts"] = {"values": [0, 1], "counts": [38000, 36900]}
+    validate_report(r)
+    page = render_html(r)
+    check(page)
+    scores = _section(page, "scores")
+    label_part = scores.split("<h3>label</h3>")[1]
+    score_part = scores.split("<h3>score</h3>")[1].split("<h3>")[0]
+    # Two bars, labelled 0 and 1 with their counts; no 20 bins, no ticks at 0.2 ... 0.8.
+    assert label_part.count('<rect class="bar"') == 2
+    assert ">38,000</text>" in label_part and ">36,900</text>" in label_part
+    assert '<text x="235.0" y="248" text-anchor="middle">0</text>' in label_part
+    assert '<text x="545.0" y="248" text-anchor="middle">1</text>' in label_part
+    for tick in ("0.2", "0.4", "0.6", "0.8"):
+        assert f">{tick}</text>" not in label_part
+    assert "Rows per value of label (2 distinct: 0, 1)" in label_part
+    # A continuous column keeps its 20-bin histogram.
+    assert score_part.count('<rect class="bar"') == 20
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (1.898e-13, "<0.000001"),
+        (-3e-9, ">-0.000001"),
+        (0.0, "0"),
+        (1.0, "1"),
+        (74900, "74,900"),
+        (0.96734, "0.9673"),
+        (0.5, "0.5"),
+        (0.0123456, "0.01235"),
+        (0.000123456, "0.000123"),
+        (12.3456, "12.35"),
+        (-0.25, "-0.25"),
+        (123456.7, "123,457"),
+        (1e300, f"{1e300:,.0f}"),
+        (None, "-"),
+    ],
+)
+def test_numbers_are_plain_decimals(value: float | None, text: str) -> None:
+    from pipeline.html_report import _g
+
+    assert _g(value) == text
+
+
+def test_quantiles_in_the_page_have_no_exponent() -> None:
+    r = full_report()
+    q = r["outputs"]["score"]["quantiles"]
+    q.update(p01=1.898e-13, p05=2.5e-7, p25=0.0123456)
+    page = render_html(r)
+    check(page)
+    scores = _section(page, "scores")
+    assert not re.search(r"\d[eE][-+]?\d", scores), re.findall(r"[\d.]+[eE][-+]?\d+", scores)
+    assert '<td class="n">&lt;0.000001</td>' in scores  # p01 and p05: too small to show
+    assert '<td class="n">0.01235</td>' in scores
+
+
+def test_numbers_never_wrap_inside_a_cell() -> None:
+    page = render_html(full_report())
+    css = page.split("<style>")[1].split("</style>")[0]
+    assert "td.n,td.num{white-space:nowrap}" in css  # numbers stay on one line...
+    assert "td.n,td.num{overflow-wrap:normal}" in css  # ...while long paths still break
+    assert ".kv td{overflow-wrap:anywhere}" in css
+    assert "font-variant-numeric:tabular-nums" in css
+    totals = _section(page, "totals")
+    assert '<td class="num">75,000</td>' in totals and '<td class="num">4.5 s</td>' in totals
+    assert "<td>cpu</td>" in totals  # text keeps the default
+    # Every table sits in a box that scrolls sideways on a narrow screen instead of wrapping.
+    assert page.count("<table") == page.count('<div class="tw"><table')

@@ -158,3 +158,43 @@ def test_to_json_of_a_finite_document_is_plain_json() -> None:
     plain = {"a": [1, 2.5, None], "b": "é"}
     assert storage.to_json(plain) == json.dumps(plain, indent=2)
     assert storage.to_json(plain, compact=True) == json.dumps(plain, separators=(",", ":"))
+
+
+def _labels(n: int, seed: int, p: float) -> np.ndarray:
+    """An argmax label column: 0 or 1, a share ``p`` of ones."""
+    return (np.random.default_rng(seed).random(n) < p).astype(np.int64)
+
+
+def test_a_discrete_column_gets_rows_per_value() -> None:
+    v = _labels(8_000, 3, 0.3)  # under SAMPLE_ROWS: every row is in the sample, counts exact
+    s = output_summary([_result("p", _scored(v))])["s"]
+    ones = int(v.sum())
+    assert s["value_counts"] == {"values": [0, 1], "counts": [len(v) - ones, ones]}
+    # Sampled (every 12th row of 120,000): still whole rows per value, adding up to the count.
+    big = _labels(120_000, 4, 0.3)
+    counts = output_summary([_result("p", _scored(big))])["s"]["value_counts"]
+    assert counts["values"] == [0, 1] and sum(counts["counts"]) == len(big)
+    assert counts["counts"][1] == pytest.approx(int(big.sum()), rel=0.03)
+
+
+def test_a_continuous_or_many_valued_column_gets_none() -> None:
+    assert "value_counts" not in output_summary([_result("p", _scored(_values(5_000, 5)))])["s"]
+    many = np.arange(5_000) % 21  # 21 distinct whole numbers: a histogram
+    assert "value_counts" not in output_summary([_result("p", _scored(many))])["s"]
+    few = np.arange(5_000) % 20 - 7  # 20, negative ones included: bars
+    assert output_summary([_result("p", _scored(few))])["s"]["value_counts"]["values"] == list(
+        range(-7, 13)
+    )
+
+
+def test_a_skipped_discrete_shard_stays_discrete() -> None:
+    # Read back from its manifest sketch, a 0/1 shard must not come back with values like 0.4
+    # (linear between the sketch's last 0 and first 1): the resumed report keeps its bars.
+    v = _labels(60_000, 6, 0.37)
+    text = storage.to_json(_scored(v).summary(), compact=True)
+    back = ShardStats.from_summary(_strict(text), len(v))
+    sample, _ = back.columns["s"].weighted_sample(back.sample_weight)
+    assert set(np.unique(sample)) == {0.0, 1.0}
+    resumed = output_summary([_result("p", back, ShardStatus.SKIPPED)])["s"]["value_counts"]
+    assert resumed["values"] == [0, 1]
+    assert resumed["counts"][1] / len(v) == pytest.approx(v.mean(), abs=0.01)  # sketch: 1%

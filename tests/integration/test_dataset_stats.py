@@ -55,6 +55,13 @@ def _same_outputs(a: dict[str, Any], b: dict[str, Any]) -> None:
         span = x["max"] - x["min"]
         for q in x["quantiles"]:
             assert x["quantiles"][q] == pytest.approx(y["quantiles"][q], abs=0.02 * span), (col, q)
+        # A discrete column (the argmax label) keeps its rows per value through the sketches.
+        assert ("value_counts" in x) == ("value_counts" in y), col
+        if "value_counts" in x:
+            vx, vy = x["value_counts"], y["value_counts"]
+            assert vx["values"] == vy["values"], col
+            for cx, cy in zip(vx["counts"], vy["counts"], strict=True):
+                assert cx == pytest.approx(cy, abs=0.01 * x["count"] + 1), col
 
 
 def test_resume_and_noop_rerun_report_the_whole_output(bundle_dir: Path, tmp_path: Path) -> None:

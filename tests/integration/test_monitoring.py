@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import dask.dataframe as dd
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -142,6 +143,15 @@ def test_html_report_and_metrics_match_the_json_report(
     for section in ("status", "totals", "shards", "throughput", "latency", "scores", "drift"):
         assert f'id="{section}"' in page
     assert "http://" not in page and "https://" not in page and "<script" not in page
+    # The argmax label is discrete: rows per value, equal to the output's own counts (at this
+    # size every row is in the sample), drawn as bars; the probability keeps its histogram.
+    labels = ds.dataset(out, format="parquet").to_table(columns=["label"]).column("label")
+    values, counts = np.unique(labels.to_numpy(), return_counts=True)
+    expected = {"values": values.tolist(), "counts": counts.tolist()}
+    assert rep["outputs"]["label"]["value_counts"] == expected
+    assert "value_counts" not in rep["outputs"]["score"]
+    assert "Rows per value of label" in page and "Distribution of score" in page
+    assert "Scoring began" in page  # the throughput line starts with the first shard
     # The output still reads as a dataset: the _report.html and _runs/ are skipped by readers.
     assert ds.dataset(out, format="parquet").count_rows() == 7300
     assert len(dd.read_parquet(str(out)).compute()) == 7300
