@@ -165,10 +165,8 @@ def test_help_documents_commands_options_and_exit_codes() -> None:
 def test_readme_quickstart_and_documented_options_match_help() -> None:
     readme = (REPO / "README.md").read_text()
     assert "make score-catalog" in readme and "make test" in readme
-    helps = {
-        name: cli(name, "--help", in_process=True).stdout
-        for name in ("run", "demo", "bench", "plan", "report", "backfill")
-    }
+    commands = ("run", "demo", "bench", "plan", "report", "backfill", "bundle register")
+    helps = {name: cli(*name.split(), "--help", in_process=True).stdout for name in commands}
     # Every option in the README's flag table is an option of `run`...
     table = re.findall(r"^\| `(--[a-z][a-z0-9-]+)", readme, flags=re.M)
     assert len(table) >= 20
