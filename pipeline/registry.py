@@ -43,17 +43,20 @@ SHA_TAG = "score_catalog.sha256"
 BUNDLE_ARTIFACT_PATH = "bundle"  # where register() logs the bundle folder inside the run
 DEFAULT_EXPERIMENT = "score-catalog"
 MARKER = "resolved.json"  # beside the cached bundle: what was downloaded, from where, its SHA
-# MLflow's client retries a failed request 7 times with exponential backoff (about 4 minutes
-# against a server that is down) and waits up to 120 s per request. A nightly job should fail in
-# seconds and say why, so these bound it unless the environment sets them.
-HTTP_BOUNDS = {
+# MLflow client settings while this module talks to the server, each unless the environment
+# sets it. The client retries a failed request 7 times with exponential backoff (about 4 minutes
+# against a server that is down) and waits up to 120 s per request; a nightly job should fail in
+# seconds and say why. Its download progress bars (tqdm, where installed) would break the one
+# JSON object per stderr line of --log-format json.
+CLIENT_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
 }
 _NOT_FOUND_CODES = frozenset({"RESOURCE_DOES_NOT_EXIST", "NOT_FOUND", "INVALID_PARAMETER_VALUE"})
 _VERSION_RE = re.compile(r"^[1-9][0-9]*$")
-_LOCK = threading.Lock()  # one resolution at a time per process: the cache and HTTP_BOUNDS
+_LOCK = threading.Lock()  # one resolution at a time per process: the cache, CLIENT_DEFAULTS
 
 
 def is_registry_uri(uri: str) -> bool:
@@ -83,8 +86,8 @@ def parse_uri(uri: str) -> RegistryRef:
     raise ConfigError(
         f"model = {uri!r} is not a registry URI this tool reads: use models:/NAME/VERSION "
         "(a version number, e.g. models:/catalog-ranker/3) or models:/NAME@ALIAS (e.g. "
-        "models:/catalog-ranker@champion); stages such as /Production are deprecated by MLflow, "
-        "use an alias instead"
+        "models:/catalog-ranker@champion); for /latest or a stage such as /Production, point "
+        "an alias at the version instead (MLflow deprecates stages)"
     )
 
 
@@ -211,10 +214,10 @@ def _mlflow(uri: str) -> Any:
 
 
 @contextlib.contextmanager
-def _bounded_requests() -> Iterator[None]:
-    """MLflow's HTTP retries and timeout bounded (:data:`HTTP_BOUNDS`) unless already set."""
-    added = [k for k in HTTP_BOUNDS if k not in os.environ]
-    os.environ.update({k: HTTP_BOUNDS[k] for k in added})
+def _client_defaults() -> Iterator[None]:
+    """:data:`CLIENT_DEFAULTS` in the environment, where not set, for the block's duration."""
+    added = [k for k in CLIENT_DEFAULTS if k not in os.environ]
+    os.environ.update({k: CLIENT_DEFAULTS[k] for k in added})
     try:
         yield
     finally:
@@ -228,7 +231,7 @@ def _client(mlflow: Any, tracking: str) -> Any:
 
 def _resolve(ref: RegistryRef, tracking: str, cache_dir: Path | None) -> RegistryVersion:
     mlflow = _mlflow(ref.uri)
-    with _LOCK, _bounded_requests():
+    with _LOCK, _client_defaults():
         client = _client(mlflow, tracking)
         mv = _model_version(mlflow, client, ref, tracking)
         path = _cached_bundle(mlflow, client, mv, ref, tracking, cache_dir or default_cache_dir())
@@ -455,7 +458,7 @@ def register(
         )
     spec, sha = check_bundle(path)
     mlflow = _mlflow(uri)
-    with _LOCK, _bounded_requests():
+    with _LOCK, _client_defaults():
         client = _client(mlflow, tracking)
         try:
             run_id = _log_bundle(client, path, spec, sha, experiment)
