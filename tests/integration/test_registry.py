@@ -129,10 +129,15 @@ def test_a_registered_version_is_scored_by_its_number(
     mv = mlflow_server.client().get_model_version(name, "1")
     assert mv.tags[SHA_TAG] == _sha(bundle_dir)  # the registry records what was registered
 
-    # A separate process on the default embedded Dask cluster: the workers get the spec.
+    # A separate process on the default embedded Dask cluster (the workers get the spec), with
+    # JSON logs: MLflow's own log lines and warnings must come out as JSON too.
     out = tmp_path / "out"
-    r = cli("run", *job_args(catalog, out, pinned, "--workers", "2"), env=env)
+    args = job_args(catalog, out, pinned, "--workers", "2", "--log-format", "json")
+    r = cli("run", *args, env=env)
     assert r.returncode == 0, r.output
+    events = [json.loads(line) for line in r.stderr.splitlines()]  # every line one JSON object
+    assert any(pinned in e["message"] for e in events)
+    assert json.loads(r.stdout)["event"] == "summary"
     assert r.report is not None
     assert r.report["shards_scored"] == len(SIZES)
     model = r.report["model"]
@@ -151,7 +156,6 @@ def test_a_registered_version_is_scored_by_its_number(
     assert Path(reg["path"]).is_relative_to(cache)
     assert _sha(Path(reg["path"])) == _sha(bundle_dir)
     assert r.report["settings"]["model_version"] == pinned
-    assert f"registry  {pinned}" in r.stdout
     assert_scored_by(out, catalog, bundle_dir, pinned)
     footer = pq.read_metadata(out / "part-00000.parquet").metadata
     assert footer[b"score_catalog.model_sha256"].decode() == _sha(bundle_dir)
