@@ -234,6 +234,11 @@ def _resolve(ref: RegistryRef, tracking: str, cache_dir: Path | None) -> Registr
     with _LOCK, _client_defaults():
         client = _client(mlflow, tracking)
         mv = _model_version(mlflow, client, ref, tracking)
+        if str(getattr(mv, "status", "READY")) != "READY":
+            raise ModelError(
+                f"{ref.uri}: version {mv.version} is {mv.status} in the registry, not READY; "
+                "wait for its registration to finish, or register the bundle again"
+            )
         path = _cached_bundle(mlflow, client, mv, ref, tracking, cache_dir or default_cache_dir())
     return RegistryVersion(
         uri=ref.uri,

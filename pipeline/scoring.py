@@ -9,6 +9,7 @@ commit makes idempotent.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -270,9 +271,16 @@ def _bundle_uri(spec: WorkerSpec) -> str:
     downloaded copy this machine does not see, its own download of the same pinned version."""
     if not spec.registry_uri or os.path.isdir(spec.model_uri):
         return spec.model_uri
+    return _fetched(spec.registry_uri, spec.tracking_uri)
+
+
+@functools.lru_cache(maxsize=8)
+def _fetched(registry_uri: str, tracking_uri: str) -> str:
+    """A pinned version's local folder, asked for once per worker process: a registered version
+    never changes, and every shard would otherwise ask the server and hash the bundle again."""
     from pipeline.registry import fetch_pinned
 
-    return fetch_pinned(spec.registry_uri, spec.tracking_uri)
+    return fetch_pinned(registry_uri, tracking_uri)
 
 
 def warm_worker(spec: WorkerSpec) -> None:
