@@ -6,6 +6,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 PYTEST_ARGS ?=
+# tests/integration/test_registry.py's real `mlflow server` runs from its own venv: the full mlflow
+# package pins pyarrow below the version the tool is tested with, and the tool itself needs only
+# the mlflow-skinny client (the `mlflow` extra, also in `dev`).
+MLFLOW_VENV ?= .venv-mlflow
 JOB ?= jobs/score_catalog.toml
 RUN_ARGS ?=
 # torch wheel for machines without an NVIDIA GPU: the local CPU build, installed before the
@@ -56,8 +60,14 @@ archive-demo: install
 	done
 	$(BIN)/score-catalog backfill jobs/rescore_archive.toml --from 2025-01-01 --to 2025-01-04
 
-test: install
-	$(BIN)/pytest $(PYTEST_ARGS)
+test: install $(MLFLOW_VENV)/.installed
+	MLFLOW_SERVER_BIN=$(abspath $(MLFLOW_VENV))/bin/mlflow $(BIN)/pytest $(PYTEST_ARGS)
+
+$(MLFLOW_VENV)/.installed:
+	test -x $(MLFLOW_VENV)/bin/python || $(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MLFLOW_VENV)/bin/python -m pip install -q "mlflow>=3.0"
+	touch $@
 
 test-fast: install
 	$(BIN)/pytest -m "not integration and not slow" $(PYTEST_ARGS)
@@ -90,4 +100,4 @@ clean:
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(MLFLOW_VENV)

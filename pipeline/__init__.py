@@ -15,6 +15,7 @@ from pipeline.errors import (
     LockError,
     ModelError,
     PipelineError,
+    RegistryError,
     SchemaError,
     StorageError,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "ModelError",
     "Monitoring",
     "PipelineError",
+    "RegistryError",
     "RunReport",
     "SchemaError",
     "StorageError",

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import runindex, storage
+from pipeline import registry, runindex, storage
 from pipeline.config import JobConfig
 from pipeline.errors import (
     EXIT_DRIFT,
@@ -101,7 +101,8 @@ def _check_templates(config: JobConfig) -> None:
 
 
 def _finished(config: JobConfig, sha: str) -> dict[str, Any] | None:
-    """The partition's report if its output is complete and came from this model bundle."""
+    """The partition's report if its output is complete and came from this model bundle (and,
+    for a model from a registry, this registered version: ``config.model`` is pinned)."""
     out = storage.locate(config.output_uri("backfill"), config.storage)
     if not storage.exists(out.child(SUCCESS_NAME)):
         return None
@@ -111,6 +112,9 @@ def _finished(config: JobConfig, sha: str) -> dict[str, Any] | None:
         return None
     if not isinstance(report, dict) or (report.get("model") or {}).get("sha256") != sha:
         return None
+    version = (report.get("settings") or {}).get("model_version")
+    if version != (config.model if registry.is_registry_uri(config.model) else None):
+        return None  # another registered version, or a bundle where one is asked for now
     if not _input_unchanged(config, out):
         return None  # a shard added, deleted or rewritten upstream: run the day (it resumes)
     return report
@@ -157,7 +161,11 @@ def backfill(
     days = dates(start, end)
     t0 = time.perf_counter()
     started_at = dt.datetime.now(dt.timezone.utc)
-    _, _, sha = read_bundle(config.model, config.storage)
+    source = registry.resolve_model(config.model)
+    if source.registry is not None:
+        # Every day scores the version the alias names now, even if it moves meanwhile.
+        config = dataclasses.replace(config, model=source.registry.pinned)
+    _, _, sha = read_bundle(source.bundle, config.storage)
     parts: list[dict[str, Any]] = []
     for i, day in enumerate(days):
         entry: dict[str, Any] = {"date": day, "input": config.input.format(date=day)}

@@ -20,6 +20,7 @@ import click
 from pipeline import config as cfg
 from pipeline import logs
 from pipeline.cli_bench import bench
+from pipeline.cli_bundle import bundle
 from pipeline.errors import (
     EXIT_CODES_HELP,
     EXIT_INPUT,
@@ -407,6 +408,7 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
 
 
 main.add_command(bench)
+main.add_command(bundle)
 
 
 def entrypoint() -> None:

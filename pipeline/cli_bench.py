@@ -107,7 +107,13 @@ def _rows_from_input(
 
 
 @click.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
-@click.option("--model", "model_uri", required=True, metavar="BUNDLE", help="Model bundle.")
+@click.option(
+    "--model",
+    "model_uri",
+    required=True,
+    metavar="BUNDLE",
+    help="Model bundle, or models:/NAME/VERSION or models:/NAME@ALIAS (MLflow registry).",
+)
 @click.option(
     "--device",
     default="auto",
@@ -162,6 +168,7 @@ def bench(
     import torch
 
     from pipeline.model import forward, load_model
+    from pipeline.registry import resolve_model
     from pipeline.tuning import BenchRow, bench_batch_sizes, format_table
 
     previous_threads = torch.get_num_threads()
@@ -170,6 +177,7 @@ def bench(
     torch.set_num_threads(n_threads)
     try:
         try:
+            model_uri = resolve_model(model_uri).bundle
             if input_uri is not None:
                 model, x, how = _rows_from_input(input_uri, model_uri, device, rows)
             else:

@@ -233,10 +233,14 @@ class JobConfig:
             metavar="URI",
         )
     )
-    # Model bundle directory (model.toml + weights).
+    # Model bundle directory (model.toml + weights), or a registered version in an MLflow
+    # registry: models:/NAME/VERSION or models:/NAME@ALIAS (pipeline.registry).
     model: str = field(
         metadata=_meta(
-            "Model bundle directory (model.toml + weights).", checks=(_nonempty,), metavar="URI"
+            "Model bundle directory (model.toml + weights), or models:/NAME/VERSION or "
+            "models:/NAME@ALIAS from the MLflow registry at MLFLOW_TRACKING_URI.",
+            checks=(_nonempty,),
+            metavar="URI",
         )
     )
     # Name shown in reports and metrics; defaults to the job file's stem.

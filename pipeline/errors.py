@@ -71,6 +71,11 @@ class StorageError(PipelineError):
     """Reading or writing storage failed (permissions, missing bucket, network)."""
 
 
+class RegistryError(StorageError):
+    """The model registry (an MLflow tracking server) could not be reached or refused a request;
+    a rerun once it answers goes on. An unknown model, version or alias is a :class:`ModelError`."""
+
+
 class LockError(PipelineError):
     """Another run holds the lock on this output."""
 

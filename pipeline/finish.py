@@ -306,7 +306,7 @@ def run_facts(run: ScoringRun) -> RunFacts:
         rejects=run.rej_root.uri,
         id_column=config.id_column,
         error_budget=config.errors,
-        model=model_section(config.model, run.model),
+        model=model_section(run.source.uri, run.model, run.source.report()),
         device=str(run.device),
         threads=run.plan.public(),
         settings=run.settings.values,

@@ -7,12 +7,13 @@ estimate how long the scoring would take. Nothing is written and no lock is take
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import torch
 
-from pipeline import storage
+from pipeline import registry, storage
 from pipeline.cluster import thread_plan
 from pipeline.config import JobConfig
 from pipeline.manifest import Manifest, expectation
@@ -35,6 +36,8 @@ DEFAULT_AUTO_BATCH = 4096  # what `plan` assumes for batch_size = "auto" before 
 def plan_job(config: JobConfig) -> dict[str, Any]:
     """Plan ``config`` without scoring: shards, rows, schema problems, resume skips, estimate."""
     t0 = time.perf_counter()
+    source = registry.resolve_model(config.model)
+    config = dataclasses.replace(config, model=source.bundle)
     opts = config.storage
     out_root = storage.locate(config.output_uri("plan"), opts)
     shards = storage.list_shards(config.input_uri(), opts)
@@ -42,7 +45,7 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     spec, _, sha = read_bundle(config.model, opts)
     found = inspect_shards(config, shards, spec, sha, device, opts)
     _, failed, problems, width, model = found
-    settings = run_settings(config, spec)
+    settings = run_settings(config, spec, model_version=source.model_version)
     entries = _shard_entries(config, shards, found, out_root, expect_done=(sha, settings.hash))
     to_score = [e for e in entries if e["action"] == "score"]
     rows_to_score = sum(e["rows"] or 0 for e in to_score)
@@ -60,7 +63,13 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
         "job": config.name,
         "input": storage.locate(config.input_uri(), opts).uri,
         "output": out_root.uri,
-        "model": {"uri": config.model, "name": spec.name, "version": spec.version, "sha256": sha},
+        "model": {
+            "uri": source.uri,
+            "name": spec.name,
+            "version": spec.version,
+            "sha256": sha,
+            "registry": source.report(),
+        },
         "device": str(device),
         "threads": plan.public(),
         "shards_total": len(entries),

@@ -54,8 +54,15 @@ class Settings:
     hash: str
 
 
-def run_settings(config: JobConfig, spec: BundleSpec) -> Settings:
+def run_settings(
+    config: JobConfig, spec: BundleSpec, *, model_version: str | None = None
+) -> Settings:
     """The settings of ``config`` with model ``spec`` that decide what a row's output is.
+
+    ``model_version`` is the output's ``model_version`` value for a model from a registry
+    (``models:/NAME/VERSION``): moving an alias to another version rescores every shard even
+    when the new version's bundle has the same bytes. Absent otherwise, so that the hash of a
+    plain bundle's settings stays what earlier versions of this tool wrote.
 
     Refuses (:class:`ConfigError`) output columns that would share a name: a Parquet file with
     two ``score`` columns is refused by pyarrow and Polars and read as the wrong one by DuckDB.
@@ -68,6 +75,8 @@ def run_settings(config: JobConfig, spec: BundleSpec) -> Settings:
         "passthrough": list(config.passthrough),
         "precision": config.precision,
     }
+    if model_version is not None:
+        values["model_version"] = model_version
     return Settings(values, settings_hash(values))
 
 

@@ -160,8 +160,11 @@ def latency_summary(results: Iterable[ShardResult]) -> dict[str, float | None]:
     return {"p50": float(p50), "p95": float(p95), "p99": float(p99)}
 
 
-def model_section(uri: str, model: LoadedModel) -> dict[str, Any]:
-    """The ``model`` section of the report: the bundle, its content hash and its widths."""
+def model_section(
+    uri: str, model: LoadedModel, registry: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The ``model`` section of the report: the bundle, its content hash and its widths, and
+    for a model from a registry the version it resolved to (``registry``)."""
     spec = model.spec
     return {
         "uri": uri,
@@ -171,6 +174,7 @@ def model_section(uri: str, model: LoadedModel) -> dict[str, Any]:
         "sha256": model.sha256,
         "width": model.width,
         "out_width": model.out_width,
+        "registry": registry,
     }
 
 
@@ -396,6 +400,10 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
         f"  speed     {d['rows_per_s']:,.0f} rows/s over {d['rows_processed']:,} rows scored in "
         f"{d['duration_s']:.1f}s",
     ]
+    reg = d["model"].get("registry")
+    if reg:
+        alias = f" (alias {reg['alias']})" if reg["alias"] else ""
+        lines.insert(3, f"  registry  models:/{reg['name']}/{reg['version']}{alias}")
     lat = d["batch_latency_ms"]
     if lat["p50"] is not None:
         lines.append(

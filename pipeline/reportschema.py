@@ -156,6 +156,23 @@ class ModelInfo(TypedDict):
     out_width: int
 
 
+class RegistryInfo(TypedDict):
+    """``model.registry``: the registered version a ``models:/`` URI resolved to."""
+
+    uri: str  # as configured: models:/NAME/VERSION or models:/NAME@ALIAS
+    name: str
+    version: str
+    alias: str | None
+    run_id: str | None  # the MLflow run whose artifacts hold the bundle
+    path: str  # the local folder the bundle was downloaded to
+
+
+class ModelInfoWithRegistry(ModelInfo, total=False):
+    # Written by every run (null for a bundle given by its location); absent from reports of
+    # versions before model registries.
+    registry: RegistryInfo | None
+
+
 class ScoringSettings(TypedDict):
     """``settings``: what is hashed into the manifest; a change rescores every shard."""
 
@@ -164,6 +181,10 @@ class ScoringSettings(TypedDict):
     id_column: str
     passthrough: list[str]
     precision: Literal["fp32", "bf16", "fp16", "int8"]
+
+
+class ScoringSettingsWithVersion(ScoringSettings, total=False):
+    model_version: str  # a model from a registry: models:/NAME/VERSION, as every output row says
 
 
 class ErrorBudget(TypedDict):
@@ -328,8 +349,8 @@ class ReportData(TypedDict):
     execution: Execution
     device: str
     threads: ThreadsInfo
-    model: ModelInfo
-    settings: ScoringSettings
+    model: ModelInfoWithRegistry
+    settings: ScoringSettingsWithVersion
     error_budget: ErrorBudget
     lock_taken_over: LockHolderDetails | None
     oom_splits: int
@@ -359,8 +380,9 @@ SCHEMA_OBJECTS: dict[str, type] = {
     "#/$defs/batch_size_auto": BatchSizeAutoWithSweep,
     "#/$defs/bench_row": BenchRowEntry,
     "#/$defs/threads": ThreadsInfo,
-    "#/$defs/model": ModelInfo,
-    "#/$defs/settings": ScoringSettings,
+    "#/$defs/model": ModelInfoWithRegistry,
+    "#/$defs/registry": RegistryInfo,
+    "#/$defs/settings": ScoringSettingsWithVersion,
     "#/$defs/error_budget": ErrorBudget,
     "#/$defs/lock_holder": LockHolderDetails,
     "#/$defs/versions": Versions,

@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline import finish, storage
+from pipeline import finish, registry, storage
 from pipeline.cluster import DaskSession, Plan, thread_plan
 from pipeline.config import JobConfig
 from pipeline.execution import cancelled, execute, interrupted
@@ -97,6 +97,8 @@ class ScoringRun:
         self.fatal: ShardResult | None = None
         self.previous_outputs: set[str] = set()
         self.foreign = ForeignFiles()
+        # Where the model comes from; a registry URI is resolved at the start of prepare().
+        self.source = registry.ModelSource(uri=config.model, bundle=config.model)
 
     # -- the phases --------------------------------------------------------------------------
 
@@ -122,6 +124,10 @@ class ScoringRun:
 
     def prepare(self) -> None:
         """Plan from footers and the model's dry run: nothing is written before this passes."""
+        # A models:/ URI: ask the registry once, here; from now on the run, its workers and its
+        # manifest see the downloaded bundle folder (the report names both).
+        self.source = registry.resolve_model(self.config.model)
+        self.config = dataclasses.replace(self.config, model=self.source.bundle)
         config, opts = self.config, self.config.storage
         input_uri = config.input_uri()
         self.shards: list[ShardRef] = storage.list_shards(input_uri, opts)
@@ -132,7 +138,9 @@ class ScoringRun:
         self.device = resolve_device(config.device)
         bundle, _, self.sha = read_bundle(config.model, opts)
         # Before any worker spec: each output file's footer carries the settings hash.
-        self.settings: Settings = run_settings(config, bundle)
+        self.settings: Settings = run_settings(
+            config, bundle, model_version=self.source.model_version
+        )
         self.plan: Plan = thread_plan(config, len(self.shards))
         if self.plan.scheduler != "sync":
             # Workers start (and load the model) while the driver reads footers below.
@@ -228,7 +236,7 @@ class ScoringRun:
     def _worker_spec(self, width: int | None, batch_size: int | None) -> WorkerSpec:
         overlap = OVERLAP_DEPTH if self.config.overlap else 0
         torch_threads = self.plan.torch_threads
-        return WorkerSpec.for_job(
+        spec = WorkerSpec.for_job(
             self.config,
             self.sha,
             str(self.device),
@@ -237,6 +245,12 @@ class ScoringRun:
             overlap_depth=overlap,
             torch_threads=torch_threads,
             settings_hash=self.settings.hash,
+        )
+        reg = self.source.registry
+        if reg is None:
+            return spec
+        return dataclasses.replace(
+            spec, model_version=reg.pinned, registry_uri=reg.pinned, tracking_uri=reg.tracking_uri
         )
 
     def _expect(self, s: ShardRef) -> dict[str, object]:

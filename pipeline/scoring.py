@@ -9,6 +9,7 @@ commit makes idempotent.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -76,6 +77,13 @@ class WorkerSpec:
     # ``abandon_event`` is (the grace period is over) no shard commits (see pipeline.execution).
     stop_event: str = ""
     abandon_event: str = ""
+    # A model from a registry (pipeline.registry): the output's model_version value (empty: the
+    # bundle's own version), and the pinned models:/NAME/VERSION with its tracking server, from
+    # which a worker on another machine, which does not see the driver's downloaded copy at
+    # ``model_uri``, downloads the same version into its own cache.
+    model_version: str = ""
+    registry_uri: str = ""
+    tracking_uri: str = ""
 
     def fence(self) -> None:
         """Raise :class:`~pipeline.locking.LockLostError` unless this run still holds its lock
@@ -248,7 +256,7 @@ def _worker_device(device: str) -> str:
 def _load(spec: WorkerSpec, warm_rows: int) -> LoadedModel:
     """The spec's model in this process, prepared (cached: loaded once per worker)."""
     model = load_model(
-        spec.model_uri,
+        _bundle_uri(spec),
         _worker_device(spec.device),
         width=spec.width,
         options=spec.storage_options,
@@ -256,6 +264,23 @@ def _load(spec: WorkerSpec, warm_rows: int) -> LoadedModel:
     )
     prepared, _ = prepare(model, spec.execution, warm_rows=warm_rows)
     return prepared
+
+
+def _bundle_uri(spec: WorkerSpec) -> str:
+    """Where this worker reads the bundle: the run's location, or for a registry model whose
+    downloaded copy this machine does not see, its own download of the same pinned version."""
+    if not spec.registry_uri or os.path.isdir(spec.model_uri):
+        return spec.model_uri
+    return _fetched(spec.registry_uri, spec.tracking_uri)
+
+
+@functools.lru_cache(maxsize=8)
+def _fetched(registry_uri: str, tracking_uri: str) -> str:
+    """A pinned version's local folder, asked for once per worker process: a registered version
+    never changes, and every shard would otherwise ask the server and hash the bundle again."""
+    from pipeline.registry import fetch_pinned
+
+    return fetch_pinned(registry_uri, tracking_uri)
 
 
 def warm_worker(spec: WorkerSpec) -> None:
@@ -392,7 +417,8 @@ class _Shard:
         cols = output_columns(scored.outputs, self.model.spec.outputs)
         meta = batch.meta if keep.all() else batch.meta.filter(pa.array(keep))
         m = meta.num_rows
-        version_col = pa.repeat(pa.scalar(self.model.spec.version, pa.string()), m)
+        version = self.spec.model_version or self.model.spec.version
+        version_col = pa.repeat(pa.scalar(version, pa.string()), m)
         arrays = [*meta.columns, *cols, version_col]
         sink.write_output(pa.RecordBatch.from_arrays(arrays, schema=self.out_schema))
         checkpoint("batch-written")

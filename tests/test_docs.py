@@ -124,7 +124,10 @@ def test_the_link_check_finds_a_missing_file_and_a_missing_anchor(tmp_path: Path
 
 def test_flag_reference_matches_help() -> None:
     flags_doc = (DOCS / "flags.md").read_text(encoding="utf-8")
-    helps = {name: _help(name) for name in ("run", "demo", "bench", "plan", "report", "backfill")}
+    helps = {
+        name: _help(*name.split())
+        for name in ("run", "demo", "bench", "plan", "report", "backfill", "bundle register")
+    }
     # Every option in the flag table is an option of `run`...
     table = re.findall(r"^\| `(--[a-z][a-z0-9-]+)", flags_doc, flags=re.M)
     assert len(table) >= 20

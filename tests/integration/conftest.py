@@ -7,6 +7,8 @@ module or test, and stopped by PID (the machinery is in :mod:`tests.integration.
 - ``dask_cluster`` (module): ``dask scheduler`` + 2 ``dask worker`` processes; yields a
   :class:`DaskCluster`.
 - ``fresh_dask_cluster`` (function): the same, for a test that kills a worker.
+- ``mlflow_server`` (module): ``mlflow server`` with a SQLite store and a local artifact folder;
+  yields a :class:`MlflowServer`.
 
 The CLI itself is run with :func:`tests.integration.helpers.cli` (a plain function: pytest asks
 that conftest modules are not imported by tests).
@@ -23,10 +25,12 @@ import pytest
 
 from tests.integration.servers import (
     DaskCluster,
+    MlflowServer,
     MotoServer,
     S3Bucket,
     aws_overrides,
     start_dask_cluster,
+    start_mlflow_server,
     start_moto_server,
 )
 
@@ -64,3 +68,10 @@ def fresh_dask_cluster(tmp_path: Path) -> Iterator[DaskCluster]:
     """A cluster of its own, for a test that kills one of its workers."""
     with start_dask_cluster(tmp_path / "dask-logs") as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """One MLflow tracking server per test module (registered model names keep tests apart)."""
+    with start_mlflow_server(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server

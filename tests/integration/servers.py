@@ -1,10 +1,11 @@
-"""Real servers for the integration tests: an S3-compatible server (moto) and a Dask cluster.
+"""Real servers for the integration tests: an S3-compatible server (moto), a Dask cluster and an
+MLflow tracking server with its model registry.
 
 Every server is a real process started on 127.0.0.1 on a free port and stopped by its PID when
 its ``with`` block ends (SIGTERM, then SIGKILL after a timeout). Nothing is mocked: the CLI under
 test talks to them over TCP exactly as it would to S3 or to a production Dask scheduler. The
 fixtures that hand them to tests (``moto_server``, ``s3_bucket``, ``dask_cluster``,
-``fresh_dask_cluster``) are in this folder's ``conftest.py``.
+``fresh_dask_cluster``, ``mlflow_server``) are in this folder's ``conftest.py``.
 
 The helper functions ``install_load_counter``, ``load_count``, ``reuses_cached_model`` and
 ``executed_count`` run *inside* the Dask workers through ``Client.run``.
@@ -248,6 +249,102 @@ def toml_job(keys: Mapping[str, Any], storage: Mapping[str, Any]) -> str:
         lines.append(f"[storage.{name}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
     return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- MLflow
+
+
+@dataclass
+class MlflowServer:
+    """A real ``mlflow server``: SQLite backend store, artifacts in a local folder it serves."""
+
+    tracking_uri: str
+    proc: subprocess.Popen[str]
+    root: Path  # its database, artifact folder and log
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a CLI process needs to use this server."""
+        return {"MLFLOW_TRACKING_URI": self.tracking_uri}
+
+    def client(self) -> Any:
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+
+    def log_text(self) -> str:
+        return (self.root / "server.log").read_text(errors="replace")[-4000:]
+
+
+def stop_process_tree(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """Stop ``proc`` and the processes it started, each by its PID (SIGTERM, then SIGKILL)."""
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    stop_process(proc, timeout)
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    for child in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+
+
+def _mlflow_server_bin() -> str:
+    """The ``mlflow`` executable with the server in it.
+
+    ``make test`` builds it in its own venv (``MLFLOW_SERVER_BIN``): the full package pins pyarrow
+    below the version this project is tested with. Else the repository's ``.venv-mlflow``, else
+    this venv's.
+    """
+    if os.environ.get("MLFLOW_SERVER_BIN"):
+        return os.environ["MLFLOW_SERVER_BIN"]
+    side = REPO / ".venv-mlflow" / "bin" / "mlflow"
+    return str(side if side.exists() else BIN / "mlflow")
+
+
+@contextlib.contextmanager
+def start_mlflow_server(root: Path, timeout: float = 120.0) -> Iterator[MlflowServer]:
+    """``mlflow server`` on 127.0.0.1 and a free port, one web worker, until the block ends.
+
+    Artifacts are proxied (``--artifacts-destination``): clients upload and download through
+    the server over HTTP, as they would with a remote server, never through the folder itself.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no background job workers
+    args = [
+        _mlflow_server_bin(),
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(root / "artifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
+    with (root / "server.log").open("w") as sink:
+        proc = subprocess.Popen(
+            args, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=root
+        )
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        _wait_until(
+            lambda: _answers_http(f"{uri}/health"),
+            timeout=timeout,
+            what=f"mlflow server (log: {root / 'server.log'})",
+            proc=proc,
+        )
+        yield MlflowServer(uri, proc, root)
+    finally:
+        stop_process_tree(proc)
 
 
 # --------------------------------------------------------------------------- Dask

@@ -1,0 +1,21 @@
+"""``score-catalog bundle``: commands about model bundles.
+
+Registered by ``pipeline.cli`` (``main.add_command(bundle)``); each subcommand lives in its own
+module and imports its heavy dependencies only when it runs.
+"""
+
+from __future__ import annotations
+
+import click
+
+from pipeline.cli_registry import register
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(context_settings=CONTEXT)
+def bundle() -> None:
+    """Model bundles: register one in an MLflow model registry."""
+
+
+bundle.add_command(register)
