@@ -77,14 +77,15 @@ def drift_section(
     return drift_mod.compare(baseline, data, thresholds)
 
 
-def write_html(out_root: Location, data: dict[str, Any]) -> None:
-    """``_report.html`` beside the JSON report; a rendering error is logged, not raised."""
+def write_html(control: Location, data: dict[str, Any]) -> None:
+    """``_report.html`` beside the JSON report (in the output's control folder); a rendering
+    error is logged, not raised."""
     try:
         page = render_html(cast(ReportData, data))
     except Exception as e:  # the JSON report is the record; the page is a view of it
         logger.warning("could not render %s: %s", HTML_NAME, e)
         return
-    storage.write_bytes(out_root.child(HTML_NAME), page.encode("utf-8"), point="html-rename")
+    storage.write_bytes(control.child(HTML_NAME), page.encode("utf-8"), point="html-rename")
 
 
 _INDEX_KEYS = (
@@ -99,12 +100,10 @@ _INDEX_KEYS = (
 )
 
 
-def record_run(
-    config: JobConfig, index_root: str, out_root: Location, data: dict[str, Any]
-) -> None:
+def record_run(config: JobConfig, index_root: str, control: Location, data: dict[str, Any]) -> None:
     """Add the run to the job's run index (with its score sketches, the next drift baseline)."""
     entry = {key: data[key] for key in _INDEX_KEYS}
-    entry["report"] = out_root.child(REPORT_NAME).uri
+    entry["report"] = control.child(REPORT_NAME).uri
     entry["outputs"] = {
         col: {"count": v.get("count"), "sketch": v.get("sketch")}
         for col, v in (data.get("outputs") or {}).items()
@@ -219,11 +218,11 @@ def finish_run(run: ScoringRun) -> RunReport:
     index_root = runindex.index_root(run.config.output)
     add_drift(run.config, data, index_root)
     report = RunReport(data)
-    lock.assert_held()  # the fence, before each commit on the output root
-    storage.write_json(run.out_root.child(REPORT_NAME), data, point="report-rename")
+    lock.assert_held()  # the fence, before each commit
+    storage.write_json(run.control.child(REPORT_NAME), data, point="report-rename")
     lock.assert_held()
-    write_html(run.out_root, data)
-    record_run(run.config, index_root, run.out_root, data)
+    write_html(run.control, data)
+    record_run(run.config, index_root, run.control, data)
     if report.status not in (RunStatus.FAILED, RunStatus.INTERRUPTED):
         lock.assert_held()
         storage.write_bytes(run.out_root.child(SUCCESS_NAME), b"", point="success-rename")
@@ -278,8 +277,8 @@ def report_failure(run: ScoringRun, e: Exception) -> dict[str, Any] | None:
         for key in ("removed_outputs", "foreign_removed", "foreign_kept"):
             data.setdefault(key, [])  # nothing was reconciled: the run stopped before
         run.lock_.assert_held()
-        storage.write_json(run.out_root.child(REPORT_NAME), data, point="report-rename")
-        write_html(run.out_root, data)
+        storage.write_json(run.control.child(REPORT_NAME), data, point="report-rename")
+        write_html(run.control, data)
     except Exception as report_error:
         logger.error("could not write the report: %s", describe(report_error))
     return data

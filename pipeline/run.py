@@ -5,10 +5,11 @@ A :class:`ScoringRun` holds the run's state and goes through its phases in order
 passes), ``lock`` (take the output, clear what a crashed run left, find what is done), ``score``
 (on the cluster, with retries) and ``finish`` (report, drift, HTML, run index, ``_SUCCESS``).
 
-Order of commits on the output root: each shard's rejects, then its output, then its manifest
-entry; ``_report.json``, ``_report.html`` and the run-index entry after every shard has finished;
-``_SUCCESS`` last and only when the run succeeded within its error budget and what readers see
-of the output matched the report (``pipeline.reconcile``).
+Order of commits: once the lock is taken, the previous run's ``_SUCCESS`` and report are
+withdrawn (``pipeline.layout.claim``); then each shard's rejects, its output, its manifest entry;
+``_report.json``, ``_report.html`` (in the control folder beside the output) and the run-index
+entry after every shard has finished; ``_SUCCESS`` last and only when the run succeeded within
+its error budget and what readers see of the output matched the report (``pipeline.reconcile``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline import finish, storage
+from pipeline import finish, layout, runindex, storage
 from pipeline.cluster import DaskSession, Plan, thread_plan
 from pipeline.config import JobConfig
 from pipeline.execution import cancelled, execute, interrupted
@@ -89,6 +90,8 @@ class ScoringRun:
         opts = config.storage
         self.out_root = storage.locate(config.output_uri(self.run_id), opts)
         self.rej_root = storage.locate(config.rejects_uri(self.run_id), opts)
+        # Manifest, report and HTML page: beside the output, not in it (pipeline.layout).
+        self.control = layout.control_root(self.out_root)
         self.session: DaskSession | None = None
         self.lock_: RunLock | None = None
         self.manifest: Manifest | None = None
@@ -164,12 +167,18 @@ class ScoringRun:
             lock_token=self.lock_.token,
         )
         checkpoint("locked")
+        index = storage.locate(runindex.index_root(self.config.output), opts)
+        layout.claim(self.out_root, index, self.lock_.assert_held)
         for root in (self.out_root, self.rej_root):
             for path in storage.remove_stale_temporaries(root):
                 logger.info("removed a temporary file left by an interrupted run: %s", path)
-        storage.remove(self.out_root.child(SUCCESS_NAME))
         loaded = Manifest.load(self.out_root)
         self.manifest = FencedManifest(loaded.loc, loaded.shards, fence=self.lock_.assert_held)
+        if loaded.read_from is not None:
+            # Written inside the output by an older version: save it to the control folder
+            # first, then drop the old copy (a crash in between leaves both; the new one wins).
+            self.manifest.save()
+            storage.remove(loaded.read_from)
         # What earlier runs wrote, before failed shards are forgotten: reconcile's "ours".
         self.previous_outputs = set(self.manifest.shards)
         if self.config.on_foreign_output == "replace":

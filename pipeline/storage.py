@@ -770,6 +770,16 @@ def remove(loc: Location) -> None:
     _retry(loc, _rm, "deleting")
 
 
+def remove_tree(loc: Location) -> None:
+    """Delete the folder ``loc`` and everything below it, if it exists."""
+
+    def _rm() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            loc.fs.rm(loc.path, recursive=True)
+
+    _retry(loc, _rm, "deleting")
+
+
 def remove_stale_temporaries(root: Location) -> list[str]:
     """Delete temporary files that a crashed run left below ``root``; returns their paths."""
     if not exists(root):
@@ -808,11 +818,15 @@ class OutputState:
 
 def _own_names() -> frozenset[str]:
     # Imported here: manifest, report and locking import this module.
+    from pipeline.layout import CONTROL_DIR, OUTPUT_MARK
     from pipeline.locking import LOCK_NAME
     from pipeline.manifest import MANIFEST_NAME
     from pipeline.report import HTML_NAME, REPORT_NAME
 
-    return frozenset({MANIFEST_NAME, REPORT_NAME, HTML_NAME, LOCK_NAME, SUCCESS_NAME, *_OWN_DIRS})
+    # The report, page and manifest are inside the output only in the older layout, or for an
+    # output at a bucket root (pipeline.layout); their names stay ours either way.
+    names = {MANIFEST_NAME, REPORT_NAME, HTML_NAME, LOCK_NAME, SUCCESS_NAME, OUTPUT_MARK}
+    return frozenset({*names, CONTROL_DIR, *_OWN_DIRS})
 
 
 def _is_own_entry(name: str, own: frozenset[str]) -> bool:
@@ -834,8 +848,9 @@ def classify_output(
 ) -> OutputState:
     """Say whether ``root`` is absent, empty, written by this tool ("ours") or "foreign".
 
-    A root holding our ``_manifest.json`` is ours whatever else is there (a run wrote its data
-    files there); without one it is ours only if every entry is one of our control files, so a
+    A root holding our mark (``_SCORE_CATALOG``, written as soon as a run takes the lock) or,
+    from older versions, our ``_manifest.json`` is ours whatever else is there (a run wrote its
+    data files there); without either it is ours only if every entry is one of our files, so a
     folder of someone else's Parquet files is never taken for a resumable output. ``is_ours``
     may vouch for other entries (``pipeline.reconcile`` reads the writer mark in a file's
     footer: a run that crashed before its first manifest save left only such files).
@@ -851,10 +866,11 @@ def classify_output(
     if not entries:
         return OutputState("absent" if not exists(root) else "empty")
     own = _own_names()
+    from pipeline.layout import OUTPUT_MARK
     from pipeline.manifest import MANIFEST_NAME
 
     names = [e.name for e in entries]
-    if MANIFEST_NAME in names:
+    if OUTPUT_MARK in names or MANIFEST_NAME in names:
         return OutputState("ours")
     foreign = [
         e.name

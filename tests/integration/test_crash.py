@@ -32,6 +32,7 @@ from tests.integration.helpers import (
     KILL_AT,
     cli,
     job_args,
+    manifest_path,
     read_tree,
     report,
     start_cli,
@@ -133,7 +134,7 @@ def _assert_same_as_clean(out: Path, rej: Path, clean: dict[str, object]) -> Non
     assert not temporaries(out, rej)
     assert (out / "_SUCCESS").exists()
     assert not (out / "_lock.json").exists()
-    json.loads((out / "_manifest.json").read_text())
+    json.loads(manifest_path(out).read_text())
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -147,8 +148,8 @@ def test_sigkill_then_resume_equals_a_clean_run(
         f"the run did not reach {point}: rc={killed.returncode}\n{killed.stderr}"
     )
     assert not (out / "_SUCCESS").exists()
-    if out.exists() and (out / "_manifest.json").exists():
-        json.loads((out / "_manifest.json").read_text())  # never torn
+    if out.exists() and manifest_path(out).exists():
+        json.loads(manifest_path(out).read_text())  # never torn
     resumed = cli(*args)
     assert resumed.returncode == 0, resumed.stderr
     _assert_same_as_clean(out, rej, clean_run)

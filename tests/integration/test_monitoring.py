@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.demo import FEATURES
 from tests.conftest import write_shards
-from tests.integration.helpers import CliResult, cli, job_args, report
+from tests.integration.helpers import CliResult, cli, control_of, job_args, report
 
 pytestmark = pytest.mark.integration
 
@@ -138,7 +138,7 @@ def test_html_report_and_metrics_match_the_json_report(
     )
     assert r.returncode == 0, r.stderr
     rep = report(out)
-    page = (out / "_report.html").read_text()
+    page = (control_of(out) / "_report.html").read_text()
     for section in ("status", "totals", "shards", "throughput", "latency", "scores", "drift"):
         assert f'id="{section}"' in page
     assert "http://" not in page and "https://" not in page and "<script" not in page
