@@ -248,9 +248,8 @@ def _verify(run: ScoringRun, data: dict[str, Any], want: Wanted) -> None:
     """Fail a run whose visible output differs from its report: no ``_SUCCESS`` then."""
     if data["status"] in (RunStatus.FAILED, RunStatus.INTERRUPTED):
         return  # no _SUCCESS anyway; spare a failing or stopping run the footer reads
-    problems = verify(
-        run.out_root, want.rows, run.sha, run.config.storage, settings_hash=run.settings.hash
-    )
+    expected = {rel: run.expected(rel, rows) for rel, rows in want.rows.items()}
+    problems = verify(run.out_root, expected, run.config.storage)
     if problems:
         for p in problems:
             logger.error("%s", p)

@@ -43,6 +43,12 @@ def settings_hash(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def fingerprint_hash(fingerprint: dict[str, Any]) -> str:
+    """A short stable hash of an input shard's fingerprint (what :func:`expectation` records):
+    written into each output file's footer, so that the file names the version of its input."""
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def expectation(
     shard: ShardRef, footer: ShardInfo | int, model_sha256: str, settings_hash: str
 ) -> dict[str, Any]:
@@ -130,15 +136,13 @@ class Manifest:
             )
         return dict(doc.get("shards", {}))
 
-    def is_done(self, rel_path: str, expect: dict[str, Any], output: Location) -> bool:
-        """True if ``rel_path`` was scored from the same input, model and settings."""
+    def matches(self, rel_path: str, expect: dict[str, Any]) -> bool:
+        """True if the entry of ``rel_path`` says it was scored from the same input, model and
+        settings (whether its output is still there is for the caller to check)."""
         entry = self.shards.get(rel_path)
         if entry is None:
             return False
-        for key, value in expect.items():
-            if entry.get(key) != value:
-                return False
-        return storage.exists(output)
+        return all(entry.get(key) == value for key, value in expect.items())
 
     def record(self, rel_path: str, entry: dict[str, Any]) -> None:
         self.shards[rel_path] = entry

@@ -31,7 +31,13 @@ from pipeline.execution import cancelled, execute, interrupted
 from pipeline.faults import checkpoint
 from pipeline.interrupt import StopRequest
 from pipeline.locking import LOCK_LOST_KIND, LockLostError, RunLock
-from pipeline.manifest import FencedManifest, Manifest, expectation, scored_entry
+from pipeline.manifest import (
+    FencedManifest,
+    Manifest,
+    expectation,
+    fingerprint_hash,
+    scored_entry,
+)
 from pipeline.model import LoadedModel, read_bundle, resolve_device
 from pipeline.preparation import (
     Execution,
@@ -44,8 +50,11 @@ from pipeline.preparation import (
     run_settings,
 )
 from pipeline.reconcile import (
+    Expected,
     ForeignFiles,
     check_output_owner,
+    check_rejects_location,
+    file_problems,
     remove_foreign,
 )
 from pipeline.report import RunReport
@@ -156,6 +165,7 @@ class ScoringRun:
         # A folder holding files this tool did not write is refused before anything is written.
         opts = self.config.storage
         check_output_owner(self.out_root, self.config.on_foreign_output, opts)
+        check_rejects_location(self.rej_root, self.out_root, opts)
         self.lock_ = RunLock.acquire(
             self.out_root, self.run_id, stale_after_s=self.config.stale_lock_after_s
         )
@@ -252,20 +262,35 @@ class ScoringRun:
         # The footer read in prepare: row count and the hash of its layout and statistics.
         return expectation(s, self.found.infos[s.rel_path], self.sha, self.settings.hash)
 
+    def expected(self, rel_path: str, rows: int) -> Expected:
+        """What the output file of shard ``rel_path`` must say in its footer (``rows`` rows)."""
+        fingerprint = self._expect(self._by_path[rel_path])["fingerprint"]
+        assert isinstance(fingerprint, dict)
+        return Expected(rows, self.sha, self.settings.hash, rel_path, fingerprint_hash(fingerprint))
+
     def _skip_if_done(self, s: ShardRef) -> bool:
-        """Record ``s`` as skipped if the manifest says this model and settings scored it."""
+        """Record ``s`` as skipped if the manifest says this model and settings scored it, and
+        the output file's footer agrees (its rows, model, settings and input shard)."""
         assert self.manifest is not None
-        out_loc = self.out_root.child(s.rel_path)
-        expect = self._expect(s)
-        if self.config.force or not self.manifest.is_done(s.rel_path, expect, out_loc):
+        if self.config.force or not self.manifest.matches(s.rel_path, self._expect(s)):
             return False
         done = self.manifest.shards[s.rel_path]
+        out_loc = self.out_root.child(s.rel_path)
+        problems = file_problems(
+            out_loc, self.expected(s.rel_path, done["rows_scored"]), self.config.storage
+        )
+        if problems:
+            # Deleted, replaced or copied over since: score it again instead of trusting it.
+            logger.warning("scoring %s again: %s", s.rel_path, problems[0])
+            return False
         self.results[s.rel_path] = ShardResult.skipped(s.rel_path, s.uri, done)
         return True
 
     def _task(self, s: ShardRef) -> ShardTask:
         info = self.found.infos[s.rel_path]
         meta = [info.schema.field(c) for c in (self.config.id_column, *self.config.passthrough)]
+        fingerprint = self._expect(s)["fingerprint"]
+        assert isinstance(fingerprint, dict)
         return ShardTask(
             rel_path=s.rel_path,
             input_uri=s.uri,
@@ -273,6 +298,7 @@ class ScoringRun:
             rejects_uri=self.rej_root.child(s.rel_path).uri,
             num_rows=info.num_rows,
             meta_schema=pa.schema(meta).serialize().to_pybytes(),
+            input_fingerprint=fingerprint_hash(fingerprint),
         )
 
     def _record(self, task: ShardTask, result: ShardResult) -> None:

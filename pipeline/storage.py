@@ -513,6 +513,23 @@ def glob_names(loc: Location, prefix: str) -> list[Location]:
     return [loc.child(posixpath.basename(str(n).rstrip("/"))) for n in sorted(names)]
 
 
+def file_in_the_way(loc: Location) -> str | None:
+    """The path of a file at ``loc``, or (local disk) at the nearest existing folder above it,
+    that keeps a folder from being created there; None when nothing is in the way.
+
+    Object stores have no folders: only an object at ``loc`` itself counts there.
+    """
+    if not loc.is_local:
+        return loc.path if _retry(loc, lambda: loc.fs.isfile(loc.path), "checking") else None
+    path = loc.path.rstrip("/") or "/"
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
+
+
 def exists(loc: Location) -> bool:
     """Whether anything (a file or a folder) is at ``loc``."""
     return bool(_retry(loc, lambda: loc.fs.exists(loc.path), "checking"))

@@ -16,8 +16,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
+from pipeline.errors import ShardError
 from pipeline.faults import checkpoint
 from pipeline.overlap import WriteBehind
+from pipeline.reconcile import OUTPUT_KEY, rejects_owner
+from pipeline.statuses import FailureKind
 from pipeline.storage import Location
 
 MODEL_VERSION_COLUMN = "model_version"
@@ -96,10 +99,12 @@ def output_schema(
     return pa.schema(fields, metadata=dict(metadata) if metadata else None)
 
 
-def rejects_schema(meta: pa.Schema) -> pa.Schema:
+def rejects_schema(meta: pa.Schema, metadata: Mapping[bytes, bytes] | None = None) -> pa.Schema:
+    """id + pass-through columns as read, then the reason; ``metadata`` (the output the rejects
+    belong to, ``pipeline.reconcile.rejects_metadata``) goes into the footer."""
     fields = [meta.field(i) for i in range(len(meta))]
     fields.append(pa.field(REJECT_REASON_COLUMN, pa.string()))
-    return pa.schema(fields)
+    return pa.schema(fields, metadata=dict(metadata) if metadata else None)
 
 
 class ShardSink:
@@ -120,16 +125,22 @@ class ShardSink:
         *,
         depth: int = 0,
         fence: Callable[[], None] | None = None,
+        rejects_metadata: Mapping[bytes, bytes] | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         # Called right before each commit; raises (LockLostError) once the run lost its lock,
         # so that a superseded run publishes nothing more (see pipeline.locking).
         self._fence = fence if fence is not None else _no_fence
+        # The rejects file names the output it belongs to; one naming another output is never
+        # replaced or deleted (two jobs sharing a rejects folder by mistake).
+        self._owner = (rejects_metadata or {}).get(OUTPUT_KEY)
+        self._options = options  # storage options, to read an existing rejects file's footer
         self.output = StagedParquetWriter(
             output, out_schema, point="output-rename", before_publish=self._fence
         )
         self.rejects: StagedParquetWriter | None = None
         self.rejects_loc = rejects
-        self.rejects_schema = rejects_schema(meta_schema)
+        self.rejects_schema = rejects_schema(meta_schema, rejects_metadata)
         self.rows_rejected = 0
         self._behind = WriteBehind(_write_item, depth) if depth else None
 
@@ -169,6 +180,7 @@ class ShardSink:
         # The fence runs as late as it can: right before each file is published (after its
         # last row group is encoded and synced), so a run that lost its lock while finishing
         # a shard publishes nothing more.
+        self._check_rejects_owner()
         if self.rejects is not None:
             self.rejects.commit()
         else:
@@ -177,6 +189,20 @@ class ShardSink:
         checkpoint("rejects-committed")
         self.output.commit()
         checkpoint("output-committed")
+
+    def _check_rejects_owner(self) -> None:
+        """Raise :class:`ShardError` if the rejects file there belongs to another output."""
+        if self._owner is None:
+            return
+        owner = rejects_owner(self.rejects_loc, self._options)
+        if owner is not None and owner.encode() != self._owner:
+            raise ShardError(
+                f"rejects file {self.rejects_loc.uri} holds rejected rows of {owner}, not of "
+                f"{self._owner.decode()}: it is neither replaced nor deleted. Give each output "
+                "its own rejects location.",
+                shard=self.output.loc.uri,
+                kind=FailureKind.ERROR,
+            )
 
     def abort(self) -> None:
         """Drop everything staged; the final names are left as they were."""

@@ -436,3 +436,72 @@ def test_a_rerun_withdraws_the_previous_report_and_success_before_it_commits(
     assert [p.stem for p in entries] == [first["run_id"]]
     assert _run(catalog, out, bundle_dir).returncode == 0
     assert _check_contract(out, success=True)["run_id"] != first["run_id"]
+
+
+# ---------------------------------------------------------------- outputs tied to their input
+
+
+def test_an_output_copied_over_another_is_scored_again(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """Rows, model and settings of part-00001's output match part-00002's line in the
+    manifest; only the footer's input shard and fingerprint tell them apart."""
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    src, dst = out / "part-00001.parquet", out / "part-00002.parquet"
+    shutil.copyfile(catalog / "part-00001.parquet", catalog / "part-00002.parquet")  # same rows
+    assert _run(catalog, out, bundle_dir).returncode == 0  # part-00002 rescored from the copy
+    shutil.copyfile(src, dst)  # by hand: same rows, model, settings and fingerprint as part-1
+    meta = pq.ParquetFile(dst).metadata.metadata
+    assert meta[b"score_catalog.input"] == b"part-00001.parquet"
+
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    assert "scoring part-00002.parquet again" in r.output
+    assert "scored from input shard part-00001.parquet" in r.output
+    rep = _check_contract(out, success=True)
+    status = {s["rel_path"]: s["status"] for s in rep["shards"]}
+    assert status["part-00002.parquet"] == "scored"
+    assert status["part-00000.parquet"] == status["part-00001.parquet"] == "skipped"
+    assert pq.ParquetFile(dst).metadata.metadata[b"score_catalog.input"] == dst.name.encode()
+
+
+# ---------------------------------------------------------------- rejects of one output only
+
+
+def test_a_rejects_folder_of_another_output_is_refused_before_scoring(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    _poison_one_row(catalog / "part-00001.parquet", 7)
+    shared = tmp_path / "rejects"
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _run(catalog, a, bundle_dir, "--rejects", str(shared)).returncode == 0
+    theirs = shared / "part-00001.parquet"
+    meta = pq.ParquetFile(theirs).metadata.metadata
+    assert meta[b"score_catalog.output"] == str(a / "part-00001.parquet").encode()
+    before = _sha(theirs)
+
+    r = _run(catalog, b, bundle_dir, "--rejects", str(shared))
+    assert r.returncode == 2, r.output
+    assert str(theirs) in r.output and str(a) in r.output and "another output" in r.output
+    assert not b.exists() and not control_of(b).exists()  # nothing scored, nothing written
+    assert _sha(theirs) == before
+    # The owner still runs into its own rejects, and keeps them.
+    assert _run(catalog, a, bundle_dir, "--rejects", str(shared), "--force").returncode == 0
+    assert pq.read_table(theirs).num_rows == 1
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["is-a-file", "under-a-file"])
+def test_a_rejects_location_that_is_a_file_is_refused_before_scoring(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, under: bool
+) -> None:
+    blocker = tmp_path / "rejects"
+    blocker.write_text("not a folder")
+    rejects = blocker / "day" if under else blocker
+    out = tmp_path / "out"
+    r = _run(catalog, out, bundle_dir, "--rejects", str(rejects))
+    assert r.returncode == 1, r.output
+    assert "Traceback" not in r.output
+    assert f"rejects {rejects} is a file or lies under one ({blocker})" in r.output
+    assert not out.exists() and not control_of(out).exists()
+    assert blocker.read_text() == "not a folder"
