@@ -209,7 +209,7 @@ def finish_run(run: ScoringRun) -> RunReport:
     if any(r.kind == FailureKind.INTERRUPTED for r in ordered):
         data["status"] = RunStatus.INTERRUPTED
         data["failure_reasons"] = [run.stop.reason, *data["failure_reasons"]]
-    data["removed_outputs"] = [r.public() for r in settled.removed]
+    data["removed_outputs"] = [r.public() for r in (*run.cleared, *settled.removed)]
     data["foreign_removed"] = list(run.foreign.removed)
     data["foreign_kept"] = sorted(
         {*run.foreign.kept, *(run.out_root.child(rel).uri for rel in settled.foreign)}
@@ -273,8 +273,10 @@ def report_failure(run: ScoringRun, e: Exception) -> dict[str, Any] | None:
         data = build_report(run_facts(run), ordered, None, time.perf_counter() - run.t0)
         data["status"] = RunStatus.FAILED
         data["failure_reasons"] = [why, *data["failure_reasons"]]
-        for key in ("removed_outputs", "foreign_removed", "foreign_kept"):
-            data.setdefault(key, [])  # nothing was reconciled: the run stopped before
+        # Nothing was reconciled (the run stopped before); what was cleared before scoring is.
+        data["removed_outputs"] = [r.public() for r in run.cleared]
+        for key in ("foreign_removed", "foreign_kept"):
+            data.setdefault(key, [])
         run.lock_.assert_held()
         storage.write_json(run.control.child(REPORT_NAME), data, point="report-rename")
         write_html(run.control, data)

@@ -274,6 +274,89 @@ class Reconciliation:
     foreign: list[str] = field(default_factory=list)
 
 
+SHAPE_REASON = (
+    "its input shard changed shape (a file became a folder of the same name, or the reverse)"
+)
+
+
+def _in_the_way(files: set[str], wanted: Iterable[str]) -> dict[str, list[str]]:
+    """Files below a root that keep the paths ``wanted`` from being written: for each wanted
+    path, an existing file where one of its folders must go, or the files below a folder of
+    its very name. Returns obstacle -> the files to take away (itself, or its contents)."""
+    below: dict[str, list[str]] = {}
+    for f in sorted(files):
+        parts = f.split("/")
+        for i in range(1, len(parts)):
+            below.setdefault("/".join(parts[:i]), []).append(f)
+    found: dict[str, list[str]] = {}
+    for rel in wanted:
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            folder = "/".join(parts[:i])
+            if folder in files:
+                found[folder] = [folder]
+        if rel in below:
+            found[rel] = below[rel]
+    return found
+
+
+def clear_the_way(
+    out_root: Location,
+    rej_root: Location,
+    wanted: Iterable[str],
+    ours: set[str],
+    options: Mapping[str, Any] | None = None,
+) -> list[Removal]:
+    """Take away outputs of ours (and their rejects) that the outputs of ``wanted`` cannot be
+    written beside: an input shard replaced upstream by a folder of the same name, or a folder
+    by a file. On local disk a file cannot become a folder in place (nor the reverse), so the
+    new output would fail to commit every night. Their inputs are gone, so the final
+    :func:`reconcile` would remove them anyway; this does it before scoring.
+
+    ``ours``: relative paths the manifest lists. Anything in the way that this tool did not
+    write is a :class:`ConfigError` naming it, and nothing is removed.
+    """
+    wanted = list(wanted)
+    blocking = _in_the_way(set(storage.list_files(out_root)), wanted)
+    for files in blocking.values():
+        for f in files:
+            if f not in ours and not written_by_us(out_root.child(f), options):
+                raise ConfigError(
+                    f"output {out_root.uri}: {out_root.child(f).uri} is in the way of the "
+                    f"output of an input shard that changed shape, and score-catalog did not "
+                    "write it. Nothing was removed; move it away and run again."
+                )
+    removed = []
+    for obstacle, files in sorted(blocking.items()):
+        for f in files:
+            loc = out_root.child(f)
+            storage.remove(loc)
+            rejects = _remove_rejects(rej_root.child(f), loc, options)
+            removed.append(Removal(f, loc.uri, SHAPE_REASON, rejects))
+            logger.warning("removed %s from the output: %s", loc.uri, SHAPE_REASON)
+        if files != [obstacle]:  # a folder: empty now, or holding another output's rejects
+            storage.remove_empty_folders(out_root.child(obstacle))
+            storage.remove_empty_folders(rej_root.child(obstacle))
+    _clear_rejects_way(out_root, rej_root, wanted, options)
+    return removed
+
+
+def _clear_rejects_way(
+    out_root: Location, rej_root: Location, wanted: list[str], options: Mapping[str, Any] | None
+) -> None:
+    """The same in the rejects tree, for rejects whose output was already gone."""
+    for obstacle, files in _in_the_way(set(storage.list_files(rej_root)), wanted).items():
+        for f in files:
+            if _remove_rejects(rej_root.child(f), out_root.child(f), options) is None:
+                raise ConfigError(
+                    f"rejects {rej_root.uri}: {rej_root.child(f).uri} is in the way of the "
+                    "rejects of an input shard that changed shape, and holds rows of another "
+                    "output. Nothing was removed; move it away and run again."
+                )
+        if files != [obstacle]:
+            storage.remove_empty_folders(rej_root.child(obstacle))
+
+
 class Outcome(Protocol):
     """What :func:`wanted` reads of a shard's result (``pipeline.scoring.ShardResult``)."""
 

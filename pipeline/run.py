@@ -52,8 +52,10 @@ from pipeline.preparation import (
 from pipeline.reconcile import (
     Expected,
     ForeignFiles,
+    Removal,
     check_output_owner,
     check_rejects_location,
+    clear_the_way,
     file_problems,
     remove_foreign,
 )
@@ -109,6 +111,7 @@ class ScoringRun:
         self.fatal: ShardResult | None = None
         self.previous_outputs: set[str] = set()
         self.foreign = ForeignFiles()
+        self.cleared: list[Removal] = []  # outputs taken away before scoring (clear_the_way)
 
     # -- the phases --------------------------------------------------------------------------
 
@@ -193,6 +196,15 @@ class ScoringRun:
         self.previous_outputs = set(self.manifest.shards)
         if self.config.on_foreign_output == "replace":
             self.foreign = remove_foreign(self.out_root, self.previous_outputs, opts)
+        # An input shard that became a folder of the same name (or the reverse): its old
+        # output is in the way of the new one.
+        wanted = [s.rel_path for s in self.shards if s.rel_path not in self.failed]
+        self.lock_.assert_held()
+        self.cleared = clear_the_way(
+            self.out_root, self.rej_root, wanted, self.previous_outputs, opts
+        )
+        for removal in self.cleared:
+            self.manifest.forget(removal.rel_path)
         self.results = dict(self.failed)
         for s in self.shards:
             if s.rel_path in self.failed:
@@ -317,12 +329,21 @@ class ScoringRun:
         self.manifest.record(task.rel_path, scored_entry(s.uri, expect, result, self.run_id))
 
     def _release(self) -> None:
-        """Save the manifest and release the lock; errors are logged, never raised."""
+        """Save the manifest, delete this run's leftover temporary files and release the lock;
+        errors are logged, never raised."""
         if self.manifest is not None:
             # After an unexpected error too: keep what was committed so the rerun skips it.
             finish.log_cleanup_error(self.manifest.flush, "saving the manifest")
         if self.lock_ is not None:
+            finish.log_cleanup_error(self._remove_temporaries, "removing temporary files")
             finish.log_cleanup_error(self.lock_.release, "releasing the lock")
+
+    def _remove_temporaries(self) -> None:
+        """Staged files of this run that no writer will finish: a worker killed mid-write
+        (SIGKILL, out of memory) left them; its shard was scored again elsewhere."""
+        for root in (self.out_root, self.rej_root):
+            for path in storage.remove_temporaries(root, self.run_id):
+                logger.info("removed a temporary file a killed worker left: %s", path)
 
     def _close_session(self) -> None:
         if self.session is not None:

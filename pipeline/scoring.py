@@ -33,7 +33,7 @@ from pipeline.precision import ExecutionOptions, prepare
 from pipeline.reconcile import footer_metadata, rejects_metadata
 from pipeline.stats import DuplicateIds, ShardStats
 from pipeline.statuses import FailureKind, ShardStatus
-from pipeline.writing import ShardSink, output_schema
+from pipeline.writing import ShardSink, SinkRun, output_schema
 
 if TYPE_CHECKING:
     from pipeline.config import JobConfig
@@ -492,8 +492,7 @@ def _score(spec: WorkerSpec, task: ShardTask, t0: float) -> ShardResult:
         shard.out_schema,
         depth=depth,
         fence=spec.fence,
-        rejects_metadata=shard.rejects_meta,
-        options=opts,
+        run=SinkRun(shard.rejects_meta, opts, spec.lock_run_id),
     ) as sink:
         for batch in shard.batches():
             checkpoint("batch-read")

@@ -588,10 +588,15 @@ def open_input(loc: Location) -> Iterator[IO[bytes]]:
 # --------------------------------------------------------------------------- writing
 
 
-def tmp_name(final_path: str) -> str:
-    """A hidden sibling of ``final_path`` that dataset readers skip."""
+def tmp_name(final_path: str, tag: str = "") -> str:
+    """A hidden sibling of ``final_path`` that dataset readers skip.
+
+    ``tag`` (a run id) goes into the name, so that a run can find and delete what its own
+    writers left behind when a worker was killed mid-write (:func:`remove_temporaries`).
+    """
     d, base = posixpath.split(final_path)
-    return posixpath.join(d, f".{base}{TMP_MARK}{uuid.uuid4().hex[:12]}")
+    mark = f"{TMP_MARK}{tag}-" if tag else TMP_MARK
+    return posixpath.join(d, f".{base}{mark}{uuid.uuid4().hex[:12]}")
 
 
 def makedirs(loc: Location) -> None:
@@ -601,20 +606,24 @@ def makedirs(loc: Location) -> None:
 
 @contextlib.contextmanager
 def staged_open(
-    loc: Location, *, point: str = "", before_publish: Callable[[], None] | None = None
+    loc: Location,
+    *,
+    point: str = "",
+    before_publish: Callable[[], None] | None = None,
+    tag: str = "",
 ) -> Iterator[IO[bytes]]:
     """Open ``loc`` for writing; it appears under its final name only if the block succeeds.
 
     ``point`` names the crash point just before the rename, for the SIGKILL tests.
     ``before_publish`` runs last before the file becomes visible (the run lock's fence); if it
-    raises, nothing is published.
+    raises, nothing is published. ``tag`` goes into the temporary file's name (:func:`tmp_name`).
     """
     fs = loc.fs
     parent = posixpath.dirname(loc.path)
     if parent:
         fs.makedirs(parent, exist_ok=True)
     if loc.is_local:
-        tmp = tmp_name(loc.path)
+        tmp = tmp_name(loc.path, tag)
         try:
             with open(tmp, "wb") as f:
                 yield f
@@ -797,14 +806,36 @@ def remove_tree(loc: Location) -> None:
     _retry(loc, _rm, "deleting")
 
 
+def remove_empty_folders(loc: Location) -> None:
+    """Delete the folder ``loc`` and the folders below it that hold no file (local disk; object
+    stores have no folders). A folder that still holds a file is left alone."""
+    if not loc.is_local or not os.path.isdir(loc.path):
+        return
+    for path, _, _ in os.walk(loc.path, topdown=False):
+        with contextlib.suppress(OSError):  # not empty: something in it stays
+            os.rmdir(path)
+
+
 def remove_stale_temporaries(root: Location) -> list[str]:
     """Delete temporary files that a crashed run left below ``root``; returns their paths."""
-    if not exists(root):
+    return remove_temporaries(root)
+
+
+def remove_temporaries(root: Location, tag: str | None = None) -> list[str]:
+    """Delete the temporary files (:func:`tmp_name`) below ``root``, only those tagged ``tag``
+    when given; returns their paths.
+
+    Only local disk has them: on object stores a write is an upload that becomes visible when
+    it completes, and one cut short leaves no object (an incomplete multipart upload, which a
+    bucket lifecycle rule aborts), so there is nothing to list.
+    """
+    if not root.is_local or not exists(root):
         return []
+    mark = TMP_MARK if tag is None else f"{TMP_MARK}{tag}-"
     removed = []
-    found = _retry(root, lambda: root.fs.find(root.path), "listing")
-    for path in found:
-        if TMP_MARK in posixpath.basename(path) and posixpath.basename(path).startswith("."):
+    for path in _retry(root, lambda: root.fs.find(root.path), "listing"):
+        name = posixpath.basename(path)
+        if name.startswith(".") and mark in name:
             remove(Location(root.fs, path, path, root.retry_deadline_s))
             removed.append(path)
     return removed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -39,6 +40,7 @@ class StagedParquetWriter:
         row_group_rows: int = DEFAULT_ROW_GROUP_ROWS,
         point: str = "",
         before_publish: Callable[[], None] | None = None,
+        tag: str = "",
     ) -> None:
         self.loc = loc
         self.schema = schema
@@ -46,7 +48,7 @@ class StagedParquetWriter:
         self.rows = 0
         self._stack = contextlib.ExitStack()
         self._file: Any = self._stack.enter_context(
-            storage.staged_open(loc, point=point, before_publish=before_publish)
+            storage.staged_open(loc, point=point, before_publish=before_publish, tag=tag)
         )
         self._writer = pq.ParquetWriter(self._file, schema, compression="zstd")
         self._buffer: list[pa.RecordBatch] = []
@@ -107,6 +109,19 @@ def rejects_schema(meta: pa.Schema, metadata: Mapping[bytes, bytes] | None = Non
     return pa.schema(fields, metadata=dict(metadata) if metadata else None)
 
 
+@dataclass(frozen=True)
+class SinkRun:
+    """What a :class:`ShardSink` needs to know of the run it writes for."""
+
+    # Footer metadata of the rejects file (pipeline.reconcile.rejects_metadata): the output it
+    # belongs to. A rejects file there that names another output is never replaced or deleted.
+    rejects_metadata: Mapping[bytes, bytes] | None = None
+    # Storage options, to read the footer of a rejects file already there.
+    options: Mapping[str, Any] | None = None
+    # The run's id, in the names of the staged files: the run deletes what a killed worker left.
+    tag: str = ""
+
+
 class ShardSink:
     """Where one shard's rows go: its output, its rejects (opened on the first one), the commits.
 
@@ -125,22 +140,25 @@ class ShardSink:
         *,
         depth: int = 0,
         fence: Callable[[], None] | None = None,
-        rejects_metadata: Mapping[bytes, bytes] | None = None,
-        options: Mapping[str, Any] | None = None,
+        run: SinkRun | None = None,
     ) -> None:
         # Called right before each commit; raises (LockLostError) once the run lost its lock,
         # so that a superseded run publishes nothing more (see pipeline.locking).
         self._fence = fence if fence is not None else _no_fence
+        self._run = run if run is not None else SinkRun()
         # The rejects file names the output it belongs to; one naming another output is never
         # replaced or deleted (two jobs sharing a rejects folder by mistake).
-        self._owner = (rejects_metadata or {}).get(OUTPUT_KEY)
-        self._options = options  # storage options, to read an existing rejects file's footer
+        self._owner = (self._run.rejects_metadata or {}).get(OUTPUT_KEY)
         self.output = StagedParquetWriter(
-            output, out_schema, point="output-rename", before_publish=self._fence
+            output,
+            out_schema,
+            point="output-rename",
+            before_publish=self._fence,
+            tag=self._run.tag,
         )
         self.rejects: StagedParquetWriter | None = None
         self.rejects_loc = rejects
-        self.rejects_schema = rejects_schema(meta_schema, rejects_metadata)
+        self.rejects_schema = rejects_schema(meta_schema, self._run.rejects_metadata)
         self.rows_rejected = 0
         self._behind = WriteBehind(_write_item, depth) if depth else None
 
@@ -169,6 +187,7 @@ class ShardSink:
                 self.rejects_schema,
                 point="rejects-rename",
                 before_publish=self._fence,
+                tag=self._run.tag,
             )
         self.rows_rejected += rb.num_rows
         self._write(self.rejects, rb)
@@ -194,7 +213,7 @@ class ShardSink:
         """Raise :class:`ShardError` if the rejects file there belongs to another output."""
         if self._owner is None:
             return
-        owner = rejects_owner(self.rejects_loc, self._options)
+        owner = rejects_owner(self.rejects_loc, self._run.options)
         if owner is not None and owner.encode() != self._owner:
             raise ShardError(
                 f"rejects file {self.rejects_loc.uri} holds rejected rows of {owner}, not of "

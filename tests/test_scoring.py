@@ -18,7 +18,7 @@ from pipeline.reconcile import rejects_metadata
 from pipeline.scoring import ShardTask, WorkerSpec, score_shard, score_shards
 from pipeline.stats import ShardStats
 from pipeline.statuses import FailureKind, ShardStatus
-from pipeline.writing import ShardSink, rejects_schema
+from pipeline.writing import ShardSink, SinkRun, rejects_schema
 from tests.conftest import reference_scores, write_shards
 
 
@@ -167,7 +167,7 @@ def test_sink_never_deletes_or_replaces_rejects_of_another_output(
     _rejects_file(tmp_path / "rejects" / "part-0.parquet", other)
     before = (tmp_path / "rejects" / "part-0.parquet").read_bytes()
     mine = rejects_metadata(out.uri, "part-0.parquet", "fp")
-    sink = ShardSink(out, rej, meta, out_schema, rejects_metadata=mine)
+    sink = ShardSink(out, rej, meta, out_schema, run=SinkRun(mine))
     with pytest.raises(ShardError, match=r"holds rejected rows of .*/a/part-0\.parquet"), sink:
         sink.write_output(_batch(out_schema, [1, 2]))
         if with_rejects:
@@ -178,7 +178,7 @@ def test_sink_never_deletes_or_replaces_rejects_of_another_output(
     assert not out.fs.exists(out.path), "nothing published"
     # Its own rejects (same output named in the footer) are replaced as before.
     _rejects_file(tmp_path / "rejects" / "part-0.parquet", out.uri)
-    with ShardSink(out, rej, meta, out_schema, rejects_metadata=mine) as sink:
+    with ShardSink(out, rej, meta, out_schema, run=SinkRun(mine)) as sink:
         sink.write_output(_batch(out_schema, [1, 2]))
         sink.commit()
     assert not (tmp_path / "rejects" / "part-0.parquet").exists()

@@ -231,7 +231,8 @@ def data_files(root: Path) -> list[Path]:
     return sorted(
         p
         for p in root.rglob("*.parquet")
-        if not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)
+        if p.is_file()  # a folder may be named like a shard (a partition written as a folder)
+        and not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)
     )
 
 

@@ -188,3 +188,23 @@ def test_external_sigkill_of_a_dask_run_at_a_random_moment(
     resumed = cli(*args)
     assert resumed.returncode == 0, resumed.stderr
     _assert_same_as_clean(out, rej, clean_run)
+
+
+def test_a_worker_killed_mid_write_leaves_no_temporary_file_after_the_run(
+    torchscript_bundle_dir: Path, tmp_path: Path
+) -> None:
+    """A SIGKILLed worker cannot delete its staged file; Dask scores the shard again on a new
+    worker, and the run deletes what the dead one left (staged names carry the run id)."""
+    cat, out, rej = tmp_path / "catalog", tmp_path / "out", tmp_path / "rejects"
+    write_shards(cat, [3000, 3000], row_group_rows=1000)
+    args = ["run", *job_args(cat, out, torchscript_bundle_dir), "--rejects", str(rej)]
+    # One batch per shard and one task per shard on one worker: the worker dies writing its
+    # second shard; the worker that replaces it starts counting afresh and finishes it.
+    args += ["--scheduler", "local", "--workers", "1", "--batch-size", "3000", "--task-rows", "1"]
+    r = cli(*args, env={KILL_AT: "batch-written:2"})
+    assert r.returncode == 0, r.stderr
+    assert "removed a temporary file a killed worker left" in r.stderr, r.stderr
+    rep = report(out)
+    assert rep["rows_out"] == 6000 and rep["shards_scored"] == 2
+    assert not temporaries(out, rej)
+    assert (out / "_SUCCESS").exists()

@@ -505,3 +505,94 @@ def test_a_rejects_location_that_is_a_file_is_refused_before_scoring(
     assert f"rejects {rejects} is a file or lies under one ({blocker})" in r.output
     assert not out.exists() and not control_of(out).exists()
     assert blocker.read_text() == "not a folder"
+
+
+# ---------------------------------------------------------------- a shard that changes shape
+
+
+def _split_into_folder(shard: Path) -> None:
+    """Replace the file ``shard`` by a folder of the same name holding its rows in two files
+    (an upstream job that starts writing that partition as a directory)."""
+    t = pq.read_table(shard)
+    shard.unlink()
+    shard.mkdir()
+    half = t.num_rows // 2
+    pq.write_table(t.slice(0, half), shard / "a.parquet", row_group_size=400)
+    pq.write_table(t.slice(half), shard / "b.parquet", row_group_size=400)
+
+
+def _merge_folder(folder: Path) -> None:
+    """The reverse: the folder's files become one file of the folder's name."""
+    t = pa.concat_tables([pq.read_table(p) for p in sorted(folder.glob("*.parquet"))])
+    shutil.rmtree(folder)
+    pq.write_table(t, folder, row_group_size=400)
+
+
+def test_an_input_shard_that_becomes_a_folder_and_back_is_rescored(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    _poison_one_row(catalog / "part-00002.parquet", 1)  # its rejects change shape too
+    _poison_one_row(catalog / "part-00002.parquet", 1500)
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    shard = catalog / "part-00002.parquet"
+    ids = sorted(pq.read_table(shard).column("item_id").to_pylist())
+
+    _split_into_folder(shard)
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    assert (out / "part-00002.parquet").is_dir()
+    assert {s["rel_path"] for s in rep["shards"] if s["status"] == "scored"} == {
+        "part-00002.parquet/a.parquet",
+        "part-00002.parquet/b.parquet",
+    }
+    [removed] = rep["removed_outputs"]
+    assert removed["output"] == str(out / "part-00002.parquet")
+    assert removed["rejects"] == str(_rejects_of(out) / "part-00002.parquet")
+    assert "changed shape" in removed["reason"]
+    assert sorted(_ids(out)) == sorted({*_ids_of(catalog)} - _rejected_ids(out))
+    assert len(_ids(out)) + rep["rows_rejected"] == 7300
+    assert sorted([*_rejected_ids(out), *[i for i in _ids(out) if i in set(ids)]]) == ids
+
+    _merge_folder(shard)
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    assert (out / "part-00002.parquet").is_file()
+    assert sorted(Path(x["output"]).name for x in rep["removed_outputs"]) == [
+        "a.parquet",
+        "b.parquet",
+    ]
+    assert len(_ids(out)) + rep["rows_rejected"] == 7300 and rep["rows_rejected"] == 2
+    assert (_rejects_of(out) / "part-00002.parquet").is_file()
+
+
+def test_a_foreign_file_where_a_shard_folder_must_go_is_named_and_kept(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    theirs = out / "extra.parquet"
+    pq.write_table(pa.table({"x": [1, 2, 3]}), theirs)  # someone else's file, in our output
+    before = _sha(theirs)
+    write_shards(catalog / "extra.parquet", [300], start=10_000)  # a new partition folder
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 2, r.output
+    assert str(theirs) in r.output and "did not write" in r.output
+    assert _sha(theirs) == before
+    assert not (out / "_SUCCESS").exists()
+    assert not (out / "extra.parquet" / "part-00000.parquet").exists()
+
+
+def _ids_of(catalog: Path) -> list[int]:
+    return [
+        i
+        for p in sorted(catalog.rglob("*.parquet"))
+        for i in pq.read_table(p)["item_id"].to_pylist()
+    ]
+
+
+def _rejected_ids(out: Path) -> set[int]:
+    rej = _rejects_of(out)
+    return {i for p in rej.rglob("*.parquet") for i in pq.read_table(p)["item_id"].to_pylist()}
