@@ -142,7 +142,7 @@ def test_html_report_and_metrics_match_the_json_report(
     for section in ("status", "totals", "shards", "throughput", "latency", "scores", "drift"):
         assert f'id="{section}"' in page
     assert "http://" not in page and "https://" not in page and "<script" not in page
-    # The output still reads as a dataset: the _report.html and _runs/ are skipped by readers.
+    # The output reads as a dataset: the page and the run index are beside it, not in it.
     assert ds.dataset(out, format="parquet").count_rows() == 7300
     assert len(dd.read_parquet(str(out)).compute()) == 7300
 
