@@ -82,12 +82,6 @@ def find(out_root: Location, name: str) -> Location | None:
     return None
 
 
-def legacy(out_root: Location, name: str) -> Location | None:
-    """``out_root/name`` when the control folder is elsewhere (the older layout), else None."""
-    control = control_root(out_root)
-    return None if control == out_root else out_root.child(name)
-
-
 def claim(out_root: Location, index: Location, fence: Callable[[], None]) -> None:
     """What a run does first once it holds the output's lock, before anything is scored.
 
