@@ -166,7 +166,10 @@ def check_output_owner(
 
 
 def check_rejects_location(
-    rej_root: Location, out_root: Location, options: Mapping[str, Any] | None = None
+    rej_root: Location,
+    out_root: Location,
+    options: Mapping[str, Any] | None = None,
+    rel_paths: Iterable[str] | None = None,
 ) -> None:
     """Refuse, before anything is written, a rejects location this run could not or must not
     write: a file (or a folder under a file), or a folder holding rejects of another output.
@@ -175,7 +178,9 @@ def check_rejects_location(
     jobs configured with the same ``rejects`` would otherwise replace or delete each other's
     files under the same names; the second one is refused (``ConfigError``, exit 2), naming
     the other output and the file. Rejects written before they carried the name cannot be told
-    apart and are taken as this output's, as before.
+    apart and are taken as this output's, as before. ``rel_paths`` (the run's shards) limits
+    the footers read to the names this run would write: another output's files under other
+    names are never touched (each deletion checks its file's name again).
     """
     blocker = storage.file_in_the_way(rej_root)
     if blocker is not None:
@@ -183,7 +188,10 @@ def check_rejects_location(
             f"rejects {rej_root.uri} is a file or lies under one ({blocker}), not a folder: "
             "nothing was written. Point rejects at a folder (it is created if absent)."
         )
-    for rel in visible_files(rej_root):
+    names = visible_files(rej_root)
+    if rel_paths is not None:
+        names = sorted(set(names) & set(rel_paths))
+    for rel in names:
         loc = rej_root.child(rel)
         owner = rejects_owner(loc, options)
         mine = owner_key(out_root.child(rel).uri)

@@ -168,7 +168,8 @@ class ScoringRun:
         # A folder holding files this tool did not write is refused before anything is written.
         opts = self.config.storage
         check_output_owner(self.out_root, self.config.on_foreign_output, opts)
-        check_rejects_location(self.rej_root, self.out_root, opts)
+        shard_paths = [s.rel_path for s in self.shards]
+        check_rejects_location(self.rej_root, self.out_root, opts, shard_paths)
         self.lock_ = RunLock.acquire(
             self.out_root, self.run_id, stale_after_s=self.config.stale_lock_after_s
         )

@@ -141,6 +141,8 @@ def test_rejects_location_of_another_output_or_a_file_is_refused(tmp_path: Path)
     text = str(e.value)
     assert str(rej / "d=1" / "part-2.parquet") in text
     assert f"another output ({tmp_path / 'a'})" in text
+    # A run whose shards do not include that name never writes or deletes it: not refused.
+    check_rejects_location(storage.locate(str(rej)), out, rel_paths=["part-0.parquet"])
     (tmp_path / "file").write_text("x")
     for where in ("file", "file/below/it"):
         with pytest.raises(StorageError, match=r"is a file or lies under one \(.*/file\)"):
