@@ -152,3 +152,9 @@ def run_measured(
     stdout = out_path.read_text(errors="replace")
     leaked = _reap_leftovers(proc.pid)
     return ProcRun(list(argv), proc.returncode, wall, peak[0], stdout, log_path, leaked, timed_out)
+
+
+def report_file(output: Path) -> Path:
+    """The ``_report.json`` of a run into ``output``: in its control folder, beside it
+    (``pipeline.layout``)."""
+    return output.parent / "_score_catalog" / output.name / "_report.json"

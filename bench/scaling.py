@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.mdtable import Column, markdown_table
+from bench.procs import report_file
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -48,7 +49,7 @@ def _cli(*args: str) -> tuple[float, dict[str, Any]]:
     if r.returncode != 0:
         raise SystemExit(f"score-catalog {' '.join(args)} failed:\n{r.stderr[-3000:]}")
     out = Path(args[args.index("--output") + 1])
-    return wall, json.loads((out / "_report.json").read_text())
+    return wall, json.loads(report_file(out).read_text())
 
 
 class Cluster:

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 from bench.loops import RESULT_PREFIX
-from bench.procs import ProcRun, run_measured
+from bench.procs import ProcRun, report_file, run_measured
 from bench.stats import Sample, Summary, summarize
 from bench.workloads import (
     Data,
@@ -170,7 +170,7 @@ class Runner:
             )
         if comp.kind == "cli":
             assert comp.output is not None
-            report = json.loads((comp.output / "_report.json").read_text())
+            report = json.loads(report_file(comp.output).read_text())
             if report["status"] != "succeeded":
                 raise RuntimeError(f"run {report['status']}: {report['failure_reasons']}")
             return Sample(

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import registry, runindex, storage
+from pipeline import layout, registry, runindex, storage
 from pipeline.config import JobConfig
 from pipeline.errors import (
     EXIT_DRIFT,
@@ -107,7 +107,8 @@ def _finished(config: JobConfig, sha: str) -> dict[str, Any] | None:
     if not storage.exists(out.child(SUCCESS_NAME)):
         return None
     try:
-        report = storage.read_json(out.child(REPORT_NAME))
+        found = layout.find(out, REPORT_NAME)  # the control folder, or inside (older layout)
+        report = storage.read_json(found) if found is not None else None
     except (StorageError, ValueError):  # unreadable: score the partition again
         return None
     if not isinstance(report, dict) or (report.get("model") or {}).get("sha256") != sha:

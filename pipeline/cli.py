@@ -208,8 +208,9 @@ def run(job: Path | None, **opts: Any) -> None:
 
     Settings come from the job file, then SCORE_CATALOG_* environment variables, then these
     flags (later wins). Finished shards recorded in the output's _manifest.json are skipped, so
-    rerunning a failed night resumes it. The summary goes to stdout, log lines to stderr, and
-    _report.json, _report.html and (on success) _SUCCESS to the output root. On a terminal a
+    rerunning a failed night resumes it. The summary goes to stdout, log lines to stderr,
+    _report.json and _report.html beside the output (<output's parent>/_score_catalog/<output's
+    name>/, with the manifest) and, on success, _SUCCESS into the output. On a terminal a
     progress bar shows rows, shards, rows/s and ETA.
     """
     from pipeline.report import summary_table
@@ -331,8 +332,8 @@ def plan(job: Path | None, as_json: bool, **opts: Any) -> None:
 def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_json: bool) -> None:
     """Print the summary of a finished run, or two runs side by side with --vs.
 
-    RUN_URI is a run's output root (the folder holding _report.json) or the report file; any
-    fsspec URI works (s3://...).
+    RUN_URI is a run's output root (its _report.json is beside it, in <output's
+    parent>/_score_catalog/<output's name>/) or the report file; any fsspec URI works (s3://...).
     """
     from pipeline.report import RunReport, diff_table, load_report, summary_table
     from pipeline.storage import to_json

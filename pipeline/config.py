@@ -457,14 +457,9 @@ def default_rejects(output: str) -> str | None:
     gives ``s3://b/scored/_rejects/x``: beside the output, never inside it. A bucket root
     (``s3://b``) or the filesystem root has no parent folder to hold them.
     """
-    proto, sep, rest = output.rpartition("://")
-    path = rest.rstrip("/")
-    if not path or (sep and "/" not in path):
-        return None  # "/" or "", or a bucket root
-    parent, slash, name = path.rpartition("/")
-    if name in (".", ".."):
-        return None
-    return f"{proto}{sep}{parent}{slash}_rejects/{name}"
+    from pipeline.layout import beside  # imports storage (fsspec): only when needed
+
+    return beside(output, "_rejects")
 
 
 def _no_parent_message(output: str) -> str:

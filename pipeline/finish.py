@@ -77,14 +77,15 @@ def drift_section(
     return drift_mod.compare(baseline, data, thresholds)
 
 
-def write_html(out_root: Location, data: dict[str, Any]) -> None:
-    """``_report.html`` beside the JSON report; a rendering error is logged, not raised."""
+def write_html(control: Location, data: dict[str, Any]) -> None:
+    """``_report.html`` beside the JSON report (in the output's control folder); a rendering
+    error is logged, not raised."""
     try:
         page = render_html(cast(ReportData, data))
     except Exception as e:  # the JSON report is the record; the page is a view of it
         logger.warning("could not render %s: %s", HTML_NAME, e)
         return
-    storage.write_bytes(out_root.child(HTML_NAME), page.encode("utf-8"), point="html-rename")
+    storage.write_bytes(control.child(HTML_NAME), page.encode("utf-8"), point="html-rename")
 
 
 _INDEX_KEYS = (
@@ -99,12 +100,10 @@ _INDEX_KEYS = (
 )
 
 
-def record_run(
-    config: JobConfig, index_root: str, out_root: Location, data: dict[str, Any]
-) -> None:
+def record_run(config: JobConfig, index_root: str, control: Location, data: dict[str, Any]) -> None:
     """Add the run to the job's run index (with its score sketches, the next drift baseline)."""
     entry = {key: data[key] for key in _INDEX_KEYS}
-    entry["report"] = out_root.child(REPORT_NAME).uri
+    entry["report"] = control.child(REPORT_NAME).uri
     entry["outputs"] = {
         col: {"count": v.get("count"), "sketch": v.get("sketch")}
         for col, v in (data.get("outputs") or {}).items()
@@ -210,7 +209,7 @@ def finish_run(run: ScoringRun) -> RunReport:
     if any(r.kind == FailureKind.INTERRUPTED for r in ordered):
         data["status"] = RunStatus.INTERRUPTED
         data["failure_reasons"] = [run.stop.reason, *data["failure_reasons"]]
-    data["removed_outputs"] = [r.public() for r in settled.removed]
+    data["removed_outputs"] = [r.public() for r in (*run.cleared, *settled.removed)]
     data["foreign_removed"] = list(run.foreign.removed)
     data["foreign_kept"] = sorted(
         {*run.foreign.kept, *(run.out_root.child(rel).uri for rel in settled.foreign)}
@@ -219,11 +218,11 @@ def finish_run(run: ScoringRun) -> RunReport:
     index_root = runindex.index_root(run.config.output)
     add_drift(run.config, data, index_root)
     report = RunReport(data)
-    lock.assert_held()  # the fence, before each commit on the output root
-    storage.write_json(run.out_root.child(REPORT_NAME), data, point="report-rename")
+    lock.assert_held()  # the fence, before each commit
+    storage.write_json(run.control.child(REPORT_NAME), data, point="report-rename")
     lock.assert_held()
-    write_html(run.out_root, data)
-    record_run(run.config, index_root, run.out_root, data)
+    write_html(run.control, data)
+    record_run(run.config, index_root, run.control, data)
     if report.status not in (RunStatus.FAILED, RunStatus.INTERRUPTED):
         lock.assert_held()
         storage.write_bytes(run.out_root.child(SUCCESS_NAME), b"", point="success-rename")
@@ -249,9 +248,8 @@ def _verify(run: ScoringRun, data: dict[str, Any], want: Wanted) -> None:
     """Fail a run whose visible output differs from its report: no ``_SUCCESS`` then."""
     if data["status"] in (RunStatus.FAILED, RunStatus.INTERRUPTED):
         return  # no _SUCCESS anyway; spare a failing or stopping run the footer reads
-    problems = verify(
-        run.out_root, want.rows, run.sha, run.config.storage, settings_hash=run.settings.hash
-    )
+    expected = {rel: run.expected(rel, rows) for rel, rows in want.rows.items()}
+    problems = verify(run.out_root, expected, run.config.storage)
     if problems:
         for p in problems:
             logger.error("%s", p)
@@ -275,11 +273,13 @@ def report_failure(run: ScoringRun, e: Exception) -> dict[str, Any] | None:
         data = build_report(run_facts(run), ordered, None, time.perf_counter() - run.t0)
         data["status"] = RunStatus.FAILED
         data["failure_reasons"] = [why, *data["failure_reasons"]]
-        for key in ("removed_outputs", "foreign_removed", "foreign_kept"):
-            data.setdefault(key, [])  # nothing was reconciled: the run stopped before
+        # Nothing was reconciled (the run stopped before); what was cleared before scoring is.
+        data["removed_outputs"] = [r.public() for r in run.cleared]
+        for key in ("foreign_removed", "foreign_kept"):
+            data.setdefault(key, [])
         run.lock_.assert_held()
-        storage.write_json(run.out_root.child(REPORT_NAME), data, point="report-rename")
-        write_html(run.out_root, data)
+        storage.write_json(run.control.child(REPORT_NAME), data, point="report-rename")
+        write_html(run.control, data)
     except Exception as report_error:
         logger.error("could not write the report: %s", describe(report_error))
     return data

@@ -1,5 +1,8 @@
 """``_manifest.json``: what was scored from what, so that a rerun skips finished shards.
 
+It lives in the output's control folder (``<parent>/_score_catalog/<name>/``, see
+:mod:`pipeline.layout`); one written inside the output by an older version is still read.
+
 An entry is reused only if the input shard's fingerprint (size, modification time or ETag, footer
 row count and a hash of the footer's row-group layout and column statistics), the model's SHA-256
 and the hash of the settings that change scores are all the same, and its output file still
@@ -38,6 +41,12 @@ SAVE_BUDGET = 0.1  # share of the driver's time that manifest saves may take
 def settings_hash(settings: dict[str, Any]) -> str:
     """A stable hash of the settings that change what is written for a row."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fingerprint_hash(fingerprint: dict[str, Any]) -> str:
+    """A short stable hash of an input shard's fingerprint (what :func:`expectation` records):
+    written into each output file's footer, so that the file names the version of its input."""
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def expectation(
@@ -91,9 +100,26 @@ class Manifest:
     _last_cost: float = field(default=0.0, repr=False)  # seconds the last save took
     _last_end: float = field(default=float("-inf"), repr=False)
 
+    # Where it was read from when that was inside the output (the layout before the control
+    # folder, see pipeline.layout): the run that takes the lock moves it out.
+    read_from: Location | None = field(default=None, repr=False)
+
     @classmethod
     def load(cls, root: Location) -> Manifest:
-        loc = root.child(MANIFEST_NAME)
+        """The manifest of the output ``root``: from its control folder, or else from inside
+        the output (written by a version before the control folder); empty if neither."""
+        from pipeline import layout
+
+        loc = layout.control_root(root).child(MANIFEST_NAME)
+        for where in layout.candidates(root):
+            src = where.child(MANIFEST_NAME)
+            found = cls._read(src)
+            if found is not None:
+                return cls(loc, found, read_from=None if src == loc else src)
+        return cls(loc)
+
+    @staticmethod
+    def _read(loc: Location) -> dict[str, dict[str, Any]] | None:
         try:
             doc = storage.read_json(loc)
         except json.JSONDecodeError as e:
@@ -102,23 +128,21 @@ class Manifest:
                 "changed it. Delete it to rescore everything."
             ) from e
         if doc is None:
-            return cls(loc)
+            return None
         if doc.get("schema_version") != SCHEMA_VERSION:
             raise StorageError(
                 f"{loc.uri} has schema_version {doc.get('schema_version')!r}; this version reads "
                 f"{SCHEMA_VERSION}. Delete it (or use --force) to rescore everything."
             )
-        return cls(loc, dict(doc.get("shards", {})))
+        return dict(doc.get("shards", {}))
 
-    def is_done(self, rel_path: str, expect: dict[str, Any], output: Location) -> bool:
-        """True if ``rel_path`` was scored from the same input, model and settings."""
+    def matches(self, rel_path: str, expect: dict[str, Any]) -> bool:
+        """True if the entry of ``rel_path`` says it was scored from the same input, model and
+        settings (whether its output is still there is for the caller to check)."""
         entry = self.shards.get(rel_path)
         if entry is None:
             return False
-        for key, value in expect.items():
-            if entry.get(key) != value:
-                return False
-        return storage.exists(output)
+        return all(entry.get(key) == value for key, value in expect.items())
 
     def record(self, rel_path: str, entry: dict[str, Any]) -> None:
         self.shards[rel_path] = entry

@@ -16,7 +16,7 @@ import torch
 from pipeline import registry, storage
 from pipeline.cluster import thread_plan
 from pipeline.config import JobConfig
-from pipeline.manifest import Manifest, expectation
+from pipeline.manifest import Manifest, expectation, fingerprint_hash
 from pipeline.model import forward, read_bundle, resolve_device
 from pipeline.precision import ExecutionOptions, prepare
 from pipeline.preparation import (
@@ -26,6 +26,8 @@ from pipeline.preparation import (
     run_settings,
     sample_rows,
 )
+from pipeline.reading import ShardInfo
+from pipeline.reconcile import Expected, file_problems
 from pipeline.storage import Location, ShardRef
 from pipeline.tuning import BatchSizeCache, bench_batch_sizes, cache_key, default_cache_path
 
@@ -113,13 +115,28 @@ def _shard_entries(
             entry.update(action=action, problem="; ".join(problems[s.rel_path]))
         else:
             assert info is not None
-            expect = expectation(s, info, *expect_done)
-            done = not config.force and manifest.is_done(
-                s.rel_path, expect, out_root.child(s.rel_path)
-            )
+            done = not config.force and _done(manifest, s, info, out_root, expect_done, config)
             entry["action"] = "skip (done)" if done else "score"
         entries.append(entry)
     return entries
+
+
+def _done(
+    manifest: Manifest,
+    s: ShardRef,
+    info: ShardInfo,
+    out_root: Location,
+    expect_done: tuple[str, str],
+    config: JobConfig,
+) -> bool:
+    """Whether a run would skip ``s``: as ``ScoringRun._skip_if_done`` judges it, from the
+    manifest entry and the output file's footer."""
+    expect = expectation(s, info, *expect_done)
+    if not manifest.matches(s.rel_path, expect):
+        return False
+    rows = manifest.shards[s.rel_path]["rows_scored"]
+    want = Expected(rows, *expect_done, s.rel_path, fingerprint_hash(expect["fingerprint"]))
+    return not file_problems(out_root.child(s.rel_path), want, config.storage)
 
 
 def _calibrate(

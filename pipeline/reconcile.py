@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline import storage
-from pipeline.errors import ConfigError, ShardError
+from pipeline.errors import ConfigError, ShardError, StorageError
 from pipeline.reading import read_footer
 from pipeline.statuses import FailureKind, ShardStatus
 from pipeline.storage import Location
@@ -37,6 +37,14 @@ logger = logging.getLogger(__name__)
 WRITER_KEY = b"score_catalog.writer"
 MODEL_SHA_KEY = b"score_catalog.model_sha256"
 SETTINGS_KEY = b"score_catalog.settings_hash"
+#: The input shard an output (or rejects) file was scored from: its path relative to the input
+#: root, and the hash of its fingerprint (``pipeline.manifest.fingerprint_hash``). A file copied
+#: over another one, or left from an earlier version of its input, does not match.
+INPUT_KEY = b"score_catalog.input"
+INPUT_FINGERPRINT_KEY = b"score_catalog.input_fingerprint"
+#: In a rejects file: the output it belongs to (its URI), so that a rejects folder two jobs
+#: share by mistake is found before one deletes or replaces the other's files.
+OUTPUT_KEY = b"score_catalog.output"
 WRITER = b"score-catalog"
 #: Names that readers globbing for Parquet (DuckDB, Polars, Spark '*.parquet') take for data.
 DATA_SUFFIXES = (".parquet", ".parq", ".pq")
@@ -46,13 +54,36 @@ LEGACY_REJECTS = "_rejects"
 REPLACE_FLAG = "--on-foreign-output replace"
 
 
-def footer_metadata(model_sha256: str, settings_hash: str) -> dict[bytes, bytes]:
-    """The footer metadata an output file is written with (see :data:`WRITER_KEY`)."""
-    return {
+def footer_metadata(
+    model_sha256: str, settings_hash: str, input_rel: str = "", input_fingerprint: str = ""
+) -> dict[bytes, bytes]:
+    """The footer metadata an output file is written with (see :data:`WRITER_KEY`): writer,
+    model, settings and, when given, the input shard it was scored from."""
+    meta = {
         WRITER_KEY: WRITER,
         MODEL_SHA_KEY: model_sha256.encode(),
         SETTINGS_KEY: settings_hash.encode(),
     }
+    if input_rel:
+        meta[INPUT_KEY] = input_rel.encode()
+        meta[INPUT_FINGERPRINT_KEY] = input_fingerprint.encode()
+    return meta
+
+
+def rejects_metadata(
+    output_uri: str, input_rel: str = "", input_fingerprint: str = ""
+) -> dict[bytes, bytes]:
+    """The footer metadata of a rejects file: writer, the output it belongs to, its input."""
+    meta = {WRITER_KEY: WRITER, OUTPUT_KEY: owner_key(output_uri).encode()}
+    if input_rel:
+        meta[INPUT_KEY] = input_rel.encode()
+        meta[INPUT_FINGERPRINT_KEY] = input_fingerprint.encode()
+    return meta
+
+
+def owner_key(output_uri: str) -> str:
+    """How a rejects file names its output: the URI without a trailing ``/``."""
+    return output_uri.rstrip("/")
 
 
 def is_visible(rel_path: str) -> bool:
@@ -77,6 +108,14 @@ def written_by_us(loc: Location, options: Mapping[str, Any] | None = None) -> bo
     """True when the file's footer says this tool wrote it (a crash can lose its manifest entry)."""
     meta = _footer_meta(loc, options)
     return meta is not None and meta.get(WRITER_KEY) == WRITER
+
+
+def rejects_owner(loc: Location, options: Mapping[str, Any] | None = None) -> str | None:
+    """The output file a rejects file says it belongs to (:data:`OUTPUT_KEY`); None when there
+    is no readable Parquet file at ``loc`` or it names none (written by an older version)."""
+    meta = _footer_meta(loc, options)
+    owner = (meta or {}).get(OUTPUT_KEY)
+    return owner.decode() if owner is not None else None
 
 
 def is_data(loc: Location, options: Mapping[str, Any] | None = None) -> bool:
@@ -124,6 +163,66 @@ def check_output_owner(
         f'or pass {REPLACE_FLAG} (on_foreign_output = "replace") to delete the Parquet files '
         "among them (other files are left alone)."
     )
+
+
+def check_rejects_location(
+    rej_root: Location,
+    out_root: Location,
+    options: Mapping[str, Any] | None = None,
+    rel_paths: Iterable[str] | None = None,
+) -> None:
+    """Refuse, before anything is written, a rejects location this run could not or must not
+    write: a file (or a folder under a file), or a folder holding rejects of another output.
+
+    A rejects file names the output file it belongs to in its footer (:data:`OUTPUT_KEY`). Two
+    jobs configured with the same ``rejects`` would otherwise replace or delete each other's
+    files under the same names; the second one is refused (``ConfigError``, exit 2), naming
+    the other output and the file. Rejects written before they carried the name cannot be told
+    apart and are taken as this output's, as before. ``rel_paths`` (the run's shards) limits
+    the footers read to the names this run would write: another output's files under other
+    names are never touched (each deletion checks its file's name again).
+    """
+    blocker = storage.file_in_the_way(rej_root)
+    if blocker is not None:
+        raise StorageError(
+            f"rejects {rej_root.uri} is a file or lies under one ({blocker}), not a folder: "
+            "nothing was written. Point rejects at a folder (it is created if absent)."
+        )
+    names = visible_files(rej_root)
+    if rel_paths is not None:
+        names = sorted(set(names) & set(rel_paths))
+    for rel in names:
+        loc = rej_root.child(rel)
+        owner = rejects_owner(loc, options)
+        mine = owner_key(out_root.child(rel).uri)
+        if owner is not None and owner != mine:
+            raise ConfigError(
+                f"rejects {rej_root.uri} holds {loc.uri}, rejected rows of another output "
+                f"({_output_of(owner, rel)}): this run would replace or delete them. Nothing "
+                f"was written. Give each output its own rejects location (leave rejects unset: "
+                "<output's parent>/_rejects/<output's name>), or move those files away."
+            )
+
+
+def _output_of(owner: str, rel: str) -> str:
+    """The output root a rejects file's owner (an output file URI) belongs to."""
+    suffix = "/" + rel
+    return owner[: -len(suffix)] if owner.endswith(suffix) else owner
+
+
+def _remove_rejects(
+    loc: Location, output: Location, options: Mapping[str, Any] | None
+) -> str | None:
+    """Delete the rejects file ``loc`` of ``output`` unless another output's name is in its
+    footer; returns its URI if it was there and deleted."""
+    if not storage.exists(loc):
+        return None
+    owner = rejects_owner(loc, options)
+    if owner is not None and owner != owner_key(output.uri):
+        logger.warning("kept %s: it holds rejected rows of %s, not of this output", loc.uri, owner)
+        return None
+    storage.remove(loc)
+    return loc.uri
 
 
 @dataclass
@@ -181,6 +280,89 @@ class Reconciliation:
 
     removed: list[Removal] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
+
+
+SHAPE_REASON = (
+    "its input shard changed shape (a file became a folder of the same name, or the reverse)"
+)
+
+
+def _in_the_way(files: set[str], wanted: Iterable[str]) -> dict[str, list[str]]:
+    """Files below a root that keep the paths ``wanted`` from being written: for each wanted
+    path, an existing file where one of its folders must go, or the files below a folder of
+    its very name. Returns obstacle -> the files to take away (itself, or its contents)."""
+    below: dict[str, list[str]] = {}
+    for f in sorted(files):
+        parts = f.split("/")
+        for i in range(1, len(parts)):
+            below.setdefault("/".join(parts[:i]), []).append(f)
+    found: dict[str, list[str]] = {}
+    for rel in wanted:
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            folder = "/".join(parts[:i])
+            if folder in files:
+                found[folder] = [folder]
+        if rel in below:
+            found[rel] = below[rel]
+    return found
+
+
+def clear_the_way(
+    out_root: Location,
+    rej_root: Location,
+    wanted: Iterable[str],
+    ours: set[str],
+    options: Mapping[str, Any] | None = None,
+) -> list[Removal]:
+    """Take away outputs of ours (and their rejects) that the outputs of ``wanted`` cannot be
+    written beside: an input shard replaced upstream by a folder of the same name, or a folder
+    by a file. On local disk a file cannot become a folder in place (nor the reverse), so the
+    new output would fail to commit every night. Their inputs are gone, so the final
+    :func:`reconcile` would remove them anyway; this does it before scoring.
+
+    ``ours``: relative paths the manifest lists. Anything in the way that this tool did not
+    write is a :class:`ConfigError` naming it, and nothing is removed.
+    """
+    wanted = list(wanted)
+    blocking = _in_the_way(set(storage.list_files(out_root)), wanted)
+    for files in blocking.values():
+        for f in files:
+            if f not in ours and not written_by_us(out_root.child(f), options):
+                raise ConfigError(
+                    f"output {out_root.uri}: {out_root.child(f).uri} is in the way of the "
+                    f"output of an input shard that changed shape, and score-catalog did not "
+                    "write it. Nothing was removed; move it away and run again."
+                )
+    removed = []
+    for obstacle, files in sorted(blocking.items()):
+        for f in files:
+            loc = out_root.child(f)
+            storage.remove(loc)
+            rejects = _remove_rejects(rej_root.child(f), loc, options)
+            removed.append(Removal(f, loc.uri, SHAPE_REASON, rejects))
+            logger.warning("removed %s from the output: %s", loc.uri, SHAPE_REASON)
+        if files != [obstacle]:  # a folder: empty now, or holding another output's rejects
+            storage.remove_empty_folders(out_root.child(obstacle))
+            storage.remove_empty_folders(rej_root.child(obstacle))
+    _clear_rejects_way(out_root, rej_root, wanted, options)
+    return removed
+
+
+def _clear_rejects_way(
+    out_root: Location, rej_root: Location, wanted: list[str], options: Mapping[str, Any] | None
+) -> None:
+    """The same in the rejects tree, for rejects whose output was already gone."""
+    for obstacle, files in _in_the_way(set(storage.list_files(rej_root)), wanted).items():
+        for f in files:
+            if _remove_rejects(rej_root.child(f), out_root.child(f), options) is None:
+                raise ConfigError(
+                    f"rejects {rej_root.uri}: {rej_root.child(f).uri} is in the way of the "
+                    "rejects of an input shard that changed shape, and holds rows of another "
+                    "output. Nothing was removed; move it away and run again."
+                )
+        if files != [obstacle]:
+            storage.remove_empty_folders(rej_root.child(obstacle))
 
 
 class Outcome(Protocol):
@@ -257,19 +439,16 @@ def reconcile(
             result.foreign.append(rel)
             continue
         reason = reasons.get(rel, "its input shard no longer exists")
-        rejects = rej_root.child(rel)
-        had_rejects = storage.exists(rejects)
         storage.remove(loc)  # the output first: a crash in between leaves orphan rejects only
-        if had_rejects:
-            storage.remove(rejects)
-        removal = Removal(rel, loc.uri, reason, rejects.uri if had_rejects else None)
+        rejects = _remove_rejects(rej_root.child(rel), loc, options)
+        removal = Removal(rel, loc.uri, reason, rejects)
         logger.warning("removed %s from the output: %s", removal.output, reason)
         result.removed.append(removal)
     gone = (ours | set(reasons)) - keep
     # Rejects of shards that are no longer in the dataset, whose output was already missing.
     for rel in storage.list_files(rej_root):
         if is_visible(rel) and rel in gone:
-            storage.remove(rej_root.child(rel))
+            _remove_rejects(rej_root.child(rel), out_root.child(rel), options)
     _remove_legacy_rejects(out_root, rej_root, ours | keep | set(reasons))
     return result
 
@@ -287,65 +466,89 @@ def _remove_legacy_rejects(out_root: Location, rej_root: Location, known: set[st
             logger.info("removed rejects kept inside the output by an older version: %s", rel)
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What an output file's footer must say to be the output the report (or manifest) lists."""
+
+    rows: int
+    model_sha256: str
+    settings_hash: str | None = None  # None: not checked
+    input_rel: str | None = None  # None: not checked
+    input_fingerprint: str | None = None
+
+
 def verify(
     out_root: Location,
-    expected_rows: Mapping[str, int],
-    model_sha256: str,
+    expected: Mapping[str, Expected],
     options: Mapping[str, Any] | None = None,
-    *,
-    settings_hash: str | None = None,
 ) -> list[str]:
     """Problems that forbid ``_SUCCESS``: what a reader would see differs from the report.
 
-    ``expected_rows``: for each shard the report counts as output (scored or skipped), its row
-    count. The check reads only footers: every visible data file must be one of those shards,
-    have that many rows, and carry this run's model SHA-256 (and ``settings_hash`` when given)
-    in its footer metadata. Visible files that are not data (``notes.txt``) are not counted:
-    Parquet readers skip them by name or fail on them loudly, they do not read them as rows.
+    ``expected``: for each shard the report counts as output (scored or skipped), what its file
+    must say. The check reads only footers: every visible data file must be one of those
+    shards, have that many rows, carry this run's model SHA-256 and settings hash, and name
+    its input shard and that shard's current fingerprint (files written before outputs named
+    their input are checked without that). Visible files that are not data (``notes.txt``)
+    are not counted: Parquet readers skip them by name or fail on them loudly, they do not
+    read them as rows.
     """
     problems: list[str] = []
     visible = visible_files(out_root)
-    seen = {rel for rel in visible if rel in expected_rows or is_data(out_root.child(rel), options)}
-    for rel in sorted(seen - set(expected_rows)):
+    seen = {rel for rel in visible if rel in expected or is_data(out_root.child(rel), options)}
+    for rel in sorted(seen - set(expected)):
         problems.append(
             f"{out_root.child(rel).uri} is in the output but not in the report (a reader would "
             f"take its rows for scores; delete it, or rerun with {REPLACE_FLAG})"
         )
-    for rel in sorted(set(expected_rows) - seen):
+    for rel in sorted(set(expected) - seen):
         problems.append(f"{out_root.child(rel).uri} is in the report but missing from the output")
-    for rel in sorted(seen & set(expected_rows)):
-        problems += _file_problems(
-            out_root.child(rel), expected_rows[rel], model_sha256, settings_hash, options
-        )
+    for rel in sorted(seen & set(expected)):
+        problems += file_problems(out_root.child(rel), expected[rel], options)
     return problems
 
 
-def _file_problems(
-    loc: Location,
-    rows: int,
-    model_sha256: str,
-    settings_hash: str | None,
-    options: Mapping[str, Any] | None,
+def file_problems(
+    loc: Location, expected: Expected, options: Mapping[str, Any] | None = None
 ) -> list[str]:
-    """How one output file differs from its line in the report, from its footer alone."""
+    """How one output file differs from what it should be, from its footer alone (a missing or
+    unreadable file is one problem)."""
     try:
         info = read_footer(loc.uri, options)
     except ShardError as e:
         return [f"{loc.uri} cannot be read back: {e}"]
     problems = []
-    if info.num_rows != rows:
-        problems.append(f"{loc.uri} holds {info.num_rows} rows, the report says {rows}")
+    if info.num_rows != expected.rows:
+        problems.append(f"{loc.uri} holds {info.num_rows} rows, the report says {expected.rows}")
     meta = info.schema.metadata or {}
     sha = meta.get(MODEL_SHA_KEY, b"").decode()
-    if sha != model_sha256:
+    if sha != expected.model_sha256:
         problems.append(
             f"{loc.uri} was scored by model {sha[:12] or 'unknown'}, not this run's "
-            f"{model_sha256[:12]}"
+            f"{expected.model_sha256[:12]}"
         )
     found = meta.get(SETTINGS_KEY, b"").decode()
-    if settings_hash is not None and found != settings_hash:
+    if expected.settings_hash is not None and found != expected.settings_hash:
         problems.append(
             f"{loc.uri} was scored with settings {found or 'unknown'}, not this run's "
-            f"{settings_hash}"
+            f"{expected.settings_hash}"
         )
-    return problems
+    return problems + _input_problems(loc, meta, expected)
+
+
+def _input_problems(loc: Location, meta: Mapping[bytes, bytes], expected: Expected) -> list[str]:
+    """Whether the file names the input shard, and the version of it, it should come from."""
+    if expected.input_rel is None or INPUT_KEY not in meta:
+        return []  # not checked, or written before outputs named their input
+    source = meta[INPUT_KEY].decode()
+    if source != expected.input_rel:
+        return [
+            f"{loc.uri} was scored from input shard {source}, not {expected.input_rel} (copied "
+            "or renamed by hand?)"
+        ]
+    found = meta.get(INPUT_FINGERPRINT_KEY, b"").decode()
+    if expected.input_fingerprint is not None and found != expected.input_fingerprint:
+        return [
+            f"{loc.uri} was scored from another version of {source} (fingerprint "
+            f"{found or 'unknown'}, now {expected.input_fingerprint})"
+        ]
+    return []

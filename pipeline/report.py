@@ -440,18 +440,21 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
 
 
 def load_report(uri: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ``_report.json`` of a run: ``uri`` is its output root or the report file itself."""
-    from pipeline import storage
+    """The ``_report.json`` of a run: ``uri`` is its output root, its control folder or the
+    report file itself."""
+    from pipeline import layout, storage
     from pipeline.errors import InputError
 
     loc = storage.locate(uri, options)
     if not loc.path.endswith(".json"):
-        loc = loc.child(REPORT_NAME)
+        # The output's control folder (pipeline.layout), the output itself (older layout), or
+        # the control folder given directly.
+        loc = layout.find(loc, REPORT_NAME) or loc.child(REPORT_NAME)
     data = storage.read_json(loc)
     if not isinstance(data, dict) or "run_id" not in data:
         raise InputError(
-            f"{loc.uri}: no run report there; give a run's output root (the folder holding "
-            f"{REPORT_NAME}) or the report file"
+            f"{loc.uri}: no run report there; give a run's output root (its report is in "
+            f"<output's parent>/_score_catalog/<output's name>/{REPORT_NAME}) or the report file"
         )
     return data
 

@@ -5,10 +5,11 @@ A :class:`ScoringRun` holds the run's state and goes through its phases in order
 passes), ``lock`` (take the output, clear what a crashed run left, find what is done), ``score``
 (on the cluster, with retries) and ``finish`` (report, drift, HTML, run index, ``_SUCCESS``).
 
-Order of commits on the output root: each shard's rejects, then its output, then its manifest
-entry; ``_report.json``, ``_report.html`` and the run-index entry after every shard has finished;
-``_SUCCESS`` last and only when the run succeeded within its error budget and what readers see
-of the output matched the report (``pipeline.reconcile``).
+Order of commits: once the lock is taken, the previous run's ``_SUCCESS`` and report are
+withdrawn (``pipeline.layout.claim``); then each shard's rejects, its output, its manifest entry;
+``_report.json``, ``_report.html`` (in the control folder beside the output) and the run-index
+entry after every shard has finished; ``_SUCCESS`` last and only when the run succeeded within
+its error budget and what readers see of the output matched the report (``pipeline.reconcile``).
 """
 
 from __future__ import annotations
@@ -23,14 +24,20 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline import finish, registry, storage
+from pipeline import finish, layout, registry, runindex, storage
 from pipeline.cluster import DaskSession, Plan, thread_plan
 from pipeline.config import JobConfig
 from pipeline.execution import cancelled, execute, interrupted
 from pipeline.faults import checkpoint
 from pipeline.interrupt import StopRequest
 from pipeline.locking import LOCK_LOST_KIND, LockLostError, RunLock
-from pipeline.manifest import FencedManifest, Manifest, expectation, scored_entry
+from pipeline.manifest import (
+    FencedManifest,
+    Manifest,
+    expectation,
+    fingerprint_hash,
+    scored_entry,
+)
 from pipeline.model import LoadedModel, read_bundle, resolve_device
 from pipeline.preparation import (
     Execution,
@@ -43,8 +50,13 @@ from pipeline.preparation import (
     run_settings,
 )
 from pipeline.reconcile import (
+    Expected,
     ForeignFiles,
+    Removal,
     check_output_owner,
+    check_rejects_location,
+    clear_the_way,
+    file_problems,
     remove_foreign,
 )
 from pipeline.report import RunReport
@@ -89,6 +101,8 @@ class ScoringRun:
         opts = config.storage
         self.out_root = storage.locate(config.output_uri(self.run_id), opts)
         self.rej_root = storage.locate(config.rejects_uri(self.run_id), opts)
+        # Manifest, report and HTML page: beside the output, not in it (pipeline.layout).
+        self.control = layout.control_root(self.out_root)
         self.session: DaskSession | None = None
         self.lock_: RunLock | None = None
         self.manifest: Manifest | None = None
@@ -99,6 +113,7 @@ class ScoringRun:
         self.foreign = ForeignFiles()
         # Where the model comes from; a registry URI is resolved at the start of prepare().
         self.source = registry.ModelSource(uri=config.model, bundle=config.model)
+        self.cleared: list[Removal] = []  # outputs taken away before scoring (clear_the_way)
 
     # -- the phases --------------------------------------------------------------------------
 
@@ -161,6 +176,8 @@ class ScoringRun:
         # A folder holding files this tool did not write is refused before anything is written.
         opts = self.config.storage
         check_output_owner(self.out_root, self.config.on_foreign_output, opts)
+        shard_paths = [s.rel_path for s in self.shards]
+        check_rejects_location(self.rej_root, self.out_root, opts, shard_paths)
         self.lock_ = RunLock.acquire(
             self.out_root, self.run_id, stale_after_s=self.config.stale_lock_after_s
         )
@@ -172,16 +189,31 @@ class ScoringRun:
             lock_token=self.lock_.token,
         )
         checkpoint("locked")
+        index = storage.locate(runindex.index_root(self.config.output), opts)
+        layout.claim(self.out_root, index, self.lock_.assert_held)
         for root in (self.out_root, self.rej_root):
             for path in storage.remove_stale_temporaries(root):
                 logger.info("removed a temporary file left by an interrupted run: %s", path)
-        storage.remove(self.out_root.child(SUCCESS_NAME))
         loaded = Manifest.load(self.out_root)
         self.manifest = FencedManifest(loaded.loc, loaded.shards, fence=self.lock_.assert_held)
+        if loaded.read_from is not None:
+            # Written inside the output by an older version: save it to the control folder
+            # first, then drop the old copy (a crash in between leaves both; the new one wins).
+            self.manifest.save()
+            storage.remove(loaded.read_from)
         # What earlier runs wrote, before failed shards are forgotten: reconcile's "ours".
         self.previous_outputs = set(self.manifest.shards)
         if self.config.on_foreign_output == "replace":
             self.foreign = remove_foreign(self.out_root, self.previous_outputs, opts)
+        # An input shard that became a folder of the same name (or the reverse): its old
+        # output is in the way of the new one.
+        wanted = [s.rel_path for s in self.shards if s.rel_path not in self.failed]
+        self.lock_.assert_held()
+        self.cleared = clear_the_way(
+            self.out_root, self.rej_root, wanted, self.previous_outputs, opts
+        )
+        for removal in self.cleared:
+            self.manifest.forget(removal.rel_path)
         self.results = dict(self.failed)
         for s in self.shards:
             if s.rel_path in self.failed:
@@ -257,20 +289,35 @@ class ScoringRun:
         # The footer read in prepare: row count and the hash of its layout and statistics.
         return expectation(s, self.found.infos[s.rel_path], self.sha, self.settings.hash)
 
+    def expected(self, rel_path: str, rows: int) -> Expected:
+        """What the output file of shard ``rel_path`` must say in its footer (``rows`` rows)."""
+        fingerprint = self._expect(self._by_path[rel_path])["fingerprint"]
+        assert isinstance(fingerprint, dict)
+        return Expected(rows, self.sha, self.settings.hash, rel_path, fingerprint_hash(fingerprint))
+
     def _skip_if_done(self, s: ShardRef) -> bool:
-        """Record ``s`` as skipped if the manifest says this model and settings scored it."""
+        """Record ``s`` as skipped if the manifest says this model and settings scored it, and
+        the output file's footer agrees (its rows, model, settings and input shard)."""
         assert self.manifest is not None
-        out_loc = self.out_root.child(s.rel_path)
-        expect = self._expect(s)
-        if self.config.force or not self.manifest.is_done(s.rel_path, expect, out_loc):
+        if self.config.force or not self.manifest.matches(s.rel_path, self._expect(s)):
             return False
         done = self.manifest.shards[s.rel_path]
+        out_loc = self.out_root.child(s.rel_path)
+        problems = file_problems(
+            out_loc, self.expected(s.rel_path, done["rows_scored"]), self.config.storage
+        )
+        if problems:
+            # Deleted, replaced or copied over since: score it again instead of trusting it.
+            logger.warning("scoring %s again: %s", s.rel_path, problems[0])
+            return False
         self.results[s.rel_path] = ShardResult.skipped(s.rel_path, s.uri, done)
         return True
 
     def _task(self, s: ShardRef) -> ShardTask:
         info = self.found.infos[s.rel_path]
         meta = [info.schema.field(c) for c in (self.config.id_column, *self.config.passthrough)]
+        fingerprint = self._expect(s)["fingerprint"]
+        assert isinstance(fingerprint, dict)
         return ShardTask(
             rel_path=s.rel_path,
             input_uri=s.uri,
@@ -278,6 +325,7 @@ class ScoringRun:
             rejects_uri=self.rej_root.child(s.rel_path).uri,
             num_rows=info.num_rows,
             meta_schema=pa.schema(meta).serialize().to_pybytes(),
+            input_fingerprint=fingerprint_hash(fingerprint),
         )
 
     def _record(self, task: ShardTask, result: ShardResult) -> None:
@@ -296,12 +344,21 @@ class ScoringRun:
         self.manifest.record(task.rel_path, scored_entry(s.uri, expect, result, self.run_id))
 
     def _release(self) -> None:
-        """Save the manifest and release the lock; errors are logged, never raised."""
+        """Save the manifest, delete this run's leftover temporary files and release the lock;
+        errors are logged, never raised."""
         if self.manifest is not None:
             # After an unexpected error too: keep what was committed so the rerun skips it.
             finish.log_cleanup_error(self.manifest.flush, "saving the manifest")
         if self.lock_ is not None:
+            finish.log_cleanup_error(self._remove_temporaries, "removing temporary files")
             finish.log_cleanup_error(self.lock_.release, "releasing the lock")
+
+    def _remove_temporaries(self) -> None:
+        """Staged files of this run that no writer will finish: a worker killed mid-write
+        (SIGKILL, out of memory) left them; its shard was scored again elsewhere."""
+        for root in (self.out_root, self.rej_root):
+            for path in storage.remove_temporaries(root, self.run_id):
+                logger.info("removed a temporary file a killed worker left: %s", path)
 
     def _close_session(self) -> None:
         if self.session is not None:

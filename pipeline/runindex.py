@@ -20,11 +20,12 @@ from typing import Any
 
 from pipeline import storage
 from pipeline.errors import ConfigError, PipelineError
+from pipeline.layout import CONTROL_DIR, RUN_INDEX_DIR, beside
 from pipeline.statuses import RunStatus
 
 logger = logging.getLogger(__name__)
 
-INDEX_DIR = "_runs"
+INDEX_DIR = RUN_INDEX_DIR
 SUCCESS_STATUSES = frozenset(
     {RunStatus.SUCCEEDED, RunStatus.SUCCEEDED_WITH_ERRORS, RunStatus.SUCCEEDED_WITH_WARNINGS}
 )
@@ -37,10 +38,11 @@ def index_root(output_template: str) -> str:
 
     That is the text before the first placeholder, cut back to the last ``/``:
     ``data/scored/{date}`` gives ``data/scored`` and ``s3://b/scored/dt={date}/x`` gives
-    ``s3://b/scored``. A template without placeholders gives the output itself (without a
-    trailing ``/``). The index is then ``<root>/_runs/<job>/``, shared by every run of the job
-    whatever its date. A placeholder in the bucket or host part of a URI leaves no fixed root:
-    that is a :class:`ConfigError`.
+    ``s3://b/scored``. A template without placeholders gives the output's control folder
+    (``data/scored`` gives ``data/_score_catalog/scored``; see :mod:`pipeline.layout`), or the
+    output itself at a bucket root. The index is then ``<root>/_runs/<job>/``, shared by every
+    run of the job whatever its date. A placeholder in the bucket or host part of a URI leaves
+    no fixed root: that is a :class:`ConfigError`.
     """
     literal: list[str] = []
     has_field = False
@@ -54,7 +56,10 @@ def index_root(output_template: str) -> str:
         raise ConfigError(f"output = {output_template!r} is not a valid template: {e}") from e
     prefix = "".join(literal)
     if not has_field:
-        return prefix.rstrip("/") or prefix
+        # One output: its index goes into its control folder, beside it (pipeline.layout), so
+        # that the output holds only data; a bucket root has none and keeps it inside.
+        own = prefix.rstrip("/") or prefix
+        return beside(own, CONTROL_DIR) or own
     proto_end = prefix.find("://")
     cut = prefix.rfind("/")
     if proto_end >= 0 and cut <= proto_end + 2:

@@ -31,10 +31,10 @@ from pipeline.locking import LOCK_LOST_KIND, LockLostError, assert_holder
 from pipeline.model import LoadedModel, load_model
 from pipeline.overlap import read_ahead
 from pipeline.precision import ExecutionOptions, prepare
-from pipeline.reconcile import footer_metadata
+from pipeline.reconcile import footer_metadata, rejects_metadata
 from pipeline.stats import DuplicateIds, ShardStats
 from pipeline.statuses import FailureKind, ShardStatus
-from pipeline.writing import ShardSink, output_schema
+from pipeline.writing import ShardSink, SinkRun, output_schema
 
 if TYPE_CHECKING:
     from pipeline.config import JobConfig
@@ -143,6 +143,9 @@ class ShardTask:
     rejects_uri: str
     num_rows: int
     meta_schema: bytes  # Arrow IPC schema of the id + pass-through columns, from the footer
+    # Hash of the input's fingerprint (manifest.fingerprint_hash), written with ``rel_path``
+    # into the output's footer: the file names the version of the shard it was scored from.
+    input_fingerprint: str = ""
 
 
 @dataclass
@@ -372,7 +375,10 @@ class _Shard:
         # Output and rejects schemas keep the id/pass-through types this shard's footer
         # declares; the driver read the footer already and sends those fields along.
         self.meta_schema = pa.ipc.read_schema(pa.py_buffer(task.meta_schema))
-        footer = footer_metadata(spec.model_sha256, spec.settings_hash)
+        footer = footer_metadata(
+            spec.model_sha256, spec.settings_hash, task.rel_path, task.input_fingerprint
+        )
+        self.rejects_meta = rejects_metadata(task.output_uri, task.rel_path, task.input_fingerprint)
         self.out_schema = output_schema(self.meta_schema, self.out_fields, footer)
         self.numeric = [
             i for i, (_, t) in enumerate(self.out_fields) if not pa.types.is_fixed_size_list(t)
@@ -506,7 +512,13 @@ def _score(spec: WorkerSpec, task: ShardTask, t0: float) -> ShardResult:
     rej_loc = storage.locate(task.rejects_uri, opts)
     depth = spec.overlap_depth
     with ShardSink(
-        out_loc, rej_loc, shard.meta_schema, shard.out_schema, depth=depth, fence=spec.fence
+        out_loc,
+        rej_loc,
+        shard.meta_schema,
+        shard.out_schema,
+        depth=depth,
+        fence=spec.fence,
+        run=SinkRun(shard.rejects_meta, opts, spec.lock_run_id),
     ) as sink:
         for batch in shard.batches():
             checkpoint("batch-read")

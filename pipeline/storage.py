@@ -513,6 +513,23 @@ def glob_names(loc: Location, prefix: str) -> list[Location]:
     return [loc.child(posixpath.basename(str(n).rstrip("/"))) for n in sorted(names)]
 
 
+def file_in_the_way(loc: Location) -> str | None:
+    """The path of a file at ``loc``, or (local disk) at the nearest existing folder above it,
+    that keeps a folder from being created there; None when nothing is in the way.
+
+    Object stores have no folders: only an object at ``loc`` itself counts there.
+    """
+    if not loc.is_local:
+        return loc.path if _retry(loc, lambda: loc.fs.isfile(loc.path), "checking") else None
+    path = loc.path.rstrip("/") or "/"
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
+
+
 def exists(loc: Location) -> bool:
     """Whether anything (a file or a folder) is at ``loc``."""
     return bool(_retry(loc, lambda: loc.fs.exists(loc.path), "checking"))
@@ -571,10 +588,15 @@ def open_input(loc: Location) -> Iterator[IO[bytes]]:
 # --------------------------------------------------------------------------- writing
 
 
-def tmp_name(final_path: str) -> str:
-    """A hidden sibling of ``final_path`` that dataset readers skip."""
+def tmp_name(final_path: str, tag: str = "") -> str:
+    """A hidden sibling of ``final_path`` that dataset readers skip.
+
+    ``tag`` (a run id) goes into the name, so that a run can find and delete what its own
+    writers left behind when a worker was killed mid-write (:func:`remove_temporaries`).
+    """
     d, base = posixpath.split(final_path)
-    return posixpath.join(d, f".{base}{TMP_MARK}{uuid.uuid4().hex[:12]}")
+    mark = f"{TMP_MARK}{tag}-" if tag else TMP_MARK
+    return posixpath.join(d, f".{base}{mark}{uuid.uuid4().hex[:12]}")
 
 
 def makedirs(loc: Location) -> None:
@@ -584,20 +606,24 @@ def makedirs(loc: Location) -> None:
 
 @contextlib.contextmanager
 def staged_open(
-    loc: Location, *, point: str = "", before_publish: Callable[[], None] | None = None
+    loc: Location,
+    *,
+    point: str = "",
+    before_publish: Callable[[], None] | None = None,
+    tag: str = "",
 ) -> Iterator[IO[bytes]]:
     """Open ``loc`` for writing; it appears under its final name only if the block succeeds.
 
     ``point`` names the crash point just before the rename, for the SIGKILL tests.
     ``before_publish`` runs last before the file becomes visible (the run lock's fence); if it
-    raises, nothing is published.
+    raises, nothing is published. ``tag`` goes into the temporary file's name (:func:`tmp_name`).
     """
     fs = loc.fs
     parent = posixpath.dirname(loc.path)
     if parent:
         fs.makedirs(parent, exist_ok=True)
     if loc.is_local:
-        tmp = tmp_name(loc.path)
+        tmp = tmp_name(loc.path, tag)
         try:
             with open(tmp, "wb") as f:
                 yield f
@@ -770,14 +796,46 @@ def remove(loc: Location) -> None:
     _retry(loc, _rm, "deleting")
 
 
+def remove_tree(loc: Location) -> None:
+    """Delete the folder ``loc`` and everything below it, if it exists."""
+
+    def _rm() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            loc.fs.rm(loc.path, recursive=True)
+
+    _retry(loc, _rm, "deleting")
+
+
+def remove_empty_folders(loc: Location) -> None:
+    """Delete the folder ``loc`` and the folders below it that hold no file (local disk; object
+    stores have no folders). A folder that still holds a file is left alone."""
+    if not loc.is_local or not os.path.isdir(loc.path):
+        return
+    for path, _, _ in os.walk(loc.path, topdown=False):
+        with contextlib.suppress(OSError):  # not empty: something in it stays
+            os.rmdir(path)
+
+
 def remove_stale_temporaries(root: Location) -> list[str]:
     """Delete temporary files that a crashed run left below ``root``; returns their paths."""
-    if not exists(root):
+    return remove_temporaries(root)
+
+
+def remove_temporaries(root: Location, tag: str | None = None) -> list[str]:
+    """Delete the temporary files (:func:`tmp_name`) below ``root``, only those tagged ``tag``
+    when given; returns their paths.
+
+    Only local disk has them: on object stores a write is an upload that becomes visible when
+    it completes, and one cut short leaves no object (an incomplete multipart upload, which a
+    bucket lifecycle rule aborts), so there is nothing to list.
+    """
+    if not root.is_local or not exists(root):
         return []
+    mark = TMP_MARK if tag is None else f"{TMP_MARK}{tag}-"
     removed = []
-    found = _retry(root, lambda: root.fs.find(root.path), "listing")
-    for path in found:
-        if TMP_MARK in posixpath.basename(path) and posixpath.basename(path).startswith("."):
+    for path in _retry(root, lambda: root.fs.find(root.path), "listing"):
+        name = posixpath.basename(path)
+        if name.startswith(".") and mark in name:
             remove(Location(root.fs, path, path, root.retry_deadline_s))
             removed.append(path)
     return removed
@@ -808,11 +866,15 @@ class OutputState:
 
 def _own_names() -> frozenset[str]:
     # Imported here: manifest, report and locking import this module.
+    from pipeline.layout import CONTROL_DIR, OUTPUT_MARK
     from pipeline.locking import LOCK_NAME
     from pipeline.manifest import MANIFEST_NAME
     from pipeline.report import HTML_NAME, REPORT_NAME
 
-    return frozenset({MANIFEST_NAME, REPORT_NAME, HTML_NAME, LOCK_NAME, SUCCESS_NAME, *_OWN_DIRS})
+    # The report, page and manifest are inside the output only in the older layout, or for an
+    # output at a bucket root (pipeline.layout); their names stay ours either way.
+    names = {MANIFEST_NAME, REPORT_NAME, HTML_NAME, LOCK_NAME, SUCCESS_NAME, OUTPUT_MARK}
+    return frozenset({*names, CONTROL_DIR, *_OWN_DIRS})
 
 
 def _is_own_entry(name: str, own: frozenset[str]) -> bool:
@@ -834,8 +896,9 @@ def classify_output(
 ) -> OutputState:
     """Say whether ``root`` is absent, empty, written by this tool ("ours") or "foreign".
 
-    A root holding our ``_manifest.json`` is ours whatever else is there (a run wrote its data
-    files there); without one it is ours only if every entry is one of our control files, so a
+    A root holding our mark (``_SCORE_CATALOG``, written as soon as a run takes the lock) or,
+    from older versions, our ``_manifest.json`` is ours whatever else is there (a run wrote its
+    data files there); without either it is ours only if every entry is one of our files, so a
     folder of someone else's Parquet files is never taken for a resumable output. ``is_ours``
     may vouch for other entries (``pipeline.reconcile`` reads the writer mark in a file's
     footer: a run that crashed before its first manifest save left only such files).
@@ -851,10 +914,11 @@ def classify_output(
     if not entries:
         return OutputState("absent" if not exists(root) else "empty")
     own = _own_names()
+    from pipeline.layout import OUTPUT_MARK
     from pipeline.manifest import MANIFEST_NAME
 
     names = [e.name for e in entries]
-    if MANIFEST_NAME in names:
+    if OUTPUT_MARK in names or MANIFEST_NAME in names:
         return OutputState("ours")
     foreign = [
         e.name

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
+from pipeline.errors import ShardError
 from pipeline.faults import checkpoint
 from pipeline.overlap import WriteBehind
+from pipeline.reconcile import OUTPUT_KEY, rejects_owner
+from pipeline.statuses import FailureKind
 from pipeline.storage import Location
 
 MODEL_VERSION_COLUMN = "model_version"
@@ -36,6 +40,7 @@ class StagedParquetWriter:
         row_group_rows: int = DEFAULT_ROW_GROUP_ROWS,
         point: str = "",
         before_publish: Callable[[], None] | None = None,
+        tag: str = "",
     ) -> None:
         self.loc = loc
         self.schema = schema
@@ -43,7 +48,7 @@ class StagedParquetWriter:
         self.rows = 0
         self._stack = contextlib.ExitStack()
         self._file: Any = self._stack.enter_context(
-            storage.staged_open(loc, point=point, before_publish=before_publish)
+            storage.staged_open(loc, point=point, before_publish=before_publish, tag=tag)
         )
         self._writer = pq.ParquetWriter(self._file, schema, compression="zstd")
         self._buffer: list[pa.RecordBatch] = []
@@ -96,10 +101,25 @@ def output_schema(
     return pa.schema(fields, metadata=dict(metadata) if metadata else None)
 
 
-def rejects_schema(meta: pa.Schema) -> pa.Schema:
+def rejects_schema(meta: pa.Schema, metadata: Mapping[bytes, bytes] | None = None) -> pa.Schema:
+    """id + pass-through columns as read, then the reason; ``metadata`` (the output the rejects
+    belong to, ``pipeline.reconcile.rejects_metadata``) goes into the footer."""
     fields = [meta.field(i) for i in range(len(meta))]
     fields.append(pa.field(REJECT_REASON_COLUMN, pa.string()))
-    return pa.schema(fields)
+    return pa.schema(fields, metadata=dict(metadata) if metadata else None)
+
+
+@dataclass(frozen=True)
+class SinkRun:
+    """What a :class:`ShardSink` needs to know of the run it writes for."""
+
+    # Footer metadata of the rejects file (pipeline.reconcile.rejects_metadata): the output it
+    # belongs to. A rejects file there that names another output is never replaced or deleted.
+    rejects_metadata: Mapping[bytes, bytes] | None = None
+    # Storage options, to read the footer of a rejects file already there.
+    options: Mapping[str, Any] | None = None
+    # The run's id, in the names of the staged files: the run deletes what a killed worker left.
+    tag: str = ""
 
 
 class ShardSink:
@@ -120,16 +140,25 @@ class ShardSink:
         *,
         depth: int = 0,
         fence: Callable[[], None] | None = None,
+        run: SinkRun | None = None,
     ) -> None:
         # Called right before each commit; raises (LockLostError) once the run lost its lock,
         # so that a superseded run publishes nothing more (see pipeline.locking).
         self._fence = fence if fence is not None else _no_fence
+        self._run = run if run is not None else SinkRun()
+        # The rejects file names the output it belongs to; one naming another output is never
+        # replaced or deleted (two jobs sharing a rejects folder by mistake).
+        self._owner = (self._run.rejects_metadata or {}).get(OUTPUT_KEY)
         self.output = StagedParquetWriter(
-            output, out_schema, point="output-rename", before_publish=self._fence
+            output,
+            out_schema,
+            point="output-rename",
+            before_publish=self._fence,
+            tag=self._run.tag,
         )
         self.rejects: StagedParquetWriter | None = None
         self.rejects_loc = rejects
-        self.rejects_schema = rejects_schema(meta_schema)
+        self.rejects_schema = rejects_schema(meta_schema, self._run.rejects_metadata)
         self.rows_rejected = 0
         self._behind = WriteBehind(_write_item, depth) if depth else None
 
@@ -158,6 +187,7 @@ class ShardSink:
                 self.rejects_schema,
                 point="rejects-rename",
                 before_publish=self._fence,
+                tag=self._run.tag,
             )
         self.rows_rejected += rb.num_rows
         self._write(self.rejects, rb)
@@ -169,6 +199,7 @@ class ShardSink:
         # The fence runs as late as it can: right before each file is published (after its
         # last row group is encoded and synced), so a run that lost its lock while finishing
         # a shard publishes nothing more.
+        self._check_rejects_owner()
         if self.rejects is not None:
             self.rejects.commit()
         else:
@@ -177,6 +208,20 @@ class ShardSink:
         checkpoint("rejects-committed")
         self.output.commit()
         checkpoint("output-committed")
+
+    def _check_rejects_owner(self) -> None:
+        """Raise :class:`ShardError` if the rejects file there belongs to another output."""
+        if self._owner is None:
+            return
+        owner = rejects_owner(self.rejects_loc, self._run.options)
+        if owner is not None and owner.encode() != self._owner:
+            raise ShardError(
+                f"rejects file {self.rejects_loc.uri} holds rejected rows of {owner}, not of "
+                f"{self._owner.decode()}: it is neither replaced nor deleted. Give each output "
+                "its own rejects location.",
+                shard=self.output.loc.uri,
+                kind=FailureKind.ERROR,
+            )
 
     def abort(self) -> None:
         """Drop everything staged; the final names are left as they were."""

@@ -23,6 +23,7 @@ from pipeline.interrupt import (
 )
 from pipeline.report import RunReport
 from pipeline.statuses import FailureKind, RunStatus
+from tests.integration.helpers import report_path
 
 
 def _signal_self(sig: signal.Signals) -> None:
@@ -107,5 +108,5 @@ def test_a_stop_before_scoring_reports_every_shard_interrupted(
     assert report["failure_reasons"][0] == "interrupted by SIGTERM"
     assert {s["kind"] for s in report["shards"]} == {FailureKind.INTERRUPTED}
     assert report["rows_out"] == 0
-    assert (out / "_report.json").exists() and not (out / "_SUCCESS").exists()
+    assert report_path(out).exists() and not (out / "_SUCCESS").exists()
     assert not (out / "_lock.json").exists()

@@ -11,13 +11,16 @@ import pytest
 
 from pipeline import storage
 from pipeline.config import build_config, default_rejects
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, StorageError
 from pipeline.reading import read_footer
 from pipeline.reconcile import (
+    Expected,
     check_output_owner,
+    check_rejects_location,
     footer_metadata,
     is_data,
     reconcile,
+    rejects_metadata,
     remove_foreign,
     verify,
     wanted,
@@ -25,16 +28,18 @@ from pipeline.reconcile import (
 )
 from pipeline.scoring import ShardResult
 from pipeline.statuses import FailureKind, ShardStatus
-from pipeline.writing import output_schema
+from pipeline.writing import output_schema, rejects_schema
 
 SHA = "a" * 64
 SETTINGS = "0123456789abcdef"
 
 
-def _ours(path: Path, rows: int, sha: str = SHA) -> None:
-    """An output file as a run writes it: output schema with the footer metadata."""
+def _ours(path: Path, rows: int, sha: str = SHA, source: str = "", fp: str = "") -> None:
+    """An output file as a run writes it: output schema with the footer metadata (naming its
+    input shard ``source`` and its fingerprint hash ``fp`` when given)."""
     meta = pa.schema([pa.field("item_id", pa.int64())])
-    schema = output_schema(meta, [("score", pa.float32())], footer_metadata(sha, SETTINGS))
+    footer = footer_metadata(sha, SETTINGS, source, fp)
+    schema = output_schema(meta, [("score", pa.float32())], footer)
     table = pa.table(
         {
             "item_id": pa.array(range(rows), pa.int64()),
@@ -96,6 +101,55 @@ def test_reconcile_removes_ours_not_kept_with_rejects_and_never_foreign(tmp_path
     assert _sha(out / "theirs.parquet") == before and (out / "kept.parquet").exists()
 
 
+def _rejects(path: Path, owner: str | None) -> None:
+    """A rejects file naming ``owner`` (an output file URI) in its footer; None: unnamed, as
+    versions before the name wrote them."""
+    meta = rejects_metadata(owner) if owner is not None else None
+    schema = rejects_schema(pa.schema([pa.field("item_id", pa.int64())]), meta)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cols = [pa.array([1], pa.int64()), pa.array(["nan"])]
+    pq.write_table(pa.Table.from_arrays(cols, schema=schema), path)
+
+
+def test_reconcile_never_deletes_rejects_of_another_output(tmp_path: Path) -> None:
+    out, rej, other = tmp_path / "out", tmp_path / "rejects", tmp_path / "other"
+    _ours(out / "gone.parquet", 3)
+    _rejects(rej / "gone.parquet", str(other / "gone.parquet"))
+    _rejects(rej / "lost.parquet", str(other / "lost.parquet"))  # its output already gone
+    _rejects(rej / "mine.parquet", str(out / "mine.parquet"))
+    _rejects(rej / "old.parquet", None)
+    done = reconcile(
+        storage.locate(str(out)),
+        storage.locate(str(rej)),
+        keep=set(),
+        ours={"gone.parquet", "lost.parquet", "mine.parquet", "old.parquet"},
+        reasons={},
+    )
+    assert [r.rejects for r in done.removed] == [None]  # the output went, their rejects stay
+    assert not (out / "gone.parquet").exists()
+    assert sorted(p.name for p in rej.iterdir()) == ["gone.parquet", "lost.parquet"]
+
+
+def test_rejects_location_of_another_output_or_a_file_is_refused(tmp_path: Path) -> None:
+    out, rej = storage.locate(str(tmp_path / "b")), tmp_path / "rejects"
+    _rejects(rej / "part-0.parquet", str(tmp_path / "b" / "part-0.parquet"))
+    _rejects(rej / "d=1" / "part-1.parquet", None)  # unnamed: an older version's, taken as ours
+    check_rejects_location(storage.locate(str(rej)), out)
+    _rejects(rej / "d=1" / "part-2.parquet", str(tmp_path / "a" / "d=1" / "part-2.parquet"))
+    with pytest.raises(ConfigError) as e:
+        check_rejects_location(storage.locate(str(rej)), out)
+    text = str(e.value)
+    assert str(rej / "d=1" / "part-2.parquet") in text
+    assert f"another output ({tmp_path / 'a'})" in text
+    # A run whose shards do not include that name never writes or deletes it: not refused.
+    check_rejects_location(storage.locate(str(rej)), out, rel_paths=["part-0.parquet"])
+    (tmp_path / "file").write_text("x")
+    for where in ("file", "file/below/it"):
+        with pytest.raises(StorageError, match=r"is a file or lies under one \(.*/file\)"):
+            check_rejects_location(storage.locate(str(tmp_path / where)), out)
+    check_rejects_location(storage.locate(str(tmp_path / "new" / "deeper")), out)  # absent: fine
+
+
 def test_reconcile_removes_legacy_rejects_inside_the_output(tmp_path: Path) -> None:
     out = tmp_path / "out"
     _ours(out / "a.parquet", 5)
@@ -114,30 +168,42 @@ def test_reconcile_removes_legacy_rejects_inside_the_output(tmp_path: Path) -> N
 
 def test_verify_names_every_difference(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    _ours(out / "good.parquet", 30)
+    _ours(out / "good.parquet", 30, source="good.parquet", fp="f1")
     _ours(out / "short.parquet", 20)
     _ours(out / "other_model.parquet", 30, sha="b" * 64)
+    # part-1's output copied over part-2's: rows, model and settings all match.
+    _ours(out / "part-1.parquet", 30, source="part-1.parquet", fp="f1")
+    _ours(out / "part-2.parquet", 30, source="part-1.parquet", fp="f1")
+    _ours(out / "old_input.parquet", 30, source="old_input.parquet", fp="before")
+    _ours(out / "legacy.parquet", 30)  # written before outputs named their input
     _theirs(out / "stray.parquet")
     (out / "notes.txt").write_text("not data")
-    problems = verify(
-        storage.locate(str(out)),
-        {
-            "good.parquet": 30,
-            "short.parquet": 30,
-            "other_model.parquet": 30,
-            "missing.parquet": 5,
-        },
-        SHA,
-        settings_hash=SETTINGS,
-    )
+
+    def want(rel: str, rows: int = 30, fp: str = "f1") -> Expected:
+        return Expected(rows, SHA, SETTINGS, rel, fp)
+
+    expected = {
+        rel: want(rel)
+        for rel in ("good.parquet", "other_model.parquet", "part-1.parquet", "part-2.parquet")
+    }
+    expected |= {
+        "short.parquet": want("short.parquet"),
+        "missing.parquet": want("missing.parquet", 5),
+        "old_input.parquet": want("old_input.parquet", fp="after"),
+        "legacy.parquet": want("legacy.parquet"),
+    }
+    problems = verify(storage.locate(str(out)), expected)
     text = "\n".join(problems)
-    assert len(problems) == 4, text
+    assert len(problems) == 6, text
     assert "stray.parquet is in the output but not in the report" in text
     assert "missing.parquet is in the report but missing" in text
     assert "short.parquet holds 20 rows, the report says 30" in text
     assert "other_model.parquet was scored by model bbbbbbbbbbbb" in text
-    assert "notes.txt" not in text and "good.parquet" not in text
-    ok = verify(storage.locate(str(out)), {"good.parquet": 30}, SHA, settings_hash="f" * 16)
+    assert "part-2.parquet was scored from input shard part-1.parquet, not part-2" in text
+    assert "old_input.parquet was scored from another version of old_input.parquet" in text
+    assert "notes.txt" not in text and "good.parquet" not in text and "legacy" not in text
+    other = Expected(30, SHA, "f" * 16, "good.parquet", "f1")
+    ok = verify(storage.locate(str(out)), {"good.parquet": other})
     assert any("settings" in p for p in ok)
 
 

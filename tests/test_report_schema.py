@@ -38,6 +38,7 @@ from pipeline.reportschema import (
 )
 from pipeline.statuses import FailureKind, RunStatus, ShardStatus
 from tests.conftest import REPO, write_shards
+from tests.integration.helpers import report_path
 
 SCHEMA_FILE = REPO / "pipeline" / "schemas" / "report.schema.json"
 
@@ -267,7 +268,7 @@ def _with_nans(path: Path, start: int, n: int, every: int) -> None:
 
 def _check(report: pipeline.RunReport, out: Path) -> dict[str, Any]:
     """The report returned and the one on disk are the same, and both match the schema."""
-    on_disk = json.loads((out / "_report.json").read_text(encoding="utf-8"))
+    on_disk = json.loads(report_path(out).read_text(encoding="utf-8"))
     assert on_disk == json.loads(json.dumps(report.data))
     validate_report(on_disk)
     return on_disk

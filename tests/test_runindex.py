@@ -64,9 +64,12 @@ def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         ("s3://bucket/scored/{date}/{run_id}", "s3://bucket/scored"),
         ("s3://bucket/{date}", "s3://bucket"),
         ("/abs/scored/date={date}", "/abs/scored"),
-        ("data/scored", "data/scored"),
-        ("data/scored/", "data/scored"),
-        ("s3://b/scored/", "s3://b/scored"),
+        # One output (no placeholder): its control folder, beside it (pipeline.layout).
+        ("data/scored", "data/_score_catalog/scored"),
+        ("data/scored/", "data/_score_catalog/scored"),
+        ("out", "_score_catalog/out"),
+        ("s3://b/scored/", "s3://b/_score_catalog/scored"),
+        ("s3://b", "s3://b"),  # a bucket root has no parent: the index stays inside
         ("{date}/scored", "."),
         ("/{date}", "/"),
         ("data/{{literal}}/{date}", "data/{literal}"),

@@ -13,10 +13,12 @@ import pytest
 
 from pipeline import storage
 from pipeline.demo import FEATURES
+from pipeline.errors import ShardError
+from pipeline.reconcile import rejects_metadata
 from pipeline.scoring import ShardTask, WorkerSpec, score_shard, score_shards
 from pipeline.stats import ShardStats
 from pipeline.statuses import FailureKind, ShardStatus
-from pipeline.writing import ShardSink
+from pipeline.writing import ShardSink, SinkRun, rejects_schema
 from tests.conftest import reference_scores, write_shards
 
 
@@ -144,6 +146,42 @@ def test_sink_commits_rejects_before_output_and_abort_leaves_nothing(tmp_path: P
         sink.commit()
     assert pq.read_table(tmp_path / "out.parquet").column("item_id").to_pylist() == [1, 2, 4]
     assert not (tmp_path / "rej.parquet").exists(), "stale rejects of a rescored shard removed"
+
+
+def _rejects_file(path: Path, owner: str) -> None:
+    schema = rejects_schema(pa.schema([pa.field("item_id", pa.int64())]), rejects_metadata(owner))
+    rows = [pa.array([9], pa.int64()), pa.array(["nan"])]
+    pq.write_table(pa.Table.from_arrays(rows, schema=schema), path)
+
+
+@pytest.mark.parametrize("with_rejects", [False, True], ids=["delete", "replace"])
+def test_sink_never_deletes_or_replaces_rejects_of_another_output(
+    tmp_path: Path, with_rejects: bool
+) -> None:
+    meta = pa.schema([pa.field("item_id", pa.int64())])
+    out_schema = meta.append(pa.field("score", pa.float64()))
+    out = storage.locate(str(tmp_path / "b" / "part-0.parquet"))
+    rej = storage.locate(str(tmp_path / "rejects" / "part-0.parquet"))
+    (tmp_path / "rejects").mkdir()
+    other = str(tmp_path / "a" / "part-0.parquet")
+    _rejects_file(tmp_path / "rejects" / "part-0.parquet", other)
+    before = (tmp_path / "rejects" / "part-0.parquet").read_bytes()
+    mine = rejects_metadata(out.uri, "part-0.parquet", "fp")
+    sink = ShardSink(out, rej, meta, out_schema, run=SinkRun(mine))
+    with pytest.raises(ShardError, match=r"holds rejected rows of .*/a/part-0\.parquet"), sink:
+        sink.write_output(_batch(out_schema, [1, 2]))
+        if with_rejects:
+            cols = [pa.array([3], pa.int64()), pa.array(["nan"])]
+            sink.write_rejects(pa.RecordBatch.from_arrays(cols, schema=sink.rejects_schema))
+        sink.commit()
+    assert (tmp_path / "rejects" / "part-0.parquet").read_bytes() == before
+    assert not out.fs.exists(out.path), "nothing published"
+    # Its own rejects (same output named in the footer) are replaced as before.
+    _rejects_file(tmp_path / "rejects" / "part-0.parquet", out.uri)
+    with ShardSink(out, rej, meta, out_schema, run=SinkRun(mine)) as sink:
+        sink.write_output(_batch(out_schema, [1, 2]))
+        sink.commit()
+    assert not (tmp_path / "rejects" / "part-0.parquet").exists()
 
 
 def test_shard_stats_sample_every_step_th_row_across_batches() -> None:

@@ -238,6 +238,10 @@ def test_classify_output_states(tmp_path: Path, mem_root: str) -> None:
     write_shards(ours, [100], row_group_rows=50)
     (ours / MANIFEST_NAME).write_text("{}")
     assert storage.classify_output(storage.locate(str(ours))).kind == "ours"
+    marked = tmp_path / "marked"  # the layout with the manifest beside the output
+    write_shards(marked, [100], row_group_rows=50)
+    (marked / "_SCORE_CATALOG").write_bytes(b"")
+    assert storage.classify_output(storage.locate(str(marked))).kind == "ours"
 
     control = tmp_path / "control"
     (control / "_rejects").mkdir(parents=True)

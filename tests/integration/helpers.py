@@ -166,7 +166,7 @@ def _stamp(out: Path | None) -> int | None:
     if out is None:
         return None
     try:
-        return (out / "_report.json").stat().st_mtime_ns
+        return report_path(out).stat().st_mtime_ns
     except OSError:
         return None
 
@@ -200,9 +200,25 @@ def check_report(rep: Mapping[str, Any], where: str = "_report.json") -> None:
     )
 
 
+def control_of(out: Path) -> Path:
+    """The control folder of output ``out`` (``pipeline.layout``): ``<parent>/_score_catalog/
+    <name>``, where its ``_report.json``, ``_report.html`` and ``_manifest.json`` are."""
+    return out.parent / "_score_catalog" / out.name
+
+
+def report_path(out: Path) -> Path:
+    """Where the ``_report.json`` of output ``out`` is."""
+    return control_of(out) / "_report.json"
+
+
+def manifest_path(out: Path) -> Path:
+    """Where the ``_manifest.json`` of output ``out`` is."""
+    return control_of(out) / "_manifest.json"
+
+
 def report(out: Path) -> dict[str, Any]:
-    """``out/_report.json``, checked against the report schema."""
-    path = out / "_report.json"
+    """The ``_report.json`` of output ``out``, checked against the report schema."""
+    path = report_path(out)
     rep: dict[str, Any] = json.loads(path.read_text())
     check_report(rep, str(path))
     return rep
@@ -215,7 +231,8 @@ def data_files(root: Path) -> list[Path]:
     return sorted(
         p
         for p in root.rglob("*.parquet")
-        if not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)
+        if p.is_file()  # a folder may be named like a shard (a partition written as a folder)
+        and not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)
     )
 
 

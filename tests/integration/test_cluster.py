@@ -26,6 +26,7 @@ from tests.integration.helpers import (
     cli,
     data_files,
     job_args,
+    manifest_path,
     read_tree,
     report,
     start_cli,
@@ -117,7 +118,7 @@ def test_model_is_loaded_once_per_worker_not_per_task(
 def _progress(out: Path) -> int:
     """Shards committed so far: entries in the manifest (written atomically)."""
     try:
-        return len(json.loads((out / "_manifest.json").read_text())["shards"])
+        return len(json.loads(manifest_path(out).read_text())["shards"])
     except (FileNotFoundError, json.JSONDecodeError, KeyError):
         return 0
 

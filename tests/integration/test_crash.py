@@ -32,6 +32,7 @@ from tests.integration.helpers import (
     KILL_AT,
     cli,
     job_args,
+    manifest_path,
     read_tree,
     report,
     start_cli,
@@ -133,7 +134,7 @@ def _assert_same_as_clean(out: Path, rej: Path, clean: dict[str, object]) -> Non
     assert not temporaries(out, rej)
     assert (out / "_SUCCESS").exists()
     assert not (out / "_lock.json").exists()
-    json.loads((out / "_manifest.json").read_text())
+    json.loads(manifest_path(out).read_text())
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -147,8 +148,8 @@ def test_sigkill_then_resume_equals_a_clean_run(
         f"the run did not reach {point}: rc={killed.returncode}\n{killed.stderr}"
     )
     assert not (out / "_SUCCESS").exists()
-    if out.exists() and (out / "_manifest.json").exists():
-        json.loads((out / "_manifest.json").read_text())  # never torn
+    if out.exists() and manifest_path(out).exists():
+        json.loads(manifest_path(out).read_text())  # never torn
     resumed = cli(*args)
     assert resumed.returncode == 0, resumed.stderr
     _assert_same_as_clean(out, rej, clean_run)
@@ -187,3 +188,23 @@ def test_external_sigkill_of_a_dask_run_at_a_random_moment(
     resumed = cli(*args)
     assert resumed.returncode == 0, resumed.stderr
     _assert_same_as_clean(out, rej, clean_run)
+
+
+def test_a_worker_killed_mid_write_leaves_no_temporary_file_after_the_run(
+    torchscript_bundle_dir: Path, tmp_path: Path
+) -> None:
+    """A SIGKILLed worker cannot delete its staged file; Dask scores the shard again on a new
+    worker, and the run deletes what the dead one left (staged names carry the run id)."""
+    cat, out, rej = tmp_path / "catalog", tmp_path / "out", tmp_path / "rejects"
+    write_shards(cat, [3000, 3000], row_group_rows=1000)
+    args = ["run", *job_args(cat, out, torchscript_bundle_dir), "--rejects", str(rej)]
+    args += ["--scheduler", "local", "--workers", "1", "--batch-size", "1000"]
+    # The first worker to write a batch dies (only that one: the flag file says it happened);
+    # its replacement scores the shard again.
+    r = cli(*args, env={KILL_AT: f"batch-written:1:{tmp_path / 'killed'}"})
+    assert r.returncode == 0, r.stderr
+    assert "removed a temporary file a killed worker left" in r.stderr, r.stderr
+    rep = report(out)
+    assert rep["rows_out"] == 6000 and rep["shards_scored"] == 2
+    assert not temporaries(out, rej)
+    assert (out / "_SUCCESS").exists()

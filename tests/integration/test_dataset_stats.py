@@ -15,7 +15,7 @@ import pytest
 
 from pipeline import drift
 from pipeline.demo import FEATURES, make_rows
-from tests.integration.helpers import CliResult, cli, job_args, report
+from tests.integration.helpers import CliResult, cli, job_args, manifest_path, report
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +110,7 @@ def test_manifest_entries_without_statistics_are_named(bundle_dir: Path, tmp_pat
     for k in range(2):
         _write(inp, k, seed=0)
     assert _run(inp, root, bundle_dir, "2026-11-01").returncode == 0
-    path = root / "2026-11-01" / "_manifest.json"
+    path = manifest_path(root / "2026-11-01")
     manifest = json.loads(path.read_text())
     entry = manifest["shards"]["part-00000.parquet"]
     assert set(entry["outputs"]) == {"score", "label"}

@@ -28,6 +28,7 @@ from tests.integration.helpers import (
     cli,
     data_files,
     job_args,
+    manifest_path,
     rejects_of,
     report,
     temporaries,
@@ -194,7 +195,7 @@ def test_resume_skips_done_shards_and_rescores_only_what_changed(
     # --force rescores everything.
     assert _run(catalog, out, bundle_dir, "--force").returncode == 0
     assert report(out)["shards_scored"] == 3
-    manifest = json.loads((out / "_manifest.json").read_text())
+    manifest = json.loads(manifest_path(out).read_text())
     entry = manifest["shards"]["part-00001.parquet"]
     assert entry["rows_in"] == 1700 and entry["rows_scored"] == 1700
     assert entry["fingerprint"]["num_rows"] == 1700 and len(entry["model_sha256"]) == 64

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,17 @@ import pytest
 
 from pipeline.reconcile import MODEL_SHA_KEY, SETTINGS_KEY, WRITER, WRITER_KEY
 from tests.conftest import demo_toml, write_shards
-from tests.integration.helpers import CliResult, cli, data_files, job_args, report
+from tests.integration.helpers import (
+    KILL_AT,
+    CliResult,
+    cli,
+    control_of,
+    data_files,
+    job_args,
+    manifest_path,
+    report,
+    report_path,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -117,7 +128,7 @@ def test_deleted_input_shard_takes_its_output_and_rejects_away(
     assert removed["output"] == str(out / "part-00001.parquet")
     assert removed["rejects"] == str(_rejects_of(out) / "part-00001.parquet")
     assert "no longer exists" in removed["reason"]
-    manifest = (out / "_manifest.json").read_text()
+    manifest = manifest_path(out).read_text()
     assert "part-00001.parquet" not in manifest
     assert ds.dataset(out, format="parquet").count_rows() == rep["rows_out"]
 
@@ -286,7 +297,10 @@ def test_crash_before_the_first_manifest_save_is_still_ours(
     died before its first manifest save) resumes instead of being refused as foreign."""
     out = tmp_path / "out"
     assert _run(catalog, out, bundle_dir).returncode == 0
-    for name in ("_manifest.json", "_report.json", "_report.html", "_SUCCESS"):
+    control = control_of(out)
+    for path in (control / "_manifest.json", control / "_report.json", control / "_report.html"):
+        path.unlink()
+    for name in ("_SUCCESS", "_SCORE_CATALOG"):  # the output's own mark too
         (out / name).unlink()
     r = _run(catalog, out, bundle_dir)
     assert r.returncode == 0, r.output
@@ -296,8 +310,9 @@ def test_crash_before_the_first_manifest_save_is_still_ours(
 # ---------------------------------------------------------------- readers see only scores
 
 
+@pytest.mark.parametrize("templated", [True, False], ids=["date-template", "plain-output"])
 def test_every_reader_sees_exactly_the_scores(
-    catalog: Path, bundle_dir: Path, tmp_path: Path
+    catalog: Path, bundle_dir: Path, tmp_path: Path, templated: bool
 ) -> None:
     import dask.dataframe as dd
     import duckdb
@@ -306,15 +321,27 @@ def test_every_reader_sees_exactly_the_scores(
 
     _poison_one_row(catalog / "part-00000.parquet", 3)
     _poison_one_row(catalog / "part-00002.parquet", 5)
-    # The usual nightly layout: the run index and the rejects land beside the day's output.
-    template = str(tmp_path / "scored" / "{date}")
-    assert _run(catalog, Path(template), bundle_dir, "--date", "2026-11-29").returncode == 0
-    out = tmp_path / "scored" / "2026-11-29"
+    if templated:
+        # The usual nightly layout: the run index and the rejects land beside the day's output.
+        template = str(tmp_path / "scored" / "{date}")
+        r = _run(catalog, Path(template), bundle_dir, "--date", "2026-11-29")
+        out = tmp_path / "scored" / "2026-11-29"
+    else:
+        # No placeholder: the run index used to live inside the output (<output>/_runs).
+        out = tmp_path / "scored" / "latest"
+        r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
     rep = _check_contract(out, success=True)
     assert rep["rows_rejected"] == 2 and rep["rows_out"] == 7298
-    assert rep["rejects"] == str(tmp_path / "scored" / "_rejects" / "2026-11-29")
-    assert (tmp_path / "scored" / "_runs").is_dir()
+    assert rep["rejects"] == str(_rejects_of(out))
+    index = tmp_path / "scored" if templated else control_of(out)
+    assert len(list((index / "_runs").rglob("*.json"))) == 1
     assert len(list(_rejects_of(out).glob("*.parquet"))) == 2
+    # Only data and empty markers in the output: Polars reads a folder only if every non-empty
+    # file below it has the same extension.
+    others = [p for p in out.rglob("*") if p.is_file() and p.suffix != ".parquet"]
+    assert sorted(p.name for p in others) == ["_SCORE_CATALOG", "_SUCCESS"]
+    assert all(p.stat().st_size == 0 for p in others)
     n = rep["rows_out"]
 
     def duck(pattern: str, **kw: str) -> tuple[int, list[str]]:
@@ -327,6 +354,7 @@ def test_every_reader_sees_exactly_the_scores(
     for frame in (
         pl.scan_parquet(f"{out}/*.parquet").collect(),
         pl.scan_parquet(f"{out}/**/*.parquet").collect(),
+        pl.scan_parquet(out).collect(),  # the folder, bare: Polars' documented way
         pl.scan_parquet(out, hidden_file_prefix=["_", "."]).collect(),
     ):
         assert frame.height == n and frame.columns == OUTPUT_COLUMNS
@@ -344,3 +372,227 @@ def test_every_reader_sees_exactly_the_scores(
     }
     assert rejected and not rejected & set(table.column("item_id").to_pylist())
     assert pc.sum(pc.is_null(table.column("score"))).as_py() == 0
+
+
+# ---------------------------------------------------------------- the files around the output
+
+
+def _to_old_layout(out: Path) -> None:
+    """Put the control files where versions before the control folder kept them: inside the
+    output (manifest, report, page and, for an output without placeholder, the run index)."""
+    control = control_of(out)
+    for name in ("_manifest.json", "_report.json", "_report.html"):
+        (control / name).rename(out / name)
+    (control / "_runs").rename(out / "_runs")
+    (out / "_SCORE_CATALOG").unlink()
+
+
+def test_an_output_in_the_old_layout_resumes_and_moves_its_files_out(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    first = report(out)
+    _to_old_layout(out)
+    shown = cli("report", str(out), "--json", in_process=True)  # read from the old place
+    assert shown.returncode == 0, shown.output
+    assert '"run_id": "' + first["run_id"] in shown.stdout
+
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    assert rep["shards_skipped"] == 3  # the old manifest was read: nothing rescored
+    assert sorted(p.name for p in out.iterdir()) == [
+        "_SCORE_CATALOG",
+        "_SUCCESS",
+        "part-00000.parquet",
+        "part-00001.parquet",
+        "part-00002.parquet",
+    ]
+    assert manifest_path(out).exists()
+    # The old run index moved with it: both runs are there, the first one as the baseline.
+    runs = sorted(p.stem for p in (control_of(out) / "_runs").rglob("*.json"))
+    assert runs == sorted([first["run_id"], rep["run_id"]])
+    forced = _run(catalog, out, bundle_dir, "--force")
+    assert forced.returncode == 0, forced.output
+    assert report(out)["drift"]["baseline"]["run_id"] == first["run_id"]
+
+
+def test_a_rerun_withdraws_the_previous_report_and_success_before_it_commits(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """While a rerun changes the output, nothing there may say it describes the output: the
+    previous ``_SUCCESS``, ``_report.json`` and ``_report.html`` go as soon as the lock is
+    taken; the run index keeps the previous run's record."""
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    first = report(out)
+    opts = ("--batch-size", "400", "--scheduler", "sync", "--force")
+    killed = cli("run", *job_args(catalog, out, bundle_dir, *opts), env={KILL_AT: "batch-scored"})
+    assert killed.returncode == -signal.SIGKILL, killed.output
+    assert not (out / "_SUCCESS").exists()
+    assert not report_path(out).exists() and not (control_of(out) / "_report.html").exists()
+    entries = list((control_of(out) / "_runs").rglob("*.json"))
+    assert [p.stem for p in entries] == [first["run_id"]]
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    assert _check_contract(out, success=True)["run_id"] != first["run_id"]
+
+
+# ---------------------------------------------------------------- outputs tied to their input
+
+
+def test_an_output_copied_over_another_is_scored_again(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """Rows, model and settings of part-00001's output match part-00002's line in the
+    manifest; only the footer's input shard and fingerprint tell them apart."""
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    src, dst = out / "part-00001.parquet", out / "part-00002.parquet"
+    shutil.copyfile(catalog / "part-00001.parquet", catalog / "part-00002.parquet")  # same rows
+    assert _run(catalog, out, bundle_dir).returncode == 0  # part-00002 rescored from the copy
+    shutil.copyfile(src, dst)  # by hand: same rows, model, settings and fingerprint as part-1
+    meta = pq.ParquetFile(dst).metadata.metadata
+    assert meta[b"score_catalog.input"] == b"part-00001.parquet"
+
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    assert "scoring part-00002.parquet again" in r.output
+    assert "scored from input shard part-00001.parquet" in r.output
+    rep = _check_contract(out, success=True)
+    status = {s["rel_path"]: s["status"] for s in rep["shards"]}
+    assert status["part-00002.parquet"] == "scored"
+    assert status["part-00000.parquet"] == status["part-00001.parquet"] == "skipped"
+    assert pq.ParquetFile(dst).metadata.metadata[b"score_catalog.input"] == dst.name.encode()
+
+
+# ---------------------------------------------------------------- rejects of one output only
+
+
+def test_a_rejects_folder_of_another_output_is_refused_before_scoring(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    _poison_one_row(catalog / "part-00001.parquet", 7)
+    shared = tmp_path / "rejects"
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _run(catalog, a, bundle_dir, "--rejects", str(shared)).returncode == 0
+    theirs = shared / "part-00001.parquet"
+    meta = pq.ParquetFile(theirs).metadata.metadata
+    assert meta[b"score_catalog.output"] == str(a / "part-00001.parquet").encode()
+    before = _sha(theirs)
+
+    r = _run(catalog, b, bundle_dir, "--rejects", str(shared))
+    assert r.returncode == 2, r.output
+    assert str(theirs) in r.output and str(a) in r.output and "another output" in r.output
+    assert not b.exists() and not control_of(b).exists()  # nothing scored, nothing written
+    assert _sha(theirs) == before
+    # The owner still runs into its own rejects, and keeps them.
+    assert _run(catalog, a, bundle_dir, "--rejects", str(shared), "--force").returncode == 0
+    assert pq.read_table(theirs).num_rows == 1
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["is-a-file", "under-a-file"])
+def test_a_rejects_location_that_is_a_file_is_refused_before_scoring(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, under: bool
+) -> None:
+    blocker = tmp_path / "rejects"
+    blocker.write_text("not a folder")
+    rejects = blocker / "day" if under else blocker
+    out = tmp_path / "out"
+    r = _run(catalog, out, bundle_dir, "--rejects", str(rejects))
+    assert r.returncode == 1, r.output
+    assert "Traceback" not in r.output
+    assert f"rejects {rejects} is a file or lies under one ({blocker})" in r.output
+    assert not out.exists() and not control_of(out).exists()
+    assert blocker.read_text() == "not a folder"
+
+
+# ---------------------------------------------------------------- a shard that changes shape
+
+
+def _split_into_folder(shard: Path) -> None:
+    """Replace the file ``shard`` by a folder of the same name holding its rows in two files
+    (an upstream job that starts writing that partition as a directory)."""
+    t = pq.read_table(shard)
+    shard.unlink()
+    shard.mkdir()
+    half = t.num_rows // 2
+    pq.write_table(t.slice(0, half), shard / "a.parquet", row_group_size=400)
+    pq.write_table(t.slice(half), shard / "b.parquet", row_group_size=400)
+
+
+def _merge_folder(folder: Path) -> None:
+    """The reverse: the folder's files become one file of the folder's name."""
+    t = pa.concat_tables([pq.read_table(p) for p in sorted(folder.glob("*.parquet"))])
+    shutil.rmtree(folder)
+    pq.write_table(t, folder, row_group_size=400)
+
+
+def test_an_input_shard_that_becomes_a_folder_and_back_is_rescored(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    _poison_one_row(catalog / "part-00002.parquet", 1)  # its rejects change shape too
+    _poison_one_row(catalog / "part-00002.parquet", 1500)
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    shard = catalog / "part-00002.parquet"
+    ids = sorted(pq.read_table(shard).column("item_id").to_pylist())
+
+    _split_into_folder(shard)
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    assert (out / "part-00002.parquet").is_dir()
+    assert {s["rel_path"] for s in rep["shards"] if s["status"] == "scored"} == {
+        "part-00002.parquet/a.parquet",
+        "part-00002.parquet/b.parquet",
+    }
+    [removed] = rep["removed_outputs"]
+    assert removed["output"] == str(out / "part-00002.parquet")
+    assert removed["rejects"] == str(_rejects_of(out) / "part-00002.parquet")
+    assert "changed shape" in removed["reason"]
+    assert sorted(_ids(out)) == sorted({*_ids_of(catalog)} - _rejected_ids(out))
+    assert len(_ids(out)) + rep["rows_rejected"] == 7300
+    assert sorted([*_rejected_ids(out), *[i for i in _ids(out) if i in set(ids)]]) == ids
+
+    _merge_folder(shard)
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    assert (out / "part-00002.parquet").is_file()
+    assert sorted(Path(x["output"]).name for x in rep["removed_outputs"]) == [
+        "a.parquet",
+        "b.parquet",
+    ]
+    assert len(_ids(out)) + rep["rows_rejected"] == 7300 and rep["rows_rejected"] == 2
+    assert (_rejects_of(out) / "part-00002.parquet").is_file()
+
+
+def test_a_foreign_file_where_a_shard_folder_must_go_is_named_and_kept(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    theirs = out / "extra.parquet"
+    pq.write_table(pa.table({"x": [1, 2, 3]}), theirs)  # someone else's file, in our output
+    before = _sha(theirs)
+    write_shards(catalog / "extra.parquet", [300], start=10_000)  # a new partition folder
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 2, r.output
+    assert str(theirs) in r.output and "did not write" in r.output
+    assert _sha(theirs) == before
+    assert not (out / "_SUCCESS").exists()
+    assert not (out / "extra.parquet" / "part-00000.parquet").exists()
+
+
+def _ids_of(catalog: Path) -> list[int]:
+    return [
+        i
+        for p in sorted(catalog.rglob("*.parquet"))
+        for i in pq.read_table(p)["item_id"].to_pylist()
+    ]
+
+
+def _rejected_ids(out: Path) -> set[int]:
+    rej = _rejects_of(out)
+    return {i for p in rej.rglob("*.parquet") for i in pq.read_table(p)["item_id"].to_pylist()}

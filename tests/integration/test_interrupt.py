@@ -29,8 +29,10 @@ from tests.integration.helpers import (
     cli_env,
     data_files,
     job_args,
+    manifest_path,
     read_tree,
     report,
+    report_path,
     temporaries,
 )
 
@@ -176,7 +178,7 @@ def test_a_signal_after_a_commit_interrupts_and_a_rerun_completes(
         if s["status"] != "scored"
     )
     # Every committed shard is in the manifest, and what readers see is exactly those shards.
-    manifest = json.loads((out / "_manifest.json").read_text())
+    manifest = json.loads(manifest_path(out).read_text())
     assert set(manifest["shards"]) == scored
     assert {str(p.relative_to(out)) for p in data_files(out)} == scored
 
@@ -223,7 +225,7 @@ def test_a_second_signal_aborts_at_once_and_leaves_no_worker(
     assert f"aborted by a second {sig.name}" in stderr
     # Only the driver reacts (workers ignore SIGINT): no worker tracebacks on Ctrl-C.
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
-    assert not (out / "_report.json").exists() and not (out / "_SUCCESS").exists()
+    assert not report_path(out).exists() and not (out / "_SUCCESS").exists()
     assert not (out / "_lock.json").exists()
     assert 'status="interrupted"} 1' in metrics.read_text()
     # Whatever is visible is whole: a staged write never shows a partial file.

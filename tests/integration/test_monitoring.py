@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.demo import FEATURES
 from tests.conftest import write_shards
-from tests.integration.helpers import CliResult, cli, job_args, report
+from tests.integration.helpers import CliResult, cli, control_of, job_args, report
 
 pytestmark = pytest.mark.integration
 
@@ -139,7 +139,7 @@ def test_html_report_and_metrics_match_the_json_report(
     )
     assert r.returncode == 0, r.stderr
     rep = report(out)
-    page = (out / "_report.html").read_text()
+    page = (control_of(out) / "_report.html").read_text()
     for section in ("status", "totals", "shards", "throughput", "latency", "scores", "drift"):
         assert f'id="{section}"' in page
     assert "http://" not in page and "https://" not in page and "<script" not in page
@@ -152,7 +152,7 @@ def test_html_report_and_metrics_match_the_json_report(
     assert "value_counts" not in rep["outputs"]["score"]
     assert "Rows per value of label" in page and "Distribution of score" in page
     assert "Scoring began" in page  # the throughput line starts with the first shard
-    # The output still reads as a dataset: the _report.html and _runs/ are skipped by readers.
+    # The output reads as a dataset: the page and the run index are beside it, not in it.
     assert ds.dataset(out, format="parquet").count_rows() == 7300
     assert len(dd.read_parquet(str(out)).compute()) == 7300
 

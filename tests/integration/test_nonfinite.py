@@ -17,7 +17,15 @@ import torch
 
 from pipeline.demo import export_bundle
 from tests.conftest import demo_toml
-from tests.integration.helpers import CliResult, cli, data_files, job_args, report
+from tests.integration.helpers import (
+    CliResult,
+    cli,
+    control_of,
+    data_files,
+    job_args,
+    report,
+    report_path,
+)
 from tests.test_engine import INF_F0, NAN_F0, NonFiniteRows
 
 pytestmark = pytest.mark.integration
@@ -70,7 +78,7 @@ def test_non_finite_rows_are_rejects_within_and_beyond_the_budget(
 
     r = _run(catalog, out, rejects, nonfinite_bundle)
     assert r.returncode == 1, r.output
-    rep = _strict((out / "_report.json").read_text(), "_report.json")
+    rep = _strict(report_path(out).read_text(), "_report.json")
     assert rep["status"] == "failed" and not (out / "_SUCCESS").exists()
     assert "max_rejected_fraction" in " ".join(rep["failure_reasons"])
     assert rep["rows_rejected"] == len(bad) and rep["rejects_by_reason"] == {REASON: len(bad)}
@@ -93,7 +101,7 @@ def test_non_finite_rows_are_rejects_within_and_beyond_the_budget(
     assert not set(scored.column("item_id").to_pylist()) & bad
     assert np.isfinite(scored.column("score").to_numpy()).all()
     assert pc.all(pc.is_in(scored.column("label"), pa.array([0, 1]))).as_py()
-    for p in _json_files(out, rejects, tmp_path / "_runs"):
+    for p in _json_files(out, rejects, control_of(out)):
         _strict(p.read_text(), str(p))
     for stat in ("mean", "min", "max"):
         assert np.isfinite(rep["outputs"]["score"][stat])
@@ -110,12 +118,12 @@ def test_a_run_whose_every_row_is_rejected_writes_strict_json(
     out, rejects = tmp_path / "out", tmp_path / "rejects"
     r = _run(catalog, out, rejects, nonfinite_bundle, "--log-format", "json")
     assert r.returncode == 1, r.output  # 100% rejected: over any budget below 1, not a crash
-    rep = _strict((out / "_report.json").read_text(), "_report.json")
+    rep = _strict(report_path(out).read_text(), "_report.json")
     report(out)  # and it matches the schema
     assert rep["rows_out"] == 0 and rep["rows_rejected"] == 7300
     assert rep["outputs"] == {"score": {"count": 0}, "label": {"count": 0}}
     assert rep["errors"] == []  # rows rejected, not shards failed as a broken model
-    for p in _json_files(out, rejects, tmp_path / "_runs"):
+    for p in _json_files(out, rejects, control_of(out)):
         _strict(p.read_text(), str(p))
     for line in r.stdout.splitlines() + r.stderr.splitlines():
         if line.startswith("{"):

@@ -95,14 +95,17 @@ def test_cli_scores_an_s3_catalog_into_s3(
 
     fs, b = s3_bucket.fs, s3_bucket.name
     rel = sorted(p[len(f"{b}/scored/") :] for p in fs.find(f"{b}/scored/"))
-    assert {"_SUCCESS", "_manifest.json", "_report.json"} <= set(rel), rel
+    assert {"_SUCCESS", "_SCORE_CATALOG"} <= set(rel), rel
+    # The report and manifest are beside the output, in its control folder (pipeline.layout).
+    control = sorted(fs.find(f"{b}/_score_catalog/scored/"))
+    assert {p.rsplit("/", 1)[1] for p in control} >= {"_manifest.json", "_report.json"}, control
     # Everything else in the output root is hidden from dataset readers (_ or . in its path).
     assert [r for r in rel if not any(c.startswith(("_", ".")) for c in r.split("/"))] == SHARDS
     assert not any(".tmp-" in r for r in rel), rel
     for name in SHARDS:
         _assert_scores(bundle_dir, pq.read_table(local / name), _read(s3_bucket, f"scored/{name}"))
 
-    rep = _json(s3_bucket, "scored/_report.json")
+    rep = _json(s3_bucket, "_score_catalog/scored/_report.json")
     assert rep["status"] == "succeeded"
     assert rep["rows_in"] == rep["rows_out"] == sum(SIZES) and rep["rows_rejected"] == 0
     assert rep["shards_total"] == rep["shards_scored"] == len(SIZES)
@@ -111,7 +114,7 @@ def test_cli_scores_an_s3_catalog_into_s3(
     assert [s["output"] for s in rep["shards"]] == [s3_bucket.uri(f"scored/{n}") for n in SHARDS]
 
     # The manifest fingerprints each input object by size and ETag (here the MD5 of its bytes).
-    man = _json(s3_bucket, "scored/_manifest.json")
+    man = _json(s3_bucket, "_score_catalog/scored/_manifest.json")
     assert sorted(man["shards"]) == SHARDS
     for name in SHARDS:
         fp = man["shards"][name]["fingerprint"]
@@ -143,14 +146,14 @@ def test_rerun_resumes_with_nothing_to_do(
     _catalog(tmp_path, s3_bucket)
     job = _job(tmp_path, s3_bucket, model=str(bundle_dir), scheduler="sync")
     _run(str(job))
-    first = _json(s3_bucket, "scored/_manifest.json")
+    first = _json(s3_bucket, "_score_catalog/scored/_manifest.json")
     outputs = {n: s3_bucket.fs.info(f"{s3_bucket.name}/scored/{n}")["ETag"] for n in SHARDS}
 
     again = cli("run", str(job))
-    rep = _json(s3_bucket, "scored/_report.json")
+    rep = _json(s3_bucket, "_score_catalog/scored/_report.json")
     assert rep["shards_skipped"] == len(SIZES) and rep["shards_scored"] == 0
     assert rep["rows_out"] == sum(SIZES) and rep["rows_processed"] == 0
-    assert _json(s3_bucket, "scored/_manifest.json")["shards"] == first["shards"]
+    assert _json(s3_bucket, "_score_catalog/scored/_manifest.json")["shards"] == first["shards"]
     # Nothing was rewritten: the output objects are the same objects.
     assert {n: s3_bucket.fs.info(f"{s3_bucket.name}/scored/{n}")["ETag"] for n in SHARDS} == outputs
     assert s3_bucket.fs.exists(f"{s3_bucket.name}/scored/_SUCCESS")
@@ -167,7 +170,7 @@ def test_replaced_object_is_rescored_alone(
     local = _catalog(tmp_path, s3_bucket)
     job = _job(tmp_path, s3_bucket, model=str(bundle_dir), scheduler="sync")
     _run(str(job))
-    first = _json(s3_bucket, "scored/_manifest.json")
+    first = _json(s3_bucket, "_score_catalog/scored/_manifest.json")
 
     # Overwrite one object with other content: same key, new ETag.
     name = SHARDS[1]
@@ -178,7 +181,7 @@ def test_replaced_object_is_rescored_alone(
     assert _etag(s3_bucket, f"catalog/{name}") != first["shards"][name]["fingerprint"]["version"]
 
     _run(str(job))
-    rep = _json(s3_bucket, "scored/_report.json")
+    rep = _json(s3_bucket, "_score_catalog/scored/_report.json")
     assert rep["shards_scored"] == 1 and rep["shards_skipped"] == len(SIZES) - 1
     assert [s["status"] for s in rep["shards"]] == ["skipped", "scored", "skipped"]
     assert rep["rows_processed"] == SIZES[1] and rep["rows_out"] == sum(SIZES)
@@ -187,7 +190,7 @@ def test_replaced_object_is_rescored_alone(
         _assert_scores(
             bundle_dir, pq.read_table(local / other), _read(s3_bucket, f"scored/{other}")
         )
-    man = _json(s3_bucket, "scored/_manifest.json")["shards"]
+    man = _json(s3_bucket, "_score_catalog/scored/_manifest.json")["shards"]
     assert man[name]["fingerprint"]["version"] == hashlib.md5(buf.getvalue()).hexdigest()
     assert man[name]["run_id"] == rep["run_id"]
     for other in (SHARDS[0], SHARDS[2]):
@@ -216,7 +219,7 @@ def test_same_size_object_with_new_etag_is_rescored(
     s3_bucket.fs.pipe_file(f"{s3_bucket.name}/catalog/b.parquet", buf.getvalue())
 
     _run(str(job))
-    rep = _json(s3_bucket, "scored/_report.json")
+    rep = _json(s3_bucket, "_score_catalog/scored/_report.json")
     assert [s["status"] for s in rep["shards"]] == ["skipped", "scored"]
     _assert_scores(bundle_dir, new, _read(s3_bucket, "scored/b.parquet"))
 
@@ -250,7 +253,7 @@ def test_model_from_s3_and_credentials_never_appear(
         *flags,
     ]
     r = _run(*args)  # default verbosity: INFO
-    rep = _json(s3_bucket, "scored/_report.json")
+    rep = _json(s3_bucket, "_score_catalog/scored/_report.json")
     assert rep["model"]["uri"] == s3_bucket.uri("models/test-mlp")
     bundle_sha = hashlib.sha256(
         (bundle_dir / "model.toml").read_bytes() + (bundle_dir / "model.pt2").read_bytes()
@@ -272,7 +275,9 @@ def test_model_from_s3_and_credentials_never_appear(
         "failed stdout": failed.stdout,
         "failed stderr": failed.stderr,
     }
-    for path in s3_bucket.fs.find(f"{s3_bucket.name}/scored/"):
+    found = s3_bucket.fs.find(f"{s3_bucket.name}/scored/")
+    found += s3_bucket.fs.find(f"{s3_bucket.name}/_score_catalog/scored/")
+    for path in found:
         if not path.endswith(".parquet"):
             texts[path] = s3_bucket.fs.cat_file(path).decode()
     assert any(k.endswith("_report.json") for k in texts)
