@@ -29,7 +29,7 @@ from pipeline.model import read_bundle
 from pipeline.registry import MARKER, SHA_TAG
 from pipeline.scoring import WorkerSpec, warm_worker
 from tests.conftest import demo_toml, make_model, reference_scores, write_shards
-from tests.integration.helpers import CliResult, cli, job_args
+from tests.integration.helpers import CliResult, cli, job_args, report_path
 from tests.integration.servers import MlflowServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -285,7 +285,7 @@ def test_backfill_scores_every_day_with_one_version_and_reruns_days_when_it_move
         return summary
 
     def day_report(day: str) -> dict[str, Any]:
-        path = tmp_path / "scored" / f"dt={day}" / "_report.json"
+        path = report_path(tmp_path / "scored" / f"dt={day}")
         data: dict[str, Any] = json.loads(path.read_text())
         return data
 
