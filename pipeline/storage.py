@@ -103,6 +103,12 @@ def locate(uri: str, options: Mapping[str, Any] | None = None) -> Location:
     proto = fsspec.utils.get_protocol(uri)
     if proto in _S3_PROTOCOLS:
         opts = _without_backend_retries(opts)
+    if proto not in ("file", "local"):
+        # No listings cache: workers in other processes (and other runs) write the folders
+        # this process lists, and a cached listing of a folder makes fsspec answer "not found"
+        # for a file written there since (s3fs's info() consults it). Every decision here is
+        # about what storage holds now. A job's explicit choice wins.
+        opts.setdefault("use_listings_cache", False)
     try:
         fs, path = fsspec.core.url_to_fs(uri, **opts)
     except ImportError as e:
