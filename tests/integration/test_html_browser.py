@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from pipeline.html_report import render_html
-from tests.integration.helpers import cli, job_args, report
+from tests.integration.helpers import cli, control_of, job_args, report
 from tests.test_html_report import full_report
 
 pytestmark = pytest.mark.integration
@@ -138,8 +138,9 @@ def test_a_real_runs_report_lays_out(
     r = cli("run", *job_args(catalog, out, bundle_dir), "--scheduler", "sync")
     assert r.returncode == 0, r.stderr
     distinct = len(report(out)["outputs"]["label"]["value_counts"]["values"])
+    page = control_of(out) / "_report.html"
     for window in sorted(WINDOWS):
-        facts = _render(browser, out / "_report.html", window, tmp_path / f"{window}.png")
+        facts = _render(browser, page, window, tmp_path / f"{window}.png")
         _check_layout(facts)
         label = next(f for f in facts["figs"] if f["column"] == "label")
         assert label["bars"] == distinct  # the argmax label: one bar per class it took
