@@ -188,8 +188,7 @@ def backfill(
             break
     else:
         not_run = []
-    data = _summary(config, start, end, started_at, time.perf_counter() - t0, parts)
-    data["not_run"] = not_run
+    data = _summary(config, start, end, started_at, time.perf_counter() - t0, parts, not_run)
     root = runindex.index_root(config.output)
     job = runindex.safe_name(config.name)
     target = storage.locate(f"{root}/_backfills/{job}/{start}_{end}.json", config.storage)
@@ -243,10 +242,15 @@ def _summary(
     started_at: dt.datetime,
     duration: float,
     parts: list[dict[str, Any]],
+    not_run: list[str],
 ) -> dict[str, Any]:
+    """The backfill summary: every partition planned counts in ``partitions_total``, those a
+    signal left unrun under ``not_run`` (and ``partitions_by_status["not_run"]``)."""
     counts: dict[str, int] = {}
     for p in parts:
         counts[p["status"]] = counts.get(p["status"], 0) + 1
+    if not_run:
+        counts["not_run"] = len(not_run)
     if any(p["status"] == RunStatus.INTERRUPTED for p in parts):
         status = RunStatus.INTERRUPTED
     elif any(p["status"] in FAILED_PARTITION_STATUSES for p in parts):
@@ -260,13 +264,28 @@ def _summary(
         "status": status,
         "started_at": started_at.isoformat(),
         "duration_s": duration,
-        "partitions_total": len(parts),
+        "partitions_total": len(parts) + len(not_run),
         "partitions_by_status": counts,
         "rows_out": sum(
             p.get("rows_out") or 0 for p in parts if p["status"] != PartitionStatus.SKIPPED
         ),
         "partitions": parts,
+        "not_run": not_run,
     }
+
+
+def problem_line(report: BackfillReport) -> str:
+    """A backfill that did not exit 0, in one line (what ``-q`` prints instead of the table)."""
+    d = report.data
+    bad = [
+        f"{p['date']} {p['status']}" + (f" ({p['message']})" if p.get("message") else "")
+        for p in d["partitions"]
+        if p["status"] in FAILED_PARTITION_STATUSES or p.get("drift_alert")
+    ]
+    text = f"backfill {d['job']} {d['from']}..{d['to']} {d['status']}"
+    if bad:
+        text += ": " + "; ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
+    return f"{text} (summary: {d.get('summary_uri', '-')})"
 
 
 def summary_table(report: BackfillReport) -> str:

@@ -17,7 +17,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.model import BundleSpec
-from pipeline.reading import Features, open_parquet, to_features
+from pipeline.reading import Features, lossy_casts, open_parquet, to_features
+from pipeline.stats import LossyCast
 
 
 @dataclass
@@ -73,6 +74,8 @@ class ShardBatches(IterableDataset[Batch]):
         self.meta_columns = meta_columns
         self.batch_size = batch_size
         self.storage_options = dict(storage_options or {})
+        # Feature columns whose cast to float32 changed a value, with the first such value.
+        self.lossy: dict[str, LossyCast] = {}
 
     def _pieces(self) -> Iterator[tuple[pa.RecordBatch, int]]:
         columns = list(dict.fromkeys([*self.meta_columns, *self.spec.input_columns]))
@@ -85,6 +88,7 @@ class ShardBatches(IterableDataset[Batch]):
                         yield rb, rg
 
     def _make(self, rb: pa.RecordBatch, rgs: np.ndarray, start: int) -> Batch:
+        self.lossy.update(lossy_casts(rb, self.spec, skip=self.lossy))  # once found, not again
         feats = to_features(rb, self.spec, self.width)
         meta = rb.select(list(self.meta_columns))
         return Batch(start, meta, feats, rgs, torch.from_numpy(feats.x))

@@ -22,10 +22,14 @@ from pipeline import logs
 from pipeline.cli_bench import bench
 from pipeline.cli_bundle import bundle
 from pipeline.errors import (
+    BACKFILL_EXIT_CODES_HELP,
+    DEMO_EXIT_CODES_HELP,
     EXIT_CODES_HELP,
     EXIT_INPUT,
     EXIT_RUN_FAILED,
     EXIT_SIGTERM,
+    PLAN_EXIT_CODES_HELP,
+    REPORT_EXIT_CODES_HELP,
     PipelineError,
 )
 from pipeline.interrupt import EXIT_CODES, Aborted, StopRequest, handle_signals
@@ -95,7 +99,11 @@ def _as_dict(_ctx: click.Context, _param: click.Parameter, value: Any) -> dict[s
 
 
 def _as_list(_ctx: click.Context, _param: click.Parameter, value: Any) -> list[str] | None:
-    return list(value) if value else None
+    """Repeated values, each also split at commas: ``--passthrough a,b`` is ``--passthrough a
+    --passthrough b``, as ``SCORE_CATALOG_PASSTHROUGH=a,b`` is."""
+    if not value:
+        return None
+    return [part.strip() for v in value for part in str(v).split(",") if part.strip()]
 
 
 def _job_option(s: cfg.Setting, flag: str) -> Callable[[F], F]:
@@ -114,6 +122,7 @@ def _job_option(s: cfg.Setting, flag: str) -> Callable[[F], F]:
         kw["type"] = _Pair(s.metavar or "KEY=VALUE", entry=s.kind.entry)
     elif kind == "list":
         kw.update(multiple=True, callback=_as_list)
+        help_text += " Also a comma-separated list."
     elif s.kind.choices and kind == "str":
         kw["type"] = click.Choice(s.kind.choices)
     else:
@@ -123,12 +132,18 @@ def _job_option(s: cfg.Setting, flag: str) -> Callable[[F], F]:
     return click.option(*decls, help=help_text, **kw)
 
 
-def job_options(f: F) -> F:
-    """The options shared by run, plan and backfill: each overrides one job-file key."""
+def job_options(f: F, *, without: frozenset[str] = frozenset()) -> F:
+    """The options shared by run, plan and backfill: each overrides one job-file key (except
+    the keys in ``without``, which the command sets itself)."""
     for s in reversed(cfg.SETTINGS):
-        if s.flag is not None:
+        if s.flag is not None and s.key not in without:
             f = _job_option(s, s.flag)(f)
     return f
+
+
+def backfill_job_options(f: F) -> F:
+    """:func:`job_options` without ``--date``: each day of a backfill sets its own."""
+    return job_options(f, without=frozenset({"date"}))
 
 
 def output_options(f: F) -> F:
@@ -213,17 +228,25 @@ def run(job: Path | None, **opts: Any) -> None:
     name>/, with the manifest) and, on success, _SUCCESS into the output. On a terminal a
     progress bar shows rows, shards, rows/s and ETA.
     """
-    from pipeline.report import summary_table
+    from pipeline.preparation import new_run_id
+    from pipeline.report import problem_line, summary_table
     from pipeline.run import run as run_job
 
     console = _console(opts)
+    run_id = new_run_id()
+    logs.bind_run_id(run_id)  # every line of this command carries it, the earliest included
     try:
         config = cfg.build_config(job, overrides=cfg.from_flags(opts))
         # SIGTERM/SIGINT: stop scheduling, let shards in flight commit, report (exit 143/130).
         stop = StopRequest(config.grace_period_s)
         with handle_signals(stop), console.progress() as progress:
             report = run_job(
-                config, on_shard=progress.on_shard, on_start=progress.on_start, stop=stop
+                config,
+                on_shard=progress.on_shard,
+                on_start=progress.on_start,
+                on_rows=progress.on_rows,
+                stop=stop,
+                run_id=run_id,
             )
     except PipelineError as e:
         _fail(e, console)
@@ -231,11 +254,15 @@ def run(job: Path | None, **opts: Any) -> None:
         _aborted(e, console)
     except Exception as e:
         _crash(e, console)
-    console.summary({**report.data, "exit_code": report.exit_code}, summary_table(report))
+    console.summary(
+        {**report.data, "exit_code": report.exit_code},
+        summary_table(report),
+        problem_line(report.data),
+    )
     _exit(report.exit_code)
 
 
-@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@main.command(context_settings=CONTEXT, epilog=DEMO_EXIT_CODES_HELP)
 @click.option(
     "--catalog",
     "catalog_dir",
@@ -286,7 +313,7 @@ def demo(
         click.echo(f"model bundle {model_dir} exists (use --train-model to retrain)")
 
 
-@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@main.command(context_settings=CONTEXT, epilog=PLAN_EXIT_CODES_HELP)
 @click.argument("job", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @job_options
 @output_options
@@ -311,7 +338,7 @@ def plan(job: Path | None, as_json: bool, **opts: Any) -> None:
     _exit(EXIT_INPUT if result["shards_failing"] else 0)
 
 
-@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@main.command(context_settings=CONTEXT, epilog=REPORT_EXIT_CODES_HELP)
 @click.argument("run_uri", metavar="RUN_URI")
 @click.option(
     "--vs",
@@ -335,11 +362,15 @@ def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_j
     RUN_URI is a run's output root (its _report.json is beside it, in <output's
     parent>/_score_catalog/<output's name>/) or the report file; any fsspec URI works (s3://...).
     """
+    from pipeline.errors import ConfigError
     from pipeline.report import RunReport, diff_table, load_report, summary_table
-    from pipeline.storage import to_json
+    from pipeline.storage import to_json, unknown_options
 
     console = logs.Console.setup("text", -1)
     try:
+        bad = unknown_options([run_uri, *([other] if other else [])], storage or {})
+        if bad:
+            raise ConfigError(bad)
         current = load_report(run_uri, storage or {})
         previous = load_report(other, storage or {}) if other else None
     except PipelineError as e:
@@ -352,23 +383,25 @@ def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_j
         click.echo(diff_table(current, previous))
 
 
-@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@main.command(context_settings=CONTEXT, epilog=BACKFILL_EXIT_CODES_HELP)
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--from",
     "start",
     required=True,
+    metavar="YYYY-MM-DD",
     type=click.DateTime(["%Y-%m-%d"]),
-    help="First partition date (YYYY-MM-DD).",
+    help="First partition date.",
 )
 @click.option(
     "--to",
     "end",
     required=True,
+    metavar="YYYY-MM-DD",
     type=click.DateTime(["%Y-%m-%d"]),
     help="Last partition date, included.",
 )
-@job_options
+@backfill_job_options
 @output_options
 def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
     """Rescore a date-partitioned archive: one resumable run per day from --from to --to.
@@ -378,14 +411,12 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
     model bundle, over the same input shards, are skipped (--force rescores them) and missing
     input folders are listed as missing. A summary of every day goes to
     <output root>/_backfills/<job>/<from>_<to>.json.
-    Exit code: the worst of the days' (1 if any failed, 4 if any drifted, else 0).
     """
     from pipeline.backfill import backfill as run_backfill
-    from pipeline.backfill import summary_table
+    from pipeline.backfill import problem_line, summary_table
 
     console = _console(opts)
     force = bool(opts.pop("force"))
-    opts.pop("date")  # each partition sets its own
     try:
         config = cfg.build_config(job, overrides=cfg.from_flags(opts))
         # SIGTERM/SIGINT: the day in progress stops as a run does; the days left are not run.
@@ -404,7 +435,9 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
         _fail(e, console)
     except Aborted as e:
         _aborted(e, console)
-    console.summary({**result.data, "exit_code": result.exit_code}, summary_table(result))
+    console.summary(
+        {**result.data, "exit_code": result.exit_code}, summary_table(result), problem_line(result)
+    )
     _exit(result.exit_code)
 
 

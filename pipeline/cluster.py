@@ -11,13 +11,15 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pipeline import logs
-from pipeline.errors import StorageError
+from pipeline.errors import ClusterError, PipelineError
 
 if TYPE_CHECKING:
     from pipeline.config import JobConfig
@@ -26,6 +28,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 START_METHOD = os.environ.get("_SCORE_CATALOG_START_METHOD", "fork")
+# How long a scheduler address may take to accept a TCP connection before the run gives up on
+# it; Dask's own handshake then has SCHEDULER_TIMEOUT.
+CONNECT_TIMEOUT_S = 10.0
+SCHEDULER_TIMEOUT = "30s"
 MMAP_THRESHOLD = 64 * 1024 * 1024
 
 
@@ -90,6 +96,42 @@ def torch_threads_by_host(client: Any) -> dict[str, int]:
     return {h: max(1, host_cores[h] // max(1, n)) for h, n in threads.items()}
 
 
+def probe_scheduler(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail fast, saying why, when nothing accepts connections at a ``tcp://`` or ``tls://``
+    scheduler address: Dask's client would retry a refused connection for its whole timeout
+    and then report only that it timed out."""
+    parts = urlsplit(address)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("tcp", "tls") or not parts.hostname or port is None:
+        return
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout):
+            return
+    except ConnectionRefusedError:
+        why = f"nothing listens on {parts.hostname}:{port} (connection refused)"
+    except socket.gaierror as e:
+        why = f"host {parts.hostname!r} is unknown ({e})"
+    except TimeoutError:
+        why = f"{parts.hostname}:{port} did not answer within {timeout:.0f} s"
+    except OSError as e:
+        why = f"{type(e).__name__}: {e}"
+    raise ClusterError(
+        f"cannot reach the Dask scheduler at {address}: {why}. Start it (`dask scheduler`) or "
+        "check the address (--scheduler, or scheduler in the job file); --scheduler local runs "
+        "an embedded cluster instead. Nothing was written."
+    )
+
+
+# The embedded scheduler's HTTP server. ``dashboard_address=None`` alone does not turn it off:
+# the scheduler then still listens on its default port, 8787 on every interface it can, and
+# warns "Port 8787 is already in use" when another program holds it. No dashboard, and a port
+# the OS picks on the loopback interface: nothing fixed, nothing reachable from elsewhere.
+NO_DASHBOARD = {"dashboard": False, "dashboard_address": "127.0.0.1:0"}
+
+
 def _start_local(plan: Plan) -> tuple[Any, Any]:
     import dask
     from distributed import Client, LocalCluster
@@ -109,6 +151,7 @@ def _start_local(plan: Plan) -> tuple[Any, Any]:
         threads_per_worker=1,
         processes=True,
         dashboard_address=None,
+        scheduler_kwargs=NO_DASHBOARD,
         silence_logs=logging.ERROR,
     )
     client = Client(cluster)  # type: ignore[no-untyped-call]
@@ -156,6 +199,7 @@ def _start_threads(plan: Plan) -> tuple[Any, Any]:
         threads_per_worker=plan.threads_per_worker,
         processes=False,
         dashboard_address=None,
+        scheduler_kwargs=NO_DASHBOARD,
         silence_logs=logging.ERROR,
     )
     return cluster, Client(cluster)  # type: ignore[no-untyped-call]
@@ -199,7 +243,8 @@ class DaskSession:
             else:
                 from distributed import Client
 
-                self._client = Client(plan.scheduler, timeout="30s")  # type: ignore[no-untyped-call]
+                probe_scheduler(plan.scheduler)
+                self._client = Client(plan.scheduler, timeout=SCHEDULER_TIMEOUT)  # type: ignore[no-untyped-call]
                 self.threads_by_host = torch_threads_by_host(self._client)
             if self._warm is not None and plan.scheduler != "threads":
                 self._warm_workers(self._warm)
@@ -223,22 +268,50 @@ class DaskSession:
         if not self._thread.is_alive() and self._thread.ident is None:
             self._thread.start()
         self._thread.join()
+        if isinstance(self._error, PipelineError):
+            raise self._error
         if self._error is not None:
-            raise StorageError(
-                f"could not start or reach the Dask scheduler {self.plan.scheduler}: {self._error}"
+            raise ClusterError(
+                f"could not start or reach the Dask scheduler {self.plan.scheduler}: "
+                f"{type(self._error).__name__}: {self._error}"
             ) from self._error
         return self._client
 
     def close(self) -> None:
         """Close the client, and the cluster if this session started it (its worker processes
-        end with it). Each step is tried even if the one before failed; errors are logged."""
+        end with it). Each step is tried even if the one before failed; errors are logged.
+
+        Dask's own loggers are silenced while an embedded cluster closes, in its workers too:
+        the run is over, and workers racing the scheduler's shutdown (a last heartbeat, a
+        closed comm) would otherwise leave error lines in a successful run's log.
+        """
         if self._thread.ident is not None:
             self._thread.join()
         with contextlib.ExitStack() as steps:
             if self._cluster is not None:
+                steps.enter_context(_dask_silenced())
+                if self._client is not None:
+                    _quietly(lambda: self._client.run(silence_dask), "quieting the workers")
                 steps.callback(_quietly, self._cluster.close, "closing the Dask cluster")
             if self._client is not None:
                 steps.callback(_quietly, self._client.close, "closing the Dask client")
+
+
+def silence_dask() -> None:
+    """Dask's loggers in this process to CRITICAL (a worker of a cluster that is closing)."""
+    logging.getLogger("distributed").setLevel(logging.CRITICAL)
+
+
+@contextlib.contextmanager
+def _dask_silenced() -> Iterator[None]:
+    """Dask's loggers in the driver at CRITICAL while the block runs, then as they were."""
+    log = logging.getLogger("distributed")
+    before = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
 
 
 def _quietly(step: Any, what: str) -> None:

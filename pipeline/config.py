@@ -354,6 +354,12 @@ class JobConfig:
         default="refuse",
         metadata=_meta("An output folder holding files this tool did not write."),
     )
+    # An output (or rejects) bucket that does not exist is an error unless this is set: a typo
+    # in a bucket name must not quietly create a new bucket and fill it.
+    create_output_bucket: bool = field(
+        default=False,
+        metadata=_meta("Create the output and rejects buckets if they do not exist."),
+    )
     # Rescore every shard even where the manifest says it is done.
     force: bool = field(default=False, metadata=_meta("Rescore shards the manifest says are done."))
     # A lock older than this many seconds is taken over even if its holder seems alive.
@@ -813,6 +819,8 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[str]:
         sample = good["output"].format(date="2000-01-01", run_id="run")
         if default_rejects(sample) is None:
             problems.append(_no_parent_message(good["output"]))
+    if good.get("storage"):
+        problems += _storage_problems(good)
     if "output" in good and "output" not in bad:
         from pipeline.runindex import index_root
 
@@ -821,3 +829,11 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[str]:
         except ConfigError as e:
             problems += e.problems
     return problems
+
+
+def _storage_problems(good: Mapping[str, Any]) -> list[str]:
+    """Storage options that none of the job's object stores takes, each named."""
+    from pipeline import storage  # here: fsspec is not needed to read a config otherwise
+
+    uris = [good[k] for k in ("input", "output", "rejects", "model") if good.get(k)]
+    return storage.unknown_options(uris, good["storage"])

@@ -15,6 +15,7 @@ EXIT_DRIFT = 4
 EXIT_SIGTERM = 143  # the shell's 128 + signal number (pipeline.interrupt.EXIT_CODES)
 EXIT_SIGINT = 130
 
+# Each command's --help ends with its own exit codes (run's is the full table of the README).
 EXIT_CODES_HELP = (
     "Exit codes: 0 success (status succeeded or succeeded_with_errors within the error budget); "
     "1 run failed (shards failed or rows rejected beyond the error budget, the lock held by "
@@ -22,9 +23,29 @@ EXIT_CODES_HELP = (
     "2 usage or configuration error; "
     "3 input, schema or model error found before any row was scored; "
     "4 scored and committed, but the score distribution drifted from the previous successful "
-    "run beyond [monitoring] thresholds (status succeeded_with_warnings); "
+    "run beyond [monitoring] thresholds (status succeeded_with_warnings, whatever the rejects); "
     "143 or 130 stopped by SIGTERM or SIGINT (status interrupted; committed shards are kept and "
     "a rerun resumes)."
+)
+
+
+PLAN_EXIT_CODES_HELP = (
+    "Exit codes: 0 every shard would be scored; 2 usage or configuration error; 3 a shard would "
+    "fail (unreadable, or its columns do not fit the model), or an input or model error."
+)
+REPORT_EXIT_CODES_HELP = (
+    "Exit codes: 0 the summary was printed (whatever the run's status); 1 the storage could not "
+    "be read; 2 usage error, or no run report at RUN_URI."
+)
+DEMO_EXIT_CODES_HELP = (
+    "Exit codes: 0 the catalog (and bundle) were written; 1 any error while writing them; "
+    "2 usage error."
+)
+BACKFILL_EXIT_CODES_HELP = (
+    "Exit codes: the worst of the days': 143 or 130 a day was stopped by SIGTERM or SIGINT (the "
+    "days after it are not run); 1 a day failed; 4 a day's scores drifted; 0 every day "
+    "succeeded, was skipped (already done) or had no input (missing). 2 usage or configuration "
+    "error, 3 model error, before any day runs."
 )
 
 
@@ -51,6 +72,13 @@ class ConfigError(PipelineError):
         super().__init__(msg)
 
 
+class UsageError(PipelineError):
+    """A command was pointed at something it cannot use (a run with no report, a file where a
+    folder is expected); the message says what to give instead. Exit 2, like a bad flag."""
+
+    exit_code = EXIT_USAGE
+
+
 class InputError(PipelineError):
     """The input cannot be scored as configured (no shards, bad schema); found before scoring."""
 
@@ -74,6 +102,10 @@ class StorageError(PipelineError):
 class RegistryError(StorageError):
     """The model registry (an MLflow tracking server) could not be reached or refused a request;
     a rerun once it answers goes on. An unknown model, version or alias is a :class:`ModelError`."""
+
+
+class ClusterError(PipelineError):
+    """The Dask cluster could not be started or reached (a scheduler address nothing answers)."""
 
 
 class LockError(PipelineError):

@@ -17,10 +17,12 @@ the caller's to report as interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +33,7 @@ from pipeline.scoring import (
     ShardResult,
     ShardTask,
     WorkerSpec,
+    listen_locally,
     raise_flag,
     score_shard,
     score_shards,
@@ -106,6 +109,9 @@ def not_scored(
     )
 
 
+OnRows = Callable[[str, int], None]
+
+
 def execute(
     spec: WorkerSpec,
     tasks: list[ShardTask],
@@ -115,24 +121,68 @@ def execute(
     task_rows: int,
     resources: Mapping[str, float] | None = None,
     stop: StopRequest | None = None,
+    on_rows: OnRows | None = None,
 ) -> Generator[tuple[ShardTask, ShardResult], None, None]:
     """Score ``tasks`` (in this process when ``session`` is None), yielding results as they end.
 
     Closing the iterator early (after a fatal error) cancels what is still queued or running.
     Once ``stop`` is requested nothing new starts, and the iterator ends when the shards in
-    flight have finished or its grace period is over (see the module doc).
+    flight have finished or its grace period is over (see the module doc). ``on_rows(rel_path,
+    rows)`` hears, while a shard is being scored, how many of its rows are done (at most every
+    :data:`~pipeline.scoring.PROGRESS_INTERVAL_S` per worker; see :class:`RowFeed`).
     """
     stop = stop if stop is not None else StopRequest()
     if not tasks:
         return
-    if session is None:
-        for t in tasks:
-            if stop.requested:
+    feed = RowFeed(on_rows)
+    if on_rows is not None:
+        spec = replace(spec, progress_topic=f"score-catalog-progress-{uuid.uuid4().hex[:8]}")
+    with listen_locally(spec.progress_topic, feed.rows) if on_rows else contextlib.nullcontext():
+        if session is None:
+            for t in tasks:
+                if stop.requested:
+                    return
+                result = _attempts(spec, t, retries)
+                feed.done(t.rel_path)
+                yield t, result
+                checkpoint("between-shards")
+            return
+        yield from _on_cluster(spec, tasks, session, retries, task_rows, resources, stop, feed)
+
+
+class RowFeed:
+    """Rows reported from inside shards, passed on to ``on_rows`` until each shard's result is
+    in: a report that arrives after its shard finished (events and results travel separately)
+    is dropped, so a shard's rows are never counted twice."""
+
+    def __init__(self, on_rows: OnRows | None) -> None:
+        self.on_rows = on_rows
+        self._finished: set[str] = set()
+        self._lock = threading.Lock()
+
+    def rows(self, rel_path: str, rows: int) -> None:
+        """A worker's report: ``rows`` of ``rel_path`` scored so far."""
+        if self.on_rows is None:
+            return
+        # Held during the call: done() waits for a report being passed on, so none of a
+        # shard's reports reaches on_rows after its result did.
+        with self._lock:
+            if rel_path in self._finished:
                 return
-            yield t, _attempts(spec, t, retries)
-            checkpoint("between-shards")
-        return
-    yield from _on_cluster(spec, tasks, session, retries, task_rows, resources, stop)
+            try:
+                self.on_rows(rel_path, rows)
+            except Exception as e:  # a progress display must never stop the run
+                logger.debug("progress callback failed: %s", e)
+
+    def event(self, event: Any) -> None:
+        """A Dask event ``(timestamp, [rel_path, rows])`` from ``subscribe_topic``."""
+        _, msg = event
+        self.rows(str(msg[0]), int(msg[1]))
+
+    def done(self, rel_path: str) -> None:
+        """``rel_path``'s result is in: later reports of it are stale."""
+        with self._lock:
+            self._finished.add(rel_path)
 
 
 def _attempts(spec: WorkerSpec, task: ShardTask, retries: int) -> ShardResult:
@@ -159,6 +209,7 @@ def _on_cluster(
     task_rows: int,
     resources: Mapping[str, float] | None,
     stop: StopRequest,
+    feed: RowFeed,
 ) -> Iterator[tuple[ShardTask, ShardResult]]:
     from distributed import as_completed
 
@@ -173,6 +224,7 @@ def _on_cluster(
     spec_ref = client.submit(worker_spec, spec, key=f"worker-spec-{tag}", pure=False)
     by_key: dict[str, list[ShardTask]] = {}
     futures: list[Any] = []
+    _subscribe(client, spec.progress_topic, feed)
     try:
         for group in group_tasks(tasks, task_rows, slots):
             fut = client.submit(
@@ -206,8 +258,9 @@ def _on_cluster(
                 continue
             for fut in done.next_batch(block=False):
                 if not fut.cancelled():
-                    yield from _results(fut, by_key[fut.key], stop)
+                    yield from _results(fut, by_key[fut.key], stop, feed)
     finally:
+        _unsubscribe(client, spec.progress_topic)
         # Stop what is still running (after a fatal error, or the grace period); the session is
         # closed by the run. A task cancelled while running still runs on in its worker: the
         # abandon Event (and then the lock's release) keeps it from committing.
@@ -218,9 +271,23 @@ def _on_cluster(
         spec_ref.cancel()
 
 
+def _subscribe(client: Any, topic: str, feed: RowFeed) -> None:
+    """The workers' row reports on ``topic`` (Dask events) go to ``feed`` from now on."""
+    if topic:
+        client.subscribe_topic(topic, feed.event)
+
+
+def _unsubscribe(client: Any, topic: str) -> None:
+    if topic:
+        with contextlib.suppress(Exception):  # the client may be closing already
+            client.unsubscribe_topic(topic)
+
+
 def _results(
-    fut: Any, group: list[ShardTask], stop: StopRequest
+    fut: Any, group: list[ShardTask], stop: StopRequest, feed: RowFeed
 ) -> Iterator[tuple[ShardTask, ShardResult]]:
+    for t in group:
+        feed.done(t.rel_path)
     try:
         results = fut.result()
     except Exception as e:  # the task crashed every retry (or its worker kept dying)

@@ -34,11 +34,17 @@ logger = logging.getLogger(__name__)
 
 
 def add_drift(config: JobConfig, data: dict[str, Any], index_root: str) -> None:
-    """Compare with the previous success; a drift alert turns success into a warning."""
+    """Compare with the previous success; a drift alert turns a success into a warning.
+
+    It does so from ``succeeded_with_errors`` too (rejects or failed shards within the budget):
+    the status alone gives the exit code (4 here), and scores that drifted need a look before
+    anyone uses them, which a 0 would hide. The rejects and failed shards stay in the report
+    (``errors``, ``rows_rejected``, ``shards_failed``).
+    """
     if not config.monitoring.drift or data["status"] in (RunStatus.FAILED, RunStatus.INTERRUPTED):
         return
     data["drift"] = drift_section(config, data, index_root)
-    if data["drift"].get("alert") and data["status"] == RunStatus.SUCCEEDED:
+    if data["drift"].get("alert"):
         data["status"] = RunStatus.SUCCEEDED_WITH_WARNINGS
     for reason in data["drift"].get("reasons", []):
         data["warnings"].append(f"drift: {reason}")
@@ -326,9 +332,15 @@ def _unfinished(run: ScoringRun, s: ShardRef, why: str) -> ShardResult:
 
 
 def check_metrics_file(config: JobConfig) -> None:
-    """Refuse a metrics file whose folder does not exist, before the run starts."""
+    """Refuse a metrics file that is a folder, or whose folder does not exist, before the run
+    starts."""
     if config.metrics_file is None:
         return
+    if os.path.isdir(config.metrics_file):
+        raise ConfigError(
+            f"metrics_file = {config.metrics_file!r} is a folder; give a file in it, e.g. "
+            f"{os.path.join(config.metrics_file, 'score_catalog.prom')}"
+        )
     parent = os.path.dirname(os.path.abspath(config.metrics_file))
     if not os.path.isdir(parent):
         raise ConfigError(

@@ -14,7 +14,13 @@ text mode, one ``"event": "summary"`` JSON line in JSON mode.
 Logging is configured with :func:`logging.config.dictConfig` (:func:`logging_config` builds the
 dictionary). Log lines and the progress bar share the terminal through a :class:`Terminal`
 object that the CLI creates (inside :class:`Console`) and hands to both the log handler and the
-:class:`Progress` bar; this module keeps no state of its own.
+:class:`Progress` bar. The one piece of state here is the run id every line carries
+(:func:`bind_run_id`): set by the run when it starts, and inherited by the embedded cluster's
+worker processes, which are forked from the driver, so their lines carry it too.
+
+No line is a traceback unless -vv: :class:`OneLineFilter` folds a record's exception into its
+message (``... (OSError: Timed out)``), so Dask's shutdown noise or a heartbeat that failed
+once is one line, JSON included.
 
 This module imports nothing heavy (no torch, no pipeline modules at import time), so it is cheap
 to load before anything else.
@@ -45,11 +51,15 @@ __all__ = [
     "SUMMARY_FIELDS",
     "Console",
     "JsonFormatter",
+    "OneLineFilter",
     "Progress",
+    "RunContextFilter",
     "RunProgress",
     "Terminal",
     "TerminalHandler",
+    "bind_run_id",
     "configure_dask_logging",
+    "current_run_id",
     "dask_logging_config",
     "emit_error",
     "emit_summary",
@@ -119,6 +129,10 @@ QUIET_LIBRARIES = (
 
 logger = logging.getLogger("pipeline")
 
+# Failure kinds of shards never scored because the run stopped (statuses.FailureKind values;
+# plain strings here: this module imports nothing of the pipeline at import time).
+NOT_SCORED = frozenset({"interrupted", "cancelled"})
+
 
 # --------------------------------------------------------------------------------------------
 # Formatting
@@ -166,6 +180,61 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             obj["stack"] = self.formatStack(record.stack_info)
         return json_line(obj)
+
+
+# --------------------------------------------------------------------------------------------
+# The run id on every line, and tracebacks folded into one line
+
+# The id of the run this process is working for: bound by the run when it starts (and, for
+# the CLI's own lines before that, by the command). Worker processes forked from the driver
+# inherit it. A dict, not a contextvar: Dask's and the overlap's threads must see it too.
+_RUN: dict[str, str | None] = {"run_id": None}
+
+
+def bind_run_id(run_id: str | None) -> None:
+    """Make every log line of this process (and of workers forked from it later) carry
+    ``run_id``."""
+    _RUN["run_id"] = run_id
+
+
+def current_run_id() -> str | None:
+    """The run id that log lines carry now (None before a run has one)."""
+    return _RUN["run_id"]
+
+
+class RunContextFilter(logging.Filter):
+    """Give every record the ``run_id`` of the run (unless it names one itself)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "run_id" not in record.__dict__:
+            record.run_id = _RUN["run_id"]
+        return True
+
+
+class OneLineFilter(logging.Filter):
+    """Fold a library record's exception into its message, as ``message (Type: text)``, so
+    that no log line is a multi-line traceback. Dask logs its connection and shutdown errors
+    with tracebacks (a heartbeat that failed as the scheduler closed, a worker that lost its
+    scheduler); they are one line here, and the full traceback only with -vv (``keep``). The
+    pipeline's own records keep theirs: it logs one only where it means to (-vv, or JSON's
+    ``exc`` field)."""
+
+    def __init__(self, keep: bool = False) -> None:
+        super().__init__()
+        self.keep = keep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.keep or not record.exc_info or record.exc_info[1] is None:
+            return True
+        if record.name == "pipeline" or record.name.startswith("pipeline."):
+            return True
+        e = record.exc_info[1]
+        text = str(e).strip().splitlines()
+        record.msg = f"{record.getMessage()} ({type(e).__name__}{': ' + text[0] if text else ''})"
+        record.args = None
+        record.exc_info = None
+        record.exc_text = None
+        return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,11 +322,21 @@ def logging_config(fmt: str, verbosity: int, terminal: Terminal) -> dict[str, An
     line = "json" if fmt == "json" else "text"
     # The handler's level too: records propagating from loggers with their own level
     # (distributed's are INFO) skip the root logger's level.
-    handler = {"()": TerminalHandler, "terminal": terminal, "formatter": line, "level": level}
+    handler = {
+        "()": TerminalHandler,
+        "terminal": terminal,
+        "formatter": line,
+        "level": level,
+        "filters": ["run", "one_line"],
+    }
     config: dict[str, Any] = {
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"text": {"format": TEXT_FORMAT}, "json": {"()": JsonFormatter}},
+        "filters": {
+            "run": {"()": RunContextFilter},
+            "one_line": {"()": OneLineFilter, "keep": verbosity >= 2},
+        },
         "handlers": {"terminal": handler},
         "root": {"handlers": ["terminal"], "level": level},
         "loggers": {name: {"level": max(level, logging.INFO)} for name in QUIET_LIBRARIES},
@@ -322,7 +401,9 @@ def log_shard(result: ShardResult) -> None:
 
     scored: INFO ``shard_scored`` with shard, rows (scored), rows_in, rows_rejected, rows_per_s,
     duration_s, status. failed: ERROR ``shard_failed`` with kind and the message. skipped: DEBUG
-    ``shard_skipped``. While a :class:`Progress` bar is drawn and the run is not verbose (-v),
+    ``shard_skipped``; not scored because the run stopped (kind ``interrupted`` or
+    ``cancelled``): DEBUG ``shard_not_scored``. While a :class:`Progress` bar is drawn and the
+    run is not verbose (-v),
     :class:`TerminalHandler` does not write the ``shard_scored`` lines: the bar already shows
     them, and the summary table lists every shard. Failures are always logged.
     """
@@ -349,6 +430,15 @@ def log_shard(result: ShardResult) -> None:
             "skipped %s: already scored",
             result.rel_path,
             extra={"event": "shard_skipped", **common, "rows": result.rows_out},
+        )
+    elif result.kind in NOT_SCORED:
+        # Left unscored because the run stopped (a signal, or another shard's fatal error):
+        # the stop is logged once and the summary counts them; a line each is noise at 300.
+        logger.debug(
+            "not scored %s: %s",
+            result.rel_path,
+            result.message,
+            extra={"event": "shard_not_scored", **common, "kind": result.kind},
         )
     else:
         logger.error(
@@ -397,7 +487,9 @@ class Progress:
     """A progress bar over the run's rows on a :class:`Terminal`, via click.progressbar.
 
     Shows the bar, percent done and ETA (click's), then rows done/total, shards done/total and
-    the overall rows/s. ``update(result)`` advances it by ``result.rows_in`` and one shard. With
+    the overall rows/s. ``rows(rel_path, n)`` moves it while a shard is scored (``n`` of its rows
+    are done, as the workers report them); ``update(result)`` counts the finished shard: one
+    shard, and whatever of its ``result.rows_in`` the reports had not counted yet. With
     ``enabled=False`` (JSON logs, quiet, or not a terminal: see :func:`progress_enabled`) it does
     nothing at all and writes nothing.
 
@@ -428,6 +520,8 @@ class Progress:
         self._start = time.monotonic()
         self._bar: Any = None
         self._pid = os.getpid()
+        self._partial: dict[str, int] = {}  # rows counted so far of shards still being scored
+        self._finished: set[str] = set()  # shards counted by update(): later reports are stale
 
     # -- the bar's text --------------------------------------------------------------------
 
@@ -478,16 +572,33 @@ class Progress:
                 bar.render_progress()  # the final rows/s and counts
             bar.__exit__(exc_type, exc, tb)
 
+    def rows(self, rel_path: str, rows: int) -> None:
+        """``rows`` of shard ``rel_path`` are scored so far (it is still being scored)."""
+        if self._bar is None:
+            return
+        with self.terminal.lock:
+            step = int(rows) - self._partial.get(rel_path, 0)
+            if step <= 0 or rel_path in self._finished:  # a retry reports from 0 again
+                return
+            self._partial[rel_path] = int(rows)
+            self.rows_done += step
+            self._bar.update(step)
+
     def update(self, result: Any) -> None:
-        """Count one finished shard (any status) and its ``rows_in`` (None counts as 0)."""
+        """Count one finished shard (any status) and its ``rows_in`` (None counts as 0), less
+        what :meth:`rows` counted of it already."""
         if self._bar is None:
             return
         rows = int(getattr(result, "rows_in", None) or 0)
         with self.terminal.lock:
-            self.rows_done += rows
+            rel_path = str(getattr(result, "rel_path", ""))
+            self._finished.add(rel_path)
+            counted = self._partial.pop(rel_path, 0)
+            step = max(0, rows - counted)
+            self.rows_done += step
             self.shards_done += 1
-            self._bar.update(rows)
-            if rows == 0:  # click only redraws on a change of the line; the counts changed
+            self._bar.update(step)
+            if step == 0:  # click only redraws on a change of the line; the counts changed
                 self._bar.render_progress()
 
     # -- for the log handler ---------------------------------------------------------------
@@ -538,6 +649,11 @@ class RunProgress:
         if self.bar is not None:
             self.bar.update(result)
 
+    def on_rows(self, rel_path: str, rows: int) -> None:
+        """A shard still being scored has ``rows`` rows done: the bar and ETA move."""
+        if self.bar is not None:
+            self.bar.rows(rel_path, rows)
+
     def __enter__(self) -> RunProgress:
         return self
 
@@ -566,6 +682,7 @@ def emit_summary(report_data: Mapping[str, Any], fmt: str, text: str) -> None:
         return
     obj: dict[str, Any] = {"time": _iso_utc(time.time()), "level": "info", "event": "summary"}
     obj.update((k, report_data[k]) for k in SUMMARY_FIELDS if k in report_data)
+    obj.setdefault("run_id", None)  # a backfill's summary: its days' ids are in its partitions
     click.echo(json_line(obj))
 
 
@@ -588,6 +705,7 @@ def emit_error(message: str, exit_code: int, fmt: str, terminal: Terminal | None
             "event": "error",
             "message": str(message),
             "exit_code": exit_code,
+            "run_id": current_run_id(),
         }
         click.echo(json_line(obj), err=True)
 
@@ -614,8 +732,14 @@ class Console:
         """Callbacks for one run: shard lines, and the bar on a terminal."""
         return RunProgress(self)
 
-    def summary(self, report_data: Mapping[str, Any], text: str) -> None:
-        """See :func:`emit_summary`."""
+    def summary(self, report_data: Mapping[str, Any], text: str, problem: str = "") -> None:
+        """See :func:`emit_summary`. Quiet (-q: errors only) prints no summary: a run that did
+        not exit 0 gets one error line instead, ``problem`` (what went wrong, in a line)."""
+        if self.verbosity < 0:
+            code = int(report_data.get("exit_code") or 0)
+            if code:
+                self.error(problem or str(report_data.get("status", "failed")), code)
+            return
         emit_summary(report_data, self.fmt, text)
 
     def error(self, message: str, exit_code: int) -> None:

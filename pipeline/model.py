@@ -231,7 +231,9 @@ def read_bundle(
     toml_loc = root.child("model.toml")
     try:
         raw = storage.read_bytes(toml_loc)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError) as e:
+        if isinstance(e, NotADirectoryError) or storage.is_file(root):
+            raise _file_not_bundle(uri, options) from None
         raise ModelError(
             f"model bundle {uri} has no model.toml (a bundle is a directory holding model.toml "
             "and one weights file)"
@@ -244,6 +246,15 @@ def read_bundle(
         raise ModelError(f"model bundle {uri}: weights file {spec.file!r} does not exist") from None
     sha = hashlib.sha256(raw + weights).hexdigest()
     return spec, weights, sha
+
+
+def _file_not_bundle(uri: str, options: Mapping[str, Any] | None) -> ConfigError:
+    """``--model`` names a file (the weights, model.toml) where the bundle folder is expected."""
+    parent = uri.rstrip("/").rpartition("/")[0]
+    hint = "give the folder holding model.toml and the weights file"
+    if parent and storage.exists(storage.locate(parent, options).child("model.toml")):
+        hint = f"give its folder, the bundle: --model {parent}"
+    return ConfigError(f"model = {uri!r} is a file, not a model bundle folder; {hint}")
 
 
 def _looks_like_pickle(weights: bytes) -> bool:

@@ -43,6 +43,8 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     opts = config.storage
     out_root = storage.locate(config.output_uri("plan"), opts)
     shards = storage.list_shards(config.input_uri(), opts)
+    # What a run would refuse before writing (a missing bucket, an output under a file).
+    storage.check_write_target(out_root, "output", create_bucket=config.create_output_bucket)
     device = resolve_device(config.device)
     spec, _, sha = read_bundle(config.model, opts)
     found = inspect_shards(config, shards, spec, sha, device, opts)

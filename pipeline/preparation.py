@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import difflib
 import logging
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -165,19 +167,73 @@ def inspect_shards(
     return Inspection(infos, failed, schema_problems, width, model)
 
 
+MAX_NAMED_SHARDS = 3  # shards named in a grouped schema problem before "and N more"
+_MISSING = re.compile(r"column '(?P<col>[^']+)' is missing$")
+
+
+def schema_problem_lines(
+    shards: list[ShardRef], problems: Mapping[str, list[str]], infos: Mapping[str, ShardInfo]
+) -> list[str]:
+    """Schema problems, each said once however many shards share it: "id column 'item_id' is
+    missing in 300 of 300 shards (part-00000.parquet, ... and 297 more)". A missing column
+    also names the columns the first such shard does have (and the closest one, if any)."""
+    uris = {s.rel_path: s.uri for s in shards}
+    grouped: dict[str, list[str]] = {}
+    for rel, probs in problems.items():
+        for p in probs:
+            grouped.setdefault(p.removeprefix(f"shard {uris[rel]}: "), []).append(rel)
+    lines = []
+    for text, rels in grouped.items():
+        named = ", ".join(rels[:MAX_NAMED_SHARDS])
+        more = f" and {len(rels) - MAX_NAMED_SHARDS} more" if len(rels) > MAX_NAMED_SHARDS else ""
+        where = (
+            f"{uris[rels[0]]}"
+            if len(shards) == 1
+            else (f"{len(rels)} of {len(shards)} shards ({named}{more})")
+        )
+        line = f"{text} in {where}"
+        m = _MISSING.search(text)
+        if m and rels[0] in infos:
+            names = infos[rels[0]].schema.names
+            close = _closest(m.group("col"), names)
+            line += f"; the columns there: {', '.join(names)}"
+            line += f" (did you mean {close[0]!r}?)" if close else ""
+        lines.append(line)
+    return lines
+
+
+def _closest(column: str, names: list[str]) -> list[str]:
+    """The name most like ``column`` (a typo, or one containing the other: id / item_id)."""
+    found = difflib.get_close_matches(column, names, n=1)
+    low = column.lower()
+    return found or [n for n in names if len(n) > 1 and (n.lower() in low or low in n.lower())][:1]
+
+
 def apply_schema_policy(
     config: JobConfig, shards: list[ShardRef], found: Inspection
 ) -> dict[str, ShardResult]:
-    """Unreadable and schema-failed shards by path; raises if a schema problem fails the run."""
+    """Unreadable and schema-failed shards by path; raises if a schema problem fails the run.
+
+    Each problem is said once however many shards it affects (:func:`schema_problem_lines`):
+    in the error, or, with ``on_schema_error = "skip_shard"``, in one warning.
+    """
     spec = found.model.spec
     problems = found.schema_problems
+    lines = schema_problem_lines(shards, problems, found.infos)
+    what = (
+        f"{len(problems)} of {len(shards)} shards do not fit model "
+        f"{spec.name} v{spec.version} ({spec.describe_inputs()})"
+    )
     if problems and config.errors.on_schema_error == "fail":
-        lines = [p for probs in problems.values() for p in probs]
         raise SchemaError(
-            f"{len(problems)} of {len(shards)} shards do not fit model "
-            f"{spec.name} v{spec.version} ({spec.describe_inputs()}); nothing was scored. "
-            "Fix the input, or set errors.on_schema_error = 'skip_shard' to score the rest:\n"
-            + "\n".join(f"  - {p}" for p in lines)
+            f"{what}; nothing was scored. Fix the input, or set errors.on_schema_error = "
+            "'skip_shard' to score the rest:\n" + "\n".join(f"  - {p}" for p in lines)
+        )
+    if problems:
+        logger.warning(
+            "%s; they are skipped (errors.on_schema_error = 'skip_shard'):\n%s",
+            what,
+            "\n".join(f"  - {p}" for p in lines),
         )
     uris = {s.rel_path: s.uri for s in shards}
     failed = dict(found.failed)

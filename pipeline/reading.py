@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from pipeline import storage
 from pipeline.errors import ShardError
 from pipeline.model import BundleSpec
+from pipeline.stats import LossyCast
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,59 @@ def _list_features(rb: pa.RecordBatch, column: str, width: int) -> Features:
         else:
             reasons.append(f"NaN, null or infinite value in {column}")
     return Features(np.ascontiguousarray(x), valid, reasons)
+
+
+# --------------------------------------------------------------------------------------------
+# Casts to float32 that change values
+
+#: Every integer up to this magnitude is exactly a float32 (a 24-bit significand); above it,
+#: float32 holds only every 2nd, 4th, ... integer.
+FLOAT32_EXACT_INT = 2**24
+
+
+def _may_lose(t: pa.DataType) -> bool:
+    """Integers wider than 24 bits and doubles may hold values float32 cannot."""
+    return bool((pa.types.is_integer(t) and t.bit_width > 24) or pa.types.is_float64(t))
+
+
+def lossy_cast(arr: pa.Array) -> LossyCast | None:
+    """How casting ``arr`` (a numeric column, or a list column's values) to float32 changes a
+    value, or None when it changes none. Vectorised: a min/max test first for integers (the
+    common case, all within 2**24, costs one pass); nulls are ignored."""
+    t = arr.type
+    if not _may_lose(t) or len(arr) == arr.null_count:
+        return None
+    if pa.types.is_integer(t):
+        bounds = pc.min_max(arr)
+        low, high = bounds["min"].as_py(), bounds["max"].as_py()
+        if max(abs(low), abs(high)) <= FLOAT32_EXACT_INT:
+            return None
+    x = pc.drop_null(arr).to_numpy(zero_copy_only=False)
+    with np.errstate(over="ignore"):  # beyond float32's range is a change like any other
+        y = x.astype(np.float32)
+    changed = y.astype(np.float64) != x.astype(np.float64)
+    if pa.types.is_floating(t):
+        changed &= ~np.isnan(x)
+    if not changed.any():
+        return None
+    i = int(np.flatnonzero(changed)[0])
+    return LossyCast(str(t), float(x[i]), float(y[i]))
+
+
+def lossy_casts(rb: pa.RecordBatch, spec: BundleSpec, skip: Any = ()) -> dict[str, LossyCast]:
+    """The feature columns of ``rb`` (not in ``skip``) whose cast to float32 changes a value."""
+    found: dict[str, LossyCast] = {}
+    for name in spec.input_columns:
+        if name in skip:
+            continue
+        arr = rb.column(name)
+        t = arr.type
+        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+            arr = arr.flatten()
+        change = lossy_cast(arr)
+        if change is not None:
+            found[name] = change
+    return found
 
 
 def to_features(rb: pa.RecordBatch, spec: BundleSpec, width: int) -> Features:

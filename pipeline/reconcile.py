@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline import storage
-from pipeline.errors import ConfigError, ShardError, StorageError
+from pipeline.errors import ConfigError, ShardError
 from pipeline.reading import read_footer
 from pipeline.statuses import FailureKind, ShardStatus
 from pipeline.storage import Location
@@ -184,10 +184,7 @@ def check_rejects_location(
     """
     blocker = storage.file_in_the_way(rej_root)
     if blocker is not None:
-        raise StorageError(
-            f"rejects {rej_root.uri} is a file or lies under one ({blocker}), not a folder: "
-            "nothing was written. Point rejects at a folder (it is created if absent)."
-        )
+        raise storage.not_a_folder("rejects", rej_root, blocker)
     names = visible_files(rej_root)
     if rel_paths is not None:
         names = sorted(set(names) & set(rel_paths))

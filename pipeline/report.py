@@ -55,16 +55,30 @@ class RunReport:
 
     @property
     def exit_code(self) -> int:
-        """0, 1 (failed), 4 (drift), or 143/130 when interrupted by SIGTERM/SIGINT."""
-        if self.status == RunStatus.INTERRUPTED:
-            return exit_code_of(list(self.data.get("failure_reasons") or []))
-        if self.status == RunStatus.FAILED:
-            return EXIT_RUN_FAILED
-        drift = self.data.get("drift") or {}
-        return EXIT_DRIFT if drift.get("alert") else EXIT_OK
+        """The exit code of the run's status (:func:`exit_code_for`): one rule, the README's."""
+        return exit_code_for(self.status, self.data.get("failure_reasons") or [])
 
     def __getitem__(self, key: str) -> Any:
         return self.data[key]
+
+
+#: The exit code of each run status (the README's "Exit codes" table). An interrupted run's
+#: code depends on its signal (:func:`pipeline.interrupt.exit_code_of`).
+EXIT_CODE_BY_STATUS: dict[str, int] = {
+    RunStatus.SUCCEEDED: EXIT_OK,
+    RunStatus.SUCCEEDED_WITH_ERRORS: EXIT_OK,
+    RunStatus.SUCCEEDED_WITH_WARNINGS: EXIT_DRIFT,
+    RunStatus.FAILED: EXIT_RUN_FAILED,
+}
+
+
+def exit_code_for(status: str, failure_reasons: Iterable[str] = ()) -> int:
+    """The exit code of a run that ended with ``status``: a function of the status alone, so
+    that what cron sees and what ``_report.json`` says never disagree (an interrupted run's
+    reasons name its signal: 143 for SIGTERM, 130 for SIGINT)."""
+    if status == RunStatus.INTERRUPTED:
+        return exit_code_of(list(failure_reasons))
+    return EXIT_CODE_BY_STATUS[status]
 
 
 def versions() -> dict[str, str]:
@@ -240,6 +254,42 @@ def _problems(facts: RunFacts, shards: list[ShardResult]) -> tuple[list[dict[str
     return errors, warnings
 
 
+def lossy_cast_entries(shards: Iterable[ShardResult]) -> list[dict[str, Any]]:
+    """The ``lossy_casts`` of the report: per feature column (and source type), in how many
+    shards casting it to float32 changed a value, with the first example; each logged once."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in shards:
+        for column, cast in r.stats.lossy_casts.items():
+            entry = found.setdefault(
+                (column, cast.from_type),
+                {
+                    "column": column,
+                    "from_type": cast.from_type,
+                    "shards": 0,
+                    "example": {
+                        "shard": r.rel_path,
+                        "value": cast.value,
+                        "as_float32": cast.as_float32,
+                    },
+                },
+            )
+            entry["shards"] += 1
+    for e in found.values():
+        x = e["example"]
+        logger.warning(
+            "feature %s: %s values change when cast to float32 for the model, in %d shard(s) "
+            "(e.g. %r -> %r in %s); scale or convert the column upstream if that matters",
+            e["column"],
+            e["from_type"],
+            e["shards"],
+            x["value"],
+            x["as_float32"],
+            x["shard"],
+            extra={"event": "lossy_cast"},
+        )
+    return list(found.values())
+
+
 def _counts(shards: list[ShardResult]) -> dict[str, Any]:
     """Row and shard totals; rows of failed shards count in ``rows_in`` only."""
     readable = [r for r in shards if r.rows_in is not None and r.status != ShardStatus.FAILED]
@@ -344,6 +394,7 @@ def build_report(
         "drift": None,
         "errors": errors,
         "warnings": warnings,
+        "lossy_casts": lossy_cast_entries(scored),
         # Filled in by the run's finish phase (pipeline.reconcile), which knows what it removed.
         "removed_outputs": [],
         "foreign_removed": [],
@@ -384,11 +435,72 @@ def _fmt_int(n: int | None) -> str:
     return "-" if n is None else f"{n:,}"
 
 
+#: Failure kinds of shards that were never scored because the run stopped: counted, not listed.
+NOT_SCORED_KINDS = frozenset({FailureKind.INTERRUPTED, FailureKind.CANCELLED})
+MAX_LISTED = 10  # failed shards, removals and warnings shown before "... N more"
+
+
+def why_lines(d: Mapping[str, Any], *, max_listed: int = MAX_LISTED) -> list[str]:
+    """Why a run did not simply succeed, for the top of its summary: the failure reasons, the
+    failed shards with their kind and message (shards never scored because the run stopped are
+    counted by kind, not listed) and the other errors (accounting). Empty for a clean run."""
+    lines = [f"  reason    {r}" for r in d.get("failure_reasons") or []]
+    errors = list(d.get("errors") or [])
+    listed = _grouped_errors(d, [e for e in errors if e.get("kind") not in NOT_SCORED_KINDS])
+    for i, text in enumerate(listed[:max_listed]):
+        head = "  failed   " if i == 0 else "           "
+        lines.append(f"{head} {text}")
+    if len(listed) > max_listed:
+        lines.append(f"            ... {len(listed) - max_listed} more in {REPORT_NAME}")
+    for kind in (FailureKind.INTERRUPTED, FailureKind.CANCELLED):
+        n = sum(1 for e in errors if e.get("kind") == kind)
+        if n:
+            lines.append(
+                f"  {kind:<9} {n} shard{'s' if n != 1 else ''} not scored"
+                + (" (a rerun resumes them)" if kind == FailureKind.INTERRUPTED else "")
+            )
+    return lines
+
+
+def problem_line(d: Mapping[str, Any]) -> str:
+    """A run that did not succeed cleanly, in one line (what ``-q`` prints instead of the
+    summary): its status, why, and where its report is."""
+    why = list(d.get("failure_reasons") or []) or list(d.get("warnings") or [])
+    text = f"run {d.get('run_id')} {d.get('status')}"
+    if why:
+        text += ": " + "; ".join(why[:3]) + (f" (and {len(why) - 3} more)" if len(why) > 3 else "")
+    return f"{text} (report: {d.get('output')}/{REPORT_NAME})"
+
+
+def _grouped_errors(d: Mapping[str, Any], errors: list[dict[str, Any]]) -> list[str]:
+    """``[kind] message`` per error; shards failing with the same message (once its shard is
+    taken out) are one line naming a few of them, not one line each."""
+    rel = {s.get("input"): s.get("rel_path") for s in d.get("shards") or []}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for e in errors:
+        shard, message = str(e.get("shard")), str(e.get("message"))
+        general = message.replace(f"shard {shard}: ", "").replace(shard, "<shard>")
+        groups.setdefault((str(e.get("kind")), general), []).append(e)
+    out = []
+    for (kind, general), group in groups.items():
+        if len(group) == 1:
+            out.append(f"[{kind}] {group[0].get('message')}")
+            continue
+        names = [str(rel.get(e.get("shard")) or e.get("shard")) for e in group]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        out.append(f"[{kind}] {len(group)} shards ({', '.join(names[:3])}{more}): {general}")
+    return out
+
+
 def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
-    """A short human summary of the run for the terminal (and cron's mail)."""
+    """A short human summary of the run for the terminal (and cron's mail).
+
+    For a run that failed, was interrupted or lost shards or rows within its budget, why comes
+    first (:func:`why_lines`), right under the status line: cron's mail is read from the top.
+    """
     d = report.data
-    lines = [
-        f"score-catalog run {d['run_id']}: {d['status'].upper()}",
+    lines = [f"score-catalog run {d['run_id']}: {str(d['status']).upper()}", *why_lines(d)]
+    lines += [
         f"  job       {d['job']}",
         f"  model     {d['model']['name']} v{d['model']['version']} ({d['model']['sha256'][:12]}) "
         f"on {d['device']}, batch {d['batch_size']}",
@@ -409,53 +521,75 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
         lines.append(
             f"  batch ms  p50 {lat['p50']:.2f}  p95 {lat['p95']:.2f}  p99 {lat['p99']:.2f}"
         )
-    shards = d["shards"]
-    if shards:
-        lines.append("")
-        w = max(len("shard"), *(len(s["rel_path"]) for s in shards[:max_shards]))
-        lines.append(
-            f"  {'shard':<{w}}  {'status':<8} {'rows in':>10} {'scored':>10} "
-            f"{'rejected':>9} {'rows/s':>11}"
-        )
-        for s in shards[:max_shards]:
-            rate = f"{s['rows_per_s']:,.0f}" if s["status"] == "scored" else "-"
-            lines.append(
-                f"  {s['rel_path']:<{w}}  {s['status']:<8} {_fmt_int(s['rows_in']):>10} "
-                f"{_fmt_int(s['rows_out']):>10} {_fmt_int(s['rows_rejected']):>9} {rate:>11}"
-            )
-        if len(shards) > max_shards:
-            lines.append(f"  ... {len(shards) - max_shards} more shards in _report.json")
+    lines += _shard_lines(d["shards"], max_shards)
     for warning in d.get("warnings", []):
         lines.append(f"  WARNING {warning}")
     removed = d.get("removed_outputs", [])
-    for r in removed[:10]:
+    for r in removed[:MAX_LISTED]:
         lines.append(f"  REMOVED {r['output']}: {r['reason']}")
-    if len(removed) > 10:
-        lines.append(f"  ... {len(removed) - 10} more removals in _report.json")
-    for err in d["errors"][:10]:
-        lines.append(f"  ERROR [{err['kind']}] {err['message']}")
-    if len(d["errors"]) > 10:
-        lines.append(f"  ... {len(d['errors']) - 10} more errors in _report.json")
+    if len(removed) > MAX_LISTED:
+        lines.append(f"  ... {len(removed) - MAX_LISTED} more removals in {REPORT_NAME}")
     return "\n".join(lines)
+
+
+def _shard_lines(shards: list[dict[str, Any]], max_shards: int) -> list[str]:
+    """The per-shard table (the first ``max_shards`` shards)."""
+    if not shards:
+        return []
+    w = max(len("shard"), *(len(s["rel_path"]) for s in shards[:max_shards]))
+    lines = [
+        "",
+        f"  {'shard':<{w}}  {'status':<8} {'rows in':>10} {'scored':>10} "
+        f"{'rejected':>9} {'rows/s':>11}",
+    ]
+    for s in shards[:max_shards]:
+        rate = f"{s['rows_per_s']:,.0f}" if s["status"] == "scored" else "-"
+        lines.append(
+            f"  {s['rel_path']:<{w}}  {s['status']:<8} {_fmt_int(s['rows_in']):>10} "
+            f"{_fmt_int(s['rows_out']):>10} {_fmt_int(s['rows_rejected']):>9} {rate:>11}"
+        )
+    if len(shards) > max_shards:
+        lines.append(f"  ... {len(shards) - max_shards} more shards in {REPORT_NAME}")
+    return lines
 
 
 def load_report(uri: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``_report.json`` of a run: ``uri`` is its output root, its control folder or the
-    report file itself."""
-    from pipeline import layout, storage
-    from pipeline.errors import InputError
+    report file itself.
 
-    loc = storage.locate(uri, options)
-    if not loc.path.endswith(".json"):
-        # The output's control folder (pipeline.layout), the output itself (older layout), or
-        # the control folder given directly.
-        loc = layout.find(loc, REPORT_NAME) or loc.child(REPORT_NAME)
-    data = storage.read_json(loc)
+    Nothing there, or something that is not a run report, is a :class:`UsageError` (exit 2)
+    saying what to give instead.
+    """
+    import json
+
+    from pipeline import layout, storage
+    from pipeline.errors import UsageError
+
+    given = storage.locate(uri, options)
+    hint = (
+        f"give a run's output root (its report is in <output's parent>/_score_catalog/"
+        f"<output's name>/{REPORT_NAME}, written when a run ends) or the report file"
+    )
+    where = ""
+    try:
+        loc = given
+        if not given.path.endswith(".json"):
+            # The output's control folder (pipeline.layout), the output itself (older layout),
+            # or the control folder given directly.
+            loc = layout.find(given, REPORT_NAME) or given.child(REPORT_NAME)
+        data = storage.read_json(loc)
+    except NotADirectoryError:
+        loc, data, where = given, None, "is a file, not a run's output folder"
+    except IsADirectoryError:
+        loc, data, where = given, None, "is a folder, not a report file"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{loc.uri} is not a run report (not JSON: {e}); {hint}") from e
+    if data is None:
+        if not where:
+            where = "does not exist" if not storage.exists(given) else f"has no {REPORT_NAME}"
+        raise UsageError(f"no run report at {given.uri}: it {where}; {hint}")
     if not isinstance(data, dict) or "run_id" not in data:
-        raise InputError(
-            f"{loc.uri}: no run report there; give a run's output root (its report is in "
-            f"<output's parent>/_score_catalog/<output's name>/{REPORT_NAME}) or the report file"
-        )
+        raise UsageError(f"{loc.uri} is not a run report (no run_id); {hint}")
     return data
 
 

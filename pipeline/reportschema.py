@@ -68,6 +68,23 @@ class ErrorEntry(TypedDict):
     message: str
 
 
+class LossyCastExample(TypedDict):
+    """Where a lossy cast was first seen: the shard, the value, what float32 made of it."""
+
+    shard: str  # relative path of the shard
+    value: float
+    as_float32: float | None  # None when the value overflowed float32 (infinite: not JSON)
+
+
+class LossyCastEntry(TypedDict):
+    """One entry of ``lossy_casts``: a feature column whose values changed as float32."""
+
+    column: str
+    from_type: str  # its Arrow type in those shards, e.g. "int64"
+    shards: int  # shards of this run in which a value changed
+    example: LossyCastExample
+
+
 class ShardEntry(TypedDict):
     """One entry of ``shards``, in input order."""
 
@@ -363,6 +380,7 @@ class ReportData(TypedDict):
     drift: DriftComparison | DriftNote | None  # None when [monitoring] drift is off or failed
     errors: list[ErrorEntry]
     warnings: list[str]
+    lossy_casts: list[LossyCastEntry]  # feature columns that lost precision as float32
     removed_outputs: list[RemovedOutput]  # taken out of the dataset by this run (reconcile)
     foreign_removed: list[str]  # files this tool did not write, deleted (on_foreign_output)
     foreign_kept: list[str]  # visible files this tool did not write, left alone
@@ -374,6 +392,8 @@ SCHEMA_OBJECTS: dict[str, type] = {
     "#": ReportData,
     "#/$defs/shard": ShardEntry,
     "#/$defs/error": ErrorEntry,
+    "#/$defs/lossy_cast": LossyCastEntry,
+    "#/$defs/lossy_cast_example": LossyCastExample,
     "#/$defs/removed_output": RemovedOutput,
     "#/$defs/execution": Execution,
     "#/$defs/parity": ParityWithNote,

@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline import finish, layout, registry, runindex, storage
+from pipeline import finish, layout, logs, registry, runindex, storage
 from pipeline.cluster import DaskSession, Plan, thread_plan
 from pipeline.config import JobConfig
 from pipeline.execution import cancelled, execute, interrupted
@@ -71,6 +71,7 @@ OVERLAP_DEPTH = 2  # batches in flight on each side of the model: memory stays a
 
 OnShard = Callable[[ShardResult], None]
 OnStart = Callable[[int, int], None]
+OnRows = Callable[[str, int], None]
 
 
 class ScoringRun:
@@ -87,17 +88,21 @@ class ScoringRun:
         on_shard: OnShard | None = None,
         on_start: OnStart | None = None,
         stop: StopRequest | None = None,
+        run_id: str | None = None,
+        on_rows: OnRows | None = None,
     ) -> None:
         self.config = config
         self.on_shard = on_shard
         self.on_start = on_start
+        self.on_rows = on_rows
         # Never requested unless the caller routes signals to it (the CLI does).
         self.stop = stop if stop is not None else StopRequest(config.grace_period_s)
         # The failed report written for an unexpected error, for the metrics (see run()).
         self.failure_data: dict[str, Any] | None = None
         self.started_at = dt.datetime.now(dt.timezone.utc)
         self.t0 = time.perf_counter()
-        self.run_id = new_run_id()
+        self.run_id = run_id or new_run_id()
+        logs.bind_run_id(self.run_id)  # every log line from here on, workers' included
         opts = config.storage
         self.out_root = storage.locate(config.output_uri(self.run_id), opts)
         self.rej_root = storage.locate(config.rejects_uri(self.run_id), opts)
@@ -114,6 +119,7 @@ class ScoringRun:
         # Where the model comes from; a registry URI is resolved at the start of prepare().
         self.source = registry.ModelSource(uri=config.model, bundle=config.model)
         self.cleared: list[Removal] = []  # outputs taken away before scoring (clear_the_way)
+        self.buckets_to_create: list[storage.Location] = []
 
     # -- the phases --------------------------------------------------------------------------
 
@@ -150,6 +156,12 @@ class ScoringRun:
             input_uri, self.out_root, self.rej_root, options=opts, shards=self.shards
         )
         self._by_path = {s.rel_path: s for s in self.shards}
+        create = config.create_output_bucket
+        self.buckets_to_create = [
+            bucket
+            for loc, what in ((self.out_root, "output"), (self.rej_root, "rejects"))
+            if (bucket := storage.check_write_target(loc, what, create_bucket=create))
+        ]
         self.device = resolve_device(config.device)
         bundle, _, self.sha = read_bundle(config.model, opts)
         # Before any worker spec: each output file's footer carries the settings hash.
@@ -170,11 +182,17 @@ class ScoringRun:
             config, self.shards, self.failed, self.found, self.plan
         )
         self.spec = self._worker_spec(self.found.width, self.execution.batch_size)
+        if self.session is not None and self.plan.scheduler not in ("local", "threads"):
+            # An existing cluster must answer before the run takes the output: an unreachable
+            # scheduler fails here, with nothing written.
+            self.session.client()
 
     def lock(self) -> None:
         """Lock the output, clear what a crashed run left, and find what is already done."""
         # A folder holding files this tool did not write is refused before anything is written.
         opts = self.config.storage
+        for bucket in {b.uri: b for b in self.buckets_to_create}.values():
+            storage.create_bucket(bucket)
         check_output_owner(self.out_root, self.config.on_foreign_output, opts)
         shard_paths = [s.rel_path for s in self.shards]
         check_rejects_location(self.rej_root, self.out_root, opts, shard_paths)
@@ -237,6 +255,7 @@ class ScoringRun:
             task_rows=self.config.task_rows,
             resources=dict(self.config.resources) or None,
             stop=self.stop,
+            on_rows=self.on_rows,
         )
         with contextlib.closing(results):
             for task, result in results:
@@ -374,6 +393,8 @@ def run(
     on_shard: OnShard | None = None,
     on_start: OnStart | None = None,
     stop: StopRequest | None = None,
+    run_id: str | None = None,
+    on_rows: OnRows | None = None,
 ) -> RunReport:
     """Score every input shard of ``config`` and write outputs, manifest and ``_report.json``.
 
@@ -381,19 +402,24 @@ def run(
     :class:`~pipeline.errors.PipelineError` for problems found before scoring (configuration,
     input listing, schema, model), which leave the output untouched. Either way the metrics
     file and Pushgateway, when configured, get the outcome. ``on_start(rows, shards)`` is called
-    once scoring starts with what is left to score; ``on_shard`` after each shard.
+    once scoring starts with what is left to score; ``on_shard`` after each shard; and
+    ``on_rows(rel_path, rows)`` while a shard is scored, with its rows done so far (from the
+    workers, at most every half second each; a shard's last report comes before its
+    ``on_shard``, and never after it).
 
     Any other error after planning is raised too, after a failed ``_report.json`` (where the
     output is writable) and the metrics. ``stop``, once requested (the CLI routes SIGTERM and
     SIGINT to it), ends the run early with status ``interrupted`` (see
-    :mod:`pipeline.interrupt`).
+    :mod:`pipeline.interrupt`). ``run_id`` names the run (default: a new
+    :func:`~pipeline.preparation.new_run_id`); every log line of the run carries it.
     """
     started_at = dt.datetime.now(dt.timezone.utc)
     t0 = time.perf_counter()
     finish.check_metrics_file(config)
     scoring: ScoringRun | None = None
+    outer_run_id = logs.current_run_id()  # the caller's lines go back to it afterwards
     try:
-        scoring = ScoringRun(config, on_shard, on_start, stop)
+        scoring = ScoringRun(config, on_shard, on_start, stop, run_id, on_rows)
         report = scoring.execute()
     except BaseException as e:  # Aborted (a second signal) too: the metrics say how it ended
         summary = scoring.failure_data if scoring is not None else None
@@ -402,6 +428,8 @@ def run(
             duration = time.perf_counter() - t0
             summary = finish.failed_summary(config, started_at, duration, e, status)
         finish.publish_metrics(config, summary)
+        logs.bind_run_id(outer_run_id)
         raise
     finish.publish_metrics(config, report.data)
+    logs.bind_run_id(outer_run_id)
     return report

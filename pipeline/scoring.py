@@ -9,11 +9,12 @@ commit makes idempotent.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -84,6 +85,9 @@ class WorkerSpec:
     model_version: str = ""
     registry_uri: str = ""
     tracking_uri: str = ""
+    # Where workers report the rows of the shard they are scoring, as they go (RowProgress):
+    # a Dask event topic the driver subscribes to, or a listener in this process. Empty: none.
+    progress_topic: str = ""
 
     def fence(self) -> None:
         """Raise :class:`~pipeline.locking.LockLostError` unless this run still holds its lock
@@ -388,6 +392,7 @@ class _Shard:
         )
         self.ids = DuplicateIds()
         self.rows_in = 0
+        self.dataset: ShardBatches | None = None
 
     def batches(self) -> Iterator[Batch]:
         """The shard's batches, read ahead and moved to the model's device ahead of use."""
@@ -402,6 +407,7 @@ class _Shard:
             storage_options=spec.storage_options,
         )
         local = storage.locate(task.input_uri, spec.storage_options).is_local
+        self.dataset = dataset  # its lossy casts go into the result
         loader = make_loader(dataset, pin_memory=self.model.device.type == "cuda")
         batches = _guard_reads(iter(loader), task.input_uri, local)
         return to_device_ahead(read_ahead(batches, spec.overlap_depth), self.model.device)
@@ -487,6 +493,7 @@ class _Shard:
         """The scored shard's result, statistics included."""
         task, stats = self.task, self.stats
         stats.finish()
+        stats.lossy_casts = dict(self.dataset.lossy) if self.dataset is not None else {}
         return ShardResult(
             task.rel_path,
             task.input_uri,
@@ -505,8 +512,71 @@ class _Shard:
         )
 
 
+# --------------------------------------------------------------------------------------------
+# Progress by rows, from inside a shard
+
+#: A worker reports rows scored at most this often (per process and run), so that a progress
+#: bar moves inside a big shard while thousands of tiny batches cost no message each.
+PROGRESS_INTERVAL_S = 0.5
+
+# Listeners of a topic in this process (the sync and threads schedulers): topic -> (pid, call).
+# The pid: a worker process forked while a listener was registered must not call the driver's.
+_LISTENERS: dict[str, tuple[int, Callable[[str, int], None]]] = {}
+# When each topic was last reported from this process (monotonic seconds).
+_LAST_SENT: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def listen_locally(topic: str, on_rows: Callable[[str, int], None]) -> Iterator[None]:
+    """Deliver ``topic``'s reports made in this process to ``on_rows(rel_path, rows)`` while
+    the block runs (shards scored in this process: ``sync`` and ``threads``)."""
+    _LISTENERS[topic] = (os.getpid(), on_rows)
+    try:
+        yield
+    finally:
+        _LISTENERS.pop(topic, None)
+
+
+def _send_rows(topic: str, rel_path: str, rows: int) -> None:
+    """Report ``rows`` of ``rel_path`` scored so far: to a listener in this process, else as a
+    Dask event on the worker (:meth:`distributed.Worker.log_event`), which the driver's client
+    receives through ``subscribe_topic``. Best effort: progress never fails a shard."""
+    listener = _LISTENERS.get(topic)
+    if listener is not None and listener[0] == os.getpid():
+        listener[1](rel_path, rows)
+        return
+    try:
+        from distributed import get_worker
+
+        get_worker().log_event(topic, [rel_path, rows])
+    except (ImportError, ValueError):  # not in a Dask worker, or no listener: nobody asked
+        pass
+
+
+class RowProgress:
+    """Rows of one shard scored so far, reported at most every :data:`PROGRESS_INTERVAL_S`
+    (across the shards this process scores for the run: tiny shards send nothing; the
+    shard's result says it is done)."""
+
+    def __init__(self, topic: str, rel_path: str) -> None:
+        self.topic = topic
+        self.rel_path = rel_path
+        self.rows = 0
+
+    def add(self, rows: int) -> None:
+        self.rows += rows
+        if not self.topic:
+            return
+        now = time.monotonic()
+        last = _LAST_SENT.setdefault(self.topic, now)
+        if now - last >= PROGRESS_INTERVAL_S:
+            _LAST_SENT[self.topic] = now
+            _send_rows(self.topic, self.rel_path, self.rows)
+
+
 def _score(spec: WorkerSpec, task: ShardTask, t0: float) -> ShardResult:
     shard = _Shard(spec, task)
+    progress = RowProgress(spec.progress_topic, task.rel_path)
     opts = spec.storage_options
     out_loc = storage.locate(task.output_uri, opts)
     rej_loc = storage.locate(task.rejects_uri, opts)
@@ -523,6 +593,7 @@ def _score(spec: WorkerSpec, task: ShardTask, t0: float) -> ShardResult:
         for batch in shard.batches():
             checkpoint("batch-read")
             shard.score_batch(batch, sink)
+            progress.add(batch.num_rows)
         shard.check_complete()
         sink.commit()
     return shard.result(sink.rows_rejected, time.perf_counter() - t0)

@@ -32,6 +32,15 @@ LATENCY_SAMPLES = 10_000  # per shard
 MAX_REASONS = 50  # distinct reject reasons kept per shard; the rest are counted as "other"
 
 
+@dataclass(frozen=True)
+class LossyCast:
+    """A feature column whose values change when cast to float32 for the model."""
+
+    from_type: str  # the column's Arrow type in the shard, e.g. "int64"
+    value: float  # the first value in the shard that changed ...
+    as_float32: float  # ... and what the model saw instead
+
+
 @dataclass
 class ColumnStats:
     """One numeric output column of one shard: exact count, sum, min, max, and a sample.
@@ -120,6 +129,8 @@ class ShardStats:
     # False for a shard skipped by a run whose manifest entry holds no score statistics (it was
     # written before they were kept): the report's outputs then miss that shard's rows.
     summarised: bool = True
+    # Feature columns whose cast to float32 changed a value (reading.lossy_cast), by name.
+    lossy_casts: dict[str, LossyCast] = field(default_factory=dict)
 
     @classmethod
     def for_outputs(cls, names: Sequence[str], num_rows: int) -> ShardStats:

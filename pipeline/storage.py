@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import functools
+import inspect
 import io
 import json
 import logging
@@ -212,6 +214,8 @@ def with_retries(
             return fn()
         except Exception as e:
             if not is_transient(e):
+                if is_missing_credentials(e):
+                    raise credentials_error(what, e) from e
                 raise
             elapsed = time.monotonic() - start
             delay = min(base_delay * 2 ** (attempt - 1), _MAX_DELAY_S)
@@ -890,13 +894,6 @@ def _is_own_entry(name: str, own: frozenset[str]) -> bool:
     return name.startswith(".") and TMP_MARK in name
 
 
-def _not_a_folder(root: Location) -> StorageError:
-    return StorageError(
-        f"output {root.uri} is a file (or lies under one), not a folder: nothing was written. "
-        "Point output at a folder (it is created if absent)."
-    )
-
-
 def classify_output(
     root: Location, is_ours: Callable[[Location], bool] | None = None
 ) -> OutputState:
@@ -914,9 +911,9 @@ def classify_output(
     except FileNotFoundError:
         return OutputState("absent")
     except NotADirectoryError as e:
-        raise _not_a_folder(root) from e
+        raise not_a_folder("output", root, root.path) from e
     if not entries and root.is_local and os.path.isfile(root.path):
-        raise _not_a_folder(root)
+        raise not_a_folder("output", root, root.path)
     if not entries:
         return OutputState("absent" if not exists(root) else "empty")
     own = _own_names()
@@ -934,3 +931,178 @@ def classify_output(
     if not foreign:
         return OutputState("ours")
     return OutputState("foreign", tuple(foreign[:_MAX_FOREIGN]), len(foreign))
+
+
+# --------------------------------------------------------------------------- before a run writes
+
+
+def is_missing_credentials(e: BaseException) -> bool:
+    """Whether ``e`` says the object store client found no usable credentials (botocore's
+    ``NoCredentialsError`` and ``PartialCredentialsError``, google-auth's
+    ``DefaultCredentialsError``, ...)."""
+    return is_backend_failure(e) and any("Credential" in c.__name__ for c in type(e).__mro__)
+
+
+_CREDENTIAL_HINTS = {
+    "s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS",
+    "abfs": "AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME and _KEY",
+}
+
+
+def credentials_error(what: str, e: BaseException) -> ConfigError:
+    """The message for an object store that found no credentials: what, where, how to fix it."""
+    proto = next((p for p in _CREDENTIAL_HINTS if f"{p}://" in what), "s3")
+    return ConfigError(
+        f"{what}: no credentials for {proto}:// storage ({type(e).__name__}: {e}). Set them in "
+        f"the environment ({_CREDENTIAL_HINTS[proto]}) or in the job's [storage] table "
+        "(key and secret; or --storage-option key=... --storage-option secret=...)"
+    )
+
+
+# Options every fsspec filesystem takes besides its constructor's own (the instance and
+# listings caches of AbstractFileSystem), and this module's retry bound.
+_COMMON_OPTIONS = frozenset(
+    {
+        RETRY_DEADLINE_OPTION,
+        "skip_instance_cache",
+        "use_listings_cache",
+        "listings_expiry_time",
+        "max_paths",
+    }
+)
+
+
+@functools.cache
+def filesystem_options(protocol: str) -> frozenset[str] | None:
+    """The option names the filesystem of ``protocol`` takes: the named parameters of its
+    constructors (``S3FileSystem(endpoint_url=..., key=...)``). None when its class cannot be
+    loaded here (its package is missing: :func:`locate` says so) or is unknown."""
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError):
+        return None
+    names = set(_COMMON_OPTIONS)
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    for c in cls.__mro__:
+        init = c.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters
+        except (TypeError, ValueError):  # pragma: no cover - a C constructor
+            continue
+        names.update(n for n, p in params.items() if p.kind in kinds and n != "self")
+    return frozenset(names)
+
+
+def unknown_options(uris: Iterable[str], options: Mapping[str, Any]) -> list[str]:
+    """Problems naming each key of ``options`` that no object store among ``uris`` takes.
+
+    The same options go to every location of a job, so a key is fine when one of its object
+    stores takes it. A job on local paths only is not checked: fsspec's local filesystem
+    ignores options it does not know, where an object store's client raises a ``TypeError``
+    deep in its first request.
+    """
+    protocols = set()
+    for uri in uris:
+        if "::" in uri:
+            return []  # a chained URL: options go to the chain's layers, not checked here
+        proto = fsspec.utils.get_protocol(uri)
+        if proto not in ("file", "local"):
+            protocols.add(proto)
+    known: set[str] = set()
+    for proto in protocols:
+        names = filesystem_options(proto)
+        if names is None:
+            return []
+        known |= names
+    bad = sorted(key for key in options if key not in known)
+    if not protocols or not bad:
+        return []
+    import difflib
+
+    where = ", ".join(f"{p}://" for p in sorted(protocols))
+    guesses = [
+        f"{key!r} -> {close[0]!r}"
+        for key in bad
+        if (close := difflib.get_close_matches(key, sorted(known), n=1))
+    ]
+    named = ", ".join(repr(k) for k in bad)
+    return [
+        f"storage option{'s' if len(bad) > 1 else ''} {named} "
+        f"{'are not options' if len(bad) > 1 else 'is not an option'} of {where} storage"
+        + (f" (did you mean {', '.join(guesses)}?)" if guesses else "")
+        + f"; known: {', '.join(sorted(known))}"
+    ]
+
+
+def bucket_of(loc: Location) -> Location | None:
+    """The bucket (or container) holding ``loc`` on an object store; None elsewhere."""
+    split = getattr(loc.fs, "split_path", None)
+    if loc.is_local or split is None:
+        return None
+    try:
+        bucket = str(split(loc.path)[0])
+    except (TypeError, ValueError):  # pragma: no cover - an unusual path
+        return None
+    if not bucket:
+        return None
+    proto = loc.uri.split("://", 1)[0] if "://" in loc.uri else "s3"
+    return Location(loc.fs, bucket, f"{proto}://{bucket}", loc.retry_deadline_s)
+
+
+def not_a_folder(what: str, loc: Location, blocker: str) -> StorageError:
+    """The error for a ``what`` (output, rejects) location that a file keeps from being a folder."""
+    return StorageError(
+        f"{what} {loc.uri} is a file or lies under one ({blocker}), not a folder: nothing was "
+        f"written. Point {what} at a folder (it is created if absent)."
+    )
+
+
+def check_write_target(loc: Location, what: str, *, create_bucket: bool) -> Location | None:
+    """Refuse, before anything is written, a ``what`` (``output``, ``rejects``) location that
+    cannot hold a folder: a local path that is a file or lies under one, or an object-store
+    path whose bucket does not exist (unless ``create_bucket``: then that bucket is returned,
+    for the caller to create with :func:`create_bucket` once it writes)."""
+    if loc.is_local:
+        blocker = file_in_the_way(loc)
+        if blocker is not None:
+            raise not_a_folder(what, loc, blocker)
+        return None
+    bucket = bucket_of(loc)
+    if bucket is None or _bucket_exists(bucket):
+        return None
+    if create_bucket:
+        return bucket
+    raise ConfigError(
+        f"{what} {loc.uri}: bucket {bucket.path!r} does not exist at {bucket.uri}. Check the "
+        "name (and the endpoint in [storage]), create the bucket, or set "
+        "create_output_bucket = true (--create-output-bucket) to let the run create it"
+    )
+
+
+def _bucket_exists(bucket: Location) -> bool:
+    """Whether ``bucket`` exists. Through ``info``, not ``exists``: s3fs's ``exists`` answers
+    False for a store it cannot even ask (no credentials), which would blame the bucket. A
+    store that refuses to say (no permission to look) is taken at its word later, when writing.
+    """
+    try:
+        _retry(bucket, lambda: bucket.fs.info(bucket.path), "checking bucket")
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def create_bucket(bucket: Location) -> None:
+    """Create ``bucket`` (see :func:`check_write_target`); one that exists by now is fine."""
+    logger.info("creating bucket %s (create_output_bucket = true)", bucket.uri)
+    with contextlib.suppress(FileExistsError):
+        _retry(bucket, lambda: bucket.fs.mkdir(bucket.path, create_parents=True), "creating")
+
+
+def is_file(loc: Location) -> bool:
+    """Whether ``loc`` is a file (an object), not a folder or nothing."""
+    return bool(_retry(loc, lambda: loc.fs.isfile(loc.path), "checking"))

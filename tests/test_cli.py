@@ -147,3 +147,71 @@ def test_json_log_format_for_a_config_error(tmp_path: Path) -> None:
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("{"), res.output
     assert '"event":"error"' in lines[0] and '"exit_code":2' in lines[0]
+
+
+# ---------------------------------------------------------------- issue 13: help and flags
+
+
+@pytest.mark.parametrize(
+    ("command", "says", "not_says"),
+    [
+        ("run", ["4 scored and committed", "143 or 130"], []),
+        ("plan", ["0 every shard would be scored", "3 a shard would fail"], ["143", "drifted"]),
+        ("report", ["no run report at RUN_URI"], ["143", "drifted", "error budget"]),
+        ("demo", ["0 the catalog (and bundle) were written"], ["143", "drifted"]),
+        ("backfill", ["the worst of the days'", "4 a day's scores drifted"], ["error budget"]),
+    ],
+)
+def test_each_command_lists_its_own_exit_codes(
+    command: str, says: list[str], not_says: list[str]
+) -> None:
+    res = invoke(command, "--help")
+    assert res.exit_code == 0
+    text = re.sub(r"\s+", " ", res.output)
+    assert "Exit codes:" in text
+    for words in says:
+        assert words in text, (command, words)
+    for words in not_says:
+        assert words not in text, (command, words)
+
+
+def test_backfill_help_shows_only_the_flags_it_uses() -> None:
+    text = invoke("backfill", "--help").output
+    assert "--date" not in text  # each day sets its own
+    assert "--from YYYY-MM-DD" in text and "--to YYYY-MM-DD" in text
+    assert "%Y" not in text
+    res = invoke(
+        "backfill", "job.toml", "--from", "2025-01-01", "--to", "2025-01-02", "--date", "x"
+    )
+    assert res.exit_code == EXIT_USAGE and "No such option '--date'" in res.output
+
+
+def test_passthrough_takes_a_comma_list_like_the_environment(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('input = "i"\noutput = "o"\nmodel = "m"\n')
+    option = options_by_name()["passthrough"]
+    ctx = click.Context(run)
+    for given, expected in (
+        (("a,b",), ["a", "b"]),
+        (("a, b", "c"), ["a", "b", "c"]),
+        (("a",), ["a"]),
+        ((), None),
+    ):
+        assert option.process_value(ctx, given) == expected, given
+    from_env = config.build_config(job, env={"SCORE_CATALOG_PASSTHROUGH": "a,b"})
+    from_flag = config.build_config(
+        job, env={}, overrides=config.from_flags({"passthrough": ["a", "b"]})
+    )
+    assert from_env.passthrough == from_flag.passthrough == ("a", "b")
+    res = invoke("run", str(job), "--passthrough", "item_id,x")  # the list is checked as one
+    assert res.exit_code == EXIT_USAGE
+    assert "passthrough names the id column 'item_id'" in res.output
+
+
+def test_create_output_bucket_is_a_flag_and_a_job_key(tmp_path: Path) -> None:
+    s = config.setting("create_output_bucket")
+    assert s.default is False and s.flag == "--create-output-bucket"
+    assert "--create-output-bucket" in invoke("run", "--help").output
+    job = tmp_path / "job.toml"
+    job.write_text('input = "i"\noutput = "o"\nmodel = "m"\ncreate_output_bucket = true\n')
+    assert config.build_config(job, env={}).create_output_bucket is True

@@ -142,6 +142,7 @@ def full_report() -> dict[str, Any]:
         "errors": [{"shard": "/data/catalog/part-00003.parquet", "kind": "schema",
                     "message": "missing column f3"}],
         "warnings": ["drift: score: PSI 0.31 > 0.2 against run 20261128T222511Z-aaaaaa"],
+        "lossy_casts": [],
         "shards": shards,
         "removed_outputs": [{"output": "/data/scored/part-00009.parquet",
                              "reason": "its input shard no longer exists", "rejects": None}],

@@ -522,3 +522,73 @@ def test_console_without_a_tty_draws_no_bar(capsys: pytest.CaptureFixture[str]) 
     err = capsys.readouterr().err
     assert "INFO scored a.parquet" in err
     assert "\r" not in err and "\x1b" not in err
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 13: progress by rows, run_id on every line, tracebacks in one line
+
+
+def test_progress_moves_with_row_reports_and_counts_each_row_once() -> None:
+    stream = FakeTTY()
+    with logs.Progress(60_000, 2, enabled=True, terminal=logs.Terminal(stream)) as p:
+        p.rows("part-0.parquet", 4_096)
+        p.rows("part-0.parquet", 12_288)
+        assert (p.rows_done, p.shards_done) == (12_288, 0)
+        p.rows("part-0.parquet", 8_192)  # a retry starting over: nothing new
+        assert p.rows_done == 12_288
+        p.update(scored("part-0.parquet", rows_in=25_000))  # the rest of the shard
+        assert (p.rows_done, p.shards_done) == (25_000, 1)
+        p.rows("part-0.parquet", 20_480)  # late: the shard is counted already
+        assert p.rows_done == 25_000
+        p.update(scored("part-1.parquet", rows_in=35_000))
+        assert (p.rows_done, p.shards_done) == (60_000, 2)
+    text = stream.getvalue()
+    assert "12,288/60,000 rows  0/2 shards" in text  # drawn while no shard had finished
+    assert "60,000/60,000 rows  2/2 shards" in text
+
+
+def test_run_progress_passes_row_reports_to_the_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    console = logs.Console.setup("text", 0)
+    with console.progress() as progress:
+        progress.on_rows("a.parquet", 100)  # before the run started: nothing to move
+        progress.on_start(1_000, 1)
+        progress.on_rows("a.parquet", 500)
+        assert progress.bar is not None and progress.bar.rows_done == 500
+    assert "500/1,000 rows  0/1 shards" in tty.getvalue()
+
+
+def test_every_line_carries_the_bound_run_id(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.setup_logging("json", 0)
+    logs.bind_run_id(None)
+    try:
+        logging.getLogger("pipeline").info("before the run")
+        logs.bind_run_id("20261201T101010Z-abcdef")
+        logging.getLogger("pipeline").info("during it")
+        logging.getLogger("distributed.scheduler").warning("dask says")
+        logs.log_shard(scored())
+        logging.getLogger("pipeline").info("own id", extra={"run_id": "other"})
+        logs.emit_error("boom", 1, "json")
+    finally:
+        logs.bind_run_id(None)
+    recs = json_lines(capsys.readouterr().err)
+    rid = "20261201T101010Z-abcdef"
+    assert [r["run_id"] for r in recs] == [None, rid, rid, rid, "other", rid]
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_library_tracebacks_are_one_line_unless_very_verbose(
+    fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for verbosity, folded in ((0, True), (1, True), (2, False)):
+        logs.setup_logging(fmt, verbosity)
+        try:
+            raise OSError("Timed out trying to connect")
+        except OSError:
+            logging.getLogger("distributed.worker").exception("Failed to communicate")
+        err = capsys.readouterr().err
+        assert ("Traceback" not in err) == folded, err
+        if folded:
+            assert err.count("\n") == 1, err
+            assert "Failed to communicate (OSError: Timed out trying to connect)" in err

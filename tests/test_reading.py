@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -249,3 +250,56 @@ def test_duplicated_feature_column_is_reported_not_raised(tmp_path: Path) -> Non
     problems = _check(info.schema)
     assert len(problems) == 1
     assert SHARD in problems[0] and "'f3'" in problems[0]
+
+
+# ---------------------------------------------------------------- lossy casts (issue 13)
+
+
+@pytest.mark.parametrize(
+    ("values", "type_", "change"),
+    [
+        ([1, -(2**24), 2**24], pa.int64(), None),  # all exactly float32
+        ([1, 2**24 + 1], pa.int64(), (2**24 + 1, 2**24)),
+        ([None, -(2**25) - 1], pa.int64(), (-(2**25) - 1, -(2**25))),
+        ([2**25], pa.int64(), None),  # beyond 2**24 but a float32 all the same
+        ([2**31 - 1], pa.int32(), (2**31 - 1, 2**31)),
+        ([2**24 + 1], pa.uint64(), (2**24 + 1, 2**24)),
+        ([0.5, 0.25, None, float("nan"), float("inf")], pa.float64(), None),
+        ([0.5, 0.1], pa.float64(), (0.1, 0.10000000149011612)),
+        ([1e39], pa.float64(), (1e39, float("inf"))),  # beyond float32's range
+        ([0.1], pa.float32(), None),  # already float32
+        ([2**15 - 1], pa.int16(), None),  # narrow enough never to lose
+    ],
+)
+def test_lossy_cast_finds_the_first_changed_value(
+    values: list[Any], type_: pa.DataType, change: tuple[float, float] | None
+) -> None:
+    from pipeline.reading import lossy_cast
+
+    found = lossy_cast(pa.array(values, type_))
+    if change is None:
+        assert found is None
+    else:
+        assert found is not None and (found.value, found.as_float32) == change
+        assert found.from_type == str(type_)
+
+
+def test_lossy_casts_of_a_batch_check_features_only_and_skip_known_ones() -> None:
+    from pipeline.reading import lossy_casts
+
+    rb = pa.record_batch(
+        {
+            "item_id": pa.array([2**40, 2**40 + 1], pa.int64()),  # not a feature: never checked
+            "a": pa.array([2**24 + 1, 3], pa.int64()),
+            "b": pa.array([0.1, 0.5], pa.float64()),
+            "v": pa.array([[0.1, 1.0], [2.0, 3.0]], pa.list_(pa.float64())),
+        }
+    )
+    spec = parse_bundle_toml(demo_toml(columns=("a", "b")).encode(), "bundle")
+    found = lossy_casts(rb, spec)
+    assert set(found) == {"a", "b"}
+    assert set(lossy_casts(rb, spec, skip={"a"})) == {"b"}
+    toml = demo_toml().replace('columns = ["f0"', 'column = "v"\ndim = 2\n# ["f0"')
+    listed = parse_bundle_toml(toml.encode(), "bundle")
+    (only,) = lossy_casts(rb, listed).values()
+    assert only.from_type == "double" and only.value == 0.1

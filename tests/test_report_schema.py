@@ -207,6 +207,7 @@ def _minimal_valid() -> dict[str, Any]:
         "drift": None,
         "errors": [],
         "warnings": [],
+        "lossy_casts": [],
         "removed_outputs": [],
         "foreign_removed": [],
         "foreign_kept": [],

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
+import time
 from pathlib import Path
 
 import numpy as np
@@ -197,3 +199,45 @@ def test_shard_stats_sample_every_step_th_row_across_batches() -> None:
     assert pc.sum(pa.array(col.samples)).as_py() * stats.sample_weight == pytest.approx(
         values.sum(), rel=1e-3
     )
+
+
+# ---------------------------------------------------------------- progress by rows (issue 13)
+
+
+def test_row_reports_are_rate_limited_per_process() -> None:
+    """Thousands of tiny batches send nothing; a steady stream one report per interval."""
+    from pipeline.scoring import PROGRESS_INTERVAL_S, RowProgress, listen_locally
+
+    got: list[tuple[str, int, float]] = []
+    topic = "test-progress-rate"
+    with listen_locally(topic, lambda rel, n: got.append((rel, n, time.monotonic()))):
+        quick = RowProgress(topic, "tiny.parquet")
+        for _ in range(5_000):
+            quick.add(1)
+        assert got == [] and quick.rows == 5_000  # well under one interval: no message
+        steady = RowProgress(topic, "big.parquet")
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4 * PROGRESS_INTERVAL_S + 0.2:
+            steady.add(64)
+            time.sleep(0.01)
+    assert 3 <= len(got) <= 5, got
+    assert all(rel == "big.parquet" for rel, _, _ in got)
+    gaps = [b[2] - a[2] for a, b in itertools.pairwise(got)]
+    assert all(g >= PROGRESS_INTERVAL_S for g in gaps), gaps
+    assert [n for _, n, _ in got] == sorted(n for _, n, _ in got)
+    # No listener any more: reporting outside a Dask worker is a no-op, never an error.
+    RowProgress(topic, "big.parquet").add(1)
+
+
+def test_row_feed_drops_reports_of_finished_shards() -> None:
+    from pipeline.execution import RowFeed
+
+    seen: list[tuple[str, int]] = []
+    feed = RowFeed(lambda rel, n: seen.append((rel, n)))
+    feed.rows("a.parquet", 100)
+    feed.event((1234.5, ["a.parquet", 200]))  # a Dask event: (time, message)
+    feed.done("a.parquet")
+    feed.rows("a.parquet", 300)  # arrived after the shard's result: stale
+    feed.rows("b.parquet", 50)
+    assert seen == [("a.parquet", 100), ("a.parquet", 200), ("b.parquet", 50)]
+    RowFeed(None).rows("a.parquet", 1)  # no listener: nothing happens

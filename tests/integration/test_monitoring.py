@@ -243,4 +243,4 @@ def test_report_command_summary_and_side_by_side(
     assert both.returncode == 0, both.stderr
     assert "score p50" in both.stdout and "PSI" in both.stdout and "ALERT" in both.stdout
     missing = cli("report", str(tmp_path / "nowhere"))
-    assert missing.returncode == 3 and "no run report" in missing.stderr
+    assert missing.returncode == 2 and "no run report" in missing.stderr  # usage (issue 13)

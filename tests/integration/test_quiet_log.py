@@ -1,0 +1,187 @@
+"""Issue 13: a quiet, parseable log from the real CLI on the embedded Dask cluster.
+
+Under ``--log-format json`` every stderr line is a JSON object carrying the run's ``run_id``
+(worker processes' lines included), and neither a successful run nor Ctrl-C (SIGINT to the
+CLI's whole process group, as a terminal sends it) leaves a traceback. The embedded cluster
+listens on no fixed port: a program holding 8787 (Dask's dashboard port) changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.conftest import write_shards
+from tests.integration.helpers import cli_argv, cli_env, job_args, report, temporaries
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@contextlib.contextmanager
+def _hold_port(port: int) -> Iterator[None]:
+    """Listen on 127.0.0.1:``port`` while the block runs (if another program already does,
+    that is the same situation)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        with contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        yield
+    finally:
+        s.close()
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """Addresses the process ``pid`` and its children listen on now."""
+    found: set[tuple[str, int]] = set()
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                for c in p.net_connections(kind="inet"):
+                    if c.status == psutil.CONN_LISTEN:
+                        found.add((c.laddr.ip, c.laddr.port))
+    return found
+
+
+def _json_lines(stderr: str) -> list[dict[str, Any]]:
+    lines = stderr.splitlines()
+    assert lines, "no log lines at all"
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pytest.fail(f"a stderr line is not JSON: {line!r}\n--- stderr:\n{stderr}")
+    return out
+
+
+def _start(args: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        cli_argv(*args),
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a group of its own, as a terminal's foreground job
+    )
+
+
+def test_a_successful_run_logs_json_lines_with_run_id_and_no_traceback(
+    tmp_path: Path, bundle_dir: Path
+) -> None:
+    cat = tmp_path / "catalog"
+    write_shards(cat, [20_000] * 6, row_group_rows=2_000)
+    out = tmp_path / "out"
+    args = ["run", *job_args(cat, out, bundle_dir), "--scheduler", "local", "--workers", "2"]
+    args += ["--batch-size", "512", "--log-format", "json"]
+    listening: set[tuple[str, int]] = set()
+    with _hold_port(8787):
+        proc = _start(args)
+        while proc.poll() is None:
+            listening |= _listening(proc.pid)
+            time.sleep(0.2)
+        stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stdout + stderr and "8787" not in stderr, stderr
+    run_id = report(out)["run_id"]
+    lines = _json_lines(stderr)
+    assert all(rec.get("run_id") == run_id for rec in lines), [
+        rec for rec in lines if rec.get("run_id") != run_id
+    ]
+    (summary,) = _json_lines(stdout)
+    assert summary["event"] == "summary" and summary["run_id"] == run_id
+    # The embedded cluster listened (its scheduler and workers), on loopback, not on 8787.
+    assert listening, "the run was over before its cluster was seen"
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+    assert 8787 not in {port for _, port in listening}
+
+
+def test_ctrl_c_leaves_json_lines_and_no_traceback(tmp_path: Path, bundle_dir: Path) -> None:
+    cat = tmp_path / "catalog"
+    write_shards(cat, [3_000] * 16, row_group_rows=1_000)
+    out = tmp_path / "out"
+    args = ["run", *job_args(cat, out, bundle_dir), "--scheduler", "local", "--workers", "2"]
+    args += ["--batch-size", "32", "--task-rows", "1", "--log-format", "json"]
+    proc = _start(args)
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith(".part-") for p in temporaries(out)):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "no shard was being written"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stderr, stderr
+    rep = report(out)
+    assert rep["status"] == "interrupted"
+    lines = _json_lines(stderr)
+    assert all(rec.get("run_id") == rep["run_id"] for rec in lines), stderr
+    assert any("SIGINT received" in rec["message"] for rec in lines)
+    # Shards left unscored are counted by the summary, not logged one error line each.
+    assert not any(rec["level"] == "error" for rec in lines), stderr
+    (summary,) = _json_lines(stdout)
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 130
+
+
+def _log_in_worker() -> int:
+    """In a worker: one line from the pipeline, and one Dask error with a traceback."""
+    import logging
+
+    logging.getLogger("pipeline.scoring").warning("hello from a worker")
+    try:
+        raise OSError("Timed out during handshake")
+    except OSError:
+        logging.getLogger("distributed.worker").exception(
+            "Failed to communicate with scheduler during heartbeat."
+        )
+    return os.getpid()
+
+
+def test_worker_lines_are_json_with_the_run_id_and_tracebacks_fold(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The embedded cluster's workers are forked from the driver: they write to its stderr
+    with its handler, so their lines are JSON and carry the run id bound before the fork."""
+    from pipeline import logs
+    from pipeline.cluster import DaskSession, Plan
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    logs.setup_logging("json", 0)
+    logs.bind_run_id("20261201T000000Z-feed01")
+    session = DaskSession(Plan("local", 1, 1, 1, 1), None)
+    try:
+        pids = session.client().run(_log_in_worker)
+    finally:
+        session.close()
+        logs.bind_run_id(None)
+        logging.captureWarnings(False)
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert os.getpid() not in pids.values()  # it did run in another process
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    lines = _json_lines(err)
+    assert all(rec["run_id"] == "20261201T000000Z-feed01" for rec in lines), err
+    assert [rec["logger"] for rec in lines if rec["message"] == "hello from a worker"] == [
+        "pipeline.scoring"
+    ]
+    (beat,) = [rec for rec in lines if rec["logger"] == "distributed.worker"]
+    assert beat["message"] == (
+        "Failed to communicate with scheduler during heartbeat. "
+        "(OSError: Timed out during handshake)"
+    )
+    assert "exc" not in beat
