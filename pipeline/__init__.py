@@ -5,6 +5,8 @@ The library API the CLI is a thin layer over::
     from pipeline import JobConfig, run
     report = run(JobConfig(input="data/catalog", output="data/scored", model="data/models/m"))
     print(report.status, report["rows_out"])
+
+and :func:`save_bundle`, which exports a ``torch.nn.Module`` as a bundle that run() can load.
 """
 
 from pipeline.backfill import BackfillReport, backfill
@@ -19,6 +21,7 @@ from pipeline.errors import (
     SchemaError,
     StorageError,
 )
+from pipeline.export import save_bundle
 from pipeline.planning import plan_job
 from pipeline.report import RunReport
 from pipeline.run import run
@@ -41,4 +44,5 @@ __all__ = [
     "build_config",
     "plan_job",
     "run",
+    "save_bundle",
 ]

@@ -16,7 +16,8 @@ import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from pipeline.model import BundleSpec
+from pipeline.inputs import to_tensor
+from pipeline.model import BundleSpec, Inputs
 from pipeline.reading import Features, lossy_casts, open_parquet, to_features
 from pipeline.stats import LossyCast
 
@@ -29,18 +30,18 @@ class Batch:
     meta: pa.RecordBatch  # id + pass-through columns, as read
     features: Features
     row_groups: np.ndarray  # (rows,) row group of each row, for error messages
-    tensor: torch.Tensor  # (rows, width) float32 view of features.x
+    tensors: Inputs  # one per model input, sharing features.xs' memory where dtypes agree
 
     @property
     def num_rows(self) -> int:
         return int(self.meta.num_rows)
 
-    device_tensor: torch.Tensor | None = None  # set by to_device_ahead on CUDA
-    ready: Any = None  # CUDA event: the device copy is done
+    device_tensors: Inputs | None = None  # set by to_device_ahead on CUDA
+    ready: Any = None  # CUDA event: the device copies are done
 
     def pin_memory(self) -> Batch:
-        """Called by the DataLoader when ``pin_memory=True`` (CUDA): page-locks the features."""
-        self.tensor = self.tensor.pin_memory()
+        """Called by the DataLoader when ``pin_memory=True`` (CUDA): page-locks the inputs."""
+        self.tensors = tuple(t.pin_memory() for t in self.tensors)
         return self
 
 
@@ -60,7 +61,7 @@ class ShardBatches(IterableDataset[Batch]):
         uri: str,
         spec: BundleSpec,
         *,
-        width: int,
+        widths: tuple[int, ...],
         meta_columns: tuple[str, ...],
         batch_size: int,
         storage_options: Mapping[str, Any] | None = None,
@@ -70,7 +71,7 @@ class ShardBatches(IterableDataset[Batch]):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.uri = uri
         self.spec = spec
-        self.width = width
+        self.widths = widths
         self.meta_columns = meta_columns
         self.batch_size = batch_size
         self.storage_options = dict(storage_options or {})
@@ -89,9 +90,10 @@ class ShardBatches(IterableDataset[Batch]):
 
     def _make(self, rb: pa.RecordBatch, rgs: np.ndarray, start: int) -> Batch:
         self.lossy.update(lossy_casts(rb, self.spec, skip=self.lossy))  # once found, not again
-        feats = to_features(rb, self.spec, self.width)
+        feats = to_features(rb, self.spec, self.widths)
         meta = rb.select(list(self.meta_columns))
-        return Batch(start, meta, feats, rgs, torch.from_numpy(feats.x))
+        tensors = tuple(to_tensor(x, i) for x, i in zip(feats.xs, self.spec.inputs, strict=True))
+        return Batch(start, meta, feats, rgs, tensors)
 
     def __iter__(self) -> Iterator[Batch]:
         bs = self.batch_size
@@ -140,7 +142,7 @@ def make_loader(dataset: ShardBatches, *, pin_memory: bool = False) -> DataLoade
 def to_device_ahead(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]:
     """On CUDA, copy batch i+1 to the device on a side stream while batch i is being scored.
 
-    Each yielded batch has ``device_tensor`` set, and the compute stream waits for its copy; on
+    Each yielded batch has ``device_tensors`` set, and the compute stream waits for its copies; on
     other devices batches pass through unchanged. With pinned host memory (the loader pins on
     CUDA) the copies are asynchronous, so the model does not wait on the host-to-device copy.
     """
@@ -151,7 +153,7 @@ def to_device_ahead(batches: Iterator[Batch], device: torch.device) -> Iterator[
 
     def stage(b: Batch) -> Batch:
         with torch.cuda.stream(stream):
-            b.device_tensor = b.tensor.to(device, non_blocking=True)
+            b.device_tensors = tuple(t.to(device, non_blocking=True) for t in b.tensors)
             b.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             b.ready.record(stream)
         return b
@@ -159,10 +161,11 @@ def to_device_ahead(batches: Iterator[Batch], device: torch.device) -> Iterator[
     def release(b: Batch) -> Batch:
         current = torch.cuda.current_stream(device)
         current.wait_event(b.ready)
-        # The tensor was allocated on the side stream; tell the caching allocator it is used
-        # on the compute stream too, so its memory is not reused too early.
-        assert b.device_tensor is not None
-        b.device_tensor.record_stream(current)
+        # The tensors were allocated on the side stream; tell the caching allocator they are
+        # used on the compute stream too, so their memory is not reused too early.
+        assert b.device_tensors is not None
+        for t in b.device_tensors:
+            t.record_stream(current)
         return b
 
     pending: Batch | None = None

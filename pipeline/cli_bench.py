@@ -19,7 +19,7 @@ from pipeline.errors import EXIT_RUN_FAILED, InputError, PipelineError, SchemaEr
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.model import LoadedModel
+    from pipeline.model import Inputs, LoadedModel
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 DEFAULT_ROWS = 4096 * 4
@@ -59,50 +59,52 @@ def _parse_batch_sizes(
 
 def _rows_from_input(
     input_uri: str, model_uri: str, device: str, rows: int
-) -> tuple[LoadedModel, torch.Tensor, str]:
-    """(loaded model, ``rows`` valid feature rows of the first shard, where they came from)."""
+) -> tuple[LoadedModel, Inputs, str]:
+    """(loaded model, ``rows`` valid input rows of the first shard, where they came from)."""
     import torch
 
     from pipeline.batching import ShardBatches
     from pipeline.model import load_model, read_bundle
-    from pipeline.reading import check_schema, feature_width, read_footer
+    from pipeline.reading import check_schema, data_widths, read_footer
     from pipeline.storage import list_shards
 
     shard = list_shards(input_uri)[0].uri
     schema = read_footer(shard).schema
     spec, _, _ = read_bundle(model_uri)
-    # A list column without inputs.dim takes its width from the data, as a run does.
-    width = feature_width(schema, spec) if spec.column is not None and spec.dim is None else None
-    model = load_model(model_uri, device, width=width)
+    # An input model.toml leaves open takes its width from the data, as a run does.
+    given = data_widths(schema, spec)
+    widths = None if None in given else tuple(w for w in given if w is not None)
+    model = load_model(model_uri, device, widths=widths)
     # check_schema also checks an id column, which bench does not need: hand it a column that
     # is there (and not duplicated) so that only the feature columns are judged.
     names = schema.names
     id_col = next((n for n in names if names.count(n) == 1), spec.input_columns[0])
     problems = check_schema(
-        schema, spec, width=model.width, id_column=id_col, passthrough=(), shard=shard
+        schema, spec, widths=model.widths, id_column=id_col, passthrough=(), shard=shard
     )
     if problems:
         raise SchemaError("\n".join(problems))
-    pieces: list[torch.Tensor] = []
+    pieces: list[Inputs] = []
     have = 0
     dataset = ShardBatches(
-        shard, spec, width=model.width, meta_columns=(), batch_size=min(rows, 65536)
+        shard, spec, widths=model.widths, meta_columns=(), batch_size=min(rows, 65536)
     )
     for batch in dataset:
         # Invalid rows (null, NaN, inf) never reach the model in a run; leave them out here too.
-        x = batch.tensor[torch.from_numpy(batch.features.valid)]
-        pieces.append(x[: rows - have])
-        have += pieces[-1].shape[0]
+        valid = torch.from_numpy(batch.features.valid)
+        pieces.append(tuple(t[valid][: rows - have] for t in batch.tensors))
+        have += int(pieces[-1][0].shape[0])
         if have >= rows:
             break
     if not have:
         raise InputError(f"shard {shard} has no valid rows to benchmark with")
-    x = torch.cat(pieces)
+    x = tuple(torch.cat(ts) for ts in zip(*pieces, strict=True))
     how = f"from {shard}"
     if have < rows:
         # Repeat the shard's rows so every batch size times the same amount of work.
         how += f" ({have:,} distinct rows repeated)"
-        x = x.repeat(math.ceil(rows / have), 1)[:rows]
+        reps = math.ceil(rows / have)
+        x = tuple(t.repeat(reps, *([1] * (t.dim() - 1)))[:rows] for t in x)
     return model, x, how
 
 
@@ -182,7 +184,9 @@ def bench(
                 model, x, how = _rows_from_input(input_uri, model_uri, device, rows)
             else:
                 model = load_model(model_uri, device)
-                x, how = torch.randn(rows, model.width), "random normal"
+                x = model.example(rows, random=True, device="cpu")
+                floats = all(t.is_floating_point() for t in x)
+                how = "random normal" if floats else "random values each input can hold"
         except PipelineError as e:
             _fail(e)
             return
@@ -192,7 +196,7 @@ def bench(
             f"torch threads {torch.get_num_threads()}, {rows:,} rows {how}"
         )
 
-        def fn(t: torch.Tensor) -> torch.Tensor:
+        def fn(t: Inputs) -> torch.Tensor:
             return forward(model, t)
 
         table: list[BenchRow] = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import click
 
+from pipeline.cli_check import check
 from pipeline.cli_registry import register
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -15,7 +16,8 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 @click.group(context_settings=CONTEXT)
 def bundle() -> None:
-    """Model bundles: register one in an MLflow model registry."""
+    """Model bundles: check what one takes and gives; register one in an MLflow registry."""
 
 
+bundle.add_command(check)
 bundle.add_command(register)

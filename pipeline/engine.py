@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.model import LoadedModel, OutputSpec, forward
+from pipeline.model import Inputs, LoadedModel, OutputSpec, as_inputs, forward, rows_of
 
 
 @dataclass
@@ -50,14 +50,16 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def score(model: LoadedModel, x: torch.Tensor) -> Scored:
-    """Run the model on ``x`` (rows, width) under ``inference_mode``; outputs come back on the CPU.
+def score(model: LoadedModel, x: Inputs | torch.Tensor) -> Scored:
+    """Run the model on ``x`` (one tensor per input) under ``inference_mode``; outputs come back
+    on the CPU.
 
     The host-to-device copy is ``non_blocking`` (the loader pins memory on CUDA) and outputs come
     back once per batch.
     """
     t0 = time.perf_counter()
-    n = x.shape[0]
+    x = as_inputs(x)
+    n = rows_of(x)
     ok = np.ones(n, dtype=bool)
     errors: dict[int, str] = {}
     pieces: list[torch.Tensor] = []
@@ -67,7 +69,7 @@ def score(model: LoadedModel, x: torch.Tensor) -> Scored:
         nonlocal oom
         try:
             with torch.inference_mode():
-                xd = x[lo:hi].to(model.device, non_blocking=True)
+                xd = tuple(t[lo:hi].to(model.device, non_blocking=True) for t in x)
                 pieces.append(forward(model, xd).float().cpu())
             return
         except Exception as e:

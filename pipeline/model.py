@@ -1,13 +1,18 @@
 """Model bundles: ``model.toml`` plus one weights file, loaded without unpickling arbitrary objects.
 
-A bundle declares its input spec (numeric columns stacked in order, or one fixed-size list
-column) and its outputs (output column name -> how it is derived from the model's output row).
-Loading checks the bundle with a 1-row and a 2-row dry run before any data is scored.
+A bundle declares its inputs (:mod:`pipeline.inputs`: one tensor built from numeric columns or
+a list column, or several named, typed tensors, with vocabularies for string columns) and its
+outputs (output column name -> how it is derived from the model's output row). Loading checks
+the declared inputs against the program's own signature where it has one (an exported program
+records each input's dtype and shape) and runs the model on 1 and 2 rows before any data is
+scored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import inspect
 import io
 import logging
 import re
@@ -24,6 +29,7 @@ import torch
 
 from pipeline import storage
 from pipeline.errors import ConfigError, ModelError
+from pipeline.inputs import DTYPES, InputSpec, example_tensor, parse_inputs, parse_vocabulary
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,6 +68,20 @@ class OutputSpec:
         return pa.float32()
 
 
+#: A model's inputs for a batch: one tensor per declared input, in declared order.
+Inputs = tuple[torch.Tensor, ...]
+
+
+def as_inputs(xs: Inputs | torch.Tensor) -> Inputs:
+    """``xs`` as a tuple: a single-input model's tensor may be given alone."""
+    return (xs,) if isinstance(xs, torch.Tensor) else tuple(xs)
+
+
+def rows_of(xs: Inputs) -> int:
+    """The number of rows in a batch of inputs."""
+    return int(xs[0].shape[0]) if xs else 0
+
+
 @dataclass(frozen=True)
 class BundleSpec:
     """What ``model.toml`` declares."""
@@ -71,20 +91,34 @@ class BundleSpec:
     version: str
     format: str
     file: str
-    columns: tuple[str, ...] | None
-    column: str | None
-    dim: int | None
+    inputs: tuple[InputSpec, ...]
     outputs: tuple[OutputSpec, ...]
 
     @property
     def input_columns(self) -> tuple[str, ...]:
-        """Columns the model reads, in order."""
-        return self.columns if self.columns is not None else (self.column or "",)
+        """Columns the model reads, in order, each once."""
+        return tuple(dict.fromkeys(c for i in self.inputs for c in i.source_columns))
+
+    @property
+    def single(self) -> InputSpec | None:
+        """The one input of a single-input bundle (None with several)."""
+        return self.inputs[0] if len(self.inputs) == 1 else None
+
+    # The single input's source, for code that handles one float32 tensor (benchmarks).
+    @property
+    def columns(self) -> tuple[str, ...] | None:
+        return self.single.columns if self.single is not None else None
+
+    @property
+    def column(self) -> str | None:
+        return self.single.column if self.single is not None else None
+
+    @property
+    def dim(self) -> int | None:
+        return self.single.dim if self.single is not None else None
 
     def describe_inputs(self) -> str:
-        if self.columns is not None:
-            return f"inputs.columns = {list(self.columns)}"
-        return f"inputs.column = {self.column!r}" + (f" (dim {self.dim})" if self.dim else "")
+        return "; ".join(i.describe() for i in self.inputs)
 
 
 def parse_bundle_toml(raw: bytes, uri: str) -> BundleSpec:
@@ -95,7 +129,7 @@ def parse_bundle_toml(raw: bytes, uri: str) -> BundleSpec:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ModelError(f"model bundle {where} is not valid TOML: {e}") from e
     p = _header_problems(doc)
-    columns, column, dim = _parse_inputs(doc.get("inputs"), p)
+    inputs = parse_inputs(doc.get("inputs"), p)
     outputs = _parse_outputs(doc.get("outputs"), p)
     if p:
         raise ModelError(f"model bundle {where} is invalid:\n" + "\n".join(f"  - {x}" for x in p))
@@ -105,9 +139,7 @@ def parse_bundle_toml(raw: bytes, uri: str) -> BundleSpec:
         version=doc["version"],
         format=doc["format"],
         file=doc["file"],
-        columns=columns,
-        column=column,
-        dim=dim,
+        inputs=inputs,
         outputs=tuple(outputs),
     )
 
@@ -132,42 +164,6 @@ def _header_problems(doc: Mapping[str, Any]) -> list[str]:
     elif isinstance(fmt, str) and fmt not in FORMATS:
         p.append(f"format = {fmt!r} is not one of {', '.join(FORMATS)}")
     return p
-
-
-def _parse_inputs(
-    inputs: Any, p: list[str]
-) -> tuple[tuple[str, ...] | None, str | None, int | None]:
-    """``[inputs]``: (columns, column, dim); problems are appended to ``p``."""
-    if not isinstance(inputs, Mapping):
-        p.append('[inputs] table is required (columns = [...] or column = "...")')
-        return None, None, None
-    for key in sorted(set(inputs) - {"columns", "column", "dim"}):
-        p.append(f"unknown key inputs.{key}; known: columns, column, dim")
-    if ("columns" in inputs) == ("column" in inputs):
-        p.append('[inputs] needs exactly one of columns = [...] or column = "..."')
-        return None, None, None
-    if "columns" in inputs:
-        cols = inputs["columns"]
-        if not (isinstance(cols, list) and cols and all(isinstance(c, str) for c in cols)):
-            p.append("inputs.columns must be a non-empty list of column names")
-        elif len(set(cols)) != len(cols):
-            p.append("inputs.columns names a column twice")
-        else:
-            return tuple(cols), None, None
-        return None, None, None
-    column = None
-    if not isinstance(inputs["column"], str) or not inputs["column"]:
-        p.append("inputs.column must be a column name")
-    else:
-        column = inputs["column"]
-    dim = None
-    if "dim" in inputs:
-        dim_ok = isinstance(inputs["dim"], int) and not isinstance(inputs["dim"], bool)
-        if not dim_ok or inputs["dim"] < 1:
-            p.append("inputs.dim must be an integer >= 1")
-        else:
-            dim = inputs["dim"]
-    return None, column, dim
 
 
 def _parse_outputs(raw: Any, p: list[str]) -> list[OutputSpec]:
@@ -197,8 +193,27 @@ class LoadedModel:
     sha256: str
     module: Any
     device: torch.device
-    width: int  # features per row
+    widths: tuple[int, ...]  # per input: values per row (0: a (batch,) input)
     out_width: int  # values per output row
+    # Position of each program parameter in the declared inputs: the program is called with
+    # ``inputs[order[0]], inputs[order[1]], ...`` (its parameter names may order them).
+    order: tuple[int, ...] = (0,)
+
+    @property
+    def width(self) -> int:
+        """Values per row of a single-input model (benchmarks, tests)."""
+        return self.widths[0] if len(self.widths) == 1 else sum(max(1, w) for w in self.widths)
+
+    def example(
+        self, rows: int, *, random: bool = False, device: torch.device | str | None = None
+    ) -> Inputs:
+        """Inputs of ``rows`` rows on ``device`` (default: the model's): zeros, or random
+        values each input can hold (see :func:`pipeline.inputs.example_tensor`)."""
+        dev = self.device if device is None else device
+        return tuple(
+            example_tensor(i, w, rows, random=random, device=dev)
+            for i, w in zip(self.spec.inputs, self.widths, strict=True)
+        )
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -244,8 +259,34 @@ def read_bundle(
         weights = storage.read_bytes(w_loc)
     except FileNotFoundError:
         raise ModelError(f"model bundle {uri}: weights file {spec.file!r} does not exist") from None
-    sha = hashlib.sha256(raw + weights).hexdigest()
+    spec, vocab_bytes = _with_vocabularies(spec, root)
+    sha = hashlib.sha256(raw + weights + vocab_bytes).hexdigest()
     return spec, weights, sha
+
+
+def _with_vocabularies(spec: BundleSpec, root: storage.Location) -> tuple[BundleSpec, bytes]:
+    """``spec`` with each vocabulary file's values read in, and those files' bytes (in input
+    order) for the bundle's SHA-256: a changed vocabulary is a changed model."""
+    if not any(i.vocabulary for i in spec.inputs):
+        return spec, b""
+    inputs, raw, problems = [], b"", []
+    for inp in spec.inputs:
+        if inp.vocabulary is None:
+            inputs.append(inp)
+            continue
+        where = f"model bundle {spec.uri}: vocabulary {inp.vocabulary} of input {inp.name!r}"
+        try:
+            data = storage.read_bytes(root.child(inp.vocabulary))
+        except FileNotFoundError:
+            problems.append(f"{where} does not exist")
+            continue
+        values, bad = parse_vocabulary(data, inp, where)
+        problems += bad
+        raw += data
+        inputs.append(dataclasses.replace(inp, vocab=values))
+    if problems:
+        raise ModelError("\n".join(problems))
+    return dataclasses.replace(spec, inputs=tuple(inputs)), raw
 
 
 def _file_not_bundle(uri: str, options: Mapping[str, Any] | None) -> ConfigError:
@@ -306,8 +347,8 @@ def _deserialize(spec: BundleSpec, weights: bytes, device: torch.device) -> Any:
     return module
 
 
-def _forward(module: Any, x: torch.Tensor) -> torch.Tensor:
-    out = module(x)
+def _forward(module: Any, xs: Inputs, order: tuple[int, ...]) -> torch.Tensor:
+    out = module(*(xs[i] for i in order))
     if isinstance(out, (tuple, list)) and len(out) == 1:
         out = out[0]
     if not isinstance(out, torch.Tensor):
@@ -317,19 +358,115 @@ def _forward(module: Any, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def forward(model: LoadedModel, x: torch.Tensor) -> torch.Tensor:
-    """The model's output for a (batch, width) float32 tensor, as (batch, out_width)."""
-    return _forward(model.module, x)
+def forward(model: LoadedModel, xs: Inputs | torch.Tensor) -> torch.Tensor:
+    """The model's output for one batch of inputs (one tensor per declared input, in declared
+    order; a single-input model also takes its tensor alone), as (batch, out_width)."""
+    return _forward(model.module, as_inputs(xs), model.order)
 
 
-def _dry_run(spec: BundleSpec, module: Any, width: int, device: torch.device) -> int:
+def parameter_names(module: Any) -> list[str] | None:
+    """The names of the program's inputs, in call order: an exported program's keep the
+    original ``forward``'s, TorchScript's are in its schema. None when they cannot be read."""
+    schema = getattr(getattr(module, "forward", None), "schema", None)
+    if schema is not None:  # TorchScript
+        return [a.name for a in schema.arguments[1:]]
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in params if p.kind in kinds]
+    return names if len(names) == len(params) else None
+
+
+def program_inputs(module: Any) -> list[tuple[torch.dtype, tuple[int | None, ...]]] | None:
+    """An exported program's inputs as it was exported: (dtype, shape with None for a dynamic
+    size) each, in call order. None for programs that do not record them (TorchScript)."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return None
+    found: list[tuple[torch.dtype, tuple[int | None, ...]]] = []
+    for node in module.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        found.append((val.dtype, tuple(d if isinstance(d, int) else None for d in val.shape)))
+    return found
+
+
+def call_order(spec: BundleSpec, module: Any) -> tuple[int, ...]:
+    """How the declared inputs map to the program's parameters: by name when the program's
+    parameter names are exactly the input names, else in declared order."""
+    n = len(spec.inputs)
+    if n == 1:
+        return (0,)
+    names = parameter_names(module)
+    declared = [i.name for i in spec.inputs]
+    if names is not None and sorted(names) == sorted(declared):
+        return tuple(declared.index(name) for name in names)
+    return tuple(range(n))
+
+
+def _signature_problems(
+    spec: BundleSpec, module: Any, widths: tuple[int, ...], order: tuple[int, ...]
+) -> list[str]:
+    """How the declared inputs differ from what the exported program records (dtype, rank,
+    the sizes after the batch dimension), one line per input."""
+    found = program_inputs(module)
+    if found is None or len(spec.inputs) == 0:
+        return []
+    if len(found) != len(spec.inputs):
+        names = parameter_names(module)
+        return [
+            f"the program takes {len(found)} input(s)"
+            + (f" ({', '.join(names)})" if names else "")
+            + f" but model.toml declares {len(spec.inputs)} "
+            f"({', '.join(i.name for i in spec.inputs)})"
+        ]
+    problems = []
+    for pos, (dtype, shape) in zip(order, found, strict=True):
+        inp, width = spec.inputs[pos], widths[pos]
+        want = (None,) if width == 0 else (None, width)
+        dims_ok = len(shape) == len(want) and all(
+            s is None or w is None or s == w for s, w in zip(shape[1:], want[1:], strict=True)
+        )
+        if dtype != DTYPES[inp.dtype] or not dims_ok:
+            took = (
+                "("
+                + ", ".join(["batch", *(str(d) for d in shape[1:])])
+                + ("," if len(shape) == 1 else "")
+                + ")"
+            )
+            problems.append(
+                f"{inp.describe()} gives {inp.dtype} {inp.shape_text(width)}, but the program's "
+                f"input {pos + 1} takes {str(dtype).removeprefix('torch.')} {took}"
+            )
+    return problems
+
+
+def _dry_run(
+    spec: BundleSpec, module: Any, widths: tuple[int, ...], device: torch.device
+) -> tuple[int, tuple[int, ...]]:
+    """Run the model on 1 and 2 rows of zeros; (values per output row, call order)."""
     where = f"model bundle {spec.uri} ({spec.describe_inputs()})"
+    order = call_order(spec, module)
+    problems = _signature_problems(spec, module, widths, order)
+    if problems:
+        raise ModelError(
+            f"model bundle {spec.uri}: the declared inputs do not fit the model:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nFix [inputs] in model.toml (or re-export the model)."
+        )
     outs: list[torch.Tensor] = []
     for rows in (1, 2):
-        x = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        xs = tuple(
+            example_tensor(i, w, rows, random=False, device=device)
+            for i, w in zip(spec.inputs, widths, strict=True)
+        )
         try:
             with torch.inference_mode():
-                y = _forward(module, x)
+                y = _forward(module, xs, order)
         except Exception as e:
             text = str(e).splitlines()[0] if str(e) else type(e).__name__
             if rows == 2 and outs:
@@ -337,10 +474,10 @@ def _dry_run(spec: BundleSpec, module: Any, width: int, device: torch.device) ->
                     f"{where}: the model accepts 1 row but not 2 ({text}); its batch dimension "
                     f"is static. Re-{EXPORT_HINT}"
                 ) from e
+            given = ", ".join(f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" for x in xs)
             raise ModelError(
-                f"{where}: the model rejected a ({rows}, {width}) float32 input built from the "
-                f"declared inputs: {text}. Check that the bundle's inputs match what the model "
-                "was exported with."
+                f"{where}: the model rejected input of {given} built from the declared inputs: "
+                f"{text}. Check that the bundle's inputs match what the model was exported with."
             ) from e
         if y.shape[0] != rows:
             raise ModelError(
@@ -349,6 +486,11 @@ def _dry_run(spec: BundleSpec, module: Any, width: int, device: torch.device) ->
             )
         outs.append(y)
     out_width = int(outs[0].shape[1])
+    _check_outputs(spec, out_width)
+    return out_width, order
+
+
+def _check_outputs(spec: BundleSpec, out_width: int) -> None:
     for o in spec.outputs:
         if o.transform == "softmax" and (out_width < 2 or (o.index or 0) >= out_width):
             raise ModelError(
@@ -368,10 +510,57 @@ def _dry_run(spec: BundleSpec, module: Any, width: int, device: torch.device) ->
                 f"model bundle {spec.uri}: outputs.{o.name} = 'argmax' needs at least 2 values "
                 f"per output row, but the model gives {out_width}"
             )
-    return out_width
 
 
-_CACHE: dict[tuple[str, str, str, int], LoadedModel] = {}
+def program_widths(spec: BundleSpec, module: Any) -> tuple[int | None, ...]:
+    """Per input, the values per row an exported program records for it (0 for a (batch,)
+    input, n for a static (batch, n)); None where it records none (TorchScript, a dynamic
+    size). Lets a bundle whose ``column`` inputs have no ``dim`` load without data."""
+    found = program_inputs(module)
+    if found is None or len(found) != len(spec.inputs):
+        return tuple(None for _ in spec.inputs)
+    widths: list[int | None] = [None] * len(spec.inputs)
+    for pos, (_, shape) in zip(call_order(spec, module), found, strict=True):
+        if len(shape) == 1:
+            widths[pos] = 0
+        elif len(shape) == 2:
+            widths[pos] = shape[1]
+    return tuple(widths)
+
+
+def input_widths(
+    spec: BundleSpec,
+    widths: tuple[int, ...] | None,
+    uri: str,
+    recorded: tuple[int | None, ...] | None = None,
+) -> tuple[int, ...]:
+    """Each input's values per row: from ``model.toml`` or, where it leaves one open, from
+    ``widths`` (what the data gives: pipeline.preparation) or else from what the program
+    records (``recorded``: :func:`program_widths`). Disagreement is a ModelError."""
+    fixed = [i.fixed_width() for i in spec.inputs]
+    if widths is None and recorded is not None:
+        fixed = [f if f is not None else r for f, r in zip(fixed, recorded, strict=True)]
+    if widths is None:
+        open_ = [i for i, w in zip(spec.inputs, fixed, strict=True) if w is None]
+        if open_:
+            what = "inputs.column" if open_[0].legacy else open_[0].describe()
+            key = "inputs.dim" if open_[0].legacy else f"inputs.{open_[0].name}.dim"
+            raise ModelError(f"model bundle {uri}: {what} needs {key}, or data to take it from")
+        return tuple(w for w in fixed if w is not None)
+    if len(widths) != len(spec.inputs):
+        raise ModelError(
+            f"model bundle {uri}: {len(widths)} input widths given for {len(spec.inputs)} inputs"
+        )
+    for inp, f, w in zip(spec.inputs, fixed, widths, strict=True):
+        if f is not None and f != w:
+            raise ModelError(
+                f"model bundle {uri}: {inp.describe()} declares {f} features per row "
+                f"but the data has {w}"
+            )
+    return tuple(widths)
+
+
+_CACHE: dict[tuple[str, str, str, tuple[int, ...]], LoadedModel] = {}
 _CACHE_LOCK = threading.Lock()
 
 
@@ -379,21 +568,22 @@ def load_model(
     uri: str,
     device: str | torch.device = "cpu",
     *,
-    width: int | None = None,
+    widths: tuple[int, ...] | None = None,
     options: Mapping[str, Any] | None = None,
     expected_sha256: str | None = None,
 ) -> LoadedModel:
     """Load and dry-run a bundle, once per process for each (bundle, device, content).
 
-    ``width`` is needed only for a ``column`` input without ``dim`` (it comes from the data).
-    ``expected_sha256`` makes a worker refuse a bundle that changed after the run started.
+    ``widths`` (values per row of each input) is needed only for a ``column`` input without
+    ``dim``: it comes from the data. ``expected_sha256`` makes a worker refuse a bundle that
+    changed after the run started.
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
-    if expected_sha256 is not None and width is not None:
+    if expected_sha256 is not None and widths is not None:
         # A worker asking for the bundle the run planned with: reuse it without reading and
         # hashing the weights again for every shard.
         with _CACHE_LOCK:
-            hit = _CACHE.get((uri, str(dev), expected_sha256, width))
+            hit = _CACHE.get((uri, str(dev), expected_sha256, tuple(widths)))
         if hit is not None:
             return hit
     spec, weights, sha = read_bundle(uri, options)
@@ -402,29 +592,29 @@ def load_model(
             f"model bundle {uri} changed while the run was going on (SHA-256 {sha[:12]} instead "
             f"of {expected_sha256[:12]}); rerun the job"
         )
-    if spec.columns is not None:
-        w = len(spec.columns)
-    elif spec.dim is not None:
-        w = spec.dim
-    elif width is not None:
-        w = width
+    module = None
+    if widths is None and any(i.fixed_width() is None for i in spec.inputs):
+        # No data to take an open width from: the program may record it.
+        module = _deserialize(spec, weights, dev)
+        w = input_widths(spec, None, uri, program_widths(spec, module))
     else:
-        raise ModelError(
-            f"model bundle {uri}: inputs.column needs inputs.dim, or data to take it from"
-        )
-    if width is not None and width != w:
-        raise ModelError(
-            f"model bundle {uri}: {spec.describe_inputs()} declares {w} features per row "
-            f"but the data has {width}"
-        )
+        w = input_widths(spec, widths, uri)
     key = (uri, str(dev), sha, w)
     with _CACHE_LOCK:
         cached = _CACHE.get(key)
         if cached is not None:
             return cached
-        module = _deserialize(spec, weights, dev)
-        out_width = _dry_run(spec, module, w, dev)
-        loaded = LoadedModel(spec, sha, module, dev, w, out_width)
+        if module is None:
+            module = _deserialize(spec, weights, dev)
+        out_width, order = _dry_run(spec, module, w, dev)
+        loaded = LoadedModel(spec, sha, module, dev, w, out_width, order)
         _CACHE[key] = loaded
         logger.info("loaded model %s v%s (%s) on %s", spec.name, spec.version, sha[:12], dev)
         return loaded
+
+
+def forget(uri: str) -> None:
+    """Drop this process's cached loads of the bundle at ``uri`` (a folder that was removed)."""
+    with _CACHE_LOCK:
+        for key in [k for k in _CACHE if k[0] == uri]:
+            del _CACHE[key]

@@ -17,7 +17,7 @@ from pipeline import registry, storage
 from pipeline.cluster import thread_plan
 from pipeline.config import JobConfig
 from pipeline.manifest import Manifest, expectation, fingerprint_hash
-from pipeline.model import forward, read_bundle, resolve_device
+from pipeline.model import forward, read_bundle, resolve_device, rows_of
 from pipeline.precision import ExecutionOptions, prepare
 from pipeline.preparation import (
     SAMPLE_ROWS,
@@ -48,7 +48,7 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     device = resolve_device(config.device)
     spec, _, sha = read_bundle(config.model, opts)
     found = inspect_shards(config, shards, spec, sha, device, opts)
-    _, failed, problems, width, model = found
+    _, failed, problems, _, model = found
     settings = run_settings(config, spec, model_version=source.model_version)
     entries = _shard_entries(config, shards, found, out_root, expect_done=(sha, settings.hash))
     to_score = [e for e in entries if e["action"] == "score"]
@@ -57,7 +57,7 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     sample_from = next(
         (s for s in shards if s.rel_path not in failed and s.rel_path not in problems), None
     )
-    calibration = _calibrate(config, model, sample_from, width, plan.torch_threads)
+    calibration = _calibrate(config, model, sample_from, plan.torch_threads)
     workers = plan.workers
     estimate = None
     if calibration["rows_per_s"] and workers:
@@ -142,7 +142,7 @@ def _done(
 
 
 def _calibrate(
-    config: JobConfig, model: Any, sample_from: Any, width: int, threads: int | None
+    config: JobConfig, model: Any, sample_from: Any, threads: int | None
 ) -> dict[str, Any]:
     """Model-only rows/s per worker at the configured batch size, on real rows."""
     batch = config.batch_size
@@ -157,20 +157,17 @@ def _calibrate(
     prepared, _ = prepare(
         model, ExecutionOptions(config.precision, config.compile, config.strict_fp32)
     )
-    x = (
-        sample_rows(config, model, sample_from, width)
-        if sample_from is not None
-        else torch.zeros(0, width)
-    )
-    if not len(x):
-        x = torch.randn(min(SAMPLE_ROWS, batch), width)
+    x = sample_rows(config, model, sample_from) if sample_from is not None else None
+    if x is None or not rows_of(x):
+        x = model.example(min(SAMPLE_ROWS, batch), random=True, device="cpu")
         note = (note + "; " if note else "") + "no readable rows: timed on random rows"
+    x = tuple(t[:batch] for t in x)
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
         (row,) = bench_batch_sizes(
             lambda t: forward(prepared, t),
-            x[:batch],
+            x,
             model.device,
             [batch],
             repeats=3,
@@ -181,10 +178,10 @@ def _calibrate(
         torch.set_num_threads(before)
     return {
         "batch_size": batch,
-        "rows": len(x[:batch]),
+        "rows": rows_of(x),
         "torch_threads": threads,
         "rows_per_s": row.samples_per_s,
-        "ms_per_batch": row.ms * batch / max(1, len(x[:batch])),
+        "ms_per_batch": row.ms * batch / max(1, rows_of(x)),
         "note": note,
     }
 

@@ -20,7 +20,7 @@ import torch
 from pipeline.config import PRECISIONS
 from pipeline.engine import output_columns
 from pipeline.errors import ConfigError, ModelError
-from pipeline.model import LoadedModel, forward
+from pipeline.model import Inputs, LoadedModel, as_inputs, forward
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +51,9 @@ class _Autocast(torch.nn.Module):
         self.device_type = device_type
         self.dtype = dtype
 
-    def forward(self, x: torch.Tensor) -> Any:
+    def forward(self, *xs: torch.Tensor) -> Any:
         with torch.autocast(self.device_type, dtype=self.dtype):
-            return self.inner(x)
+            return self.inner(*xs)
 
 
 _LINEAR = torch.ops.aten.linear.default
@@ -96,7 +96,7 @@ class _DynamicInt8(torch.nn.Module):
         if not self.packed:
             raise ConfigError("precision int8 found no Linear layer to quantise in this model")
 
-    def forward(self, x: torch.Tensor) -> Any:
+    def forward(self, *xs: torch.Tensor) -> Any:
         packed = self.packed
 
         class Run(torch.fx.Interpreter):
@@ -107,7 +107,7 @@ class _DynamicInt8(torch.nn.Module):
                         return torch.ops.quantized.linear_dynamic(args[0], p, True)
                 return super().call_function(target, args, kwargs)
 
-        return Run(self.gm).run(x)
+        return Run(self.gm).run(*xs)
 
 
 def _fetch(root: Any, target: str) -> Any:
@@ -186,19 +186,20 @@ def _prepare(
         # gets a graph of its own (dynamo falls back to eager past its recompile limit).
         module = torch.compile(module, dynamic=False)
         with torch.inference_mode():
-            module(torch.zeros(max(1, warm_rows), model.width, device=dev))
+            forward(dataclasses.replace(model, module=module), model.example(max(1, warm_rows)))
         compile_s = time.perf_counter() - t0
         logger.info("torch.compile took %.1fs", compile_s)
     return dataclasses.replace(model, module=module), compile_s
 
 
 def parity(
-    reference: LoadedModel, candidate: LoadedModel, x: torch.Tensor
+    reference: LoadedModel, candidate: LoadedModel, x: Inputs | torch.Tensor
 ) -> dict[str, dict[str, float]]:
     """Per output column: max and mean |candidate - fp32| on ``x`` (labels: share that differ)."""
+    x = as_inputs(x)
     with torch.inference_mode():
-        ref = forward(reference, x.to(reference.device)).float().cpu()
-        got = forward(candidate, x.to(candidate.device)).float().cpu()
+        ref = forward(reference, tuple(t.to(reference.device) for t in x)).float().cpu()
+        got = forward(candidate, tuple(t.to(candidate.device) for t in x)).float().cpu()
     specs = reference.spec.outputs
     out: dict[str, dict[str, float]] = {}
     for spec, a, b in zip(

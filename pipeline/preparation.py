@@ -23,7 +23,7 @@ from pipeline.cluster import Plan
 from pipeline.config import JobConfig
 from pipeline.errors import ConfigError, ModelError, SchemaError, ShardError
 from pipeline.manifest import settings_hash
-from pipeline.model import BundleSpec, LoadedModel, forward, load_model
+from pipeline.model import BundleSpec, Inputs, LoadedModel, forward, load_model, rows_of
 from pipeline.precision import (
     DEFAULT_TOLERANCE,
     PARITY_ROWS,
@@ -32,7 +32,7 @@ from pipeline.precision import (
     parity,
     prepare,
 )
-from pipeline.reading import ShardInfo, check_schema, feature_width, read_footer
+from pipeline.reading import ShardInfo, check_schema, data_widths, read_footer
 from pipeline.scoring import ShardResult
 from pipeline.statuses import FailureKind, ShardStatus
 from pipeline.storage import ShardRef
@@ -108,22 +108,34 @@ class Inspection(NamedTuple):
     infos: dict[str, ShardInfo]
     failed: dict[str, ShardResult]  # unreadable shards
     schema_problems: dict[str, list[str]]
-    width: int
+    widths: tuple[int, ...]  # values per row of each model input
     model: LoadedModel
 
 
-def _feature_width(config: JobConfig, spec: BundleSpec, infos: dict[str, ShardInfo]) -> int:
-    width = len(spec.columns) if spec.columns is not None else spec.dim
-    if width is not None:
-        return width
-    widths = {w for i in infos.values() if (w := feature_width(i.schema, spec)) is not None}
-    if len(widths) != 1:
-        raise ModelError(
-            f"model bundle {config.model}: {spec.describe_inputs()} has no inputs.dim and "
-            f"the data does not give one fixed list size (found {sorted(widths)}); set "
-            "inputs.dim in model.toml"
-        )
-    return widths.pop()
+def _input_widths(
+    config: JobConfig, spec: BundleSpec, infos: dict[str, ShardInfo]
+) -> tuple[int, ...] | None:
+    """Each input's values per row: from model.toml, or the one width every footer gives;
+    None when some input's width is in neither (the program may record it: load_model)."""
+    found = [data_widths(info.schema, spec) for info in infos.values()]
+    widths = []
+    for k, inp in enumerate(spec.inputs):
+        fixed = inp.fixed_width()
+        if fixed is not None:
+            widths.append(fixed)
+            continue
+        seen: set[int] = {v for w in found if (v := w[k]) is not None}
+        if not seen:
+            return None
+        if len(seen) != 1:
+            key = "inputs.dim" if inp.legacy else f"inputs.{inp.name}.dim"
+            raise ModelError(
+                f"model bundle {config.model}: {inp.describe()} has no {key} "
+                f"and the data does not give one fixed list size (found {sorted(seen)}); set "
+                f"{key} in model.toml"
+            )
+        widths.append(seen.pop())
+    return tuple(widths)
 
 
 def inspect_shards(
@@ -150,21 +162,22 @@ def inspect_shards(
                 kind=FailureKind.UNREADABLE,
                 message=str(e),
             )
-    width = _feature_width(config, spec, infos)
-    model = load_model(config.model, device, width=width, options=opts, expected_sha256=sha)
+    given = _input_widths(config, spec, infos)
+    model = load_model(config.model, device, widths=given, options=opts, expected_sha256=sha)
+    widths = model.widths
     schema_problems: dict[str, list[str]] = {}
     for rel, info in infos.items():
         probs = check_schema(
             info.schema,
             spec,
-            width=width,
+            widths=widths,
             id_column=config.id_column,
             passthrough=config.passthrough,
             shard=uris[rel],
         )
         if probs:
             schema_problems[rel] = probs
-    return Inspection(infos, failed, schema_problems, width, model)
+    return Inspection(infos, failed, schema_problems, widths, model)
 
 
 MAX_NAMED_SHARDS = 3  # shards named in a grouped schema problem before "and N more"
@@ -249,19 +262,20 @@ def apply_schema_policy(
     return failed
 
 
-def sample_rows(config: JobConfig, model: LoadedModel, shard: ShardRef, width: int) -> torch.Tensor:
-    """Up to SAMPLE_ROWS valid feature rows from the start of ``shard``."""
+def sample_rows(config: JobConfig, model: LoadedModel, shard: ShardRef) -> Inputs:
+    """Up to SAMPLE_ROWS valid rows of the model's inputs from the start of ``shard``."""
     data = ShardBatches(
         shard.uri,
         model.spec,
-        width=width,
+        widths=model.widths,
         meta_columns=(config.id_column,),
         batch_size=SAMPLE_ROWS,
         storage_options=config.storage,
     )
     for batch in data:
-        return batch.tensor[torch.from_numpy(batch.features.valid)].clone()
-    return torch.zeros(0, width)
+        valid = torch.from_numpy(batch.features.valid)
+        return tuple(t[valid].clone() for t in batch.tensors)
+    return model.example(0, device="cpu")
 
 
 class Execution(NamedTuple):
@@ -285,7 +299,7 @@ def plan_execution(
         (s for s in shards if s.rel_path not in failed and found.infos[s.rel_path].num_rows),
         None,
     )
-    return prepare_execution(config, found.model, opts, sample_from, found.width, plan)
+    return prepare_execution(config, found.model, opts, sample_from, plan)
 
 
 def prepare_execution(
@@ -293,7 +307,6 @@ def prepare_execution(
     model: LoadedModel,
     opts: ExecutionOptions,
     sample_from: ShardRef | None,
-    width: int,
     plan: Plan,
 ) -> Execution:
     """Set the model up as configured, check it against fp32 on real rows, pick the batch size.
@@ -313,12 +326,12 @@ def prepare_execution(
     }
     needs_parity = opts.precision != "fp32" or model.device.type != "cpu" or opts.compile
     need_sample = needs_parity or config.batch_size == "auto"
-    x = sample_rows(config, model, sample_from, width) if need_sample and sample_from else None
+    x = sample_rows(config, model, sample_from) if need_sample and sample_from else None
     if needs_parity:
-        execution["parity"] = _parity(config, prepared, opts, x, width)
+        execution["parity"] = _parity(config, prepared, opts, x)
     if config.batch_size != "auto":
         return Execution(int(config.batch_size), execution)
-    chosen, execution["batch_size_auto"] = _auto_batch_size(prepared, opts, x, width, plan)
+    chosen, execution["batch_size_auto"] = _auto_batch_size(prepared, opts, x, plan)
     return Execution(chosen, execution)
 
 
@@ -326,17 +339,21 @@ def _parity(
     config: JobConfig,
     prepared: LoadedModel,
     opts: ExecutionOptions,
-    x: torch.Tensor | None,
-    width: int,
+    x: Inputs | None,
 ) -> dict[str, Any]:
     tol = config.parity_tolerance
     tol = DEFAULT_TOLERANCE[opts.precision] if tol is None else tol
-    if x is None or not len(x):
+    if x is None or not rows_of(x):
         return {"rows": 0, "tolerance": tol, "columns": {}, "note": "no rows"}
-    reference = load_model(config.model, "cpu", width=width, options=config.storage)
-    rows = x[:PARITY_ROWS]
+    reference = load_model(config.model, "cpu", widths=prepared.widths, options=config.storage)
+    rows = tuple(t[:PARITY_ROWS] for t in x)
     cols = parity(reference, prepared, rows)
-    found = {"rows": len(rows), "tolerance": tol, "columns": cols, "reference": "fp32 on the CPU"}
+    found = {
+        "rows": rows_of(rows),
+        "tolerance": tol,
+        "columns": cols,
+        "reference": "fp32 on the CPU",
+    }
     check_parity(cols, opts.precision, tol, f"model bundle {config.model}")
     return found
 
@@ -344,8 +361,7 @@ def _parity(
 def _auto_batch_size(
     prepared: LoadedModel,
     opts: ExecutionOptions,
-    x: torch.Tensor | None,
-    width: int,
+    x: Inputs | None,
     plan: Plan,
 ) -> tuple[int, dict[str, Any]]:
     from pipeline import tuning
@@ -355,8 +371,8 @@ def _auto_batch_size(
     cached = cache.get(key)
     if cached is not None:
         return cached, {"cached": True, "key": key, "batch_size": cached}
-    if x is None or not len(x):
-        x = torch.randn(SAMPLE_ROWS, width)
+    if x is None or not rows_of(x):
+        x = prepared.example(SAMPLE_ROWS, random=True, device="cpu")
     before = torch.get_num_threads()
     torch.set_num_threads(plan.torch_threads or before)  # measure as the workers will run
     try:

@@ -1,9 +1,11 @@
 """Parquet shards: footers, the schema check against the model, and Arrow -> tensor conversion.
 
 The schema rule, the same for every shard whatever order they come in: extra columns are
-ignored; any integer or floating feature type is cast to float32 for the model (so float64 and
-int64 features score correctly); a list feature column must hold numbers and have the bundle's
-width; the id and pass-through columns keep the type they have in each shard.
+ignored; any integer or floating feature type is cast to a float input's dtype (float32 by
+default, so float64 and int64 features score correctly); integer inputs take integer columns,
+vocabulary inputs string columns (:mod:`pipeline.inputs`); a list feature column must hold
+numbers and have the input's width; the id and pass-through columns keep the type they have in
+each shard.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline import storage
+from pipeline import inputs, storage
 from pipeline.errors import ShardError
+from pipeline.inputs import Part
 from pipeline.model import BundleSpec
 from pipeline.stats import LossyCast
 
@@ -104,23 +107,17 @@ def _stats_text(stats: pq.Statistics | None) -> str:
     return f"{minmax} {nulls}"
 
 
-def _is_number(t: pa.DataType) -> bool:
-    return bool(pa.types.is_integer(t) or pa.types.is_floating(t))
-
-
-def feature_width(schema: pa.Schema, spec: BundleSpec) -> int | None:
-    """The per-row width a list input column declares in ``schema`` (None if variable)."""
-    if spec.column is None or schema.names.count(spec.column) != 1:
-        return None
-    t = schema.field(spec.column).type
-    return t.list_size if pa.types.is_fixed_size_list(t) else None
+def data_widths(schema: pa.Schema, spec: BundleSpec) -> tuple[int | None, ...]:
+    """Per input, the width ``schema`` gives it where ``model.toml`` leaves it open (see
+    :func:`pipeline.inputs.data_width`)."""
+    return tuple(inputs.data_width(schema, i) for i in spec.inputs)
 
 
 def check_schema(
     schema: pa.Schema,
     spec: BundleSpec,
     *,
-    width: int,
+    widths: tuple[int, ...],
     id_column: str,
     passthrough: tuple[str, ...],
     shard: str,
@@ -146,118 +143,39 @@ def check_schema(
         if col not in names:
             role = "id column" if col == id_column else "pass-through column"
             problems.append(f"shard {shard}: {role} {col!r} is missing")
-    if spec.columns is not None:
-        problems += _columns_problems(schema, spec.columns, names, ambiguous, shard)
-    elif (spec.column or "") not in ambiguous:
-        problems += _list_column_problems(schema, spec.column or "", names, width, shard)
+    seen: set[str] = set()
+    for inp, width in zip(spec.inputs, widths, strict=True):
+        for p in inputs.schema_problems(schema, inp, width, names, ambiguous, shard):
+            if p not in seen:  # a column two inputs read is reported once
+                seen.add(p)
+                problems.append(p)
     return problems
-
-
-def _columns_problems(
-    schema: pa.Schema, columns: tuple[str, ...], names: set[str], ambiguous: set[str], shard: str
-) -> list[str]:
-    """Problems of the named numeric feature columns (ambiguous ones are reported already)."""
-    problems = []
-    for col in columns:
-        if col in ambiguous:
-            continue
-        if col not in names:
-            problems.append(f"shard {shard}: feature column {col!r} is missing")
-        elif not _is_number(schema.field(col).type):
-            problems.append(
-                f"shard {shard}: feature column {col!r} has type {schema.field(col).type}, "
-                "which is not numeric (integers and floats are cast to float32)"
-            )
-    return problems
-
-
-def _list_column_problems(
-    schema: pa.Schema, col: str, names: set[str], width: int, shard: str
-) -> list[str]:
-    """Problems of the one list feature column."""
-    if col not in names:
-        return [f"shard {shard}: feature column {col!r} is missing"]
-    t = schema.field(col).type
-    is_list = pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
-    if not is_list or not _is_number(t.value_type):
-        return [
-            f"shard {shard}: feature column {col!r} has type {t}; expected a list of "
-            f"{width} numbers"
-        ]
-    if pa.types.is_fixed_size_list(t) and t.list_size != width:
-        return [
-            f"shard {shard}: feature column {col!r} holds lists of {t.list_size} values; "
-            f"the model takes {width}"
-        ]
-    return []
 
 
 @dataclass
 class Features:
-    """A batch's feature matrix and which rows are usable."""
+    """A batch's model inputs (one array per declared input) and which rows are usable."""
 
-    x: np.ndarray  # (rows, width) float32, C-contiguous
-    valid: np.ndarray  # (rows,) bool: no null, NaN or infinite value
+    xs: list[np.ndarray]  # per input: (rows, width) or (rows,), C-contiguous, its dtype
+    valid: np.ndarray  # (rows,) bool: no null, NaN, infinite, unknown or out-of-range value
     reasons: list[str] | None  # one per invalid row, in row order (None when all valid)
 
 
-def _columns_features(rb: pa.RecordBatch, columns: tuple[str, ...]) -> Features:
-    cast = [pc.cast(rb.column(c), pa.float32(), safe=False) for c in columns]
-    # One copy into a writable row-major float32 matrix (torch refuses read-only Arrow memory);
-    # float nulls become NaN, so one isfinite() finds every bad value.
-    x = np.column_stack([c.to_numpy(zero_copy_only=False) for c in cast]).astype(
-        np.float32, copy=False
-    )
-    finite = np.isfinite(x)
-    valid = np.asarray(finite.all(axis=1))
-    if valid.all():
-        return Features(x, valid, None)
+def _combine(parts: list[Part], rows: int) -> Features:
+    """One :class:`Features` from each input's part: a row is valid when every input is."""
+    xs = [p.x for p in parts]
+    bad = [p for p in parts if p.bad is not None]
+    if not bad:
+        return Features(xs, np.ones(rows, dtype=bool), None)
+    invalid = np.zeros(rows, dtype=bool)
+    for p in bad:
+        invalid |= p.bad
     # Reasons are built only for the (rare) invalid rows, so per-row Python is fine here.
-    nulls = np.column_stack([c.is_null().to_numpy(zero_copy_only=False) for c in cast])
-    reasons = []
-    for i in np.flatnonzero(~valid):
-        bad = []
-        for j, name in enumerate(columns):
-            if finite[i, j]:
-                continue
-            if nulls[i, j]:
-                bad.append(f"null in {name}")
-            elif np.isnan(x[i, j]):
-                bad.append(f"NaN in {name}")
-            else:
-                bad.append(f"infinite value in {name}")
-        reasons.append("; ".join(bad))
-    return Features(x, valid, reasons)
-
-
-def _list_features(rb: pa.RecordBatch, column: str, width: int) -> Features:
-    arr = rb.column(column)
-    n = len(arr)
-    lengths = pc.fill_null(pc.list_value_length(arr), -1).to_numpy(zero_copy_only=False)
-    right_len = lengths == width
-    if pa.types.is_fixed_size_list(arr.type) and arr.null_count == 0:
-        # flatten() honours slice offsets (.values does not): zero-copy for float32 lists.
-        flat = pc.cast(arr.flatten(), pa.float32()).to_numpy(zero_copy_only=False)
-        x = flat.reshape(n, width).copy()  # the single copy: Arrow memory is read-only
-    else:
-        x = np.full((n, width), np.nan, dtype=np.float32)
-        if right_len.any():
-            good = arr.filter(pa.array(right_len))
-            vals = pc.cast(good.flatten(), pa.float32()).to_numpy(zero_copy_only=False)
-            x[right_len] = vals.reshape(-1, width)
-    finite = np.isfinite(x).all(axis=1)
-    valid: np.ndarray = np.logical_and(finite, right_len)
-    if valid.all():
-        return Features(np.ascontiguousarray(x), valid, None)
-    reasons = []
-    for i in np.flatnonzero(~valid):
-        if lengths[i] == -1:
-            reasons.append(f"null in {column}")
-        elif not right_len[i]:
-            reasons.append(f"{column} has {lengths[i]} values, expected {width}")
-        else:
-            reasons.append(f"NaN, null or infinite value in {column}")
-    return Features(np.ascontiguousarray(x), valid, reasons)
+    reasons = [
+        "; ".join(p.why(int(i)) for p in bad if p.bad[i])  # type: ignore[index]
+        for i in np.flatnonzero(invalid)
+    ]
+    return Features(xs, ~invalid, reasons)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,23 +216,26 @@ def lossy_cast(arr: pa.Array) -> LossyCast | None:
 
 
 def lossy_casts(rb: pa.RecordBatch, spec: BundleSpec, skip: Any = ()) -> dict[str, LossyCast]:
-    """The feature columns of ``rb`` (not in ``skip``) whose cast to float32 changes a value."""
+    """The columns of ``rb`` (not in ``skip``) feeding a float32 input whose cast to float32
+    changes a value (float16 and bfloat16 inputs are declared lossy on purpose)."""
     found: dict[str, LossyCast] = {}
-    for name in spec.input_columns:
-        if name in skip:
+    for inp in spec.inputs:
+        if inp.dtype != "float32":
             continue
-        arr = rb.column(name)
-        t = arr.type
-        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-            arr = arr.flatten()
-        change = lossy_cast(arr)
-        if change is not None:
-            found[name] = change
+        for name in inp.source_columns:
+            if name in skip or name in found:
+                continue
+            arr = rb.column(name)
+            t = arr.type
+            if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+                arr = arr.flatten()
+            change = lossy_cast(arr)
+            if change is not None:
+                found[name] = change
     return found
 
 
-def to_features(rb: pa.RecordBatch, spec: BundleSpec, width: int) -> Features:
-    """Build the (rows, width) float32 matrix for ``rb`` and flag rows the model must not see."""
-    if spec.columns is not None:
-        return _columns_features(rb, spec.columns)
-    return _list_features(rb, spec.column or "", width)
+def to_features(rb: pa.RecordBatch, spec: BundleSpec, widths: tuple[int, ...]) -> Features:
+    """Build each input's array for ``rb`` and flag rows the model must not see."""
+    parts = [inputs.build(rb, i, w) for i, w in zip(spec.inputs, widths, strict=True)]
+    return _combine(parts, rb.num_rows)

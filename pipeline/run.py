@@ -171,9 +171,10 @@ class ScoringRun:
         self.plan: Plan = thread_plan(config, len(self.shards))
         if self.plan.scheduler != "sync":
             # Workers start (and load the model) while the driver reads footers below.
-            width = len(bundle.columns) if bundle.columns is not None else bundle.dim
+            fixed = [i.fixed_width() for i in bundle.inputs]
+            widths = None if None in fixed else tuple(w for w in fixed if w is not None)
             batch = config.batch_size if isinstance(config.batch_size, int) else None
-            self.session = DaskSession(self.plan, self._worker_spec(width, batch))
+            self.session = DaskSession(self.plan, self._worker_spec(widths, batch))
         self.found: Inspection = inspect_shards(
             config, self.shards, bundle, self.sha, self.device, opts
         )
@@ -181,7 +182,7 @@ class ScoringRun:
         self.execution: Execution = plan_execution(
             config, self.shards, self.failed, self.found, self.plan
         )
-        self.spec = self._worker_spec(self.found.width, self.execution.batch_size)
+        self.spec = self._worker_spec(self.found.widths, self.execution.batch_size)
         if self.session is not None and self.plan.scheduler not in ("local", "threads"):
             # An existing cluster must answer before the run takes the output: an unreachable
             # scheduler fails here, with nothing written.
@@ -284,14 +285,14 @@ class ScoringRun:
         """The model as loaded in the driver (dry-run checked)."""
         return self.found.model
 
-    def _worker_spec(self, width: int | None, batch_size: int | None) -> WorkerSpec:
+    def _worker_spec(self, widths: tuple[int, ...] | None, batch_size: int | None) -> WorkerSpec:
         overlap = OVERLAP_DEPTH if self.config.overlap else 0
         torch_threads = self.plan.torch_threads
         spec = WorkerSpec.for_job(
             self.config,
             self.sha,
             str(self.device),
-            width,
+            widths,
             batch_size,
             overlap_depth=overlap,
             torch_threads=torch_threads,

@@ -29,7 +29,7 @@ from pipeline.engine import ModelFailedEverywhere, Scored, output_columns, score
 from pipeline.errors import ShardError
 from pipeline.faults import checkpoint
 from pipeline.locking import LOCK_LOST_KIND, LockLostError, assert_holder
-from pipeline.model import LoadedModel, load_model
+from pipeline.model import Inputs, LoadedModel, load_model
 from pipeline.overlap import read_ahead
 from pipeline.precision import ExecutionOptions, prepare
 from pipeline.reconcile import footer_metadata, rejects_metadata
@@ -50,7 +50,9 @@ class WorkerSpec:
     model_uri: str
     model_sha256: str
     device: str
-    width: int | None  # features per row; None only while warming, before the data gave it
+    # Values per row of each model input (0: a (batch,) input); None only while warming, before
+    # the data gave the width of an input that model.toml leaves open.
+    widths: tuple[int, ...] | None
     id_column: str
     passthrough: tuple[str, ...]
     batch_size: int | None  # None only while warming a run whose batch size is still "auto"
@@ -105,7 +107,7 @@ class WorkerSpec:
         config: JobConfig,
         model_sha256: str,
         device: str,
-        width: int | None,
+        widths: tuple[int, ...] | None,
         batch_size: int | None,
         *,
         overlap_depth: int,
@@ -117,7 +119,7 @@ class WorkerSpec:
             model_uri=config.model,
             model_sha256=model_sha256,
             device=device,
-            width=width,
+            widths=widths,
             id_column=config.id_column,
             passthrough=config.passthrough,
             batch_size=batch_size,
@@ -265,7 +267,7 @@ def _load(spec: WorkerSpec, warm_rows: int) -> LoadedModel:
     model = load_model(
         _bundle_uri(spec),
         _worker_device(spec.device),
-        width=spec.width,
+        widths=spec.widths,
         options=spec.storage_options,
         expected_sha256=spec.model_sha256,
     )
@@ -369,8 +371,8 @@ class _Shard:
     """One shard being scored: its model, schemas and the statistics kept along the way."""
 
     def __init__(self, spec: WorkerSpec, task: ShardTask) -> None:
-        if spec.batch_size is None or spec.width is None:
-            raise ValueError("a WorkerSpec for scoring needs its batch_size and width")
+        if spec.batch_size is None or spec.widths is None:
+            raise ValueError("a WorkerSpec for scoring needs its batch_size and input widths")
         self.spec = spec
         self.task = task
         self.model = _load(spec, spec.batch_size)
@@ -401,7 +403,7 @@ class _Shard:
         dataset = ShardBatches(
             task.input_uri,
             self.model.spec,
-            width=self.model.width,
+            widths=self.model.widths,
             meta_columns=(spec.id_column, *spec.passthrough),
             batch_size=spec.batch_size,
             storage_options=spec.storage_options,
@@ -444,11 +446,12 @@ class _Shard:
             )
             self.stats.count_rejects(reasons)
 
-    def _valid_rows(self, batch: Batch) -> tuple[torch.Tensor, dict[int, str]]:
-        """The batch's valid feature rows, and the reason for each invalid one (by row index)."""
+    def _valid_rows(self, batch: Batch) -> tuple[Inputs, dict[int, str]]:
+        """The batch's valid input rows, and the reason for each invalid one (by row index)."""
         valid = batch.features.valid
+        xs = batch.tensors if batch.device_tensors is None else batch.device_tensors
         if valid.all():
-            return (batch.tensor if batch.device_tensor is None else batch.device_tensor), {}
+            return xs, {}
         invalid_idx = np.flatnonzero(~valid)
         if self.spec.on_invalid_rows == "fail":
             i = int(invalid_idx[0])
@@ -463,11 +466,11 @@ class _Shard:
             )
         reasons = dict(zip(invalid_idx.tolist(), batch.features.reasons or [], strict=True))
         mask = torch.from_numpy(valid)
-        if batch.device_tensor is not None:
-            return batch.device_tensor[mask.to(self.model.device, non_blocking=True)], reasons
-        return batch.tensor[mask], reasons
+        if batch.device_tensors is not None:
+            mask = mask.to(self.model.device, non_blocking=True)
+        return tuple(t[mask] for t in xs), reasons
 
-    def _run_model(self, batch: Batch, x: torch.Tensor) -> Scored:
+    def _run_model(self, batch: Batch, x: Inputs) -> Scored:
         try:
             return score(self.model, x)
         except ModelFailedEverywhere as e:

@@ -1,8 +1,9 @@
 """Model-speed measurement and batch-size choice, independent of the rest of the pipeline.
 
 Everything here works on a plain callable ``fn(x) -> y`` (a model's forward, possibly wrapped in
-autocast or ``torch.compile`` by the caller) and a ``torch.device``, so any precision or compile
-wrapper can be measured the same way:
+autocast or ``torch.compile`` by the caller), a sample ``x`` (one tensor, or a tuple of tensors
+with rows first for a model of several inputs: ``fn`` then takes the tuple) and a
+``torch.device``, so any precision or compile wrapper can be measured the same way:
 
 - :func:`bench_batch_sizes` times whole passes over a sample at each batch size (the textbook's
   table, printed by :func:`format_table`);
@@ -35,7 +36,27 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ModelFn = Callable[[torch.Tensor], torch.Tensor]
+ModelFn = Callable[[Any], torch.Tensor]
+#: A sample: one tensor, or one tensor per model input (rows first).
+Sample = torch.Tensor | tuple[torch.Tensor, ...]
+_Rows = tuple[torch.Tensor, ...]
+
+
+def _as_rows(fn: ModelFn, x: Sample) -> tuple[ModelFn, _Rows]:
+    """The sample as a tuple, and ``fn`` taking that tuple; each tensor made contiguous so that
+    every batch slice is contiguous, as the loader's batches are."""
+    if isinstance(x, torch.Tensor):
+        return (lambda xs: fn(xs[0])), (x.contiguous(),)
+    return fn, tuple(t.contiguous() for t in x)
+
+
+def _n(xs: _Rows) -> int:
+    return int(xs[0].shape[0])
+
+
+def _slice(xs: _Rows, lo: int, hi: int) -> _Rows:
+    return tuple(t[lo:hi] for t in xs)
+
 
 DEFAULT_TIME_BUDGET_S = 1.5
 # Without an explicit budget on CUDA, a batch may use at most this share of the device memory
@@ -68,42 +89,45 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def _sample_for(x: torch.Tensor, batch: int) -> torch.Tensor:
+def _sample_for(x: _Rows, batch: int) -> _Rows:
     """``x``, with its rows repeated when it holds fewer than one full batch.
 
     A pass over fewer rows than ``batch`` would time a smaller batch than the one asked for.
     """
-    n = x.shape[0]
+    n = _n(x)
     if n >= batch:
         return x
     reps = math.ceil(batch / n)
-    return x.repeat(reps, *([1] * (x.dim() - 1)))[:batch]
+    return tuple(t.repeat(reps, *([1] * (t.dim() - 1)))[:batch] for t in x)
 
 
-def _check_sample(x: torch.Tensor) -> None:
-    if x.dim() < 1 or x.shape[0] < 1:
-        raise ValueError(f"the sample must hold at least one row; got shape {tuple(x.shape)}")
-    if x.device.type != "cpu":
+def _check_sample(x: _Rows) -> None:
+    if not x or x[0].dim() < 1 or x[0].shape[0] < 1:
+        shape = tuple(x[0].shape) if x else ()
+        raise ValueError(f"the sample must hold at least one row; got shape {shape}")
+    if any(t.shape[0] != x[0].shape[0] for t in x):
+        raise ValueError(f"the sample's tensors differ in rows: {[tuple(t.shape) for t in x]}")
+    if any(t.device.type != "cpu" for t in x):
         raise ValueError(
             f"the sample must be on the CPU (batches are moved to the device while timing, as in "
-            f"a real run); it is on {x.device}"
+            f"a real run); it is on {x[0].device}"
         )
 
 
-def _one_pass(fn: ModelFn, data: torch.Tensor, device: torch.device, batch: int) -> float:
+def _one_pass(fn: ModelFn, data: _Rows, device: torch.device, batch: int) -> float:
     """Seconds for one pass over ``data`` in batches of ``batch``, device work included."""
     _sync(device)  # do not charge earlier queued work to this pass
     t0 = time.perf_counter()
     with torch.inference_mode():
-        for lo in range(0, data.shape[0], batch):
-            fn(data[lo : lo + batch].to(device, non_blocking=True))
+        for lo in range(0, _n(data), batch):
+            fn(tuple(t[lo : lo + batch].to(device, non_blocking=True) for t in data))
     _sync(device)
     return time.perf_counter() - t0
 
 
 def _bench_one(
     fn: ModelFn,
-    x: torch.Tensor,
+    x: _Rows,
     device: torch.device,
     batch: int,
     *,
@@ -115,8 +139,8 @@ def _bench_one(
     if device.type == "cuda":
         # The real run pins its batches (DataLoader pin_memory=True), which is what makes the
         # non_blocking copy asynchronous; time the same copy path.
-        data = data.pin_memory()
-    rows = data.shape[0]
+        data = tuple(t.pin_memory() for t in data)
+    rows = _n(data)
     calls = math.ceil(rows / batch)
     start = time.perf_counter()
 
@@ -158,7 +182,7 @@ def _bench_one(
 
 def bench_batch_sizes(
     fn: ModelFn,
-    x: torch.Tensor,
+    x: Sample,
     device: torch.device,
     batch_sizes: Sequence[int],
     *,
@@ -186,10 +210,10 @@ def bench_batch_sizes(
     bad = [b for b in batch_sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1]
     if bad:
         raise ValueError(f"batch sizes must be integers >= 1; got {bad}")
-    _check_sample(x)
-    x = x.contiguous()  # so that every batch slice is contiguous, as the loader's batches are
+    fn, rows = _as_rows(fn, x)
+    _check_sample(rows)
     return [
-        _bench_one(fn, x, device, b, repeats=repeats, warmup=warmup, time_budget_s=time_budget_s)
+        _bench_one(fn, rows, device, b, repeats=repeats, warmup=warmup, time_budget_s=time_budget_s)
         for b in batch_sizes
     ]
 
@@ -215,18 +239,18 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     )
 
 
-def _cuda_peak_bytes(fn: ModelFn, x: torch.Tensor, device: torch.device, batch: int) -> int | None:
+def _cuda_peak_bytes(fn: ModelFn, x: _Rows, device: torch.device, batch: int) -> int | None:
     """Peak bytes allocated on ``device`` during one call at ``batch`` rows; None on OOM.
 
     The peak includes everything this process holds there (weights, other tensors), which is
     what has to fit.
     """
-    data = _sample_for(x, batch)[:batch]
+    data = _slice(_sample_for(x, batch), 0, batch)
     _sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     try:
         with torch.inference_mode():
-            fn(data.to(device))
+            fn(tuple(t.to(device) for t in data))
         _sync(device)
     except Exception as e:
         if not _is_oom(e):
@@ -242,13 +266,13 @@ class _Probe:
     def __init__(
         self,
         fn: ModelFn,
-        x: torch.Tensor,
+        x: _Rows,
         device: torch.device,
         budget: int | None,
         timing: tuple[int, int, float],  # repeats, warmup, time budget per size
     ) -> None:
         self.fn, self.x, self.device, self.budget, self.timing = fn, x, device, budget, timing
-        self.row_bytes = x[0].numel() * x.element_size()
+        self.row_bytes = sum(t[0].numel() * t.element_size() for t in x)
 
     def fits(self, batch: int) -> bool:
         budget, device = self.budget, self.device
@@ -287,7 +311,7 @@ class _Probe:
 # mostly the docstring that states the memory rules.
 def auto_batch_size(  # noqa: PLR0913
     fn: ModelFn,
-    x: torch.Tensor,
+    x: Sample,
     device: torch.device,
     *,
     start: int = 32,
@@ -329,14 +353,14 @@ def auto_batch_size(  # noqa: PLR0913
         raise ValueError(f"need 1 <= start <= max_batch; got start={start}, max_batch={max_batch}")
     if min_gain < 0:
         raise ValueError(f"min_gain must be >= 0, got {min_gain}")
-    _check_sample(x)
-    x = x.contiguous()
+    fn, rows = _as_rows(fn, x)
+    _check_sample(rows)
 
     budget = memory_budget_bytes
     if device.type == "cuda" and budget is None:
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(torch.cuda.memory_allocated(device) + DEFAULT_CUDA_FREE_FRACTION * free)
-    probe = _Probe(fn, x, device, budget, (repeats, warmup, time_budget_s))
+    probe = _Probe(fn, rows, device, budget, (repeats, warmup, time_budget_s))
     fits, measure = probe.fits, probe.measure
 
     first = start

@@ -54,7 +54,7 @@ def _batches(
     ds = ShardBatches(
         str(path),
         spec,
-        width=width if width is not None else len(spec.input_columns),
+        widths=(width if width is not None else len(spec.input_columns),),
         meta_columns=meta,
         batch_size=batch_size,
     )
@@ -73,9 +73,9 @@ def _check_layout(path: Path, table: pa.Table, expected_rg: np.ndarray, batch_si
     for b in batches:
         assert isinstance(b, Batch)
         assert b.meta.schema.names == list(META)
-        assert b.tensor.dtype == torch.float32
-        assert tuple(b.tensor.shape) == (b.num_rows, len(SMALL))
-        assert b.tensor.is_contiguous()
+        assert b.tensors[0].dtype == torch.float32
+        assert tuple(b.tensors[0].shape) == (b.num_rows, len(SMALL))
+        assert b.tensors[0].is_contiguous()
         assert len(b.row_groups) == b.num_rows
         assert len(b.features.valid) == b.num_rows
         assert b.features.valid.all() and b.features.reasons is None
@@ -86,7 +86,7 @@ def _check_layout(path: Path, table: pa.Table, expected_rg: np.ndarray, batch_si
     np.testing.assert_array_equal(ids, table.column("item_id").to_numpy())
     cats = [c for b in batches for c in b.meta.column("category").to_pylist()]
     assert cats == table.column("category").to_pylist()
-    x = torch.cat([b.tensor for b in batches]).numpy()
+    x = torch.cat([b.tensors[0] for b in batches]).numpy()
     np.testing.assert_array_equal(x, _features(table, SMALL))
     rgs = np.concatenate([b.row_groups for b in batches])
     np.testing.assert_array_equal(rgs, expected_rg)
@@ -187,12 +187,12 @@ def test_sixteen_feature_shard_matches_source(tmp_path: Path) -> None:
     pq.write_table(table, path, row_group_size=1000)
     batches = _batches(path, _spec(FEATURES), 512)
     assert [b.num_rows for b in batches] == [512] * 4 + [297]
-    x = torch.cat([b.tensor for b in batches])
+    x = torch.cat([b.tensors[0] for b in batches])
     assert x.dtype == torch.float32 and tuple(x.shape) == (2345, 16)
     np.testing.assert_array_equal(x.numpy(), _features(table, FEATURES))
     # The tensor is a view of features.x (no extra copy), and both agree.
     for b in batches:
-        assert np.shares_memory(b.tensor.numpy(), b.features.x)
+        assert np.shares_memory(b.tensors[0].numpy(), b.features.xs[0])
     ids = np.concatenate([b.meta.column("item_id").to_numpy() for b in batches])
     np.testing.assert_array_equal(ids, np.arange(500, 500 + 2345))
     rgs = np.concatenate([b.row_groups for b in batches])
@@ -229,7 +229,7 @@ def test_only_needed_columns_are_read(tmp_path: Path) -> None:
     assert sum(b.num_rows for b in batches) == n
     for b in batches:
         assert b.meta.schema.names == list(META)
-    x = torch.cat([b.tensor for b in batches]).numpy()
+    x = torch.cat([b.tensors[0] for b in batches]).numpy()
     np.testing.assert_array_equal(x, _features(table, FEATURES))
 
 
@@ -237,7 +237,7 @@ def test_make_loader_yields_ready_batches_in_order(tmp_path: Path) -> None:
     table = make_rows(0, 1000, 2)
     path = tmp_path / "s.parquet"
     pq.write_table(table, path, row_group_size=300)
-    ds = ShardBatches(str(path), _spec(FEATURES), width=16, meta_columns=META, batch_size=128)
+    ds = ShardBatches(str(path), _spec(FEATURES), widths=(16,), meta_columns=META, batch_size=128)
     loader = make_loader(ds)
     assert loader.dataset is ds
     assert loader.batch_size is None  # no default collation: the dataset yields whole batches
@@ -257,7 +257,7 @@ def test_make_loader_yields_ready_batches_in_order(tmp_path: Path) -> None:
 def test_batch_size_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         ShardBatches(
-            str(tmp_path / "x.parquet"), _spec(SMALL), width=4, meta_columns=META, batch_size=0
+            str(tmp_path / "x.parquet"), _spec(SMALL), widths=(4,), meta_columns=META, batch_size=0
         )
 
 
@@ -281,7 +281,7 @@ def test_integer_and_double_features_are_cast_to_float32(tmp_path: Path) -> None
     path = tmp_path / "typed.parquet"
     pq.write_table(table, path, row_group_size=250)
     batches = _batches(path, _spec(SMALL), 100)
-    x = torch.cat([b.tensor for b in batches])
+    x = torch.cat([b.tensors[0] for b in batches])
     assert x.dtype == torch.float32
     expected = np.column_stack(
         [f0.astype(np.float32), f1.astype(np.float32), f2.astype(np.float32), f3]
@@ -339,7 +339,7 @@ def test_null_nan_and_infinite_features_mark_rows_invalid(tmp_path: Path) -> Non
         assert b.features.reasons == (expected_reasons or None)
         ok = b.features.valid
         src = _features(table.slice(b.start, b.num_rows), cols)
-        np.testing.assert_array_equal(b.tensor.numpy()[ok], src[ok])
+        np.testing.assert_array_equal(b.tensors[0].numpy()[ok], src[ok])
 
 
 # --- list inputs: [inputs] column = "embedding", dim = 16 ------------------------------------
@@ -372,7 +372,7 @@ def test_fixed_size_list_column_equals_the_sixteen_columns(
     schema = pq.read_schema(path)
     assert (
         check_schema(
-            schema, model.spec, width=16, id_column="item_id", passthrough=(), shard=str(path)
+            schema, model.spec, widths=(16,), id_column="item_id", passthrough=(), shard=str(path)
         )
         == []
     )
@@ -381,11 +381,11 @@ def test_fixed_size_list_column_equals_the_sixteen_columns(
     assert [b.num_rows for b in from_list] == [b.num_rows for b in from_cols]
     for a, b in zip(from_list, from_cols, strict=True):
         assert a.start == b.start
-        assert a.tensor.dtype == torch.float32
-        assert torch.equal(a.tensor, b.tensor)
+        assert a.tensors[0].dtype == torch.float32
+        assert torch.equal(a.tensors[0], b.tensors[0])
         assert a.features.valid.all() and a.features.reasons is None
         np.testing.assert_array_equal(a.row_groups, b.row_groups)
-    np.testing.assert_array_equal(torch.cat([b.tensor for b in from_list]).numpy(), x)
+    np.testing.assert_array_equal(torch.cat([b.tensors[0] for b in from_list]).numpy(), x)
 
 
 def test_variable_length_list_with_a_wrong_length_row(tmp_path: Path, bundle_dir: Path) -> None:
@@ -410,7 +410,7 @@ def test_variable_length_list_with_a_wrong_length_row(tmp_path: Path, bundle_dir
         "embedding has 17 values, expected 16",
         "null in embedding",
     ]
-    got = torch.cat([b.tensor for b in batches]).numpy()
+    got = torch.cat([b.tensors[0] for b in batches]).numpy()
     np.testing.assert_array_equal(got[valid], x[valid])
     ids = np.concatenate([b.meta.column("item_id").to_numpy() for b in batches])
     np.testing.assert_array_equal(ids, np.arange(n))

@@ -109,7 +109,7 @@ def test_to_device_ahead_passes_cpu_batches_through() -> None:
         for i in range(3)
     ]
     out = list(to_device_ahead(iter(batches), torch.device("cpu")))
-    assert out == batches and all(b.device_tensor is None for b in out)
+    assert out == batches and all(b.device_tensors is None for b in out)
 
 
 @pytest.mark.gpu
@@ -132,7 +132,7 @@ def test_to_device_ahead_copies_in_order_on_cuda() -> None:  # pragma: no cover 
         for i in range(5)
     ]
     out = list(to_device_ahead(iter(batches), dev))
-    assert [int(b.device_tensor[0, 0].item()) for b in out] == [0, 1, 2, 3, 4]
+    assert [int(b.device_tensors[0][0, 0].item()) for b in out] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.integration

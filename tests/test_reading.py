@@ -12,7 +12,7 @@ import pytest
 from pipeline.demo import FEATURES, make_rows
 from pipeline.errors import ShardError
 from pipeline.model import BundleSpec, parse_bundle_toml
-from pipeline.reading import ShardInfo, check_schema, feature_width, open_parquet, read_footer
+from pipeline.reading import ShardInfo, check_schema, data_widths, open_parquet, read_footer
 from tests.conftest import demo_toml, write_shards
 
 SHARD = "s3://bucket/catalog/part-00007.parquet"
@@ -48,7 +48,7 @@ def _check(
     return check_schema(
         schema,
         spec or _columns_spec(),
-        width=width,
+        widths=(width,),
         id_column="item_id",
         passthrough=passthrough,
         shard=SHARD,
@@ -226,13 +226,21 @@ def test_all_problems_are_reported_at_once() -> None:
     assert not any("extra" in p for p in problems)
 
 
-def test_feature_width_of_list_inputs() -> None:
+def test_data_widths_of_list_inputs() -> None:
     base = pa.schema([pa.field("item_id", pa.int64())])
-    spec = _list_spec()
-    assert feature_width(base.append(pa.field("embedding", pa.list_(pa.float32(), 24))), spec) == 24
-    assert feature_width(base.append(pa.field("embedding", pa.list_(pa.float32()))), spec) is None
-    assert feature_width(base, spec) is None
-    assert feature_width(_demo_schema(), _columns_spec()) is None
+    toml = (
+        'name = "emb"\nversion = "1"\nformat = "exported_program"\nfile = "model.pt2"\n'
+        '[inputs]\ncolumn = "embedding"\n[outputs]\nscore = "softmax:1"\n'
+    )
+    spec = parse_bundle_toml(toml.encode(), "bundle-under-test")  # no dim: the data decides
+    assert data_widths(base.append(pa.field("embedding", pa.list_(pa.float32(), 24))), spec) == (
+        24,
+    )
+    assert data_widths(base.append(pa.field("embedding", pa.list_(pa.float32()))), spec) == (None,)
+    assert data_widths(base, spec) == (None,)
+    # A declared width is the width, whatever the data says.
+    assert data_widths(base, _list_spec()) == (16,)
+    assert data_widths(_demo_schema(), _columns_spec()) == (16,)
 
 
 def test_schema_of_a_real_shard_fits(tmp_path: Path) -> None:

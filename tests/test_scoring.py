@@ -29,7 +29,7 @@ def _spec(bundle: Path, **kw: object) -> WorkerSpec:
         model_uri=str(bundle),
         model_sha256="",
         device="cpu",
-        width=len(FEATURES),
+        widths=(len(FEATURES),),
         id_column="item_id",
         passthrough=("category",),
         batch_size=700,  # not a divisor of the 1,000-row row groups

@@ -508,7 +508,7 @@ def reuses_cached_model(uri: str, device: str, sha256: str, width: int) -> bool:
     from pipeline.model import load_model
 
     before = len(_LOADS)
-    load_model(uri, device, width=width, expected_sha256=sha256)
+    load_model(uri, device, widths=(width,), expected_sha256=sha256)
     return len(_LOADS) == before
 
 

@@ -243,7 +243,7 @@ def test_a_worker_that_does_not_see_the_drivers_copy_downloads_the_pinned_versio
         model_uri=str(tmp_path / "driver-cache" / "bundle"),  # not on this "machine"
         model_sha256=_sha(bundle_dir),
         device="cpu",
-        width=16,
+        widths=(16,),
         id_column="item_id",
         passthrough=(),
         batch_size=64,
