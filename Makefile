@@ -37,7 +37,7 @@ $(VENV)/.installed: pyproject.toml
 data: data/catalog/.done
 
 data/catalog/.done: $(VENV)/.installed pipeline/demo.py
-	$(BIN)/score-catalog demo --catalog data/catalog --model-dir data/models/catalog-mlp
+	$(BIN)/score-catalog demo --catalog data/catalog --model-dir data/models/catalog-ranker
 	touch $@
 
 score-catalog: data

@@ -273,10 +273,10 @@ def run(job: Path | None, **opts: Any) -> None:
 )
 @click.option(
     "--model-dir",
-    default="data/models/catalog-mlp",
+    default="data/models/catalog-ranker",
     show_default=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Where to write the bundle.",
+    help="Where to write the demo model's bundle.",
 )
 @click.option("--rows", default=200_000, show_default=True, type=click.IntRange(min=0))
 @click.option("--shards", default=8, show_default=True, type=click.IntRange(min=1))

@@ -1,8 +1,14 @@
 """Deterministic demo data and the demo model bundle (``make data`` / ``score-catalog demo``).
 
-The catalog is synthetic: ``item_id``, ``category`` and 16 float32 features, with a ``label``
-given by a fixed nonlinear rule of the features, so that the demo MLP (16-256-128-2, ReLU) has
-something real to learn. Same arguments, same bytes.
+The catalog is synthetic: ``item_id``, ``category`` (a string, dictionary-encoded in the files)
+and 16 float32 features, with a ``label`` given by a fixed nonlinear rule of the features and
+the category, so that the demo model has something real to learn. Same arguments, same bytes.
+
+The demo model (:class:`CatalogRanker`, bundle ``data/models/catalog-ranker``) is a small
+catalog model: an embedding of the category beside the 16 numeric features, two inputs declared
+in its ``model.toml`` (the category through a vocabulary file). :class:`DemoMLP`, the textbook's
+16-256-128-2 MLP over the features alone, is the benchmarks' W1 model
+(``data/models/catalog-mlp``).
 """
 
 from __future__ import annotations
@@ -22,31 +28,23 @@ logger = logging.getLogger(__name__)
 N_FEATURES = 16
 FEATURES = tuple(f"f{i}" for i in range(N_FEATURES))
 CATEGORIES = ("books", "garden", "kitchen", "toys", "sports", "music", "tools", "beauty")
-
-BUNDLE_TOML = """\
-# The demo bundle: made by `score-catalog demo` (pipeline/demo.py), deterministic.
-name = "catalog-mlp"
-version = "1"
-format = "exported_program"
-file = "model.pt2"
-
-[inputs]
-columns = [{columns}]
-
-[outputs]
-score = "softmax:1"
-label = "argmax"
-"""
+# What each category adds to the label rule's score: the category matters, so a model that
+# looks it up (through its embedding) beats one that sees the features alone.
+CATEGORY_SHIFT = np.array([0.9, -0.7, 0.3, -1.1, 0.6, -0.2, 1.2, -0.9], dtype=np.float32)
+#: The demo bundle's vocabulary: id 0 for a category it has not seen.
+VOCABULARY = ("<unseen>", *CATEGORIES)
 
 
-def label_rule(x: np.ndarray) -> np.ndarray:
-    """The fixed rule that makes the demo labels (nonlinear, so a linear model is not enough)."""
+def label_rule(x: np.ndarray, category: np.ndarray) -> np.ndarray:
+    """The fixed rule that makes the demo labels (nonlinear, so a linear model is not enough;
+    ``category`` holds indices into CATEGORIES)."""
     s = (
         x[:, 0]
         + 0.8 * x[:, 1]
         - 0.6 * x[:, 2] * x[:, 3]
         + 0.5 * np.sin(2.0 * x[:, 4])
         - 0.3 * x[:, 5] ** 2
+        + CATEGORY_SHIFT[category]
     )
     labels: np.ndarray = (s > -0.3).astype(np.int64)
     return labels
@@ -56,14 +54,15 @@ def make_rows(start: int, n: int, seed: int) -> pa.Table:
     """Rows ``start .. start+n`` of the synthetic catalog (independent of how it is sharded)."""
     rng = np.random.default_rng([seed, start])
     x = rng.standard_normal((n, N_FEATURES), dtype=np.float32)
-    cats = np.asarray(CATEGORIES)[rng.integers(0, len(CATEGORIES), n)]
+    cat_idx = rng.integers(0, len(CATEGORIES), n)
+    cats = np.asarray(CATEGORIES)[cat_idx]
     cols: dict[str, pa.Array] = {
         "item_id": pa.array(np.arange(start, start + n, dtype=np.int64)),
         "category": pa.array(cats, pa.string()),
     }
     for i, name in enumerate(FEATURES):
         cols[name] = pa.array(x[:, i])
-    cols["label"] = pa.array(label_rule(x))
+    cols["label"] = pa.array(label_rule(x, cat_idx))
     return pa.table(cols)
 
 
@@ -145,6 +144,30 @@ def export_bundle(
     return out
 
 
+class CatalogRanker(nn.Module):
+    """The demo catalog model: forward(features, category), an embedding of the category id
+    beside the 16 numeric features, then a small MLP (20-64-32-2)."""
+
+    def __init__(self, n_in: int = N_FEATURES, n_categories: int = len(VOCABULARY), dim: int = 4):
+        super().__init__()
+        self.category = nn.Embedding(n_categories, dim)
+        self.net = nn.Sequential(
+            nn.Linear(n_in + dim, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 2)
+        )
+
+    def forward(self, features: torch.Tensor, category: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(torch.cat([features, self.category(category)], dim=1))
+        return out
+
+
+def ranker_inputs() -> dict[str, dict[str, object]]:
+    """The demo bundle's ``[inputs]``: the features, and the category through its vocabulary."""
+    return {
+        "features": {"columns": list(FEATURES)},
+        "category": {"column": "category", "vocabulary": list(VOCABULARY), "oov": 0},
+    }
+
+
 def train_demo_model(
     bundle_dir: str | Path,
     *,
@@ -152,34 +175,50 @@ def train_demo_model(
     steps: int = 400,
     batch: int = 512,
 ) -> float:
-    """Train the demo MLP on rows from the generator, export it, and return held-out accuracy."""
+    """Train the demo ranker on rows from the generator, save its bundle (through
+    :func:`pipeline.save_bundle`, which checks it loads) and return held-out accuracy."""
+    from pipeline.export import save_bundle
+
     torch.manual_seed(seed)
     train = make_rows(10_000_000, steps * batch // 4, seed + 1)
     test = make_rows(20_000_000, 20_000, seed + 2)
+    ids = {c: i for i, c in enumerate(VOCABULARY)}
 
-    def xy(t: pa.Table) -> tuple[torch.Tensor, torch.Tensor]:
+    def xy(t: pa.Table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = np.column_stack([t.column(c).to_numpy() for c in FEATURES])
-        return torch.from_numpy(x), torch.from_numpy(t.column("label").to_numpy())
+        cat = np.array([ids[c] for c in t.column("category").to_pylist()], dtype=np.int64)
+        y = np.array(t.column("label").to_numpy())  # writable, for torch
+        return torch.from_numpy(x), torch.from_numpy(cat), torch.from_numpy(y)
 
-    xtr, ytr = xy(train)
-    xte, yte = xy(test)
-    model = DemoMLP()
+    xtr, ctr, ytr = xy(train)
+    xte, cte, yte = xy(test)
+    model = CatalogRanker()
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     model.train()
     for _ in range(steps):
         idx = torch.randint(0, len(xtr), (batch,), generator=gen)
-        loss = nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
+        loss = nn.functional.cross_entropy(model(xtr[idx], ctr[idx]), ytr[idx])
         opt.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
     model.eval()
     with torch.inference_mode():
-        acc = float((model(xte).argmax(1) == yte).float().mean())
+        acc = float((model(xte, cte).argmax(1) == yte).float().mean())
     logger.info(
         "trained demo model in %.1fs: held-out accuracy %.3f", time.perf_counter() - t0, acc
     )
-    columns = ", ".join(f'"{c}"' for c in FEATURES)
-    export_bundle(model, bundle_dir, BUNDLE_TOML.format(columns=columns), n_in=N_FEATURES)
+    save_bundle(
+        model,
+        bundle_dir,
+        inputs=ranker_inputs(),
+        outputs={"score": "softmax:1", "label": "argmax"},
+        example=(xte[:64], cte[:64]),
+        name="catalog-ranker",
+        version="1",
+        description="The demo catalog model: a category embedding beside 16 numeric features "
+        "(made by score-catalog demo, pipeline/demo.py).",
+        overwrite=True,
+    )
     return acc

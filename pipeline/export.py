@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -151,7 +150,9 @@ def _example(
             "save_bundle: every example tensor needs the same number of rows (>= 1) in its "
             f"first dimension; got shapes {[tuple(t.shape) for t in xs]}"
         )
-    xs = tuple(t.detach().cpu() for t in xs)
+    # Cloned: torch.export.save keeps the example in the file, and a view (x[:64]) would take
+    # its whole storage along (1.4 MB for the demo's 64-row slice of 20,000 rows).
+    xs = tuple(t.detach().cpu().clone() for t in xs)
     if rows == {1}:
         xs = tuple(torch.cat([t, t]) for t in xs)
     return xs
@@ -209,9 +210,9 @@ def save_bundle(  # noqa: PLR0913 - keyword-only, each one a part of model.toml
             f"dimension: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from e
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(
-        tempfile.mkdtemp(prefix=f".{target.name}.{uuid.uuid4().hex[:6]}-", dir=target.parent)
-    )
+    # A hidden sibling (mkdir, not mkdtemp: the bundle keeps the umask's permissions).
+    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
     try:
         torch.export.save(ep, staging / "model.pt2")
         (staging / "model.toml").write_text(toml_text, encoding="utf-8")
