@@ -17,7 +17,7 @@ RUN_ARGS ?=
 CPU_TORCH ?= torch==2.13.0
 
 .PHONY: install data score-catalog test test-fast lint format clean distclean help-check bench \
-	bench-scaling archive-demo \
+	bench-scaling bench-ab archive-demo \
   gpu-check
 
 install: $(VENV)/.installed
@@ -47,6 +47,11 @@ score-catalog: data
 BENCH_ARGS ?=
 bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+# Two versions side by side on W1 (alternating runs): make bench-ab BASE=<git revision>
+BASE ?= HEAD~1
+bench-ab: install
+	$(BIN)/python -m bench.ab --base $(BASE)
 
 # 1 vs 2 workers, an external tcp:// cluster, tiny shards grouped or not -> BENCHMARKS_SCALING.md
 bench-scaling: install

@@ -31,6 +31,12 @@ class Scored:
     seconds: float = 0.0
 
 
+#: A batch of at most this many rows that fails on every row is rejected row by row even from
+#: a model that has not scored a row yet: bisecting it costs at most 31 calls, and a tiny
+#: shard's rows can all be bad.
+SMALL_BATCH = 16
+
+
 class ModelFailedEverywhere(Exception):
     """The model raised on every row of a multi-row batch: a broken model, not bad rows."""
 
@@ -50,9 +56,14 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def score(model: LoadedModel, x: Inputs | torch.Tensor) -> Scored:
+def score(model: LoadedModel, x: Inputs | torch.Tensor, *, proven: bool = False) -> Scored:
     """Run the model on ``x`` (one tensor per input) under ``inference_mode``; outputs come back
     on the CPU.
+
+    A model that raises on every row of a batch of more than :data:`SMALL_BATCH` rows is taken
+    for broken (:class:`ModelFailedEverywhere`), unless ``proven``: it already scored rows of
+    this data, so the batch's rows are bad rows (a shard's short last batch can be all bad),
+    rejected one by one.
 
     The host-to-device copy is ``non_blocking`` (the loader pins memory on CUDA) and outputs come
     back once per batch.
@@ -87,7 +98,7 @@ def score(model: LoadedModel, x: Inputs | torch.Tensor) -> Scored:
 
     if n:
         run(0, n)
-    if n > 1 and not ok.any():
+    if n > SMALL_BATCH and not ok.any() and not proven:
         first = errors[min(errors)]
         raise ModelFailedEverywhere(f"the model failed on every row of a {n}-row batch ({first})")
     if model.device.type == "cuda":

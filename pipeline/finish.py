@@ -138,6 +138,7 @@ def failed_summary(
         "rows_out": 0,
         "rows_rejected": 0,
         "shards_failed": 0,
+        "shards_not_scored": 0,
         "rows_per_s": 0.0,
         "drift": None,
         "error": describe(e),

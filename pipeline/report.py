@@ -290,6 +290,10 @@ def lossy_cast_entries(shards: Iterable[ShardResult]) -> list[dict[str, Any]]:
     return list(found.values())
 
 
+#: Failure kinds of shards that were never scored because the run stopped: counted, not listed.
+NOT_SCORED_KINDS = frozenset({FailureKind.INTERRUPTED, FailureKind.CANCELLED})
+
+
 def _counts(shards: list[ShardResult]) -> dict[str, Any]:
     """Row and shard totals; rows of failed shards count in ``rows_in`` only."""
     readable = [r for r in shards if r.rows_in is not None and r.status != ShardStatus.FAILED]
@@ -305,8 +309,14 @@ def _counts(shards: list[ShardResult]) -> dict[str, Any]:
         "shards_total": len(shards),
         "shards_scored": len(scored),
         "shards_skipped": sum(r.status == ShardStatus.SKIPPED for r in shards),
-        "shards_failed": sum(r.status == ShardStatus.FAILED for r in shards),
-        "shards_interrupted": sum(r.kind == FailureKind.INTERRUPTED for r in shards),
+        # Failures of the data or the model; shards the run never got to (it was stopped, or
+        # a fatal error cancelled them) are counted apart: a cron timeout is not N failures.
+        "shards_failed": sum(
+            r.status == ShardStatus.FAILED and r.kind not in NOT_SCORED_KINDS for r in shards
+        ),
+        "shards_not_scored": sum(
+            r.status == ShardStatus.FAILED and r.kind in NOT_SCORED_KINDS for r in shards
+        ),
     }
 
 
@@ -314,8 +324,8 @@ def _judge(
     budget: ErrorPolicy, counts: dict[str, Any], accounting_ok: bool, fatal: ShardResult | None
 ) -> tuple[RunStatus, list[str]]:
     """The run's status against its error budget, and the reasons when it failed."""
-    # Shards an interrupt left unscored are not failures of the data: the budget ignores them.
-    n_failed = counts["shards_failed"] - counts["shards_interrupted"]
+    # Shards the run never got to are not failures of the data: the budget ignores them.
+    n_failed = counts["shards_failed"]
     fraction = counts["rejected_fraction"]
     reasons = []
     if fatal is not None:
@@ -373,6 +383,7 @@ def build_report(
         "shards_scored": counts["shards_scored"],
         "shards_skipped": counts["shards_skipped"],
         "shards_failed": counts["shards_failed"],
+        "shards_not_scored": counts["shards_not_scored"],
         "batch_size": facts.batch_size,
         "execution": facts.execution,
         "device": facts.device,
@@ -435,8 +446,6 @@ def _fmt_int(n: int | None) -> str:
     return "-" if n is None else f"{n:,}"
 
 
-#: Failure kinds of shards that were never scored because the run stopped: counted, not listed.
-NOT_SCORED_KINDS = frozenset({FailureKind.INTERRUPTED, FailureKind.CANCELLED})
 MAX_LISTED = 10  # failed shards, removals and warnings shown before "... N more"
 
 
@@ -506,7 +515,8 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
         f"on {d['device']}, batch {d['batch_size']}",
         f"  output    {d['output']}",
         f"  shards    {d['shards_total']} total: {d['shards_scored']} scored, "
-        f"{d['shards_skipped']} skipped (already done), {d['shards_failed']} failed",
+        f"{d['shards_skipped']} skipped (already done), {d['shards_failed']} failed"
+        + (f", {d['shards_not_scored']} not scored" if d.get("shards_not_scored") else ""),
         f"  rows      {_fmt_int(d['rows_in'])} in, {_fmt_int(d['rows_out'])} scored, "
         f"{_fmt_int(d['rows_rejected'])} rejected",
         f"  speed     {d['rows_per_s']:,.0f} rows/s over {d['rows_processed']:,} rows scored in "

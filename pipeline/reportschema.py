@@ -362,6 +362,7 @@ class ReportData(TypedDict):
     shards_scored: int
     shards_skipped: int
     shards_failed: int
+    shards_not_scored: int
     batch_size: int
     execution: Execution
     device: str

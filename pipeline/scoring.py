@@ -395,6 +395,9 @@ class _Shard:
         self.ids = DuplicateIds()
         self.rows_in = 0
         self.dataset: ShardBatches | None = None
+        # Whether the model has scored a row of this shard: from then on a batch it fails on
+        # entirely is bad rows, not a broken model (engine.score's ``proven``).
+        self.proven = False
 
     def batches(self) -> Iterator[Batch]:
         """The shard's batches, read ahead and moved to the model's device ahead of use."""
@@ -472,7 +475,7 @@ class _Shard:
 
     def _run_model(self, batch: Batch, x: Inputs) -> Scored:
         try:
-            return score(self.model, x)
+            scored = score(self.model, x, proven=self.proven)
         except ModelFailedEverywhere as e:
             raise ShardError(
                 f"shard {self.task.input_uri}, rows {batch.start}-"
@@ -481,6 +484,8 @@ class _Shard:
                 shard=self.task.input_uri,
                 kind=FailureKind.MODEL,
             ) from e
+        self.proven = self.proven or bool(scored.ok.any())
+        return scored
 
     def check_complete(self) -> None:
         """Every row the footer promised was read; else the file changed under the run."""

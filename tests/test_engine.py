@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pipeline.demo import FEATURES, export_bundle, make_rows
-from pipeline.engine import ModelFailedEverywhere, Scored, output_columns, score
+from pipeline.engine import SMALL_BATCH, ModelFailedEverywhere, Scored, output_columns, score
 from pipeline.model import LoadedModel, OutputSpec, load_model
 from tests.conftest import demo_toml, make_model, reference_scores
 
@@ -156,6 +156,18 @@ def test_every_row_failing_is_a_broken_model(
     with pytest.raises(ModelFailedEverywhere, match="64-row batch") as e:
         score(raising_model, x)
     assert text in str(e.value)
+
+
+@pytest.mark.parametrize(("rows", "proven"), [(64, True), (SMALL_BATCH, False), (3, False)])
+def test_every_row_failing_after_the_model_scored_rows_is_rejected_rows(
+    raising_model: LoadedModel, rows: int, proven: bool
+) -> None:
+    # A shard's short last batch holding only bad rows, or a tiny shard: rows, not the model.
+    x = _x(rows, 6)
+    x[:, 0] = BAD_F0
+    s = score(raising_model, x, proven=proven)
+    assert not s.ok.any() and sorted(s.errors) == list(range(rows))
+    assert tuple(s.outputs.shape) == (0, 2)
 
 
 @pytest.fixture(scope="module")

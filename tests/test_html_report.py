@@ -103,6 +103,7 @@ def full_report() -> dict[str, Any]:
         "shards_scored": 3,
         "shards_skipped": 0,
         "shards_failed": 1,
+        "shards_not_scored": 0,
         "batch_size": 4096,
         "execution": {"precision": "fp32", "compile": False, "compile_s": None, "tf32": False,
                       "overlap": True,

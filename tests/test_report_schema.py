@@ -160,7 +160,16 @@ def _minimal_valid() -> dict[str, Any]:
         "rows_per_s": 0.0,
         "rejected_fraction": 0.0,
         "accounting_ok": True,
-        **dict.fromkeys(("shards_total", "shards_scored", "shards_skipped", "shards_failed"), 0),
+        **dict.fromkeys(
+            (
+                "shards_total",
+                "shards_scored",
+                "shards_skipped",
+                "shards_failed",
+                "shards_not_scored",
+            ),
+            0,
+        ),
         "batch_size": 1,
         "execution": {
             "precision": "fp32",

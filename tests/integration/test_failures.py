@@ -320,6 +320,22 @@ def test_rows_the_model_fails_on_are_bisected_out_and_rejected(
     assert "failed on every row" in rep["errors"][0]["message"]
 
 
+def test_a_last_batch_of_only_bad_rows_is_rejects_not_a_broken_model(
+    catalog: Path, tmp_path: Path
+) -> None:
+    # part-00000 has 2,500 rows: with batch 500 its last batch is rows 2,000-2,499; poison
+    # all of them, as a shard whose tail is bad would be. The model scored rows before, so
+    # these are bad rows, not a broken model: rejected, and the night succeeds within budget.
+    bundle = _raising_bundle(tmp_path / "picky")
+    _poison(catalog / "part-00000.parquet", {i: ("f0", 5000.0) for i in range(2000, 2500)})
+    out = tmp_path / "o"
+    r = _run(catalog, out, bundle, "--batch-size", "500", "--max-rejected-fraction", "0.1")
+    assert r.returncode == 0, r.output
+    rep = report(out)
+    assert rep["status"] == "succeeded_with_errors" and rep["rows_rejected"] == 500
+    assert rep["rows_out"] == 7300 - 500 and rep["shards_failed"] == 0
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sizes=st.lists(st.integers(0, 700), min_size=1, max_size=3),

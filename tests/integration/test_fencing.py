@@ -257,7 +257,9 @@ def test_an_error_after_the_lock_writes_a_failed_report(
     assert r.report is not None  # validated against the schema by cli()
     assert r.report["status"] == "failed"
     assert "_manifest.json" in r.report["failure_reasons"][0]
-    assert r.report["shards_failed"] == r.report["shards_total"] == 3
+    # The shards were never attempted: not scored, not failures of the data.
+    assert r.report["shards_not_scored"] == r.report["shards_total"] == 3
+    assert r.report["shards_failed"] == 0
     assert not (out / "_SUCCESS").exists() and not (out / LOCK_NAME).exists()
     assert 'status="failed"} 1' in _metrics(metrics)
 

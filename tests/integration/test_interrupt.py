@@ -172,6 +172,14 @@ def test_a_signal_after_a_commit_interrupts_and_a_rerun_completes(
     left = {s["rel_path"] for s in rep["shards"] if s["status"] != "scored"}
     assert scored and left, rep["shards"]
     assert {s["kind"] for s in rep["shards"] if s["status"] != "scored"} == {"interrupted"}
+    # A cron timeout is not a failure of the data: the shards left are not scored, not failed.
+    assert rep["shards_not_scored"] == len(left) and rep["shards_failed"] == 0
+    (failed_line,) = [
+        ln
+        for ln in metrics.read_text().splitlines()
+        if ln.startswith("score_catalog_last_run_failed_shards{")
+    ]
+    assert failed_line.endswith(" 0.0"), failed_line
     assert all(
         s["message"] == f"not scored: the run was interrupted by {sig.name}"
         for s in rep["shards"]
