@@ -33,6 +33,7 @@ from pipeline.errors import (
 from pipeline.interrupt import StopRequest
 from pipeline.manifest import Manifest
 from pipeline.model import read_bundle
+from pipeline.reading import read_footer
 from pipeline.report import REPORT_NAME, RunReport
 from pipeline.run import run
 from pipeline.scoring import ShardResult
@@ -122,8 +123,12 @@ def _finished(config: JobConfig, sha: str) -> dict[str, Any] | None:
 
 
 def _input_unchanged(config: JobConfig, out: storage.Location) -> bool:
-    """Whether the day's input still lists exactly the shards its manifest recorded, each
-    with the same size and mtime/ETag (a listing, no footer reads: the skip stays cheap)."""
+    """Whether the day's input still holds exactly the shards its manifest recorded, each with
+    the fingerprint a run would check: size and mtime/ETag from the listing, then row count and
+    footer statistics (:func:`pipeline.reading.footer_hash`) from each footer. The listing
+    comes first, so a day that changed in an obvious way costs no footer read; a shard
+    rewritten in place with its size and mtime kept (``cp -p``, ``rsync -a``) is caught by its
+    footer, as ``run`` catches it."""
     try:
         shards = storage.list_shards(config.input_uri(), config.storage)
         done = Manifest.load(out).shards
@@ -135,6 +140,17 @@ def _input_unchanged(config: JobConfig, out: storage.Location) -> bool:
         recorded = done[s.rel_path].get("fingerprint") or {}
         if any(recorded.get(k) != v for k, v in s.fingerprint().items()):
             return False
+    for s in shards:
+        recorded = done[s.rel_path].get("fingerprint") or {}
+        try:
+            info = read_footer(s.uri, config.storage)
+        except PipelineError:
+            return False
+        if (recorded.get("num_rows"), recorded.get("footer_hash")) != (
+            info.num_rows,
+            info.footer_hash,
+        ):
+            return False  # an entry from before footers were recorded is run again too
     return True
 
 
@@ -230,8 +246,12 @@ def _partition(
         "shards_scored": d["shards_scored"],
         "shards_skipped": d["shards_skipped"],
         "shards_failed": d["shards_failed"],
+        "shards_not_scored": d.get("shards_not_scored", 0),
         "duration_s": d["duration_s"],
         "drift_alert": bool((d.get("drift") or {}).get("alert")),
+        # Why a day did not simply succeed, so the backfill's summary says it without opening
+        # the day's _report.json.
+        "failure_reasons": list(d.get("failure_reasons") or []),
     }
 
 
@@ -301,7 +321,15 @@ def summary_table(report: BackfillReport) -> str:
     ]
     for p in d["partitions"]:
         rows = "-" if p.get("rows_out") is None else f"{p['rows_out']:,}"
-        note = p.get("message") or p.get("note") or p.get("output") or p.get("input") or ""
+        reasons = p.get("failure_reasons") or []
+        note = (
+            p.get("message")
+            or ("; ".join(reasons) if reasons else None)
+            or p.get("note")
+            or p.get("output")
+            or p.get("input")
+            or ""
+        )
         if p.get("drift_alert"):
             note = "DRIFT; " + note
         lines.append(f"  {p['date']:<10}  {p['status']:<24} {rows:>12}  {note}")

@@ -32,6 +32,7 @@ from pipeline.errors import (
     REPORT_EXIT_CODES_HELP,
     PipelineError,
 )
+from pipeline.faults import checkpoint
 from pipeline.interrupt import EXIT_CODES, Aborted, StopRequest, handle_signals
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -233,12 +234,14 @@ def run(job: Path | None, **opts: Any) -> None:
     from pipeline.run import run as run_job
 
     console = _console(opts)
+    console.summarize_errors = True
     run_id = new_run_id()
     logs.bind_run_id(run_id)  # every line of this command carries it, the earliest included
     try:
         config = cfg.build_config(job, overrides=cfg.from_flags(opts))
         # SIGTERM/SIGINT: stop scheduling, let shards in flight commit, report (exit 143/130).
         stop = StopRequest(config.grace_period_s)
+        checkpoint("startup")  # the crash tests' place for a signal before the run routes them
         with handle_signals(stop), console.progress() as progress:
             report = run_job(
                 config,
@@ -416,6 +419,7 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
     from pipeline.backfill import problem_line, summary_table
 
     console = _console(opts)
+    console.summarize_errors = True
     force = bool(opts.pop("force"))
     try:
         config = cfg.build_config(job, overrides=cfg.from_flags(opts))
@@ -445,14 +449,64 @@ main.add_command(bench)
 main.add_command(bundle)
 
 
+class _EarlyStop(BaseException):
+    """SIGTERM or SIGINT before a command routed signals to its run (while starting up). A
+    BaseException, like KeyboardInterrupt: no command's ``except Exception`` takes it for an
+    error of the run, and Click does not turn it into its own Abort (and a blank line)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _early_signal(signum: int, _frame: Any) -> None:
+    raise _EarlyStop(signum)
+
+
+def _wants_json(argv: list[str]) -> bool:
+    """Whether the command line asks for JSON logs: known before Click has parsed anything."""
+    return any(
+        a == "--log-format=json" or (a == "--log-format" and argv[i + 1 : i + 2] == ["json"])
+        for i, a in enumerate(argv)
+    )
+
+
 def entrypoint() -> None:
-    """The ``score-catalog`` console script."""
+    """The ``score-catalog`` console script.
+
+    Whatever stops the command outside its own error handling still ends in one line, in the
+    log format asked for: a usage error Click found (exit 2), SIGINT or SIGTERM while the
+    command is still starting up, before its run routes them (130 / 143: nothing was
+    written), or an error no command mapped (exit 1).
+    """
+    argv = sys.argv[1:]
+    console = logs.Console("json" if _wants_json(argv) else "text", 0, logs.Terminal())
+    console.summarize_errors = bool(argv) and argv[0] in ("run", "backfill")
+    fmt = console.fmt
+    # Until a run routes them to its StopRequest (handle_signals), and again after it.
+    signal.signal(signal.SIGTERM, _early_signal)
+    signal.signal(signal.SIGINT, _early_signal)
     try:
-        main(obj=FAST_EXIT)
+        code = main(obj=FAST_EXIT, standalone_mode=False)
+    except click.exceptions.UsageError as e:
+        if fmt == "json":
+            console.error(e.format_message(), e.exit_code)
+        else:
+            e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        logs.emit_error("aborted", EXIT_RUN_FAILED, fmt)
+        sys.exit(EXIT_RUN_FAILED)
+    except (KeyboardInterrupt, _EarlyStop) as e:
+        sig = signal.Signals(e.signum) if isinstance(e, _EarlyStop) else signal.SIGINT
+        code = EXIT_CODES[sig]
+        console.error(f"stopped by {sig.name} while starting; nothing was written", code)
+        sys.exit(code)
     except Exception as e:  # pragma: no cover  (commands map their errors themselves)
-        logging.error("unexpected error: %s: %s", type(e).__name__, e)
+        logs.emit_error(f"unexpected error: {type(e).__name__}: {e}", EXIT_RUN_FAILED, fmt)
         logging.debug("traceback", exc_info=True)
         sys.exit(EXIT_RUN_FAILED)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import math
 import os
 import re
@@ -831,9 +832,22 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[str]:
     return problems
 
 
+_WARNED: set[tuple[str, ...]] = set()
+
+
 def _storage_problems(good: Mapping[str, Any]) -> list[str]:
     """Storage options that none of the job's object stores takes, each named."""
     from pipeline import storage  # here: fsspec is not needed to read a config otherwise
 
     uris = [good[k] for k in ("input", "output", "rejects", "model") if good.get(k)]
+    unused = tuple(sorted(set(good["storage"]) - {storage.RETRY_DEADLINE_OPTION}))
+    if unused and all(storage.is_local_uri(u) for u in uris) and unused not in _WARNED:
+        # Not an error: one job file often serves a laptop (local paths) and production (s3://).
+        _WARNED.add(unused)  # once per process: a config is validated at each layer
+        logging.getLogger(__name__).warning(
+            "storage option%s %s %s ignored: every location of this job is on local disk",
+            "s" if len(unused) > 1 else "",
+            ", ".join(repr(k) for k in unused),
+            "are" if len(unused) > 1 else "is",
+        )
     return storage.unknown_options(uris, good["storage"])

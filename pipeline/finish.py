@@ -139,7 +139,8 @@ def failed_summary(
         "rows_rejected": 0,
         "shards_failed": 0,
         "shards_not_scored": 0,
-        "rows_per_s": 0.0,
+        "rows_processed": 0,
+        "rows_per_s": None,  # nothing was scored: no throughput
         "drift": None,
         "error": describe(e),
     }

@@ -465,7 +465,12 @@ def log_partition(entry: Mapping[str, Any]) -> None:
         "partition %s: %s",
         entry["date"],
         status,
-        extra={"event": "partition_done", "status": status, "partition": entry["date"]},
+        extra={
+            "event": "partition_done",
+            "status": status,
+            "partition": entry["date"],
+            "run_id": entry.get("run_id"),  # that day's run (none for a missing day)
+        },
     )
 
 
@@ -722,6 +727,10 @@ class Console:
         self.fmt = fmt
         self.verbosity = verbosity
         self.terminal = terminal
+        # Commands whose JSON contract is "one summary line on stdout" (run, backfill) set this:
+        # a fatal error then also ends stdout with a summary line, status failed (or
+        # interrupted) and the exit code, so a reader of stdout always gets one.
+        self.summarize_errors = False
 
     @classmethod
     def setup(cls, fmt: str, verbosity: int) -> Console:
@@ -743,5 +752,17 @@ class Console:
         emit_summary(report_data, self.fmt, text)
 
     def error(self, message: str, exit_code: int) -> None:
-        """See :func:`emit_error`."""
+        """See :func:`emit_error`; and, for a command that :attr:`summarize_errors` in JSON
+        mode (not quiet), the failure's summary line on stdout."""
         emit_error(message, exit_code, self.fmt, self.terminal)
+        if self.fmt == "json" and self.summarize_errors and self.verbosity >= 0:
+            obj = {
+                "time": _iso_utc(time.time()),
+                "level": "error",
+                "event": "summary",
+                "run_id": current_run_id(),
+                "status": "interrupted" if exit_code in (130, 143) else "failed",
+                "exit_code": exit_code,
+                "error": str(message),
+            }
+            click.echo(json_line(obj))

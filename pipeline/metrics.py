@@ -128,7 +128,8 @@ def registry_for(
     gauge(
         "last_run_throughput_rows_per_second",
         "Scoring throughput of the last run in rows per second, start-up included.",
-        _number(report.get("rows_per_s")),
+        # A run that scored no row has no throughput (not 0: a dip a dashboard would draw).
+        _number(report.get("rows_per_s")) if report.get("rows_processed") else None,
     )
     _drift_gauge(reg, job, report.get("drift"))
     _status_gauge(reg, job, status)

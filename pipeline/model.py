@@ -424,6 +424,12 @@ def _signature_problems(
             + f" but model.toml declares {len(spec.inputs)} "
             f"({', '.join(i.name for i in spec.inputs)})"
         ]
+    static = [shape[0] for _, shape in found if shape and shape[0] is not None]
+    if static:
+        return [
+            f"the program was exported with a static batch size of {static[0]} rows, so it "
+            f"cannot score batches of any other size. Re-{EXPORT_HINT}"
+        ]
     problems = []
     for pos, (dtype, shape) in zip(order, found, strict=True):
         inp, width = spec.inputs[pos], widths[pos]

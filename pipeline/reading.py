@@ -193,8 +193,12 @@ def _may_lose(t: pa.DataType) -> bool:
 
 def lossy_cast(arr: pa.Array) -> LossyCast | None:
     """How casting ``arr`` (a numeric column, or a list column's values) to float32 changes a
-    value, or None when it changes none. Vectorised: a min/max test first for integers (the
-    common case, all within 2**24, costs one pass); nulls are ignored."""
+    value beyond float32's exact range, or None when it changes none: an integer above 2**24
+    that float32 cannot hold, or a double outside float32's range (overflow to infinity, or a
+    nonzero value that becomes 0). A double rounded to float32's 24-bit precision within its
+    range is not reported: that is what a float32 model input is, and every double column
+    would warn. Vectorised: a min/max test first for integers (the common case, all within
+    2**24, costs one pass); nulls are ignored."""
     t = arr.type
     if not _may_lose(t) or len(arr) == arr.null_count:
         return None
@@ -206,9 +210,10 @@ def lossy_cast(arr: pa.Array) -> LossyCast | None:
     x = pc.drop_null(arr).to_numpy(zero_copy_only=False)
     with np.errstate(over="ignore"):  # beyond float32's range is a change like any other
         y = x.astype(np.float32)
-    changed = y.astype(np.float64) != x.astype(np.float64)
     if pa.types.is_floating(t):
-        changed &= ~np.isnan(x)
+        changed = (np.isinf(y) & np.isfinite(x)) | ((y == 0) & (x != 0))
+    else:
+        changed = y.astype(np.float64) != x.astype(np.float64)
     if not changed.any():
         return None
     i = int(np.flatnonzero(changed)[0])

@@ -487,10 +487,19 @@ def verify(
     its input shard and that shard's current fingerprint (files written before outputs named
     their input are checked without that). Visible files that are not data (``notes.txt``)
     are not counted: Parquet readers skip them by name or fail on them loudly, they do not
-    read them as rows.
+    read them as rows. A Parquet file under a hidden name (``<output>/_archive/x.parquet``)
+    is a problem too: pyarrow and pandas skip it, but DuckDB's ``'<output>/**/*.parquet'``
+    reads it as scores.
     """
     problems: list[str] = []
-    visible = visible_files(out_root)
+    files = storage.list_files(out_root)
+    visible = [rel for rel in files if is_visible(rel)]
+    for rel in [r for r in files if not is_visible(r) and r.lower().endswith(DATA_SUFFIXES)]:
+        problems.append(
+            f"{out_root.child(rel).uri} is a Parquet file inside the output: pyarrow and pandas "
+            "skip its hidden name, but DuckDB's read_parquet('<output>/**/*.parquet') reads it "
+            "as scores; move it out of the output"
+        )
     seen = {rel for rel in visible if rel in expected or is_data(out_root.child(rel), options)}
     for rel in sorted(seen - set(expected)):
         problems.append(

@@ -224,9 +224,16 @@ def _problems(facts: RunFacts, shards: list[ShardResult]) -> tuple[list[dict[str
     dups = sum(r.duplicate_ids for r in shards if r.status == ShardStatus.SCORED)
     if dups:
         warnings.append(
-            f"{dups} rows have a {facts.id_column} that appeared earlier in the same shard ("
+            f"{dups} rows repeat a {facts.id_column} value seen earlier in the same shard ("
             + ", ".join(f"{r.rel_path}: {r.duplicate_ids}" for r in shards if r.duplicate_ids)
             + "); they were scored, each once"
+        )
+    nulls = sum(r.null_ids for r in shards if r.status == ShardStatus.SCORED)
+    if nulls:
+        warnings.append(
+            f"{nulls} rows have a null {facts.id_column} ("
+            + ", ".join(f"{r.rel_path}: {r.null_ids}" for r in shards if r.null_ids)
+            + "); they were scored, but cannot be joined back by id"
         )
     if facts.lock_taken_over:
         warnings.append(f"took over a stale lock: {facts.lock_taken_over['reason']}")
@@ -397,6 +404,7 @@ def build_report(
         "lock_taken_over": facts.lock_taken_over,
         "oom_splits": sum(r.oom_splits for r in scored),
         "duplicate_ids": sum(r.duplicate_ids for r in scored),
+        "null_ids": sum(r.null_ids for r in scored),
         "versions": versions(),
         "batch_latency_ms": latency_summary(scored),
         "outputs": output_summary(r for r in shards if r.status != ShardStatus.FAILED),

@@ -102,6 +102,7 @@ class ShardEntry(TypedDict):
     message: str | None
     oom_splits: int
     duplicate_ids: int
+    null_ids: int
     rejects_by_reason: dict[str, int]
     started_s: float | None  # seconds since the run started; None when not scored now
     finished_s: float | None
@@ -373,6 +374,7 @@ class ReportData(TypedDict):
     lock_taken_over: LockHolderDetails | None
     oom_splits: int
     duplicate_ids: int
+    null_ids: int
     versions: Versions
     batch_latency_ms: BatchLatency
     outputs: dict[str, OutputStats]

@@ -172,6 +172,7 @@ class ShardResult:
     message: str | None = None
     oom_splits: int = 0
     duplicate_ids: int = 0  # rows whose id appeared earlier in the same shard
+    null_ids: int = 0  # rows whose id is null
     # Score statistics, model latencies and reject reasons; empty unless the shard was scored.
     stats: ShardStats = field(default_factory=ShardStats)
     rejects_by_reason: dict[str, int] = field(default_factory=dict)
@@ -515,6 +516,7 @@ class _Shard:
             rows_per_s=self.rows_in / duration if duration > 0 else 0.0,
             oom_splits=stats.oom_splits,
             duplicate_ids=self.ids.count(),
+            null_ids=self.ids.nulls,
             stats=stats,
             rejects_by_reason=stats.rejects_by_reason,
         )

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.drift import LEVELS, SKETCH_POINTS, sketch
 
@@ -185,13 +186,18 @@ class DuplicateIds:
 
     def __init__(self) -> None:
         self._hashes: list[np.ndarray] = []
+        self.nulls = 0  # rows with no id at all: scored, but no one can join them back
 
     def add(self, ids: pa.Array) -> None:
         """Remember one batch of ids (integers by value, anything else by a 64-bit hash)."""
-        if pa.types.is_integer(ids.type) and ids.null_count == 0:
+        if ids.null_count:
+            self.nulls += ids.null_count
+            ids = pc.drop_null(ids)  # no id is not a repeated id
+        if pa.types.is_integer(ids.type):
             self._hashes.append(ids.to_numpy().astype(np.int64, copy=False).view(np.uint64))
         else:
-            self._hashes.append(pd.util.hash_array(np.asarray(ids.to_pylist(), dtype=object)))
+            values = np.asarray(ids.to_numpy(zero_copy_only=False), dtype=object)
+            self._hashes.append(pd.util.hash_array(values))
 
     def count(self) -> int:
         """Rows whose id (by 64-bit value or hash) already appeared in the shard."""

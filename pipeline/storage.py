@@ -129,6 +129,11 @@ def locate(uri: str, options: Mapping[str, Any] | None = None) -> Location:
     return Location(fs, path, uri, deadline)
 
 
+def is_local_uri(uri: str) -> bool:
+    """Whether ``uri`` is a local path (or ``file://``), without building a filesystem."""
+    return "::" not in uri and fsspec.utils.get_protocol(uri) in ("file", "local")
+
+
 def same_filesystem(a: Location, b: Location) -> bool:
     """True when ``a`` and ``b`` are on the same storage (then their paths can be compared)."""
     return bool(a.fs is b.fs or a.fs.protocol == b.fs.protocol)

@@ -5,6 +5,7 @@ No scoring here (tests/integration covers runs); every command below stops at co
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -144,9 +145,12 @@ def test_from_flags_nests_table_keys_and_drops_unset() -> None:
 def test_json_log_format_for_a_config_error(tmp_path: Path) -> None:
     res = invoke("run", "--log-format", "json", "--output", "o")
     assert res.exit_code == EXIT_USAGE
-    lines = [line for line in res.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("{"), res.output
-    assert '"event":"error"' in lines[0] and '"exit_code":2' in lines[0]
+    (err,) = [json.loads(line) for line in res.stderr.splitlines() if line.strip()]
+    assert err["event"] == "error" and err["exit_code"] == 2
+    # stdout still ends with the one summary line JSON mode promises: the failure's.
+    (summary,) = [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
+    assert summary["event"] == "summary" and summary["status"] == "failed"
+    assert summary["exit_code"] == 2 and summary["run_id"] == err["run_id"]
 
 
 # ---------------------------------------------------------------- issue 13: help and flags

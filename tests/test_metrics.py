@@ -46,6 +46,7 @@ def report(status: str = "succeeded", day: int = 1, **extra: Any) -> dict[str, A
         "rows_out": 7_299_412,
         "rows_rejected": 588,
         "shards_failed": 0 if status != "failed" else 3,
+        "rows_processed": 7_300_000,
         "rows_per_s": 8375.7,
         "drift": {
             "baseline": {"run_id": "20260228T020000Z-ffffff"},
@@ -263,6 +264,14 @@ def test_no_drift_means_no_drift_samples(tmp_path: Path) -> None:
     reg = registry_for(r, previous_success_ts=None)
     labels = {"job_name": JOB, "output": "score_p1"}
     assert reg.get_sample_value("score_catalog_last_run_drift_psi", labels) is None
+
+
+def test_a_run_that_scored_nothing_has_no_throughput() -> None:
+    # Stopped before scoring, or a resume with nothing left to do: no rate, not a rate of 0.
+    reg = registry_for(report(rows_processed=0, rows_per_s=0.0), previous_success_ts=None)
+    labels = {"job_name": JOB}
+    assert reg.get_sample_value("score_catalog_last_run_throughput_rows_per_second", labels) is None
+    assert reg.get_sample_value("score_catalog_last_run_scored_rows", labels) == 7_299_412
 
 
 def test_missing_fields_are_left_out() -> None:

@@ -273,8 +273,9 @@ def test_duplicated_feature_column_is_reported_not_raised(tmp_path: Path) -> Non
         ([2**31 - 1], pa.int32(), (2**31 - 1, 2**31)),
         ([2**24 + 1], pa.uint64(), (2**24 + 1, 2**24)),
         ([0.5, 0.25, None, float("nan"), float("inf")], pa.float64(), None),
-        ([0.5, 0.1], pa.float64(), (0.1, 0.10000000149011612)),
-        ([1e39], pa.float64(), (1e39, float("inf"))),  # beyond float32's range
+        ([0.5, 0.1], pa.float64(), None),  # rounded to float32's precision: what float32 is
+        ([0.1, 1e39], pa.float64(), (1e39, float("inf"))),  # beyond float32's range
+        ([0.0, -1e-50], pa.float64(), (-1e-50, 0.0)),  # a nonzero value that becomes 0
         ([0.1], pa.float32(), None),  # already float32
         ([2**15 - 1], pa.int16(), None),  # narrow enough never to lose
     ],
@@ -299,8 +300,8 @@ def test_lossy_casts_of_a_batch_check_features_only_and_skip_known_ones() -> Non
         {
             "item_id": pa.array([2**40, 2**40 + 1], pa.int64()),  # not a feature: never checked
             "a": pa.array([2**24 + 1, 3], pa.int64()),
-            "b": pa.array([0.1, 0.5], pa.float64()),
-            "v": pa.array([[0.1, 1.0], [2.0, 3.0]], pa.list_(pa.float64())),
+            "b": pa.array([0.1, 1e40], pa.float64()),
+            "v": pa.array([[0.1, 1.0], [2.0, 1e-60]], pa.list_(pa.float64())),
         }
     )
     spec = parse_bundle_toml(demo_toml(columns=("a", "b")).encode(), "bundle")
@@ -310,4 +311,4 @@ def test_lossy_casts_of_a_batch_check_features_only_and_skip_known_ones() -> Non
     toml = demo_toml().replace('columns = ["f0"', 'column = "v"\ndim = 2\n# ["f0"')
     listed = parse_bundle_toml(toml.encode(), "bundle")
     (only,) = lossy_casts(rb, listed).values()
-    assert only.from_type == "double" and only.value == 0.1
+    assert only.from_type == "double" and only.value == 1e-60

@@ -208,6 +208,7 @@ def _minimal_valid() -> dict[str, Any]:
         "lock_taken_over": None,
         "oom_splits": 0,
         "duplicate_ids": 0,
+        "null_ids": 0,
         "versions": {"python": "3", "torch": "2", "pyarrow": "26", "dask": "2026"},
         "batch_latency_ms": {"p50": None, "p95": None, "p99": None},
         "outputs": {},

@@ -84,6 +84,10 @@ def test_backfill_force_rescores_and_a_bad_partition_does_not_stop_the_others(
     statuses = [p["status"] for p in s["partitions"]]
     assert statuses == ["succeeded", "failed", "succeeded"]
     assert s["status"] == "failed"
+    # The summary says why the day failed, in the JSON and in the table.
+    why = "1 failed shards > errors.max_failed_shards = 0"
+    assert why in s["partitions"][1]["failure_reasons"]
+    assert any(ln.startswith("  2025-01-02") and why in ln for ln in r.stdout.splitlines())
     forced = cli("backfill", str(archive), "--from", "2025-01-01", "--to", "2025-01-01", "--force")
     assert forced.returncode == 0
     assert _summary(tmp_path, "2025-01-01", "2025-01-01")["partitions"][0]["status"] == "succeeded"

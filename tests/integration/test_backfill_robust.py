@@ -10,6 +10,7 @@ import datetime as dt
 import importlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -222,3 +223,31 @@ def test_a_finished_day_whose_input_changed_is_run_again(
     assert (out / "_SUCCESS").exists()
     assert [p.name for p in data_files(out)] == ["part-00000.parquet"]
     assert report(out)["rows_out"] == 900
+
+
+def test_a_day_rewritten_in_place_with_its_size_and_mtime_kept_is_run_again(
+    tmp_path: Path, bundle_dir: Path, archive: dict[str, int]
+) -> None:
+    """``cp -p`` or ``rsync -a`` of a corrected shard keeps size and mtime: the footer's
+    statistics tell the new values apart, as they do for ``run``."""
+    job = _job(tmp_path, bundle_dir, None)
+    first = cli("backfill", str(job), "--from", DAYS[0], "--to", DAYS[-1])
+    assert first.returncode == 0, first.output
+    shard = tmp_path / "archive" / f"dt={DAYS[2]}" / "part-00000.parquet"
+    before = shard.stat()
+    table = pq.read_table(shard)
+    i = table.schema.get_field_index("f0")
+    table = table.set_column(i, "f0", pc.negate(table.column("f0")))  # same size when encoded
+    pq.write_table(table, shard, row_group_size=300)
+    assert shard.stat().st_size == before.st_size
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    again = cli("backfill", str(job), "--from", DAYS[0], "--to", DAYS[-1])
+    assert again.returncode == 0, again.output
+    statuses = {p["date"]: p["status"] for p in _summary(tmp_path)["partitions"]}
+    assert statuses[DAYS[0]] == statuses[DAYS[1]] == "skipped"
+    assert statuses[DAYS[2]] == OK  # run again: the rewritten shard is rescored
+    rep = report(tmp_path / "scored" / f"dt={DAYS[2]}")
+    assert {s["rel_path"]: s["status"] for s in rep["shards"]} == {
+        "part-00000.parquet": "scored",
+        "part-00001.parquet": "skipped",
+    }

@@ -82,10 +82,11 @@ def test_lossy_casts_are_reported_once_per_column(bundle_dir: Path, tmp_path: Pa
         if k < 2:  # f0 as int64 counts, two of them past 2**24 (16,777,217 is not a float32)
             counts = pa.array([7] * 999 + [2**24 + 1 + 2 * k], pa.int64())
             t = t.set_column(t.schema.get_field_index("f0"), "f0", counts)
-        # f1 as float64: the first shard's values are float32's exactly; the others' are not
-        f1 = pc.cast(t.column("f1"), pa.float64())
+        # f1 as float64: ordinary doubles (rounded to float32, not reported) in every shard,
+        # and in the last two one value float32 cannot hold (it becomes 0)
+        f1 = pc.add(pc.cast(t.column("f1"), pa.float64()), pa.scalar(0.1, pa.float64()))
         if k > 0:
-            f1 = pc.add(f1, pa.scalar(0.1, pa.float64()))
+            f1 = pa.concat_arrays([f1.combine_chunks()[:-1], pa.array([1e-50])])
         t = t.set_column(t.schema.get_field_index("f1"), "f1", f1)
         pq.write_table(t, p, row_group_size=250)
     out = tmp_path / "o"

@@ -401,7 +401,9 @@ def test_duplicate_ids_are_counted_and_warned(bundle_dir: Path, tmp_path: Path) 
     t = pq.read_table(paths[1])
     ids = t.column("item_id").to_numpy().copy()
     ids[10:13] = ids[0]  # three repeats of the first id
-    t = t.set_column(0, "item_id", pa.array(ids))
+    missing = np.zeros(len(ids), dtype=bool)
+    missing[[40, 41]] = True  # and two rows with no id at all
+    t = t.set_column(0, "item_id", pa.array(ids, mask=missing))
     pq.write_table(t, paths[1], row_group_size=250)
     out = tmp_path / "o"
     r = _run(cat, out, bundle_dir)
@@ -409,7 +411,9 @@ def test_duplicate_ids_are_counted_and_warned(bundle_dir: Path, tmp_path: Path) 
     rep = report(out)
     assert rep["duplicate_ids"] == 3
     assert [s["duplicate_ids"] for s in rep["shards"]] == [0, 3]
-    assert any("3 rows have a item_id" in w for w in rep["warnings"])
+    assert any("3 rows repeat a item_id value seen earlier" in w for w in rep["warnings"])
+    assert rep["null_ids"] == 2 and [s["null_ids"] for s in rep["shards"]] == [0, 2]
+    assert any(w.startswith("2 rows have a null item_id (part-00001") for w in rep["warnings"])
     assert "WARNING" in r.output
     assert rep["rows_out"] == 1100  # warned, not dropped
 

@@ -290,6 +290,29 @@ def test_stray_file_in_our_output_fails_the_check_before_success(
     assert (out / "stray.parquet").exists()  # someone else's file is never deleted unasked
 
 
+@pytest.mark.parametrize("hidden", ["_archive/p.parquet", ".bak/p.parquet", "_old.parquet"])
+def test_a_parquet_file_under_a_hidden_name_fails_the_check_duckdb_would_read_it(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, hidden: str
+) -> None:
+    import duckdb
+
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    stray = out / hidden
+    stray.parent.mkdir(exist_ok=True)
+    shutil.copy(catalog / "part-00000.parquet", stray)
+    ((rows,),) = duckdb.sql(f"select count(*) from read_parquet('{out}/**/*.parquet')").fetchall()
+    assert rows > 7300  # what a DuckDB reader would get
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 1, r.output
+    rep = _check_contract(out, success=False)
+    assert any(
+        hidden in reason and "DuckDB's read_parquet('<output>/**/*.parquet') reads it" in reason
+        for reason in rep["failure_reasons"]
+    ), rep["failure_reasons"]
+    assert stray.exists()  # not ours: named, never deleted unasked
+
+
 def test_crash_before_the_first_manifest_save_is_still_ours(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:

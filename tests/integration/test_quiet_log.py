@@ -185,3 +185,46 @@ def test_worker_lines_are_json_with_the_run_id_and_tracebacks_fold(
         "(OSError: Timed out during handshake)"
     )
     assert "exc" not in beat
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_while_starting_is_one_json_line_and_a_summary(
+    tmp_path: Path, bundle_dir: Path, sig: str, code: int
+) -> None:
+    """Ctrl-C or a cron timeout in the first second, before the run routes signals (the
+    signal is sent from the ``startup`` crash point): one JSON error line on stderr, one
+    summary line on stdout, the signal's exit code, nothing written."""
+    write_shards(tmp_path / "in", [500])
+    out = tmp_path / "out"
+    env = {"_SCORE_CATALOG_KILL_AT": "startup:1", "_SCORE_CATALOG_KILL_SIGNAL": sig}
+    done = subprocess.run(
+        cli_argv("run", *job_args(tmp_path / "in", out, bundle_dir), "--log-format", "json"),
+        env=cli_env(env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == code, done.stderr
+    lines = _json_lines(done.stderr)
+    assert lines[-1]["event"] == "error" and lines[-1]["exit_code"] == code
+    assert lines[-1]["message"] == f"stopped by {sig} while starting; nothing was written"
+    assert all(line.get("run_id") for line in lines)
+    (summary,) = [json.loads(ln) for ln in done.stdout.splitlines()]
+    assert summary["event"] == "summary" and summary["status"] == "interrupted"
+    assert summary["exit_code"] == code and summary["run_id"] == lines[-1]["run_id"]
+    assert not out.exists()
+
+
+def test_usage_and_config_errors_are_json_with_a_summary_line(tmp_path: Path) -> None:
+    for args, code in (
+        (["run", "--bogus-flag", "--log-format", "json"], 2),
+        (["run", "--input", str(tmp_path), "--log-format=json"], 2),  # no output, no model
+    ):
+        done = subprocess.run(
+            cli_argv(*args), env=cli_env(), capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == code, done.stderr
+        (err,) = _json_lines(done.stderr)
+        assert err["event"] == "error" and err["exit_code"] == code
+        summaries = [json.loads(ln) for ln in done.stdout.splitlines()]
+        assert [s["status"] for s in summaries] == ["failed"]
