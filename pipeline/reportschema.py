@@ -143,7 +143,12 @@ class BatchSizeAuto(TypedDict):
 
 
 class BatchSizeAutoWithSweep(BatchSizeAuto, total=False):
-    sweep: list[BenchRowEntry]  # only when measured now (not cached)
+    # Only when measured now (not cached): each size's median pass of the whole pipeline over
+    # the sample, the noise between passes, and what the sweep cost.
+    basis: Literal["pipeline"]
+    noise: float
+    sweep_s: float
+    sweep: list[BenchRowEntry]
 
 
 class Execution(TypedDict):

@@ -60,14 +60,13 @@ from pipeline.reconcile import (
     remove_foreign,
 )
 from pipeline.report import RunReport
-from pipeline.scoring import ShardResult, ShardTask, WorkerSpec
+from pipeline.scoring import OVERLAP_DEPTH, ShardResult, ShardTask, WorkerSpec
 from pipeline.statuses import FATAL_KINDS, RunStatus, ShardStatus
 from pipeline.storage import SUCCESS_NAME as SUCCESS_NAME  # public: pipeline.run.SUCCESS_NAME
 from pipeline.storage import ShardRef
 
 logger = logging.getLogger(__name__)
 
-OVERLAP_DEPTH = 2  # batches in flight on each side of the model: memory stays a few batches
 
 OnShard = Callable[[ShardResult], None]
 OnStart = Callable[[int, int], None]

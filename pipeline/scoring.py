@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Batches in flight on each side of the model (read ahead, write behind) when overlap is on:
+#: memory stays a few batches.
+OVERLAP_DEPTH = 2
+
 
 @dataclass(frozen=True)
 class WorkerSpec:

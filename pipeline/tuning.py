@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -498,3 +499,74 @@ class BatchSizeCache:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing by the pipeline's own rate
+
+
+#: Batch sizes an end-to-end sweep tries (those up to the sample's row count).
+PIPELINE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+#: The noise assumed when only one pass per size fitted the budget.
+DEFAULT_NOISE = 0.05
+
+
+def choose_by_rate(
+    step: Callable[[int], float],
+    sizes: Sequence[int],
+    *,
+    rows: int,
+    default: int,
+    budget_s: float,
+    max_rounds: int = 4,
+) -> tuple[int, list[BenchRow], dict[str, Any]]:
+    """Choose a batch size by what ``step`` measures: ``step(b)`` runs one pass over the same
+    ``rows`` rows in batches of ``b`` (the whole pipeline: decode, model, output columns,
+    write) and returns its seconds.
+
+    Sizes are measured round-robin (all of them once, then again while ``budget_s`` lasts, up
+    to ``max_rounds``), so that the machine's load hits every size alike. The noise is the
+    largest spread (max - min over median) any size showed between its passes, at least 2%
+    (:data:`DEFAULT_NOISE` after a single round). The best median wins, except that
+    ``default`` is kept whenever its median is within the noise of the best: a difference the
+    sweep cannot tell from noise is no reason to move off a size known to work. So the choice
+    is never slower than the best by more than the noise measured. Returns (chosen, one row
+    per size with its median pass, facts: rounds, noise, seconds spent).
+    """
+    # Sizes above the sample's rows would time the same single call; the default always runs.
+    sizes = sorted({b for b in sizes if 1 <= b <= max(rows, 1)} | {default})
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    t0 = time.perf_counter()
+    rounds = 0
+    while rounds < max_rounds and (rounds == 0 or time.perf_counter() - t0 < budget_s):
+        for b in sizes:
+            times[b].append(max(step(b), 1e-9))
+        rounds += 1
+    medians = {b: statistics.median(ts) for b, ts in times.items()}
+    spreads = [(max(ts) - min(ts)) / medians[b] for b, ts in times.items() if len(ts) > 1]
+    noise = max([0.02, *spreads]) if spreads else DEFAULT_NOISE
+    best = min(medians, key=lambda b: medians[b])
+    chosen = default if medians[default] <= medians[best] * (1 + noise) else best
+    table = [
+        BenchRow(
+            batch=b,
+            calls=math.ceil(rows / b),
+            ms=medians[b] * 1e3,
+            samples_per_s=rows / medians[b],
+            ms_per_sample=medians[b] * 1e3 / max(rows, 1),
+        )
+        for b in sizes
+    ]
+    facts = {"rounds": rounds, "noise": noise, "sweep_s": time.perf_counter() - t0}
+    logger.info(
+        "batch size %d by the pipeline's rate: %.0f rows/s (best %d at %.0f rows/s, noise "
+        "%.1f%%, %d rounds in %.2fs)",
+        chosen,
+        rows / medians[chosen],
+        best,
+        rows / medians[best],
+        noise * 100,
+        rounds,
+        facts["sweep_s"],
+    )
+    return chosen, table, facts

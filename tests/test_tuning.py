@@ -13,6 +13,7 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from pipeline.tuning import (
     auto_batch_size,
     bench_batch_sizes,
     cache_key,
+    choose_by_rate,
     default_cache_path,
     format_table,
 )
@@ -480,3 +482,49 @@ def test_bench_command_input_missing_features_exits_3(bundle_dir: Path, tmp_path
     assert result.exit_code == EXIT_INPUT
     assert "feature column 'f1' is missing" in result.stderr
     assert "id column" not in result.stderr  # bench needs no id column
+
+
+# --------------------------------------------------------------------------------------------
+# choose_by_rate: the pipeline's own rate, round-robin, never slower than the best beyond noise
+
+
+def _steps(seconds: dict[int, list[float]]) -> tuple[Any, list[int]]:
+    """A fake step returning the given seconds per size, pass after pass; and the call log."""
+    calls: list[int] = []
+    left = {b: list(v) for b, v in seconds.items()}
+
+    def step(batch: int) -> float:
+        calls.append(batch)
+        return left[batch].pop(0) if len(left[batch]) > 1 else left[batch][0]
+
+    return step, calls
+
+
+def test_choose_by_rate_takes_a_clearly_faster_size() -> None:
+    step, calls = _steps({1024: [1.0], 4096: [1.0, 1.01], 8192: [0.5, 0.51]})
+    chosen, rows, facts = choose_by_rate(
+        step, [1024, 8192], rows=10_000, default=4096, budget_s=0.0, max_rounds=2
+    )
+    assert chosen == 8192
+    assert [r.batch for r in rows] == [1024, 4096, 8192]
+    assert calls[:3] == [1024, 4096, 8192]  # round-robin: every size once, then again
+    assert facts["rounds"] == 1  # a zero budget still measures one round
+
+
+def test_choose_by_rate_keeps_the_default_within_the_noise() -> None:
+    # 8192 is 3% faster by its median, but passes of one size differ by 10%: noise.
+    step, _ = _steps({4096: [1.0, 1.1, 1.0], 8192: [0.97, 0.97, 0.97]})
+    chosen, _, facts = choose_by_rate(
+        step, [8192], rows=50_000, default=4096, budget_s=60.0, max_rounds=3
+    )
+    assert facts["rounds"] == 3 and facts["noise"] == pytest.approx(0.1)
+    assert chosen == 4096
+
+
+def test_choose_by_rate_leaves_the_default_when_it_is_slower_than_the_noise() -> None:
+    step, _ = _steps({2048: [0.6, 0.61], 4096: [1.0, 1.01]})
+    chosen, _, facts = choose_by_rate(
+        step, [2048], rows=50_000, default=4096, budget_s=60.0, max_rounds=2
+    )
+    assert facts["noise"] == pytest.approx(0.02)  # the floor: spreads of 1-2%
+    assert chosen == 2048
