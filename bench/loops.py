@@ -448,7 +448,17 @@ def pyarrow_loop(shard: str, pre_buffer: bool, columns: list[str], batch: int) -
     }
 
 
+def daft_native(
+    shards: list[str], out_dir: str, bundle: str, spec: dict[str, Any], batch: int
+) -> Result:
+    """Daft's native runner (``bench.daft_runner``; only in ``.venv-daft``)."""
+    from bench.daft_runner import run_daft
+
+    return run_daft(shards, out_dir, bundle, spec, batch)
+
+
 KINDS: dict[str, Callable[..., Result]] = {
+    "daft": daft_native,
     "model_ceiling": model_ceiling,
     "io_ceiling": io_ceiling,
     "hand_rolled": hand_rolled,

@@ -251,8 +251,25 @@ def _w1_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
                 f"`pipeline.run` {lib_t.median:,.0f} rows/s vs hand-rolled {hand_t.median:,.0f} "
                 f"rows/s = {lib_t.median / hand_t.median:.2f}x."
             )
+    summary += _vs_daft(wl, "cli-4096", lines)
     lines += ["", "### Checks", "", *[f"- {c}" for c in wl.checks], ""]
     return lines, summary
+
+
+def _vs_daft(wl: WorkloadResult, ours: str, lines: list[str]) -> list[str]:
+    """The strongest peer beside us, process to process and timed region to timed region."""
+    daft, cli = wl.primary("daft"), wl.primary(ours)
+    if daft is None or cli is None:
+        return []
+    daft_t, cli_t = wl.timed("daft"), wl.timed(ours)
+    text = (
+        f"{wl.key} vs Daft (native runner, same model and shards): score-catalog CLI "
+        f"{cli.median:,.0f} vs Daft {daft.median:,.0f} rows/s process to process = "
+        f"**{cli.median / daft.median:.2f}x**; timed regions (our report's duration vs Daft's "
+        f"read-score-write) {_x(ratio(cli_t, daft_t))}."
+    )
+    lines += ["", text]
+    return [text]
 
 
 def _w2_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
@@ -304,6 +321,7 @@ def _w2_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
             text = "W2 bf16 vs fp32: a run of the pair failed (see Failures)."
         lines += ["", text]
         summary.append(text)
+    summary += _vs_daft(wl, "cli-fp32", lines)
     for note in wl.notes:
         lines += ["", note]
         summary.append(f"W2: {note}")

@@ -110,6 +110,9 @@ class Runner:
         self.root = root
         self.python = sys.executable
         self.cli = str(Path(sys.executable).with_name("score-catalog"))
+        # Daft lives in a venv of its own (it pins pyarrow below ours): make bench builds it.
+        daft_python = repo / ".venv-daft" / "bin" / "python"
+        self.daft_python = str(daft_python) if daft_python.exists() else None
         self.log = log
         self.leaks: list[str] = []
         self.warnings: list[str] = []  # things outside the measured runs that went wrong
@@ -119,6 +122,40 @@ class Runner:
     def loop_argv(self, kind: str, **args: Any) -> list[str]:
         """``python -m bench.loops`` with one comparator body and its arguments."""
         return [self.python, "-m", "bench.loops", json.dumps({"kind": kind, **args})]
+
+    def daft(
+        self,
+        key: str,
+        shards: list[str],
+        out: Path,
+        model: str,
+        spec: dict[str, Any],
+        rows: int,
+        digest: Any,
+    ) -> Comparator | None:
+        """Daft's native runner on the same shards and model, from ``.venv-daft`` (None, with
+        a note in the report, when that venv is missing)."""
+        if self.daft_python is None:
+            self.warnings.append("Daft: .venv-daft is missing (make bench builds it); not measured")
+            return None
+        args = {"kind": "daft", "shards": shards, "out_dir": str(out), "bundle": model}
+        argv = [
+            self.daft_python,
+            "-m",
+            "bench.loops",
+            json.dumps({**args, "spec": spec, "batch": BATCH}),
+        ]
+        return Comparator(
+            key,
+            "Daft 0.7 native runner (@daft.cls + @daft.method.batch, DO_NOT_TRACK=1)",
+            "Daft native runner, 1 torch thread per UDF instance",
+            BATCH,
+            argv,
+            "loop",
+            rows,
+            output=out,
+            digest=digest,
+        )
 
     def cli_argv(
         self,
@@ -408,6 +445,8 @@ def w1(runner: Runner, data: Data, sizes: Sizes, cores: int) -> WorkloadResult:
         ),
     ]
     comps += _score_catalog_w1(runner, data, sizes, BATCH)
+    daft = runner.daft("daft", shards, out("daft"), model, spec, rows, score_digest)
+    comps += [daft] if daft is not None else []
     wl = WorkloadResult(
         "W1",
         "W1: the demo MLP over the catalog",
@@ -599,6 +638,8 @@ def w2(runner: Runner, data: Data, sizes: Sizes, cores: int, precision: bool) ->
         _io_ceiling(runner, shards, out("io"), spec, cores, rows),
         cli("cli-fp32", "score-catalog CLI fp32", data.w2, rows),
     ]
+    daft = runner.daft("daft", shards, out("daft"), model, spec, rows, ids_digest)
+    comps += [daft] if daft is not None else []
     bf16 = ("--precision", "bf16")
     if precision and native:
         comps.append(cli("cli-bf16", "score-catalog CLI --precision bf16", data.w2, rows, bf16))

@@ -1,0 +1,96 @@
+"""The strongest peer, Daft 0.7's native runner, on W1 and W2: ``bench.loops`` kind ``daft``.
+
+Run from its own virtual environment (``.venv-daft``: Daft pins pyarrow below the version this
+project is tested with), with ``DO_NOT_TRACK=1`` set before Daft is imported: Daft sends usage
+analytics on import otherwise, and the bench stays off the network. The model runs as a
+``@daft.cls`` with a ``@daft.method.batch`` method, the way Daft documents batch inference:
+the class is set up once per worker and each call gets a batch of rows. Module level, so that
+Daft pickles the class by reference.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+import daft  # after DO_NOT_TRACK is set, above
+import numpy as np
+import pyarrow as pa
+import torch
+
+# torch.export.load is not thread-safe, and Daft sets up several instances in threads.
+_LOAD_LOCK = threading.Lock()
+
+
+def load_program(bundle: str) -> Any:
+    """The bundle's exported program, loaded under a lock (see :data:`_LOAD_LOCK`)."""
+    with _LOAD_LOCK:
+        return torch.export.load(str(Path(bundle) / "model.pt2")).module()
+
+
+@daft.cls
+class Scorer:
+    """The bundle's exported program on one torch thread per instance."""
+
+    def __init__(self, bundle: str, columns: list[str] | None, dim: int, outputs: str) -> None:
+        # Imported here, not referenced as a global: Daft pickles the class by value and a
+        # lock does not pickle.
+        from bench.daft_runner import load_program
+
+        torch.set_num_threads(1)
+        self.module = load_program(bundle)
+        self.columns, self.dim, self.outputs = columns, dim, outputs
+
+    def _x(self, cols: tuple[Any, ...]) -> torch.Tensor:
+        if self.columns is not None:
+            x = np.column_stack([c.to_arrow().to_numpy(zero_copy_only=False) for c in cols])
+            return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        flat = cols[0].to_arrow().flatten().to_numpy(zero_copy_only=False)
+        return torch.from_numpy(flat.reshape(-1, self.dim).copy())
+
+    @daft.method.batch(return_dtype=daft.DataType.float32(), batch_size=4096)
+    def score(self, *cols: Any) -> Any:
+        """W1's output: softmax:1 of each row."""
+        with torch.inference_mode():
+            y = self.module(self._x(cols))
+        return torch.softmax(y, dim=1)[:, 1].numpy()
+
+    @daft.method.batch(return_dtype=daft.DataType.int64(), batch_size=4096)
+    def label(self, *cols: Any) -> Any:
+        """W2's label: argmax of each row (its logits are computed, and dropped)."""
+        with torch.inference_mode():
+            y = self.module(self._x(cols))
+        return y.argmax(dim=1).numpy()
+
+
+def run_daft(
+    shards: list[str], out_dir: str, bundle: str, spec: dict[str, Any], batch: int
+) -> dict[str, Any]:
+    """read_parquet -> the model's batch method -> write_parquet, timed from before the plan
+    is built (imports are outside, as for the other loops)."""
+    if batch != 4096:
+        raise ValueError("the Daft comparator's batch size is fixed at 4096 (its decorator)")
+    columns, column, dim = spec.get("columns"), spec.get("column"), int(spec.get("dim") or 0)
+    t0 = time.perf_counter()
+    scorer = Scorer(bundle, columns, dim, spec["outputs"])
+    inputs = [daft.col(c) for c in (columns or [column])]
+    df = daft.read_parquet(shards)
+    if spec["outputs"] == "score":
+        df = df.select(daft.col("item_id"), scorer.score(*inputs).alias("score"))
+    else:
+        df = df.select(daft.col("item_id"), scorer.label(*inputs).alias("label"))
+    df.write_parquet(out_dir)
+    seconds = time.perf_counter() - t0
+    import pyarrow.dataset as ds
+
+    rows = ds.dataset(out_dir, format="parquet").count_rows()
+    return {
+        "rows": rows,
+        "seconds": seconds,
+        "extra": {"daft": daft.__version__, "pyarrow": pa.__version__},
+    }
