@@ -429,6 +429,15 @@ def _tiny_section(wl: WorkloadResult) -> tuple[list[str], list[str]]:
         )
         lines += ["", text]
         summary.append(text)
+    tp, help_ = wl.wall("import-tp"), wl.wall("help")
+    if sync is not None and tp is not None and help_ is not None:
+        text = (
+            f"Start-up: `score-catalog --help` {help_.median:.2f} s (imports neither torch nor "
+            f"Dask); the 1,000-row job in process (sync) {sync.median:.2f} s = "
+            f"{sync.median / tp.median:.1f}x a bare `import torch, pyarrow` ({tp.median:.2f} s)."
+        )
+        lines += ["", text]
+        summary.append(text)
     lines.append("")
     return lines, summary
 

@@ -800,6 +800,22 @@ def tiny(runner: Runner, data: Data, sizes: Sizes) -> WorkloadResult:
             0,
         )
     )
+    comps.append(
+        Comparator(
+            "import-tp",
+            'python -c "import torch, pyarrow"',
+            "1 proc",
+            None,
+            [runner.python, "-c", "import torch, pyarrow"],
+            "command",
+            0,
+        )
+    )
+    comps.append(
+        Comparator(
+            "help", "score-catalog --help", "1 proc", None, [runner.cli, "--help"], "command", 0
+        )
+    )
     wl = WorkloadResult(
         "TINY",
         f"A {sizes.tiny_rows:,}-row job end to end",

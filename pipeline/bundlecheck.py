@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from pipeline.engine import output_columns, score
-from pipeline.errors import InputError, SchemaError
-from pipeline.inputs import InputSpec
-from pipeline.model import LoadedModel, load_model, parameter_names, read_bundle
+from pipeline.errors import InputError, ModelError, SchemaError
+from pipeline.inputs import InputSpec, id_limit
+from pipeline.model import LoadedModel, forward, load_model, parameter_names, read_bundle
 
 
 @dataclass
@@ -45,6 +45,7 @@ def check_bundle(
     first shard, which must fit the model's inputs)."""
     if input_uri is None:
         model = load_model(uri, device, options=options)
+        check_declared_ranges(model)  # ids a run may feed must not crash the model
         xs = model.example(rows, random=True)
         scored = score(model, xs)
         return _result(model, f"{rows} random rows", rows, scored, [])
@@ -61,8 +62,7 @@ def _from_input(
     shard = list_shards(input_uri, options)[0].uri
     schema = read_footer(shard, options).schema
     spec, _, _ = read_bundle(uri, options)
-    given = data_widths(schema, spec)
-    widths = None if None in given else tuple(w for w in given if w is not None)
+    widths = data_widths(schema, spec)  # for inputs model.toml and the program leave open
     model = load_model(uri, device, widths=widths, options=options)
     names = schema.names
     # No id column here: hand check_schema one that is there, so only the inputs are judged.
@@ -103,6 +103,44 @@ def _result(
     return BundleCheck(model, source, rows, outputs, sorted(rejected))
 
 
+def check_declared_ranges(model: LoadedModel) -> None:
+    """The model on ids up to every limit the bundle declares (a vocabulary's size, an oov or
+    fill id, num_embeddings - 1): a vocabulary longer than the model's embedding would fail
+    on real rows the example never had. The input that breaks it is named."""
+    with torch.inference_mode():
+        try:
+            forward(model, model.example(64, random=True))
+            return
+        except Exception as e:
+            first = e
+        for k, inp in enumerate(model.spec.inputs):
+            high = id_limit(inp)
+            if high is None:
+                continue
+            xs = list(model.example(2))
+            xs[k] = torch.full_like(xs[k], high - 1)
+            try:
+                forward(model, tuple(xs))
+            except Exception as e:
+                raise ModelError(
+                    f"model bundle {model.spec.uri}: the model fails on id {high - 1} of input "
+                    f"{inp.name!r}, "
+                    f"which its bundle declares valid ({_limit_text(inp)}): "
+                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                ) from e
+    raise ModelError(
+        f"model bundle {model.spec.uri}: the model fails on random inputs within the declared "
+        "ranges: "
+        f"{type(first).__name__}: {first}"
+    ) from first
+
+
+def _limit_text(inp: Any) -> str:
+    if inp.num_embeddings is not None:
+        return f"num_embeddings = {inp.num_embeddings}"
+    return f"a vocabulary of {len(inp.vocab)} values" + (f", oov = {inp.oov}" if inp.oov else "")
+
+
 def _input_line(inp: InputSpec, width: int) -> str:
     src = ", ".join(inp.columns) if inp.columns is not None else inp.column or ""
     parts = [f"{inp.name:<12} {src:<28} {inp.dtype} {inp.shape_text(width)}"]
@@ -129,12 +167,16 @@ def check_text(result: BundleCheck, *, max_rows: int = 8) -> str:
     spec = m.spec
     names = parameter_names(m.module)
     called = [spec.inputs[i].name for i in m.order]
-    how = "by parameter name" if names and names == called and len(called) > 1 else "in order"
+    by_name = names == called and len(called) > 1 and m.order != tuple(range(len(called)))
+    how = "by name" if names == called and len(called) > 1 else "in declared order"
+    params = ", ".join(names) if names else f"{len(called)} inputs"
     lines = [
         f"bundle {spec.uri}",
         f"  model     {spec.name} v{spec.version} ({m.sha256[:12]}), {spec.format} {spec.file}, "
         f"on {m.device}",
-        f"  inputs    forward({', '.join(called)}) ({how})",
+        f"  inputs    forward({params}) <- {', '.join(called)} ({how}"
+        + (", not as declared" if by_name else "")
+        + ")",
         *(_input_line(i, w) for i, w in zip(spec.inputs, m.widths, strict=True)),
         f"  outputs   {m.out_width} value(s) per row from the model",
     ]

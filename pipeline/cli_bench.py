@@ -72,8 +72,7 @@ def _rows_from_input(
     schema = read_footer(shard).schema
     spec, _, _ = read_bundle(model_uri)
     # An input model.toml leaves open takes its width from the data, as a run does.
-    given = data_widths(schema, spec)
-    widths = None if None in given else tuple(w for w in given if w is not None)
+    widths = data_widths(schema, spec)  # for inputs model.toml and the program leave open
     model = load_model(model_uri, device, widths=widths)
     # check_schema also checks an id column, which bench does not need: hand it a column that
     # is there (and not duplicated) so that only the feature columns are judged.

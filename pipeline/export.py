@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pipeline.bundlecheck import check_declared_ranges
 from pipeline.errors import ModelError
 from pipeline.inputs import NAMED_KEYS
 from pipeline.model import (
@@ -77,7 +78,14 @@ def _vocabulary_files(
             t["vocabulary"] = src.name
             files[src.name] = src.read_bytes()
         elif isinstance(vocab, Sequence) and not isinstance(vocab, str):
-            values = [str(v) for v in vocab]
+            wrong = [(i, v) for i, v in enumerate(vocab) if not isinstance(v, str)]
+            if wrong:
+                i, v = wrong[0]
+                raise ModelError(
+                    f"save_bundle: inputs[{name!r}] vocabulary values must be strings; value "
+                    f"{i} is {v!r} ({type(v).__name__})"
+                )
+            values = list(vocab)
             bad = [v for v in values if "\n" in v or "\r" in v]
             if bad:
                 raise ModelError(
@@ -189,14 +197,20 @@ def save_bundle(  # noqa: PLR0913 - keyword-only, each one a part of model.toml
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         raise ModelError(f"save_bundle: {target} exists and is not empty (pass overwrite=True)")
     tables, files = _vocabulary_files(inputs)
-    toml_text = bundle_toml(
-        name=name, version=version, inputs=tables, outputs=outputs, description=description
-    )
-    spec = parse_bundle_toml(toml_text.encode(), str(target))  # every problem, before exporting
+
+    def toml_for(tables: dict[str, dict[str, Any]]) -> str:
+        return bundle_toml(
+            name=name, version=version, inputs=tables, outputs=outputs, description=description
+        )
+
+    spec = parse_bundle_toml(toml_for(tables).encode(), str(target))  # every problem, first
     xs = _example(example, [i.name for i in spec.inputs])
+    _check_example_dtypes(spec, xs)
+    tables = _with_list_dims(spec, tables, xs)
+    toml_text = toml_for(tables)
+    spec = parse_bundle_toml(toml_text.encode(), str(target))
     module = module.eval()
-    order = call_order(spec, module)
-    program_args = tuple(xs[i] for i in order)
+    program_args = tuple(xs[i] for i in call_order(spec, module))
     with torch.inference_mode():
         eager = _eager(module, program_args)
     batch = torch.export.Dim("batch", min=1)
@@ -218,29 +232,72 @@ def save_bundle(  # noqa: PLR0913 - keyword-only, each one a part of model.toml
         (staging / "model.toml").write_text(toml_text, encoding="utf-8")
         for file, data in files.items():
             (staging / file).write_bytes(data)
-        widths = tuple(0 if t.dim() == 1 else int(t[0].numel()) for t in xs)
-        loaded = load_model(str(staging), "cpu", widths=widths)
-        with torch.inference_mode():
-            got = forward(loaded, xs).float()
-        if got.shape != eager.shape:
-            raise ModelError(
-                f"save_bundle: the saved program gives shape {tuple(got.shape)}, the module "
-                f"{tuple(eager.shape)}"
-            )
-        diff = float((got - eager).abs().max()) if got.numel() else 0.0
-        if not diff <= tolerance:
-            raise ModelError(
-                f"save_bundle: the saved program differs from the module by up to {diff:.3g} "
-                f"on the example (tolerance {tolerance:g}); nothing was saved"
-            )
+        _verify(staging, target, xs, eager, tolerance)
         if target.exists():
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         staging.rename(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    forget(str(staging))  # the staging folder is gone: its cached load is no use
+    finally:
+        forget(str(staging))  # the staging folder is gone: its cached load is no use
     return read_bundle(str(target))[0]
+
+
+def _with_list_dims(
+    spec: BundleSpec, tables: dict[str, dict[str, Any]], xs: Inputs
+) -> dict[str, dict[str, Any]]:
+    """``tables`` with each list column's width, from the example, written down: then a shard
+    whose lists are another size is that shard's schema problem (named, skippable), whatever
+    the format, and the bundle loads without data."""
+    out = dict(tables)
+    for inp, x in zip(spec.inputs, xs, strict=True):
+        if inp.column is not None and inp.fixed_width() is None and x.dim() == 2:
+            out[inp.name] = {**out[inp.name], "dim": int(x.shape[1])}
+    return out
+
+
+def _verify(staging: Path, target: Path, xs: Inputs, eager: torch.Tensor, tolerance: float) -> None:
+    """Load the staged bundle as a run does and hold it to the eager module's output."""
+    widths = tuple(0 if t.dim() == 1 else int(t[0].numel()) for t in xs)
+    try:
+        loaded = load_model(str(staging), "cpu", widths=widths)
+        with torch.inference_mode():
+            got = forward(loaded, xs).float()
+    except ModelError as e:  # name the bundle being saved, not its staging folder
+        raise ModelError(str(e).replace(str(staging), str(target))) from e
+    try:
+        check_declared_ranges(loaded)
+    except ModelError as e:
+        raise ModelError(str(e).replace(str(staging), str(target))) from e
+    if got.shape != eager.shape:
+        raise ModelError(
+            f"save_bundle: the saved program gives shape {tuple(got.shape)}, the module "
+            f"{tuple(eager.shape)}"
+        )
+    diff = float((got - eager).abs().max()) if got.numel() else 0.0
+    if not diff <= tolerance:
+        raise ModelError(
+            f"save_bundle: the saved program differs from the module by up to {diff:.3g} "
+            f"on the example (tolerance {tolerance:g}); nothing was saved"
+        )
+
+
+def _check_example_dtypes(spec: BundleSpec, xs: Inputs) -> None:
+    """Each example tensor in its input's dtype: the program is exported for the dtypes it is
+    shown, and a run feeds the declared ones."""
+    from pipeline.inputs import DTYPES
+
+    bad = [
+        f"{inp.name!r} is {str(x.dtype).removeprefix('torch.')}, declared {inp.dtype}"
+        for inp, x in zip(spec.inputs, xs, strict=True)
+        if x.dtype != DTYPES[inp.dtype]
+    ]
+    if bad:
+        raise ModelError(
+            "save_bundle: give the example in the declared dtypes (a run feeds those): "
+            + "; ".join(bad)
+        )
 
 
 def _eager(module: torch.nn.Module, args: Inputs) -> torch.Tensor:

@@ -21,6 +21,7 @@ the rows that cannot be scored, with their reasons built on demand.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,10 +41,17 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+#: The largest finite value of each float dtype: beyond it a cast gives infinity.
+FLOAT_MAX = {
+    "float32": float(np.finfo(np.float32).max),
+    "float16": float(np.finfo(np.float16).max),
+    "bfloat16": float(torch.finfo(torch.bfloat16).max),
+}
 INT_DTYPES = frozenset({"int64", "int32"})
 #: The numpy dtype each input is built in (float16/bfloat16 are cast by torch afterwards).
 _NUMPY = {"int64": np.int64, "int32": np.int32, "bool": np.bool_}
 _INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
 
 NAMED_KEYS = ("columns", "column", "dim", "dtype", "null", "vocabulary", "oov", "num_embeddings")
 LEGACY_KEYS = ("columns", "column", "dim")
@@ -216,6 +224,8 @@ def _parse_named(name: str, t: Mapping[str, Any], p: list[str]) -> InputSpec | N
             p.append(f"{where}.num_embeddings needs an integer dtype (int64 or int32)")
         elif _is_int(oov) and oov >= n_emb:
             p.append(f"{where}.oov = {oov} is outside 0..{n_emb - 1} (num_embeddings = {n_emb})")
+        elif fill is not None and not 0 <= fill < n_emb:
+            p.append(f"{where}.null = {fill} is outside 0..{n_emb - 1} (num_embeddings = {n_emb})")
     if source is None or len(p) > n:
         return None
     columns, column, dim = source
@@ -243,6 +253,12 @@ def _parse_null(raw: Any, dtype: str, where: str, p: list[str]) -> float | int |
         if dtype in INT_DTYPES
         else isinstance(raw, (int, float)) and not isinstance(raw, bool)
     )
+    if ok and dtype in FLOAT_MAX and abs(raw) > FLOAT_MAX[dtype]:
+        p.append(f"{where}.null = {raw!r} is beyond {dtype}'s range (±{FLOAT_MAX[dtype]:.6g})")
+        return None
+    if ok and dtype == "int32" and not _INT32[0] <= raw <= _INT32[1]:
+        p.append(f"{where}.null = {raw!r} is outside int32's range")
+        return None
     if not ok or (isinstance(raw, float) and not np.isfinite(raw)):
         kind = (
             "true or false"
@@ -274,7 +290,9 @@ def _check_vocabulary(
 def parse_vocabulary(raw: bytes, inp: InputSpec, where: str) -> tuple[tuple[str, ...], list[str]]:
     """A vocabulary file's values (line i is id i) and its problems (duplicates, size)."""
     try:
-        text = raw.decode("utf-8")
+        # utf-8-sig: a byte-order mark (files saved by Excel or Notepad) is not part of the
+        # first value, which would otherwise never match and map to oov without a word.
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         return (), [f"{where} is not UTF-8 text: {e}"]
     lines = text.split("\n")
@@ -454,7 +472,8 @@ def _float_columns(rb: pa.RecordBatch, inp: InputSpec) -> Part:
     x = np.column_stack([c.to_numpy(zero_copy_only=False) for c in cast]).astype(
         np.float32, copy=False
     )
-    finite = np.isfinite(x)
+    over = _beyond(x, inp)
+    finite = np.isfinite(x) if over is None else np.isfinite(x) & ~over
     if finite.all():
         return Part(x, None, _never)
     nulls = np.column_stack([c.is_null().to_numpy(zero_copy_only=False) for c in cast])
@@ -473,11 +492,25 @@ def _float_columns(rb: pa.RecordBatch, inp: InputSpec) -> Part:
                 out.append(f"null in {name}")
             elif np.isnan(x[i, j]):
                 out.append(f"NaN in {name}")
+            elif over is not None and over[i, j]:
+                out.append(f"{name} = {float(x[i, j])!r} is beyond {inp.dtype}'s range")
             else:
                 out.append(f"infinite value in {name}")
         return "; ".join(out)
 
     return Part(x, bad if bool(bad.any()) else None, why)  # type: ignore[arg-type]
+
+
+def _beyond(x: np.ndarray, inp: InputSpec) -> np.ndarray | None:
+    """Finite values a float16 or bfloat16 input cannot hold (they would become infinite when
+    cast), or None for float32 and when there are none. A cast from float32 to bfloat16 keeps
+    its range, so in practice this is float16's ±65,504."""
+    if inp.dtype not in ("float16", "bfloat16"):
+        return None
+    with np.errstate(invalid="ignore"):
+        over: np.ndarray = np.abs(x) > FLOAT_MAX[inp.dtype]
+    over &= np.isfinite(x)
+    return over if over.any() else None
 
 
 def _never(i: int) -> str:  # pragma: no cover - only called for rows marked bad
@@ -486,48 +519,48 @@ def _never(i: int) -> str:  # pragma: no cover - only called for rows marked bad
 
 def _exact_values(arr: pa.Array, inp: InputSpec, name: str) -> Part:
     """An integer or boolean column (or a list column's values) as ``inp``'s dtype, exactly:
-    nulls are filled or rejected, ids outside the dtype or num_embeddings are rejected."""
+    nulls are filled or rejected; a value the dtype cannot hold (beyond int32 or int64, a
+    uint64 above 2**63 - 1, an integer other than 0 or 1 for bool) or an id outside
+    ``num_embeddings`` is rejected, named, never wrapped or truncated."""
     nulls = _nulls(arr)
     fill = inp.fill if inp.fill is not None else 0
-    if inp.dtype == "bool":
-        x = pc.fill_null(pc.cast(arr, pa.bool_()), bool(fill)).to_numpy(zero_copy_only=False)
-        x = np.asarray(x, dtype=np.bool_)
-    else:
-        x = np.asarray(
-            pc.fill_null(pc.cast(arr, pa.int64()), int(fill)).to_numpy(zero_copy_only=False),
-            dtype=np.int64,
-        )
-    bad_null = nulls if inp.fill is None else None
+    # The column's own values (any integer width, signed or not, or bool), compared before any
+    # cast, so that nothing wraps around on the way.
+    zero = False if pa.types.is_boolean(arr.type) else 0
+    values = np.asarray(pc.fill_null(arr, zero).to_numpy(zero_copy_only=False))
     low, high = _id_range(inp)
-    out_of_range = None
-    if low is not None and high is not None and x.size:
-        outside = (x < low) | (x > high)
+    outside: np.ndarray | None = None
+    if values.size and values.dtype != np.bool_:
+        outside = (values < low) | (values > high)
         if nulls is not None:
             outside &= ~nulls
-        out_of_range = outside if outside.any() else None
-    if inp.dtype in _NUMPY and x.dtype != _NUMPY[inp.dtype]:
-        x = np.where(out_of_range, 0, x) if out_of_range is not None else x
-        x = x.astype(_NUMPY[inp.dtype])
+        outside = outside if outside.any() else None
+    target = _NUMPY[inp.dtype]
+    x = np.where(outside, 0, values) if outside is not None else values
+    x = np.array(x, dtype=target)  # a writable copy in the input's dtype
+    if nulls is not None:
+        x[nulls] = fill
+    bad_null = nulls if inp.fill is None else None
 
     def why(i: int) -> str:
         if bad_null is not None and bad_null[i]:
             return f"null in {name}"
-        return f"{name} = {int(x_orig[i])} is outside {low}..{high}{_range_note(inp)}"
+        if inp.dtype == "bool":
+            return f"{name} = {values[i]} is not 0 or 1 (input {inp.name!r} is bool)"
+        return f"{name} = {values[i]} is outside {low}..{high}{_range_note(inp)}"
 
-    x_orig = (
-        x
-        if out_of_range is None
-        else np.asarray(pc.cast(arr, pa.int64()).to_numpy(zero_copy_only=False))
-    )
-    return Part(x, _merge_bad(bad_null, out_of_range), why)
+    return Part(x, _merge_bad(bad_null, outside), why)
 
 
-def _id_range(inp: InputSpec) -> tuple[int | None, int | None]:
+def _id_range(inp: InputSpec) -> tuple[int, int]:
+    """The values an integer or bool input takes: num_embeddings, else its dtype's range."""
+    if inp.dtype == "bool":
+        return 0, 1
     if inp.num_embeddings is not None:
         return 0, inp.num_embeddings - 1
     if inp.dtype == "int32":
         return _INT32
-    return None, None
+    return _INT64
 
 
 def _range_note(inp: InputSpec) -> str:
@@ -554,7 +587,8 @@ def _scalar(arr: pa.Array, inp: InputSpec) -> Part:
         return _exact_values(arr, inp, name)
     cast = pc.cast(arr, pa.float32(), safe=False)
     x = np.array(cast.to_numpy(zero_copy_only=False), dtype=np.float32)
-    finite = np.isfinite(x)
+    over = _beyond(x, inp)
+    finite = np.isfinite(x) if over is None else np.isfinite(x) & ~over
     if finite.all():
         return Part(x, None, _never)
     nulls = _nulls(cast)
@@ -566,6 +600,8 @@ def _scalar(arr: pa.Array, inp: InputSpec) -> Part:
     def why(i: int) -> str:
         if nulls is not None and nulls[i]:
             return f"null in {name}"
+        if over is not None and over[i]:
+            return f"{name} = {float(x[i])!r} is beyond {inp.dtype}'s range"
         return f"{'NaN' if np.isnan(x[i]) else 'infinite value'} in {name}"
 
     bad = ~finite
@@ -610,55 +646,114 @@ def _vocabulary(arr: pa.Array, inp: InputSpec) -> Part:
 
 
 def _list(arr: pa.Array, inp: InputSpec, width: int) -> Part:
-    """A list column as (rows, width)."""
+    """A list column as (rows, width). With a fill value, null elements and null lists (a row
+    with no list at all) are filled; a list of another length is always rejected."""
     name = inp.column or ""
     n = len(arr)
     lengths = pc.fill_null(pc.list_value_length(arr), -1).to_numpy(zero_copy_only=False)
     right_len = lengths == width
-    if inp.dtype not in FLOAT_DTYPES:
-        good = arr.filter(pa.array(right_len))
-        values = _exact_values(good.flatten(), inp, name)
-        x = np.zeros((n, width), dtype=values.x.dtype)
-        x[right_len] = values.x.reshape(-1, width)
-        bad_values = np.zeros(n, dtype=bool)
-        if values.bad is not None:
-            bad_values[np.flatnonzero(right_len)] = values.bad.reshape(-1, width).any(axis=1)
-        return _list_part(x, lengths, right_len, bad_values, name, width)
-    if pa.types.is_fixed_size_list(arr.type) and arr.null_count == 0:
-        # flatten() honours slice offsets (.values does not): zero-copy for float32 lists.
-        flat = pc.cast(arr.flatten(), pa.float32()).to_numpy(zero_copy_only=False)
-        x = flat.reshape(n, width).copy()  # the single copy: Arrow memory is read-only
-    else:
-        x = np.full((n, width), np.nan, dtype=np.float32)
-        if right_len.any():
-            good = arr.filter(pa.array(right_len))
-            vals = pc.cast(good.flatten(), pa.float32()).to_numpy(zero_copy_only=False)
-            x[right_len] = vals.reshape(-1, width)
-    if inp.fill is not None:
-        missing = np.isnan(x) & right_len[:, None]
-        x[missing] = inp.fill
-    bad_values = ~np.isfinite(x).all(axis=1) & right_len
-    return _list_part(np.ascontiguousarray(x), lengths, right_len, bad_values, name, width)
-
-
-def _list_part(
-    x: np.ndarray,
-    lengths: np.ndarray,
-    right_len: np.ndarray,
-    bad_values: np.ndarray,
-    name: str,
-    width: int,
-) -> Part:
-    bad = ~right_len | bad_values
+    filled_rows = (lengths == -1) if inp.fill is not None else np.zeros(n, dtype=bool)
+    rows = np.flatnonzero(right_len)  # the rows whose values are read
+    good = arr.filter(pa.array(right_len)).flatten() if rows.size else None
+    read = _exact_list if inp.dtype not in FLOAT_DTYPES else _float_list
+    x, bad_values, element_why = read(good, rows, inp, (n, width), right_len | filled_rows)
+    if filled_rows.any():
+        x[filled_rows] = inp.fill
+    bad = (~right_len & ~filled_rows) | bad_values
 
     def why(i: int) -> str:
         if lengths[i] == -1:
             return f"null in {name}"
         if not right_len[i]:
             return f"{name} has {lengths[i]} values, expected {width}"
+        return element_why(i)
+
+    return Part(np.ascontiguousarray(x), bad if bad.any() else None, why)
+
+
+ListValues = tuple[np.ndarray, np.ndarray, Why]
+
+
+def _exact_list(
+    good: pa.Array | None, rows: np.ndarray, inp: InputSpec, shape: tuple[int, int], _: np.ndarray
+) -> ListValues:
+    """Integer or bool list values of the ``rows`` that have the right length; a bad row's
+    reason names its first bad value (``ids holds 1000 is outside 0..999 ...``)."""
+    name, width = inp.column or "", shape[1]
+    x: np.ndarray = np.zeros(shape, dtype=_NUMPY[inp.dtype])
+    bad_values = np.zeros(shape[0], dtype=bool)
+    if good is None:
+        return x, bad_values, _never
+    values = _exact_values(good, inp, name)
+    x[rows] = values.x.reshape(-1, width)
+    if values.bad is None:
+        return x, bad_values, _never
+    per_row = values.bad.reshape(-1, width)
+    bad_values[rows] = per_row.any(axis=1)
+    first = dict(zip(rows.tolist(), per_row.argmax(axis=1).tolist(), strict=True))
+
+    def why(i: int) -> str:
+        k = int(np.searchsorted(rows, i)) * width + first[i]
+        return values.why(k).replace(f"{name} = ", f"{name} holds ", 1)
+
+    return x, bad_values, why
+
+
+def _float_list(
+    good: pa.Array | None,
+    rows: np.ndarray,
+    inp: InputSpec,
+    shape: tuple[int, int],
+    fill_rows: np.ndarray,
+) -> ListValues:
+    """Float list values of the ``rows`` that have the right length (nulls and NaN filled in
+    ``fill_rows`` when the input has a fill value)."""
+    name = inp.column or ""
+    x = np.full(shape, np.nan, dtype=np.float32)
+    if good is not None:
+        x[rows] = pc.cast(good, pa.float32()).to_numpy(zero_copy_only=False).reshape(-1, shape[1])
+    if inp.fill is not None:
+        x[np.isnan(x) & fill_rows[:, None]] = inp.fill
+    over = _beyond(x, inp)
+    finite = np.isfinite(x) if over is None else np.isfinite(x) & ~over
+    right = np.zeros(shape[0], dtype=bool)
+    right[rows] = True
+    bad_values = ~finite.all(axis=1) & right
+
+    def why(i: int) -> str:
+        j = int(np.argmin(finite[i]))
+        if over is not None and over[i, j]:
+            return f"{name} holds {float(x[i, j])!r}, beyond {inp.dtype}'s range"
         return f"NaN, null or infinite value in {name}"
 
-    return Part(x, bad if bad.any() else None, why)
+    return x, bad_values, why
+
+
+# Reasons that quote the row's value, and the same reason without it (see cause_of).
+_VALUED = [
+    (re.compile(r"^(?P<col>.+?) = .+ (?P<rest>is not in the vocabulary .*)$"), "{col} {rest}"),
+    (
+        re.compile(r"^(?P<col>.+?) = \S+ (?P<rest>is (?:outside|not 0 or 1|beyond) .*)$"),
+        "{col} {rest}",
+    ),
+    (re.compile(r"^(?P<col>.+?) holds \S+ is (?P<rest>outside .*)$"), "{col} holds a value {rest}"),
+    (re.compile(r"^(?P<col>.+?) holds \S+, (?P<rest>beyond .*)$"), "{col} holds a value {rest}"),
+]
+
+
+def cause_of(reason: str) -> str:
+    """A reject reason without the row's own value, for counting rows by cause: ``brand =
+    'xyz' is not in the vocabulary v.txt`` counts as ``brand is not in the vocabulary v.txt``
+    (the rejects file keeps each row's full reason)."""
+    parts = []
+    for part in reason.split("; "):
+        for pattern, template in _VALUED:
+            m = pattern.match(part)
+            if m:
+                part = template.format(**m.groupdict())
+                break
+        parts.append(part)
+    return "; ".join(parts)
 
 
 def to_tensor(x: np.ndarray, inp: InputSpec) -> torch.Tensor:
@@ -684,6 +779,18 @@ def example_tensor(
     if inp.dtype == "bool":
         t = torch.randint(0, 2, tuple(shape)) if random else torch.zeros(*shape, dtype=torch.long)
         return t.to(device=device, dtype=dtype)
-    high = inp.num_embeddings or (len(inp.vocab) if inp.vocab else None) or 1
+    high = id_limit(inp) or 1
     t = torch.randint(0, high, tuple(shape)) if random else torch.zeros(*shape, dtype=torch.long)
+    if random and rows >= 2:
+        t[0], t[1] = 0, high - 1  # the extremes a run will feed, always among them
     return t.to(device=device, dtype=dtype)
+
+
+def id_limit(inp: InputSpec) -> int | None:
+    """One past the largest id an integer input can be given: num_embeddings, or the
+    vocabulary's size plus room for an oov id beyond it; None when nothing bounds it."""
+    if inp.num_embeddings is not None:
+        return inp.num_embeddings
+    if inp.vocab:
+        return max(len(inp.vocab), (inp.oov or 0) + 1, (int(inp.fill) + 1) if inp.fill else 0)
+    return None

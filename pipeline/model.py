@@ -397,15 +397,38 @@ def program_inputs(module: Any) -> list[tuple[torch.dtype, tuple[int | None, ...
 
 def call_order(spec: BundleSpec, module: Any) -> tuple[int, ...]:
     """How the declared inputs map to the program's parameters: by name when the program's
-    parameter names are exactly the input names, else in declared order."""
+    parameter names are exactly the input names, in declared order when no input is named
+    like a parameter. Anything in between is refused (:class:`ModelError`): an input named
+    like a parameter it would not feed (``seller`` declared first, ``forward(brand,
+    seller)``) is a silent swap waiting to happen."""
     n = len(spec.inputs)
     if n == 1:
         return (0,)
     names = parameter_names(module)
     declared = [i.name for i in spec.inputs]
-    if names is not None and sorted(names) == sorted(declared):
+    if names is None:
+        return tuple(range(n))
+    if sorted(names) == sorted(declared):
         return tuple(declared.index(name) for name in names)
+    misplaced = [
+        (name, pos, names.index(name))
+        for pos, name in enumerate(declared)
+        if name in names and names.index(name) != pos
+    ]
+    if misplaced:
+        name, pos, at = misplaced[0]
+        raise ModelError(
+            f"model bundle {spec.uri}: input {name!r} is declared {_nth(pos)}, but the "
+            f"program's parameter {name!r} is its {_nth(at)} (forward({', '.join(names)})); "
+            f"the inputs ({', '.join(declared)}) are passed in declared order unless they are "
+            "named exactly as the parameters. Name every input as the parameter it feeds, or "
+            "declare them in the program's order."
+        )
     return tuple(range(n))
+
+
+def _nth(i: int) -> str:
+    return {0: "first", 1: "second", 2: "third"}.get(i, f"number {i + 1}")
 
 
 def _signature_problems(
@@ -536,34 +559,40 @@ def program_widths(spec: BundleSpec, module: Any) -> tuple[int | None, ...]:
 
 def input_widths(
     spec: BundleSpec,
-    widths: tuple[int, ...] | None,
+    widths: tuple[int | None, ...] | None,
     uri: str,
     recorded: tuple[int | None, ...] | None = None,
 ) -> tuple[int, ...]:
-    """Each input's values per row: from ``model.toml`` or, where it leaves one open, from
-    ``widths`` (what the data gives: pipeline.preparation) or else from what the program
-    records (``recorded``: :func:`program_widths`). Disagreement is a ModelError."""
-    fixed = [i.fixed_width() for i in spec.inputs]
-    if widths is None and recorded is not None:
-        fixed = [f if f is not None else r for f, r in zip(fixed, recorded, strict=True)]
-    if widths is None:
-        open_ = [i for i, w in zip(spec.inputs, fixed, strict=True) if w is None]
-        if open_:
-            what = "inputs.column" if open_[0].legacy else open_[0].describe()
-            key = "inputs.dim" if open_[0].legacy else f"inputs.{open_[0].name}.dim"
-            raise ModelError(f"model bundle {uri}: {what} needs {key}, or data to take it from")
-        return tuple(w for w in fixed if w is not None)
-    if len(widths) != len(spec.inputs):
+    """Each input's values per row: from ``model.toml``; where it leaves one open, from what
+    the exported program records (``recorded``: :func:`program_widths`); else from ``widths``
+    (what the data gives: pipeline.preparation; None where it says nothing). The program wins
+    over the data: a shard whose lists are another size is then a schema problem of that
+    shard (named, and skippable), not of the bundle. A declared width the data contradicts is
+    a ModelError."""
+    if widths is not None and len(widths) != len(spec.inputs):
         raise ModelError(
             f"model bundle {uri}: {len(widths)} input widths given for {len(spec.inputs)} inputs"
         )
-    for inp, f, w in zip(spec.inputs, fixed, widths, strict=True):
-        if f is not None and f != w:
+    out = []
+    for k, inp in enumerate(spec.inputs):
+        fixed = inp.fixed_width()
+        given = widths[k] if widths is not None else None
+        rec = recorded[k] if recorded is not None else None
+        if fixed is not None and given is not None and given != fixed:
             raise ModelError(
-                f"model bundle {uri}: {inp.describe()} declares {f} features per row "
-                f"but the data has {w}"
+                f"model bundle {uri}: {inp.describe()} declares {fixed} features per row "
+                f"but the data has {given}"
             )
-    return tuple(widths)
+        w = fixed if fixed is not None else rec if rec is not None else given
+        if w is None:
+            what = "inputs.column" if inp.legacy else inp.describe()
+            key = "inputs.dim" if inp.legacy else f"inputs.{inp.name}.dim"
+            raise ModelError(
+                f"model bundle {uri}: {what} needs {key}, or data to take it from (run and "
+                "plan read it from the shards' footers; bundle check and bench take --input)"
+            )
+        out.append(w)
+    return tuple(out)
 
 
 _CACHE: dict[tuple[str, str, str, tuple[int, ...]], LoadedModel] = {}
@@ -574,7 +603,7 @@ def load_model(
     uri: str,
     device: str | torch.device = "cpu",
     *,
-    widths: tuple[int, ...] | None = None,
+    widths: tuple[int | None, ...] | None = None,
     options: Mapping[str, Any] | None = None,
     expected_sha256: str | None = None,
 ) -> LoadedModel:
@@ -585,11 +614,12 @@ def load_model(
     changed after the run started.
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
-    if expected_sha256 is not None and widths is not None:
+    if expected_sha256 is not None and widths is not None and None not in widths:
         # A worker asking for the bundle the run planned with: reuse it without reading and
         # hashing the weights again for every shard.
         with _CACHE_LOCK:
-            hit = _CACHE.get((uri, str(dev), expected_sha256, tuple(widths)))
+            known = tuple(w for w in widths if w is not None)
+            hit = _CACHE.get((uri, str(dev), expected_sha256, known))
         if hit is not None:
             return hit
     spec, weights, sha = read_bundle(uri, options)
@@ -599,10 +629,10 @@ def load_model(
             f"of {expected_sha256[:12]}); rerun the job"
         )
     module = None
-    if widths is None and any(i.fixed_width() is None for i in spec.inputs):
-        # No data to take an open width from: the program may record it.
+    if any(i.fixed_width() is None for i in spec.inputs):
+        # An open width: what the program records comes before what the data gives.
         module = _deserialize(spec, weights, dev)
-        w = input_widths(spec, None, uri, program_widths(spec, module))
+        w = input_widths(spec, widths, uri, program_widths(spec, module))
     else:
         w = input_widths(spec, widths, uri)
     key = (uri, str(dev), sha, w)

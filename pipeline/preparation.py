@@ -119,29 +119,41 @@ class Inspection(NamedTuple):
 
 
 def _input_widths(
-    config: JobConfig, spec: BundleSpec, infos: dict[str, ShardInfo]
-) -> tuple[int, ...] | None:
-    """Each input's values per row: from model.toml, or the one width every footer gives;
-    None when some input's width is in neither (the program may record it: load_model)."""
+    spec: BundleSpec, infos: dict[str, ShardInfo]
+) -> tuple[tuple[int | None, ...], dict[str, list[int]]]:
+    """What the footers give each input ``model.toml`` leaves open: the one width every shard
+    that says anything agrees on, else None; and, by input name, the widths shards disagree
+    on (for the message when the program does not record one either)."""
     found = [data_widths(info.schema, spec) for info in infos.values()]
-    widths = []
+    widths: list[int | None] = []
+    conflicts: dict[str, list[int]] = {}
     for k, inp in enumerate(spec.inputs):
-        fixed = inp.fixed_width()
-        if fixed is not None:
-            widths.append(fixed)
-            continue
-        seen: set[int] = {v for w in found if (v := w[k]) is not None}
-        if not seen:
-            return None
-        if len(seen) != 1:
-            key = "inputs.dim" if inp.legacy else f"inputs.{inp.name}.dim"
-            raise ModelError(
-                f"model bundle {config.model}: {inp.describe()} has no {key} "
-                f"and the data does not give one fixed list size (found {sorted(seen)}); set "
-                f"{key} in model.toml"
-            )
-        widths.append(seen.pop())
-    return tuple(widths)
+        seen = sorted({v for w in found if (v := w[k]) is not None})
+        widths.append(seen[0] if len(seen) == 1 else None)
+        if len(seen) > 1:
+            conflicts[inp.name] = seen
+    return tuple(widths), conflicts
+
+
+def _load_for_data(
+    config: JobConfig, spec: BundleSpec, infos: dict[str, ShardInfo], device: torch.device, sha: str
+) -> LoadedModel:
+    """The model, with the widths model.toml leaves open taken from the program or the data."""
+    given, conflicts = _input_widths(spec, infos)
+    try:
+        return load_model(
+            config.model, device, widths=given, options=config.storage, expected_sha256=sha
+        )
+    except ModelError as e:
+        if not conflicts:
+            raise
+        name, seen = next(iter(conflicts.items()))
+        inp = next(i for i in spec.inputs if i.name == name)
+        key = "inputs.dim" if inp.legacy else f"inputs.{name}.dim"
+        raise ModelError(
+            f"model bundle {config.model}: {inp.describe()} has no {key} and the data does not "
+            f"give one fixed list size (found {seen}); set {key} in model.toml"
+        ) from e
 
 
 def inspect_shards(
@@ -168,8 +180,7 @@ def inspect_shards(
                 kind=FailureKind.UNREADABLE,
                 message=str(e),
             )
-    given = _input_widths(config, spec, infos)
-    model = load_model(config.model, device, widths=given, options=opts, expected_sha256=sha)
+    model = _load_for_data(config, spec, infos, device, sha)
     widths = model.widths
     schema_problems: dict[str, list[str]] = {}
     for rel, info in infos.items():
@@ -184,6 +195,45 @@ def inspect_shards(
         if probs:
             schema_problems[rel] = probs
     return Inspection(infos, failed, schema_problems, widths, model)
+
+
+def meta_fields(
+    config: JobConfig, infos: Mapping[str, ShardInfo], failed: Mapping[str, ShardResult]
+) -> dict[str, pa.Field]:
+    """One type per id and pass-through column across the run's output files.
+
+    Readers of a whole output (Polars, Dask, Spark) refuse a dataset whose files disagree on a
+    column's type, and input shards often do: one dictionary-encoded, the next plain, or int32
+    here and int64 there. So dictionary columns are written decoded, and types that still differ
+    are promoted to one that holds them all (Arrow's permissive unification: int32 + int64 ->
+    int64, string + large_string -> large_string). Types no promotion joins (an id that is an
+    integer in one shard and a string in another) keep each shard's own, with a warning.
+    """
+    out: dict[str, pa.Field] = {}
+    names = list(dict.fromkeys((config.id_column, *config.passthrough)))
+    usable = [i for rel, i in infos.items() if rel not in failed]
+    for name in names:
+        fields = [i.schema.field(name) for i in usable if i.schema.names.count(name) == 1]
+        if not fields:
+            continue
+        plain = [
+            f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in fields
+        ]
+        try:
+            unified = pa.unify_schemas(
+                [pa.schema([f]) for f in plain], promote_options="permissive"
+            )
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            logger.warning(
+                "column %s has types that cannot be joined across shards (%s): each output "
+                "file keeps its shard's own; readers of the whole output may refuse it",
+                name,
+                ", ".join(sorted({str(f.type) for f in plain})),
+            )
+            logger.debug("unify_schemas: %s", e)
+            continue
+        out[name] = unified.field(name)
+    return out
 
 
 MAX_NAMED_SHARDS = 3  # shards named in a grouped schema problem before "and N more"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline import drift as drift_mod
+from pipeline import layout
 from pipeline.errors import EXIT_DRIFT, EXIT_OK, EXIT_RUN_FAILED
 from pipeline.interrupt import exit_code_of
 from pipeline.statuses import FailureKind, RunStatus, ShardStatus
@@ -486,7 +487,9 @@ def problem_line(d: Mapping[str, Any]) -> str:
     text = f"run {d.get('run_id')} {d.get('status')}"
     if why:
         text += ": " + "; ".join(why[:3]) + (f" (and {len(why) - 3} more)" if len(why) > 3 else "")
-    return f"{text} (report: {d.get('output')}/{REPORT_NAME})"
+    out = str(d.get("output"))
+    control = layout.beside(out, layout.CONTROL_DIR) or out
+    return f"{text} (report: {control}/{REPORT_NAME})"
 
 
 def _grouped_errors(d: Mapping[str, Any], errors: list[dict[str, Any]]) -> list[str]:
@@ -562,8 +565,10 @@ def _shard_lines(shards: list[dict[str, Any]], max_shards: int) -> list[str]:
     ]
     for s in shards[:max_shards]:
         rate = f"{s['rows_per_s']:,.0f}" if s["status"] == "scored" else "-"
+        # A shard the run never got to is not a failure of its data (shards_not_scored).
+        status = "not scored" if s.get("kind") in NOT_SCORED_KINDS else s["status"]
         lines.append(
-            f"  {s['rel_path']:<{w}}  {s['status']:<8} {_fmt_int(s['rows_in']):>10} "
+            f"  {s['rel_path']:<{w}}  {status:<8} {_fmt_int(s['rows_in']):>10} "
             f"{_fmt_int(s['rows_out']):>10} {_fmt_int(s['rows_rejected']):>9} {rate:>11}"
         )
     if len(shards) > max_shards:

@@ -45,6 +45,7 @@ from pipeline.preparation import (
     Settings,
     apply_schema_policy,
     inspect_shards,
+    meta_fields,
     new_run_id,
     plan_execution,
     run_settings,
@@ -182,6 +183,7 @@ class ScoringRun:
             config, self.shards, self.failed, self.found, self.plan
         )
         self.spec = self._worker_spec(self.found.widths, self.execution.batch_size)
+        self.meta_types = meta_fields(config, self.found.infos, self.failed)
         if self.session is not None and self.plan.scheduler not in ("local", "threads"):
             # An existing cluster must answer before the run takes the output: an unreachable
             # scheduler fails here, with nothing written.
@@ -335,6 +337,7 @@ class ScoringRun:
     def _task(self, s: ShardRef) -> ShardTask:
         info = self.found.infos[s.rel_path]
         meta = [info.schema.field(c) for c in (self.config.id_column, *self.config.passthrough)]
+        meta = [self.meta_types.get(f.name, f) for f in meta]
         fingerprint = self._expect(s)["fingerprint"]
         assert isinstance(fingerprint, dict)
         return ShardTask(

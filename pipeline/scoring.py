@@ -25,7 +25,7 @@ import torch
 
 from pipeline import storage
 from pipeline.batching import Batch, ShardBatches, make_loader, to_device_ahead
-from pipeline.engine import ModelFailedEverywhere, Scored, output_columns, score
+from pipeline.engine import SMALL_BATCH, ModelFailedEverywhere, Scored, output_columns, score
 from pipeline.errors import ShardError
 from pipeline.faults import checkpoint
 from pipeline.locking import LOCK_LOST_KIND, LockLostError, assert_holder
@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     from pipeline.config import JobConfig
 
 logger = logging.getLogger(__name__)
+
+#: Rows of a shard a model that has scored none of them may fail on, every one, before the
+#: shard is failed as a broken model (each is bisected out and rejected meanwhile; a broken
+#: model costs at most this many single-row calls per shard, and the run stops at its first).
+UNPROVEN_ROWS = 16_384
 
 #: Batches in flight on each side of the model (read ahead, write behind) when overlap is on:
 #: memory stays a few batches.
@@ -401,8 +406,11 @@ class _Shard:
         self.rows_in = 0
         self.dataset: ShardBatches | None = None
         # Whether the model has scored a row of this shard: from then on a batch it fails on
-        # entirely is bad rows, not a broken model (engine.score's ``proven``).
+        # entirely is bad rows, not a broken model (engine.score's ``proven``). Before that,
+        # the first UNPROVEN_ROWS rows may all fail and still be taken for bad rows: a shard
+        # sorted so that its bad rows come first must not look like a broken model.
         self.proven = False
+        self.failed_unproven = 0
 
     def batches(self) -> Iterator[Batch]:
         """The shard's batches, read ahead and moved to the model's device ahead of use."""
@@ -424,6 +432,8 @@ class _Shard:
 
     def score_batch(self, batch: Batch, sink: ShardSink) -> None:
         """Score one batch, write its rows and rejects, and keep its statistics."""
+        if batch.meta.schema != self.meta_schema:  # one type per column across the output
+            batch.meta = batch.meta.cast(self.meta_schema)  # (pipeline.run.meta_fields)
         self.rows_in += batch.num_rows
         self.ids.add(batch.meta.column(0))
         x, reasons = self._valid_rows(batch)
@@ -480,7 +490,8 @@ class _Shard:
 
     def _run_model(self, batch: Batch, x: Inputs) -> Scored:
         try:
-            scored = score(self.model, x, proven=self.proven)
+            grace = self.failed_unproven < UNPROVEN_ROWS
+            scored = score(self.model, x, proven=self.proven or grace)
         except ModelFailedEverywhere as e:
             raise ShardError(
                 f"shard {self.task.input_uri}, rows {batch.start}-"
@@ -490,10 +501,22 @@ class _Shard:
                 kind=FailureKind.MODEL,
             ) from e
         self.proven = self.proven or bool(scored.ok.any())
+        if not self.proven:
+            self.failed_unproven += len(scored.ok)
         return scored
 
     def check_complete(self) -> None:
-        """Every row the footer promised was read; else the file changed under the run."""
+        """Every row the footer promised was read (else the file changed under the run), and
+        the model scored at least one of them: a model that raised on every one of more than
+        :data:`~pipeline.engine.SMALL_BATCH` rows is broken, whatever order they came in."""
+        if not self.proven and self.failed_unproven > SMALL_BATCH:
+            raise ShardError(
+                f"shard {self.task.input_uri}: the model failed on every one of its "
+                f"{self.failed_unproven:,} rows. Check the model bundle {self.spec.model_uri} "
+                "against this data.",
+                shard=self.task.input_uri,
+                kind=FailureKind.MODEL,
+            )
         if self.rows_in != self.task.num_rows:
             raise ShardError(
                 f"shard {self.task.input_uri}: read {self.rows_in} rows but its footer says "

@@ -156,10 +156,14 @@ class ShardStats:
         self.rows_out += rows
 
     def count_rejects(self, reasons: Mapping[int, str]) -> None:
-        """Count reject reasons; past MAX_REASONS distinct ones, new reasons count as "other"."""
+        """Count reject reasons by cause (the row's value left out: :func:`cause_of`); past
+        MAX_REASONS distinct ones, new causes count as "other"."""
+        from pipeline.inputs import cause_of
+
         counts = self.rejects_by_reason
         for reason in reasons.values():
-            key = reason if reason in counts or len(counts) < MAX_REASONS else "other"
+            cause = cause_of(reason)
+            key = cause if cause in counts or len(counts) < MAX_REASONS else "other"
             counts[key] = counts.get(key, 0) + 1
 
     def summary(self) -> dict[str, dict[str, Any]]:

@@ -136,7 +136,7 @@ def test_bundle_check_shows_inputs_and_a_dry_run(tmp_path: Path) -> None:
     _save(tmp_path / "b")
     r = CliRunner().invoke(main, ["bundle", "check", str(tmp_path / "b")])
     assert r.exit_code == 0, r.output
-    assert "forward(numeric, brand, seller)" in r.output
+    assert "forward(numeric, brand, seller) <- numeric, brand, seller (by name)" in r.output
     brand = "int64 (batch,); vocabulary vocabulary-brand.txt (5 values), unseen -> 0"
     assert brand in r.output
     assert "ids 0..999" in r.output
@@ -156,3 +156,103 @@ def test_bundle_check_shows_inputs_and_a_dry_run(tmp_path: Path) -> None:
 
     r = CliRunner().invoke(main, ["bundle", "check", str(tmp_path / "nothing")])
     assert r.exit_code == 3 and "has no model.toml" in r.output
+
+
+def test_inputs_named_like_parameters_they_would_not_feed_are_refused(tmp_path: Path) -> None:
+    class TwoIds(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Embedding(1000, 2), torch.nn.Embedding(1000, 2)
+
+        def forward(self, brand: torch.Tensor, seller_id: torch.Tensor) -> torch.Tensor:
+            return (self.a(brand) + 3 * self.b(seller_id)).sum(1, keepdim=True)
+
+    ids = torch.arange(4)
+    with pytest.raises(ModelError) as excinfo:
+        save_bundle(
+            TwoIds(),
+            tmp_path / "b",
+            inputs={  # 'brand' is declared second but is the program's first parameter
+                "seller": {"column": "seller_id", "dtype": "int64", "num_embeddings": 1000},
+                "brand": {"column": "brand", "vocabulary": list(BRANDS), "oov": 0},
+            },
+            outputs={"y": "raw"},
+            example=(ids, ids % len(BRANDS)),
+            name="m",
+            version="1",
+        )
+    msg = str(excinfo.value)
+    assert (
+        "input 'brand' is declared second, but the program's parameter 'brand' is its first" in msg
+    )
+    assert "forward(brand, seller_id)" in msg
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ids_the_bundle_declares_valid_must_not_crash_the_model(tmp_path: Path) -> None:
+    class Small(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e = torch.nn.Embedding(3, 2)  # 3 rows, for a vocabulary of 5
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.e(x).sum(1, keepdim=True)
+
+    with pytest.raises(ModelError) as excinfo:
+        save_bundle(
+            Small(),
+            tmp_path / "b",
+            inputs={"brand": {"column": "brand", "vocabulary": list(BRANDS), "oov": 0}},
+            outputs={"y": "raw"},
+            example=torch.tensor([0, 1, 2]),  # the example alone never shows ids 3 and 4
+            name="m",
+            version="1",
+        )
+    msg = str(excinfo.value)
+    assert "the model fails on id 4 of input 'brand'" in msg
+    assert "a vocabulary of 5 values" in msg
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("kw", "fragment"),
+    [
+        (
+            {"example": {**ranker_example(), "brand": ranker_example()["brand"].int()}},
+            "'brand' is int32, declared int64",
+        ),
+        (
+            {"inputs": {**RANKER_INPUTS, "brand": {"column": "brand", "vocabulary": ["a", None]}}},
+            "vocabulary values must be strings; value 1 is None",
+        ),
+    ],
+)
+def test_example_and_vocabulary_mistakes_are_named(
+    tmp_path: Path, kw: dict[str, object], fragment: str
+) -> None:
+    with pytest.raises(ModelError, match=None) as excinfo:
+        _save(tmp_path / "b", **kw)
+    assert fragment in str(excinfo.value)
+
+
+def test_a_list_inputs_width_is_written_from_the_example(tmp_path: Path) -> None:
+    save_bundle(
+        Tower(),
+        tmp_path / "t",
+        inputs={"embedding": {"column": "embedding"}, "numeric": {"columns": ["a", "b"]}},
+        outputs={"label": "argmax"},
+        example=(torch.randn(3, EMB_DIM), torch.randn(3, 2)),
+        name="tower",
+        version="1",
+    )
+    assert f"dim = {EMB_DIM}" in (tmp_path / "t" / "model.toml").read_text()
+
+
+def test_bundle_check_refuses_ids_the_model_cannot_take(tmp_path: Path) -> None:
+    _save(tmp_path / "b")
+    vocab = tmp_path / "b" / "vocabulary-brand.txt"  # 5 values for the model's 5-row embedding
+    vocab.write_text(vocab.read_text() + "extra-1\nextra-2\n")  # edited by hand: 7 values
+    r = CliRunner().invoke(main, ["bundle", "check", str(tmp_path / "b")])
+    assert r.exit_code == 3, r.output
+    assert "the model fails on id 6 of input 'brand'" in r.output
+    assert "a vocabulary of 7 values" in r.output

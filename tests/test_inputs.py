@@ -254,3 +254,98 @@ def test_schema_problems_name_the_input_and_the_type() -> None:
     assert problems(InputSpec("e", column="emb"), 8) == []
     assert data_width(schema, InputSpec("e", column="emb")) == 8
     assert data_width(schema, InputSpec("s", column="seller_id")) == 0
+
+
+def test_values_an_input_cannot_hold_are_rejected_not_wrapped() -> None:
+    # bool takes 0 and 1 only; uint64 above int64's range; float16 beyond ±65,504.
+    flags = pa.record_batch({"f": pa.array([0, 1, 2, -1], pa.int16())})
+    part = build(flags, InputSpec("f", column="f", dtype="bool"), 0)
+    assert part.x.tolist()[:2] == [False, True]
+    assert _reasons(part, 4) == {
+        2: "f = 2 is not 0 or 1 (input 'f' is bool)",
+        3: "f = -1 is not 0 or 1 (input 'f' is bool)",
+    }
+    big = pa.record_batch({"u": pa.array([1, 2**63 - 1, 2**63, 2**64 - 1], pa.uint64())})
+    part = build(big, InputSpec("u", column="u", dtype="int64"), 0)
+    assert part.x.dtype == np.int64 and part.x[:2].tolist() == [1, 2**63 - 1]
+    assert _reasons(part, 4) == {
+        2: f"u = {2**63} is outside {-(2**63)}..{2**63 - 1} (the range of int64)",
+        3: f"u = {2**64 - 1} is outside {-(2**63)}..{2**63 - 1} (the range of int64)",
+    }
+    half = pa.record_batch({"h": pa.array([1.0, 1e5, -7e4], pa.float32())})
+    part = build(half, InputSpec("h", column="h", dtype="float16"), 0)
+    assert _reasons(part, 3) == {
+        1: "h = 100000.0 is beyond float16's range",
+        2: "h = -70000.0 is beyond float16's range",
+    }
+    emb = pa.record_batch({"e": pa.array([[1.0, 2.0], [1e5, 0.0]], pa.list_(pa.float32(), 2))})
+    part = build(emb, InputSpec("e", column="e", dtype="float16"), 2)
+    assert _reasons(part, 2) == {1: "e holds 100000.0, beyond float16's range"}
+
+
+def test_list_ids_name_the_value_and_null_lists_take_the_fill() -> None:
+    rb = pa.record_batch({"ids": pa.array([[1, 2], [3, 1000], None], pa.list_(pa.int64()))})
+    inp = InputSpec("ids", column="ids", dtype="int64", dim=2, num_embeddings=1000)
+    assert _reasons(build(rb, inp, 2), 3) == {
+        1: "ids holds 1000 is outside 0..999 (num_embeddings = 1000)",
+        2: "null in ids",
+    }
+    filled = build(rb, InputSpec("ids", column="ids", dtype="int64", dim=2, fill=0), 2)
+    assert filled.bad is None and filled.x.tolist() == [[1, 2], [3, 1000], [0, 0]]
+    emb = pa.record_batch({"e": pa.array([[1.0, None], None], pa.list_(pa.float32()))})
+    part = build(emb, InputSpec("e", column="e", dim=2, fill=0.5), 2)
+    assert part.bad is None and part.x.tolist() == [[1.0, 0.5], [0.5, 0.5]]
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_value() -> None:
+    inp = InputSpec("b", column="b", dtype="int64", vocabulary="v.txt")
+    assert parse_vocabulary("\ufeffacme\nzenith\n".encode(), inp, "v") == (("acme", "zenith"), [])
+
+
+@pytest.mark.parametrize(
+    ("table", "fragment"),
+    [
+        (
+            {"column": "s", "dtype": "int64", "num_embeddings": 10, "null": 10},
+            "null = 10 is outside 0..9",
+        ),
+        (
+            {"column": "s", "dtype": "float16", "null": 1e5},
+            "null = 100000.0 is beyond float16's range",
+        ),
+        ({"column": "s", "null": 1e300}, "null = 1e+300 is beyond float32's range"),
+        (
+            {"column": "s", "dtype": "int32", "null": 2**31},
+            "null = 2147483648 is outside int32's range",
+        ),
+    ],
+)
+def test_fill_values_the_input_cannot_hold_are_refused(
+    table: dict[str, object], fragment: str
+) -> None:
+    problems = _problems({"x": table})
+    assert any(fragment in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("reason", "cause"),
+    [
+        (
+            "brand = 'a b' is not in the vocabulary v.txt (oov = 'reject')",
+            "brand is not in the vocabulary v.txt (oov = 'reject')",
+        ),
+        (
+            "null in price; s = 7 is outside 0..3 (num_embeddings = 4)",
+            "null in price; s is outside 0..3 (num_embeddings = 4)",
+        ),
+        (
+            "ids holds 9 is outside 0..3 (num_embeddings = 4)",
+            "ids holds a value outside 0..3 (num_embeddings = 4)",
+        ),
+        ("model error: ValueError: boom", "model error: ValueError: boom"),
+    ],
+)
+def test_reasons_are_counted_by_cause_without_the_value(reason: str, cause: str) -> None:
+    from pipeline.inputs import cause_of
+
+    assert cause_of(reason) == cause

@@ -317,7 +317,21 @@ def test_rows_the_model_fails_on_are_bisected_out_and_rejected(
     assert r.returncode == 1
     rep = report(out2)
     assert rep["status"] == "failed" and rep["errors"][0]["kind"] == "model"
-    assert "failed on every row" in rep["errors"][0]["message"]
+    assert "the model failed on every one of its 2,500 rows" in rep["errors"][0]["message"]
+
+
+def test_bad_rows_first_are_rejects_when_the_model_scores_the_rest(
+    catalog: Path, tmp_path: Path
+) -> None:
+    # A shard sorted so that its 1,000 bad rows come first (three whole batches of 400 and
+    # part of a fourth): rows, not a broken model, because the model scores the others.
+    bundle = _raising_bundle(tmp_path / "picky")
+    _poison(catalog / "part-00000.parquet", {i: ("f0", 5000.0) for i in range(1000)})
+    out = tmp_path / "o"
+    r = _run(catalog, out, bundle, "--max-rejected-fraction", "0.5")
+    assert r.returncode == 0, r.output
+    rep = report(out)
+    assert rep["rows_rejected"] == 1000 and rep["rows_out"] == 7300 - 1000
 
 
 def test_a_last_batch_of_only_bad_rows_is_rejects_not_a_broken_model(

@@ -333,6 +333,35 @@ def test_crash_before_the_first_manifest_save_is_still_ours(
 # ---------------------------------------------------------------- readers see only scores
 
 
+def test_shards_whose_id_and_passthrough_types_differ_give_one_readable_dataset(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """category dictionary-encoded in one shard, plain in the next, large_string in the last,
+    and item_id int32 in one: Polars and Dask refuse a folder whose files disagree on a type,
+    so the output has one type per column (decoded, promoted)."""
+    import dask.dataframe as dd
+    import polars as pl
+
+    paths = sorted(catalog.glob("*.parquet"))
+    for k, path in enumerate(paths):
+        t = pq.read_table(path)
+        cat = t.column("category").combine_chunks()
+        cat = [cat.dictionary_encode(), cat, cat.cast(pa.large_string())][k]
+        t = t.set_column(t.schema.get_field_index("category"), "category", cat)
+        if k == 1:
+            t = t.set_column(0, "item_id", pc.cast(t.column("item_id"), pa.int32()))
+        pq.write_table(t, path, row_group_size=1000)
+    out = tmp_path / "out"
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == 0, r.output
+    rep = _check_contract(out, success=True)
+    types = {str(pq.read_schema(p).field("category").type) for p in out.glob("*.parquet")}
+    ids = {str(pq.read_schema(p).field("item_id").type) for p in out.glob("*.parquet")}
+    assert types == {"large_string"} and ids == {"int64"}
+    assert pl.scan_parquet(out).collect().height == rep["rows_out"]
+    assert len(dd.read_parquet(str(out)).compute()) == rep["rows_out"]
+
+
 @pytest.mark.parametrize("templated", [True, False], ids=["date-template", "plain-output"])
 def test_every_reader_sees_exactly_the_scores(
     catalog: Path, bundle_dir: Path, tmp_path: Path, templated: bool

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from pipeline import save_bundle
 from tests.catalog_models import (
     EMB_DIM,
     RANKER_INPUTS,
+    SELLERS,
     Ranker,
     Tower,
     ranker_example,
@@ -86,6 +88,11 @@ def test_a_three_input_ranker_scores_every_row_once(tmp_path: Path, scheduler: s
     rep = r.report
     assert rep is not None and rep["rows_out"] == len(scores)
     assert rep["rows_rejected"] == len(reasons)
+    # The report counts rows by cause, without each row's own value.
+    out_of_range = sum(1 for why in reasons.values() if why.startswith("seller_id = "))
+    cause = f"seller_id is outside 0..{SELLERS - 1} (num_embeddings = {SELLERS})"
+    assert out_of_range and rep["rejects_by_reason"][cause] == out_of_range
+    assert sum(rep["rejects_by_reason"].values()) == len(reasons)
 
 
 def test_a_list_column_embedding_beside_numeric_features(tmp_path: Path) -> None:
@@ -143,3 +150,38 @@ def test_a_string_column_where_a_number_is_expected_names_input_and_column(
     assert "has type dictionary<values=string, indices=int32, ordered=0>, " + why in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_shard_with_lists_of_another_size_is_that_shards_problem(tmp_path: Path) -> None:
+    """The width comes from the bundle (written by save_bundle from the example), so a shard
+    of 7-value lists is a schema problem of that shard: named, and skipped on request."""
+    bundle = tmp_path / "tower"
+    save_bundle(
+        Tower(), bundle,
+        inputs={"embedding": {"column": "embedding"}, "numeric": {"columns": ["rating", "stock"]}},
+        outputs={"label": "argmax"}, example=(torch.randn(3, EMB_DIM), torch.randn(3, 2)),
+        name="tower", version="1",
+    )  # fmt: skip
+    paths = write_catalog(tmp_path / "in", [400, 300, 500])
+    odd = pads.dataset(str(paths[1])).to_table()
+    short = pa.array([[0.5] * 7] * odd.num_rows, pa.list_(pa.float32(), 7))
+    pq.write_table(
+        odd.set_column(odd.schema.get_field_index("embedding"), "embedding", short), paths[1]
+    )
+    out = tmp_path / "out"
+    args = ("--id-column", "item_id", "--scheduler", "sync", "--max-rejected-fraction", "0.2")
+    r = cli("run", *job_args(tmp_path / "in", out, bundle), *args)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "feature column 'embedding' holds lists of 7 values; the model takes 8" in r.stderr
+    assert "part-00001.parquet" in r.stderr
+    r = cli(
+        "run", *job_args(tmp_path / "in", out, bundle), *args,
+        "--on-schema-error", "skip_shard", "--max-failed-shards", "1",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    statuses = {s["rel_path"]: s["status"] for s in r.report["shards"]} if r.report else {}
+    assert statuses == {
+        "part-00000.parquet": "scored",
+        "part-00001.parquet": "failed",
+        "part-00002.parquet": "scored",
+    }

@@ -20,7 +20,7 @@ from pipeline.demo import FEATURES
 from pipeline.errors import EXIT_CODES_HELP, EXIT_DRIFT, EXIT_OK, EXIT_RUN_FAILED
 from pipeline.report import EXIT_CODE_BY_STATUS, RunReport
 from pipeline.statuses import RunStatus
-from tests.integration.helpers import CliResult, cli, job_args, report
+from tests.integration.helpers import CliResult, cli, job_args, report, report_path
 
 pytestmark = pytest.mark.integration
 
@@ -104,7 +104,9 @@ def test_quiet_prints_no_summary_and_one_error_line_for_a_failed_run(
     assert bad.stdout == ""
     (line,) = bad.stderr.splitlines()
     assert line.startswith("error: run ") and " failed: rejected fraction 0.0274 > " in line
-    assert str(tmp_path / "bad" / "_report.json") in line
+    # The report it points to is where the report is: the control folder beside the output.
+    assert f"(report: {report_path(tmp_path / 'bad')})" in line
+    assert report_path(tmp_path / "bad").is_file()
 
     as_json = _run(catalog, tmp_path / "bad2", bundle_dir, "-q", "--log-format", "json")
     assert as_json.stdout == ""
