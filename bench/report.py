@@ -272,6 +272,29 @@ def _vs_daft(wl: WorkloadResult, ours: str, lines: list[str]) -> list[str]:
     return [text]
 
 
+def _w1x10_section(wl: WorkloadResult, w1: WorkloadResult | None) -> tuple[list[str], list[str]]:
+    lines = [f"## {wl.title}", "", *[f"- {d}" for d in wl.description], ""]
+    big, small = wl.wall("cli-4096"), w1.wall("cli-4096") if w1 is not None else None
+    rows_big = next(c.rows for c in wl.comparators if c.key == "cli-4096")
+    rows_small = next((c.rows for c in w1.comparators if c.key == "cli-4096"), 0) if w1 else 0
+    if big is None or small is None or big.median <= small.median:
+        lines += ["Marginal rate: not computed (a run of the pair failed or W1 did not run).", ""]
+        return lines, []
+    marginal = (rows_big - rows_small) / (big.median - small.median)
+    fixed = small.median - rows_small / marginal
+    text = (
+        f"W1 x 10 marginal rate (CLI, process wall): ({rows_big:,} - {rows_small:,}) rows / "
+        f"({big.median:.2f} - {small.median:.2f}) s = **{marginal:,.0f} rows/s** in the steady "
+        f"state; fixed costs (start-up, planning, finish) about {fixed:.2f} s per run; whole "
+        f"process {rows_big / big.median:,.0f} rows/s on the 10x run."
+    )
+    peak = wl.rss("cli-4096")
+    lines += [text, ""]
+    if peak is not None:
+        lines += [f"Peak RSS of the 10x run's process tree: {peak.median / 2**20:,.0f} MiB.", ""]
+    return lines, [text]
+
+
 def _w2_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
     lim = machine_limit(wl, cores)
     ceil = wl.primary("ceiling-1t")
@@ -479,6 +502,7 @@ def render(
     summary: list[str] = []
     builders: dict[str, Callable[[WorkloadResult], tuple[list[str], list[str]]]] = {
         "W1": lambda wl: _w1_section(wl, cores),
+        "W1X10": lambda wl: _w1x10_section(wl, results.get("W1")),
         "W2": lambda wl: _w2_section(wl, cores),
         "W3": _w3_section,
         "TINY": _tiny_section,

@@ -20,7 +20,7 @@ from bench.procs import run_measured
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / ".bench"
-SUITE_KEYS = ("W1", "W2", "W3", "TINY")
+SUITE_KEYS = ("W1", "W1X10", "W2", "W3", "TINY")
 
 
 def _log(msg: str) -> None:
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"score-catalog bench: {'QUICK ' if sizes.quick else ''}{sizes.repeats} round(s)")
 
     _log("generating (or reusing) data under .bench/data ...")
-    data = workloads.build(ROOT, REPO, sizes)
+    data = workloads.build(ROOT, REPO, sizes, big="W1X10" in selected)
     data_s = time.perf_counter() - t0
     _log(f"data ready in {data_s:.1f} s")
 
@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, suites.WorkloadResult] = {}
     if "W1" in selected:
         results["W1"] = suites.w1(runner, data, sizes, cores)
+    if "W1X10" in selected:
+        results["W1X10"] = suites.w1x10(runner, data, sizes)
     if "W2" in selected:
         results["W2"] = suites.w2(runner, data, sizes, cores, precision)
     if "W3" in selected:

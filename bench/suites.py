@@ -516,6 +516,34 @@ def _score_catalog_w1(runner: Runner, data: Data, sizes: Sizes, batch: int) -> l
     ]
 
 
+def w1x10(runner: Runner, data: Data, sizes: Sizes) -> WorkloadResult:
+    """W1 with ten times the rows, through the CLI: with W1's own run, the marginal rate
+    ``(rows2 - rows1) / (t2 - t1)`` separates the steady state from the fixed costs."""
+    assert data.w1x10 is not None
+    out = runner.out_dir("w1x10", "cli-4096")
+    comp = Comparator(
+        "cli-4096",
+        "score-catalog CLI (--scheduler local)",
+        "Dask LocalCluster",
+        BATCH,
+        runner.cli_argv(data.w1x10, out, data.w1_model, BATCH),
+        "cli",
+        sizes.w1x10_rows,
+        output=out,
+    )
+    wl = WorkloadResult(
+        "W1X10",
+        "W1 x 10: the steady state apart from the fixed costs",
+        [
+            f"{sizes.w1x10_rows:,} rows, the W1 schema and model, {sizes.w1_shards} shards "
+            "(ten times W1's rows per shard).",
+        ],
+        [comp],
+    )
+    runner.run_alternating(wl, sizes.repeats)
+    return wl
+
+
 def w1_big_batch_cost(wl: WorkloadResult, repeats: int) -> float | None:
     """Projected seconds for the batch-65,536 runs: as long as the batch-4096 ones took."""
     walls = [wl.wall("cli-4096"), wl.wall("lib-4096")]

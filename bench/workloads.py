@@ -63,6 +63,7 @@ class Sizes:
     repeats: int
     w1_rows: int
     w1_shards: int
+    w1x10_rows: int  # W1 with ten times the rows: fixed costs apart from the steady rate
     w2_rows: int
     w2_shards: int
     w3_rows: int  # the 1x shard; the 10x shard has ten times as many
@@ -82,6 +83,7 @@ class Sizes:
             repeats=repeats if repeats is not None else (1 if quick else 3),
             w1_rows=2_000_000 // div,
             w1_shards=16,
+            w1x10_rows=20_000_000 // div,
             w2_rows=500_000 // div,
             w2_shards=8,
             w3_rows=500_000 // div,
@@ -249,6 +251,7 @@ class Data:
 
     w1: Path
     w1_model: Path
+    w1x10: Path | None  # generated only when the W1X10 suite runs (1.3 GB)
     w2: Path
     w2_model: Path
     w2_part: Path  # an eighth of W2's rows in 2 shards (same generator and seeds)
@@ -257,13 +260,15 @@ class Data:
     tiny: Path
 
 
-def build(root: Path, repo: Path, sizes: Sizes) -> Data:
-    """Generate (or reuse) every dataset and bundle under ``root`` (``.bench/``)."""
+def build(root: Path, repo: Path, sizes: Sizes, *, big: bool = True) -> Data:
+    """Generate (or reuse) every dataset and bundle under ``root`` (``.bench/``); the 10x W1
+    data only when ``big``."""
     d = root / "data"
     m = root / "models"
     return Data(
         w1=catalog(d / "w1", rows=sizes.w1_rows, shards=sizes.w1_shards),
         w1_model=w1_bundle(m / "w1-mlp", repo),
+        w1x10=catalog(d / "w1x10", rows=sizes.w1x10_rows, shards=sizes.w1_shards) if big else None,
         w2=embeddings(d / "w2", rows=sizes.w2_rows, shards=sizes.w2_shards),
         w2_model=w2_bundle(m / "w2-mlp"),
         w2_part=embeddings(d / "w2-part", rows=sizes.w2_part_rows, shards=2),

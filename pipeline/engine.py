@@ -29,6 +29,7 @@ class Scored:
     errors: dict[int, str] = field(default_factory=dict)
     oom_splits: int = 0
     seconds: float = 0.0
+    raised: int = 0  # rows the model raised on (the rest of ``errors``: outputs not finite)
 
 
 #: A batch of at most this many rows that fails on every row is rejected row by row even from
@@ -106,8 +107,9 @@ def score(model: LoadedModel, x: Inputs | torch.Tensor, *, proven: bool = False)
     out = torch.cat(pieces) if pieces else torch.empty(0, model.out_width)
     # After the every-row check on purpose: a batch whose outputs are all NaN is rows rejected
     # (named, counted against max_rejected_fraction), not a broken model (docs/failure-handling.md).
+    raised = len(errors)
     out = _reject_non_finite(out, model.spec.outputs, ok, errors)
-    return Scored(out, ok, errors, oom, time.perf_counter() - t0)
+    return Scored(out, ok, errors, oom, time.perf_counter() - t0, raised)
 
 
 def _column_finite(

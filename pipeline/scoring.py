@@ -500,9 +500,11 @@ class _Shard:
                 shard=self.task.input_uri,
                 kind=FailureKind.MODEL,
             ) from e
-        self.proven = self.proven or bool(scored.ok.any())
+        # Proven once the model ran on a row without raising (a non-finite output is that
+        # row's reject, not a sign of a broken model: engine.py).
+        self.proven = self.proven or scored.raised < len(scored.ok)
         if not self.proven:
-            self.failed_unproven += len(scored.ok)
+            self.failed_unproven += scored.raised
         return scored
 
     def check_complete(self) -> None:
