@@ -24,6 +24,7 @@ from pathlib import Path
 
 from bench import workloads
 from bench.procs import report_file, run_measured
+from bench.suites import clear_output
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / ".bench"
@@ -54,10 +55,7 @@ def _run(
     tree: Path, data: Path, model: Path, out: Path, log: Path, extra: list[str]
 ) -> tuple[float, float]:
     """One ``score-catalog run`` of ``tree``'s code: (report rows/s, whole-process rows/s)."""
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.rmtree(out.parent / "_score_catalog", ignore_errors=True)
-    shutil.rmtree(out.parent / "_rejects", ignore_errors=True)
-    shutil.rmtree(out.parent / "_runs", ignore_errors=True)
+    clear_output(out)
     argv = [
         sys.executable, "-m", "pipeline.cli", "run", "--input", str(data), "--output", str(out),
         "--model", str(model), "--batch-size", "4096", "--scheduler", "local", *extra,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -65,11 +64,11 @@ def _warm_up(runner: suites.Runner, data: workloads.Data) -> None:
     """One untimed CLI run, so that the first measured run does not pay for a cold page cache
     of torch's and dask's files."""
     out = runner.out_dir("warmup", "cli")
-    shutil.rmtree(out, ignore_errors=True)  # a leftover output would make the run a no-op
+    suites.clear_output(out)  # a leftover output would make the run a no-op
     argv = runner.cli_argv(data.tiny, out, data.w1_model, suites.BATCH)
     log_path = ROOT / "logs" / "warmup.log"
     pr = run_measured(argv, log_path=log_path, cwd=REPO, timeout_s=suites.RUN_TIMEOUT_S)
-    shutil.rmtree(out, ignore_errors=True)
+    suites.clear_output(out)
     _log(f"warm-up CLI run: exit {pr.returncode}, {pr.wall_s:.1f} s")
     if pr.returncode != 0 or pr.timed_out or pr.wall_s > 60:
         runner.warnings.append(

@@ -29,6 +29,7 @@ from typing import Any
 
 from bench.mdtable import Column, markdown_table
 from bench.procs import report_file
+from bench.suites import clear_output
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(a.repeats):
             for name, (data, extra) in configs.items():
                 out = root / "out" / f"{abs(hash(name))}-{rep}"
-                shutil.rmtree(out, ignore_errors=True)
+                clear_output(out)
                 wall, report = _cli(
                     "run",
                     "--input",

@@ -102,6 +102,18 @@ class WorkloadResult:
         return summarize(self.samples.get(key, []), lambda s: s.wall_s)
 
 
+def clear_output(output: Path) -> None:
+    """An output and what a run keeps beside it (control folder with its manifest, report and
+    run index; default rejects), so that every run is a first run: no resume, and no drift
+    check against another comparator's or an earlier bench's run."""
+    for path in (
+        output,
+        output.parent / "_score_catalog" / output.name,
+        output.parent / "_rejects" / output.name,
+    ):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class Runner:
     """Launches comparators and records their samples, failures and leftovers."""
 
@@ -226,7 +238,7 @@ class Runner:
     def run_one(self, wl: WorkloadResult, comp: Comparator, rep: int) -> None:
         """Run ``comp`` once and record a sample or a failure."""
         if comp.output is not None:
-            shutil.rmtree(comp.output, ignore_errors=True)
+            clear_output(comp.output)
         log_path = self.root / "logs" / wl.key / f"{comp.key}-rep{rep + 1}.log"
         pr = run_measured(comp.argv, log_path=log_path, cwd=self.repo, timeout_s=RUN_TIMEOUT_S)
         if pr.leaked_pids:
@@ -249,7 +261,7 @@ class Runner:
             return
         finally:
             if comp.output is not None and not (comp.keep_output and rep == 0):
-                shutil.rmtree(comp.output, ignore_errors=True)
+                clear_output(comp.output)
         wl.samples.setdefault(comp.key, []).append(sample)
         rate = sample.timed_rate if comp.primary == "timed" else sample.wall_rate
         what = f"{rate:,.0f} rows/s" if comp.rows else f"{sample.wall_s:.2f} s"
