@@ -46,7 +46,7 @@ from pipeline.writing import MODEL_VERSION_COLUMN
 
 logger = logging.getLogger(__name__)
 
-SAMPLE_ROWS = 65_536  # real rows read up front for the parity check and batch-size tuning
+SAMPLE_ROWS = 65_536  # real rows read up front for the parity check (and plan's calibration)
 
 
 def new_run_id() -> str:
@@ -381,9 +381,9 @@ def prepare_execution(
         "batch_size_auto": None,
     }
     needs_parity = opts.precision != "fp32" or model.device.type != "cpu" or opts.compile
-    need_sample = needs_parity or config.batch_size == "auto"
-    x = sample_rows(config, model, sample_from) if need_sample and sample_from else None
     if needs_parity:
+        # (batch_size = "auto" reads its own sample: the raw rows, for the whole pipeline.)
+        x = sample_rows(config, model, sample_from) if sample_from else None
         execution["parity"] = _parity(config, prepared, opts, x)
     if config.batch_size != "auto":
         return Execution(int(config.batch_size), execution)

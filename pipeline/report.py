@@ -222,20 +222,20 @@ def _problems(facts: RunFacts, shards: list[ShardResult]) -> tuple[list[dict[str
         if r.status == ShardStatus.FAILED
     ]
     warnings: list[str] = []
-    dups = sum(r.duplicate_ids for r in shards if r.status == ShardStatus.SCORED)
-    if dups:
-        warnings.append(
-            f"{dups} rows repeat a {facts.id_column} value seen earlier in the same shard ("
-            + ", ".join(f"{r.rel_path}: {r.duplicate_ids}" for r in shards if r.duplicate_ids)
-            + "); they were scored, each once"
-        )
-    nulls = sum(r.null_ids for r in shards if r.status == ShardStatus.SCORED)
-    if nulls:
-        warnings.append(
-            f"{nulls} rows have a null {facts.id_column} ("
-            + ", ".join(f"{r.rel_path}: {r.null_ids}" for r in shards if r.null_ids)
-            + "); they were scored, but cannot be joined back by id"
-        )
+    col = facts.id_column
+    for attr, what, after in (
+        ("duplicate_ids", f"repeat a {col} value seen earlier in the same shard", "each once"),
+        ("null_ids", f"have a null {col}", "but cannot be joined back by id"),
+    ):
+        counts = [
+            (r.rel_path, n)
+            for r in shards
+            if (n := getattr(r, attr)) and r.status == ShardStatus.SCORED
+        ]
+        if counts:
+            per_shard = ", ".join(f"{rel}: {n}" for rel, n in counts)
+            total = sum(n for _, n in counts)
+            warnings.append(f"{total} rows {what} ({per_shard}); they were scored, {after}")
     if facts.lock_taken_over:
         warnings.append(f"took over a stale lock: {facts.lock_taken_over['reason']}")
     bare = [
