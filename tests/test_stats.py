@@ -10,11 +10,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline import drift, storage
 from pipeline.report import output_summary
 from pipeline.scoring import ShardResult
-from pipeline.stats import ColumnStats, ShardStats
+from pipeline.stats import ColumnStats, DuplicateIds, ShardStats
 from pipeline.statuses import ShardStatus
 
 
@@ -198,3 +200,23 @@ def test_a_skipped_discrete_shard_stays_discrete() -> None:
     resumed = output_summary([_result("p", back, ShardStatus.SKIPPED)])["s"]["value_counts"]
     assert resumed["values"] == [0, 1]
     assert resumed["counts"][1] / len(v) == pytest.approx(v.mean(), abs=0.01)  # sketch: 1%
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.one_of(st.none(), st.integers(-3, 40)), max_size=300),
+    st.integers(1, 64),
+    st.booleans(),
+)
+def test_duplicate_ids_are_the_rows_whose_id_came_before(
+    ids: list[int | None], batch: int, as_text: bool
+) -> None:
+    # Counted across batches, by value for integers and by hash for anything else; a null is
+    # no id, never a repeat of another null.
+    values: list[Any] = [None if i is None else (f"sku-{i}" if as_text else i) for i in ids]
+    dup = DuplicateIds()
+    for lo in range(0, len(values), batch):
+        dup.add(pa.array(values[lo : lo + batch], pa.string() if as_text else pa.int64()))
+    present = [v for v in values if v is not None]
+    assert dup.count() == len(present) - len(set(present))
+    assert dup.nulls == len(values) - len(present)
