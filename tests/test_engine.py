@@ -409,3 +409,26 @@ def test_finite_outputs_whose_sum_overflows_are_kept(
     assert float(s.outputs.sum()) == float("inf")  # the quick check cannot tell ...
     assert s.ok.all() and s.errors == {}  # ... and the exact one keeps every row
     assert tuple(s.outputs.shape) == (100, 2)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 8, 16, 64])
+def test_a_row_s_output_columns_do_not_depend_on_where_it_sits_in_the_batch(width: int) -> None:
+    # A resumed run, a retried task or a shard's short last batch puts a row at another offset
+    # than a clean run did, and on as many threads as its worker has: the row's columns must
+    # come out bit for bit the same.
+    y = _outputs(500, width)
+    kinds = ["softmax", "argmax", "raw"] if width > 1 else ["sigmoid", "raw"]
+    specs = tuple(
+        OutputSpec(f"c{k}", kind, 0 if kind == "softmax" else None) for k, kind in enumerate(kinds)
+    )
+    whole = output_columns(y, specs)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for offset in (1, 7, 31, 33, 250):
+                part = output_columns(y[offset:], specs)
+                for a, b in zip(whole, part, strict=True):
+                    assert a.slice(offset).equals(b), (threads, offset)
+    finally:
+        torch.set_num_threads(before)
