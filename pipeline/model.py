@@ -15,12 +15,14 @@ import hashlib
 import inspect
 import io
 import logging
+import operator
 import re
 import sys
 import threading
 import warnings
+import weakref
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -319,6 +321,7 @@ def _deserialize(spec: BundleSpec, weights: bytes, device: torch.device) -> Any:
             "state_dict), which is refused because unpickling can run arbitrary code; "
             + EXPORT_HINT
         )
+    ep = None
     try:
         if spec.format == "exported_program":
             ep = torch.export.load(io.BytesIO(weights))
@@ -344,11 +347,67 @@ def _deserialize(spec: BundleSpec, weights: bytes, device: torch.device) -> Any:
         raise ModelError(f"{where}: cannot move the model to {device}: {e}") from e
     if hasattr(module, "eval") and spec.format != "exported_program":
         module.eval()
+    if ep is not None:
+        graph_call = _graph_call(ep, module)
+        if graph_call is not None:
+            _GRAPH_CALLS[module] = graph_call  # until the dry run finds it differs (_dry_run)
     return module
 
 
-def _forward(module: Any, xs: Inputs, order: tuple[int, ...]) -> torch.Tensor:
-    out = module(*(xs[i] for i in order))
+# An exported program's module, called the way ``ExportedProgram.module()`` does it, pays for a
+# pytree flatten of its arguments, nested attribute lookups of every weight, a guard module and
+# three hooks on each call: 43 us against 19 us for the eager module at batch 1 here. Calling
+# the program's own graph with the module's weights as arguments does the same aten ops, in
+# the same order, on the same tensors, in 14-19 us. Kept per module object, so a wrapper
+# (precision's autocast, torch.compile) never takes the graph call of what it wraps by mistake.
+_GRAPH_CALLS: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+
+def _graph_call(ep: Any, module: Any) -> Callable[..., Any] | None:
+    """``graph(*weights, *inputs)`` for a program whose signature is only weights (parameters,
+    buffers, constant tensors) then tensor inputs, and tensor outputs (no mutation, no token,
+    no custom object); None for any other, which keeps the module's own call."""
+    from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+
+    lifted = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    specs = list(ep.graph_signature.input_specs)
+    n_user = sum(s.kind == InputKind.USER_INPUT for s in specs)
+    weights, user = specs[: len(specs) - n_user], specs[len(specs) - n_user :]
+    if any(s.kind not in lifted for s in weights) or any(
+        s.kind != InputKind.USER_INPUT or not isinstance(s.arg, TensorArgument) for s in user
+    ):
+        return None
+    if any(o.kind != OutputKind.USER_OUTPUT for o in ep.graph_signature.output_specs):
+        return None
+    try:  # the module's own tensors (moved to the device with it), by their dotted names
+        tensors = tuple(operator.attrgetter(s.target)(module) for s in weights)
+    except AttributeError:
+        return None
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    graph_forward = ep.graph_module.forward
+
+    def call(*xs: torch.Tensor) -> Any:
+        return graph_forward(*tensors, *xs)
+
+    return call
+
+
+def callable_of(module: Any) -> Callable[..., Any]:
+    """What calling ``module`` runs: its program's graph where :func:`_graph_call` gave one
+    and the dry run confirmed it, else the module itself."""
+    try:
+        call: Callable[..., Any] = _GRAPH_CALLS.get(module, module)
+    except TypeError:  # an object that cannot be weakly referenced has no graph call
+        call = module
+    return call
+
+
+def _forward(
+    module: Any, xs: Inputs, order: tuple[int, ...], *, graph: bool = True
+) -> torch.Tensor:
+    call = callable_of(module) if graph else module
+    out = call(*(xs[i] for i in order))
     if isinstance(out, (tuple, list)) and len(out) == 1:
         out = out[0]
     if not isinstance(out, torch.Tensor):
@@ -495,7 +554,7 @@ def _dry_run(
         )
         try:
             with torch.inference_mode():
-                y = _forward(module, xs, order)
+                y = _forward(module, xs, order, graph=False)
         except Exception as e:
             text = str(e).splitlines()[0] if str(e) else type(e).__name__
             if rows == 2 and outs:
@@ -514,9 +573,24 @@ def _dry_run(
                 f"first dimension must be the batch. Re-{EXPORT_HINT}"
             )
         outs.append(y)
+        _confirm_graph_call(module, xs, order, y)
     out_width = int(outs[0].shape[1])
     _check_outputs(spec, out_width)
     return out_width, order
+
+
+def _confirm_graph_call(module: Any, xs: Inputs, order: tuple[int, ...], y: torch.Tensor) -> None:
+    """Keep ``module``'s graph call only if it gives exactly the module's own output ``y``."""
+    if callable_of(module) is module:
+        return
+    try:
+        with torch.inference_mode():
+            same = torch.equal(_forward(module, xs, order), y)
+    except Exception as e:
+        logger.debug("calling the program's graph directly failed (%s); using its module", e)
+        same = False
+    if not same:
+        del _GRAPH_CALLS[module]
 
 
 def _check_outputs(spec: BundleSpec, out_width: int) -> None:

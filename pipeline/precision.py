@@ -20,7 +20,7 @@ import torch
 from pipeline.config import PRECISIONS
 from pipeline.engine import output_columns
 from pipeline.errors import ConfigError, ModelError
-from pipeline.model import Inputs, LoadedModel, as_inputs, forward
+from pipeline.model import Inputs, LoadedModel, as_inputs, callable_of, forward
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class _Autocast(torch.nn.Module):
 
     def forward(self, *xs: torch.Tensor) -> Any:
         with torch.autocast(self.device_type, dtype=self.dtype):
-            return self.inner(*xs)
+            return callable_of(self.inner)(*xs)
 
 
 _LINEAR = torch.ops.aten.linear.default

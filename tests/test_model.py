@@ -608,3 +608,99 @@ def test_load_model_on_unavailable_cuda(torchscript_bundle_dir: Path, tmp_path: 
     with pytest.raises(ConfigError) as excinfo:
         load_model(uri, "cuda")
     assert "is not available on this machine" in str(excinfo.value)
+
+
+# --------------------------------------------------------------------------------------------
+# Exported programs are called through their own graph (pipeline.model._graph_call)
+# --------------------------------------------------------------------------------------------
+
+
+def test_an_exported_program_runs_through_its_graph_with_the_module_s_exact_outputs(
+    bundle_dir: Path, tmp_path: Path
+) -> None:
+    from pipeline.model import callable_of
+
+    m = load_model(str(copy_bundle(bundle_dir, tmp_path / "b")))
+    assert callable_of(m.module) is not m.module  # the graph call was taken and confirmed
+    for rows in (1, 7, 300):
+        x = random_input(rows)
+        with torch.inference_mode():
+            own = m.module(x)
+        assert torch.equal(forward(m, x), own)
+
+
+class _CountsCalls(nn.Module):
+    """Mutates a buffer on every call: a program whose outputs include a buffer mutation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.inner(x)
+
+
+def test_a_program_that_mutates_a_buffer_mutates_the_module_s_own_once_per_call(
+    tmp_path: Path,
+) -> None:
+    # torch.export keeps an in-place add_ on the buffer in the graph: the graph call gets the
+    # module's own buffer, so the mutation lands where the module's call would put it.
+    from pipeline.demo import export_bundle
+    from pipeline.model import callable_of
+
+    d = export_bundle(_CountsCalls(), tmp_path / "b", demo_toml(), n_in=16)
+    m = load_model(str(d))
+    assert callable_of(m.module) is not m.module
+    before = int(m.module.calls)
+    forward(m, random_input(5))
+    forward(m, random_input(5))
+    assert int(m.module.calls) == before + 2
+
+
+def test_a_functional_program_with_a_buffer_mutation_output_keeps_the_module_s_call(
+    tmp_path: Path,
+) -> None:
+    # After run_decompositions the mutation is an output the module's wrapper writes back;
+    # calling the graph would drop it, so such a program is called as torch gives it.
+    from pipeline.model import callable_of
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation
+        ep = torch.export.export(
+            _CountsCalls().eval(),
+            (torch.zeros(2, 16),),
+            dynamic_shapes=({0: torch.export.Dim("batch", min=1)},),
+        ).run_decompositions()
+        kinds = {o.kind.name for o in ep.graph_signature.output_specs}
+        assert "BUFFER_MUTATION" in kinds
+        d = tmp_path / "b"
+        d.mkdir()
+        torch.export.save(ep, d / "model.pt2")
+        (d / "model.toml").write_text(demo_toml())
+        m = load_model(str(d))
+    assert callable_of(m.module) is m.module
+    before = int(m.module.calls)
+    forward(m, random_input(5))
+    assert int(m.module.calls) == before + 1
+
+
+def test_a_graph_call_that_differs_from_the_module_is_dropped_at_the_dry_run(
+    bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pipeline.model as model_mod
+
+    real = model_mod._graph_call
+
+    def off_by_one(ep: object, module: object) -> object:
+        call = real(ep, module)
+        assert call is not None
+        return lambda *xs: tuple(t + 1 for t in call(*xs))
+
+    monkeypatch.setattr(model_mod, "_graph_call", off_by_one)
+    m = load_model(str(copy_bundle(bundle_dir, tmp_path / "b")))
+    assert model_mod.callable_of(m.module) is m.module
+    x = random_input(9)
+    with torch.inference_mode():
+        assert torch.equal(forward(m, x), m.module(x))
