@@ -7,6 +7,7 @@ from :data:`pipeline.config.SETTINGS`, so their names, choices and defaults are 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -196,6 +197,34 @@ def _aborted(e: Aborted, console: logs.Console) -> NoReturn:
     _exit(code)
 
 
+class _StartupGC:
+    """Python's cyclic garbage collector paused while a command starts up, then frozen.
+
+    Importing torch, Dask and torch.export's loader creates about a million objects that live
+    as long as the process, and the collector traverses them again and again while they are
+    being created: pausing it made the imports and the model load 0.5 s faster here (a
+    quarter of them). :meth:`started` (the run is about to score) moves every object made so
+    far out of the collector's reach with ``gc.freeze()``, so later collections, in forked
+    Dask workers too, skip them, and turns collection back on for what the run allocates.
+    """
+
+    def __init__(self) -> None:
+        self._paused = gc.isenabled()
+        gc.disable()
+
+    def __enter__(self) -> _StartupGC:
+        return self
+
+    def started(self) -> None:
+        if self._paused:
+            self._paused = False
+            gc.freeze()
+            gc.enable()
+
+    def __exit__(self, *_: object) -> None:
+        self.started()
+
+
 def _exit(code: int) -> NoReturn:
     """Exit with ``code``. From the real command line, skip interpreter teardown.
 
@@ -229,34 +258,41 @@ def run(job: Path | None, **opts: Any) -> None:
     name>/, with the manifest) and, on success, _SUCCESS into the output. On a terminal a
     progress bar shows rows, shards, rows/s and ETA.
     """
-    from pipeline.preparation import new_run_id
-    from pipeline.report import problem_line, summary_table
-    from pipeline.run import run as run_job
+    # Paused until the run starts scoring (on_start), or until the command fails before.
+    with _StartupGC() as startup:
+        from pipeline.preparation import new_run_id
+        from pipeline.report import problem_line, summary_table
+        from pipeline.run import run as run_job
 
-    console = _console(opts)
-    console.summarize_errors = True
-    run_id = new_run_id()
-    logs.bind_run_id(run_id)  # every line of this command carries it, the earliest included
-    try:
-        config = cfg.build_config(job, overrides=cfg.from_flags(opts))
-        # SIGTERM/SIGINT: stop scheduling, let shards in flight commit, report (exit 143/130).
-        stop = StopRequest(config.grace_period_s)
-        checkpoint("startup")  # the crash tests' place for a signal before the run routes them
-        with handle_signals(stop), console.progress() as progress:
-            report = run_job(
-                config,
-                on_shard=progress.on_shard,
-                on_start=progress.on_start,
-                on_rows=progress.on_rows,
-                stop=stop,
-                run_id=run_id,
-            )
-    except PipelineError as e:
-        _fail(e, console)
-    except Aborted as e:
-        _aborted(e, console)
-    except Exception as e:
-        _crash(e, console)
+        console = _console(opts)
+        console.summarize_errors = True
+        run_id = new_run_id()
+        logs.bind_run_id(run_id)  # every line of this command carries it, the earliest included
+        try:
+            config = cfg.build_config(job, overrides=cfg.from_flags(opts))
+            # SIGTERM/SIGINT: stop scheduling, let shards in flight commit, report (exit 143/130).
+            stop = StopRequest(config.grace_period_s)
+            checkpoint("startup")  # the crash tests' place for a signal before the run routes them
+            with handle_signals(stop), console.progress() as progress:
+
+                def on_start(rows: int, shards: int) -> None:
+                    startup.started()
+                    progress.on_start(rows, shards)
+
+                report = run_job(
+                    config,
+                    on_shard=progress.on_shard,
+                    on_start=on_start,
+                    on_rows=progress.on_rows,
+                    stop=stop,
+                    run_id=run_id,
+                )
+        except PipelineError as e:
+            _fail(e, console)
+        except Aborted as e:
+            _aborted(e, console)
+        except Exception as e:
+            _crash(e, console)
     console.summary(
         {**report.data, "exit_code": report.exit_code},
         summary_table(report),
@@ -415,8 +451,9 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
     input folders are listed as missing. A summary of every day goes to
     <output root>/_backfills/<job>/<from>_<to>.json.
     """
-    from pipeline.backfill import backfill as run_backfill
-    from pipeline.backfill import problem_line, summary_table
+    with _StartupGC():  # the imports only: each day's run allocates its own
+        from pipeline.backfill import backfill as run_backfill
+        from pipeline.backfill import problem_line, summary_table
 
     console = _console(opts)
     console.summarize_errors = True

@@ -219,3 +219,45 @@ def test_create_output_bucket_is_a_flag_and_a_job_key(tmp_path: Path) -> None:
     job = tmp_path / "job.toml"
     job.write_text('input = "i"\noutput = "o"\nmodel = "m"\ncreate_output_bucket = true\n')
     assert config.build_config(job, env={}).create_output_bucket is True
+
+
+def test_the_collector_is_paused_while_starting_then_frozen_and_back_on() -> None:
+    import gc
+
+    from pipeline.cli import _StartupGC
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    try:
+        with _StartupGC() as startup:
+            assert not gc.isenabled()
+            startup.started()
+            assert gc.isenabled()
+            assert gc.get_freeze_count() > frozen  # what start-up made is out of reach now
+            startup.started()  # again (each backfill day): nothing more
+        assert gc.isenabled()
+        gc.disable()  # a caller that had it off keeps it off
+        with _StartupGC() as startup:
+            startup.started()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_a_run_turns_the_collector_back_on(bundle_dir: Path, catalog: Path, tmp_path: Path) -> None:
+    import gc
+
+    try:
+        res = invoke(
+            "run", "--input", str(catalog), "--output", str(tmp_path / "out"),
+            "--model", str(bundle_dir), "--scheduler", "sync", "-q",
+        )  # fmt: skip
+        assert res.exit_code == 0, res.output
+        assert gc.isenabled()
+        failed = invoke("run", "--input", str(tmp_path / "none"), "--output", str(tmp_path / "o"))
+        assert failed.exit_code != 0  # a run that fails before scoring turns it back on too
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
