@@ -72,6 +72,7 @@ class ProcRun:
     log_path: Path
     leaked_pids: list[int] = field(default_factory=list)
     timed_out: bool = False
+    started_epoch: float = 0.0  # wall clock just before the process was started
 
     def log_tail(self, lines: int = 25) -> str:
         """The last lines of its stderr, for error messages."""
@@ -124,6 +125,7 @@ def run_measured(
     # stdout goes to a file, not a pipe: a process left behind would hold a pipe open, and
     # reading it to the end would wait for that process instead of reporting it.
     with open(log_path, "w") as log, open(out_path, "w") as out:
+        started = time.time()
         t0 = time.perf_counter()
         proc = subprocess.Popen(
             list(argv),
@@ -151,7 +153,9 @@ def run_measured(
         sampler.join()
     stdout = out_path.read_text(errors="replace")
     leaked = _reap_leftovers(proc.pid)
-    return ProcRun(list(argv), proc.returncode, wall, peak[0], stdout, log_path, leaked, timed_out)
+    return ProcRun(
+        list(argv), proc.returncode, wall, peak[0], stdout, log_path, leaked, timed_out, started
+    )
 
 
 def report_file(output: Path) -> Path:

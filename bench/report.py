@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 
 from bench.mdtable import Column, markdown_table
@@ -252,8 +253,83 @@ def _w1_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
                 f"rows/s = {lib_t.median / hand_t.median:.2f}x."
             )
     summary += _vs_daft(wl, "cli-4096", lines)
+    summary += _auto(wl, lines)
+    phases = _phases(wl, ["cli-4096", "cli-4096-nooverlap", "lib-4096"])
+    if phases:
+        lines += ["", "### Where the time goes", "", *phases]
+        window = [
+            p["scoring"]
+            for s in wl.samples.get("cli-4096", [])
+            if (p := s.extra.get("phases")) and p["scoring"] > 0
+        ]
+        rows = next((c.rows for c in wl.comparators if c.key == "cli-4096"), 0)
+        if window and lim is not None and rows:
+            rate = rows / float(np.median(window))
+            text = (
+                f"W1 scoring window (first shard start to last shard end, CLI): {rate:,.0f} "
+                f"rows/s = **{rate / lim.rows_per_s:.2f}x** the machine's limit."
+            )
+            lines += [text, ""]
+            summary.append(text)
     lines += ["", "### Checks", "", *[f"- {c}" for c in wl.checks], ""]
     return lines, summary
+
+
+PHASES = ("start-up", "planning", "scoring", "finish", "exit")
+
+
+def _phases(wl: WorkloadResult, keys: list[str]) -> list[str]:
+    """Median seconds per phase of each CLI comparator's runs (suites.cli_phases): where the
+    process's wall time goes, so the fixed costs and the scoring window are read apart."""
+    rows = []
+    for key in keys:
+        got = [p for s in wl.samples.get(key, []) if (p := s.extra.get("phases"))]
+        if not got:
+            continue
+        med = {ph: float(np.median([p[ph] for p in got])) for ph in PHASES}
+        wall = float(np.median([s.wall_s for s in wl.samples[key]]))
+        rows.append((key, med, wall, len(got)))
+    if not rows:
+        return []
+    lines = [
+        "Where each CLI run's wall time goes (medians, seconds): **start-up** = process start "
+        "to the run's start (interpreter, imports, configuration); **planning** = to the first "
+        "shard's start (listing, footers, model load and dry run, lock, cluster start); "
+        "**scoring** = first shard start to last shard end; **finish** = reconcile, report, "
+        "`_SUCCESS`; **exit** = to the process's end.",
+        "",
+        "| comparator | " + " | ".join(PHASES) + " | wall | n |",
+        "|---|" + "---:|" * (len(PHASES) + 2),
+    ]
+    for key, med, wall, n in rows:
+        cells = " | ".join(f"{med[ph]:.2f}" for ph in PHASES)
+        lines.append(f"| `{key}` | {cells} | {wall:.2f} | {n} |")
+    return [*lines, ""]
+
+
+def _auto(wl: WorkloadResult, lines: list[str]) -> list[str]:
+    """``--batch-size auto`` (cold cache) against the fixed sizes measured beside it."""
+    auto = wl.primary("cli-auto")
+    fixed = {k: v for k in ("cli-4096", "cli-65536") if (v := wl.primary(k)) is not None}
+    if auto is None or not fixed:
+        return []
+    best_key = max(fixed, key=lambda k: fixed[k].median)
+    best = fixed[best_key]
+    samples = wl.samples.get("cli-auto", [])
+    chosen = sorted({int(s.extra["batch_size"]) for s in samples if s.extra.get("batch_size")})
+    sweeps = [float(a["sweep_s"]) for s in samples if (a := s.extra.get("auto")) and "sweep_s" in a]
+    sweep = float(np.median(sweeps)) if sweeps else None
+    rows = next(c.rows for c in wl.comparators if c.key == "cli-auto")
+    run_s = rows / auto.median
+    share = f"{sweep:.2f} s = {sweep / run_s * 100:.0f}% of the run" if sweep else "not reported"
+    r = auto.median / best.median
+    text = (
+        f"W1 `--batch-size auto` (cold cache every run): {auto.median:,.0f} rows/s end to end "
+        f"= **{r:.2f}x** the best fixed size measured beside it (`{best_key}`, "
+        f"{best.median:,.0f}); chose {', '.join(f'{c:,}' for c in chosen) or '?'}; sweep {share}."
+    )
+    lines += ["", text]
+    return [text]
 
 
 def _vs_daft(wl: WorkloadResult, ours: str, lines: list[str]) -> list[str]:
@@ -289,7 +365,7 @@ def _w1x10_section(wl: WorkloadResult, w1: WorkloadResult | None) -> tuple[list[
         f"process {rows_big / big.median:,.0f} rows/s on the 10x run."
     )
     peak = wl.rss("cli-4096")
-    lines += [text, ""]
+    lines += [text, "", *_phases(wl, ["cli-4096"])]
     if peak is not None:
         lines += [f"Peak RSS of the 10x run's process tree: {peak.median / 2**20:,.0f} MiB.", ""]
     return lines, [text]
@@ -345,6 +421,7 @@ def _w2_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
         lines += ["", text]
         summary.append(text)
     summary += _vs_daft(wl, "cli-fp32", lines)
+    lines += ["", *_phases(wl, ["cli-fp32", "cli-bf16"])]
     for note in wl.notes:
         lines += ["", note]
         summary.append(f"W2: {note}")
@@ -452,6 +529,7 @@ def _tiny_section(wl: WorkloadResult) -> tuple[list[str], list[str]]:
         )
         lines += ["", text]
         summary.append(text)
+    lines += ["", *_phases(wl, ["cli-sync", "cli-local"])]
     tp, help_ = wl.wall("import-tp"), wl.wall("help")
     if sync is not None and tp is not None and help_ is not None:
         text = (
@@ -482,6 +560,33 @@ def summarize_timed(wl: WorkloadResult, key: str) -> Summary | None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _profile_section(res: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+    from bench.profile_worker import markdown
+
+    lines = ["## Where a worker's time goes", ""]
+    if res is None:
+        return [*lines, "The profile did not run to the end (see the bench's log).", ""], []
+    lines += [*markdown(res), ""]
+    st = res["stages_s"]
+    pct = {k: st[k] / st["wall"] * 100 for k in ("model", "decode", "write")}
+    summary = [
+        f"W1 worker, per batch of {res['batch_size']:,}: the model call is "
+        f"{pct['model']:.0f}% of the shard's wall, decode {pct['decode']:.0f}%, write "
+        f"{pct['write']:.0f}%, everything else {100 - sum(pct.values()):.0f}% "
+        "(`python -m bench.profile_worker`)."
+    ]
+    calls = res.get("call_us")
+    if calls:
+        r = calls["score_catalog_bench"] / calls["eager"]
+        summary.append(
+            f"Batch 1: `score-catalog bench` {calls['score_catalog_bench']:.1f} us per call vs "
+            f"the eager module {calls['eager']:.1f} us = **{r:.2f}x** "
+            f"({'within' if r <= 1.5 else 'beyond'} the 1.5x target); torch's own "
+            f"`ExportedProgram.module()` {calls['exported_module']:.1f} us."
+        )
+    return lines, summary
+
+
 def render(
     *,
     facts: dict[str, str],
@@ -496,8 +601,10 @@ def render(
     warnings: list[str],
     precision: bool,
     budget_s: float,
+    profile: dict[str, Any] | bool | None = False,
 ) -> str:
-    """The markdown report."""
+    """The markdown report; ``profile``: bench.profile_worker's result (None: it failed;
+    False: not run)."""
     sections: list[str] = []
     summary: list[str] = []
     builders: dict[str, Callable[[WorkloadResult], tuple[list[str], list[str]]]] = {
@@ -514,6 +621,10 @@ def render(
             summary += summ
         else:
             sections += [f"## {key}", "", "Not run in this invocation (`--only`).", ""]
+    if profile is not False:
+        body, summ = _profile_section(profile if isinstance(profile, dict) else None)
+        sections += body
+        summary += summ
     head: list[str] = ["# score-catalog benchmarks", ""]
     if sizes.quick:
         head += [

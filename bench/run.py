@@ -19,7 +19,7 @@ from bench.procs import run_measured
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / ".bench"
-SUITE_KEYS = ("W1", "W1X10", "W2", "W3", "TINY")
+SUITE_KEYS = ("W1", "W1X10", "W2", "W3", "TINY", "PROFILE")
 
 
 def _log(msg: str) -> None:
@@ -107,6 +107,26 @@ def _maybe_big_batch(
     _log(f"batch {suites.BIG_BATCH:,} skipped: {why}")
 
 
+def _profile(data: workloads.Data) -> dict[str, object] | None:
+    """The per-batch profile of one W1 shard (bench.profile_worker), in a fresh process."""
+    import subprocess
+
+    shard = sorted(data.w1.glob("*.parquet"))[0]
+    argv = [sys.executable, "-m", "bench.profile_worker", "--json", "--shard", str(shard)]
+    argv += ["--model", str(data.w1_model)]
+    _log("[PROFILE] one W1 shard, stage by stage ...")
+    try:
+        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        _log("[PROFILE] timed out")
+        return None
+    if done.returncode != 0:
+        _log(f"[PROFILE] failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+        return None
+    result: dict[str, object] = json.loads(done.stdout)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit code."""
     raw = sys.argv[1:] if argv is None else argv
@@ -138,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         results["W3"] = suites.w3(runner, data, sizes)
     if "TINY" in selected:
         results["TINY"] = suites.tiny(runner, data, sizes)
+    profile = _profile(data) if "PROFILE" in selected else None
     if "W1" in results:
         _maybe_big_batch(runner, data, sizes, results["W1"], args.budget_min * 60, t0)
 
@@ -154,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings=runner.warnings,
         precision=precision,
         budget_s=args.budget_min * 60,
+        profile=profile if "PROFILE" in selected else False,
     )
     print(text)
     (REPO / args.output).write_text(text)
