@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -199,8 +200,6 @@ class DuplicateIds:
         if pa.types.is_integer(ids.type):
             self._hashes.append(ids.to_numpy().astype(np.int64, copy=False).view(np.uint64))
         else:
-            import pandas as pd  # only here: 0.1 s of every run's start-up otherwise
-
             values = np.asarray(ids.to_numpy(zero_copy_only=False), dtype=object)
             self._hashes.append(pd.util.hash_array(values))
 
