@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -525,13 +524,15 @@ def choose_by_rate(
     write) and returns its seconds.
 
     Sizes are measured round-robin (all of them once, then again while ``budget_s`` lasts, up
-    to ``max_rounds``), so that the machine's load hits every size alike. The noise is the
-    largest spread (max - min over median) any size showed between its passes, at least 2%
-    (:data:`DEFAULT_NOISE` after a single round). The best median wins, except that
-    ``default`` is kept whenever its median is within the noise of the best: a difference the
-    sweep cannot tell from noise is no reason to move off a size known to work. So the choice
-    is never slower than the best by more than the noise measured. Returns (chosen, one row
-    per size with its median pass, facts: rounds, noise, seconds spent).
+    to ``max_rounds``), so that the machine's load hits every size alike. Each size counts by
+    its fastest pass: a first pass at a new batch shape pays one-time costs (kernel selection,
+    first allocations) and a busy machine only ever adds time, so the minimum is the size's own
+    cost. The noise is the largest spread (max - min over min) any size showed between its
+    passes, at least 2% (:data:`DEFAULT_NOISE` after a single round). The fastest size wins,
+    except that ``default`` is kept whenever it is within the noise of the best: a difference
+    the sweep cannot tell from noise is no reason to move off a size known to work. So the
+    choice is never slower than the best by more than the noise measured. Returns (chosen, one
+    row per size with its fastest pass, facts: rounds, noise, seconds spent).
     """
     # Sizes above the sample's rows would time the same single call; the default always runs.
     sizes = sorted({b for b in sizes if 1 <= b <= max(rows, 1)} | {default})
@@ -542,7 +543,7 @@ def choose_by_rate(
         for b in sizes:
             times[b].append(max(step(b), 1e-9))
         rounds += 1
-    medians = {b: statistics.median(ts) for b, ts in times.items()}
+    medians = {b: min(ts) for b, ts in times.items()}  # the fastest pass (see above)
     spreads = [(max(ts) - min(ts)) / medians[b] for b, ts in times.items() if len(ts) > 1]
     noise = max([0.02, *spreads]) if spreads else DEFAULT_NOISE
     best = min(medians, key=lambda b: medians[b])
