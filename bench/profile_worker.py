@@ -216,8 +216,10 @@ def call_overhead(model_dir: Path, calls: int = 3000, rounds: int = 5) -> dict[s
     _, _, sha = read_bundle(str(model_dir))
     loaded = load_model(str(model_dir), "cpu", expected_sha256=sha)
     ep = torch.export.load(str(model_dir / "model.pt2"))
-    eager = DemoMLP()
-    eager.load_state_dict(ep.state_dict)
+    w = ep.state_dict
+    shape = (w["net.0.weight"].shape[0], w["net.2.weight"].shape[0])
+    eager = DemoMLP(w["net.0.weight"].shape[1], shape, w["net.4.weight"].shape[0])
+    eager.load_state_dict(w)
     eager.eval()
     plain = ep.module()
     x = torch.randn(1, loaded.width)
