@@ -200,6 +200,9 @@ class LoadedModel:
     # Position of each program parameter in the declared inputs: the program is called with
     # ``inputs[order[0]], inputs[order[1]], ...`` (its parameter names may order them).
     order: tuple[int, ...] = (0,)
+    # The most rows one call may have: the batch dimension's upper bound an exported program
+    # records (torch.export.Dim("batch", max=...)); None when it has none.
+    max_batch: int | None = None
 
     @property
     def width(self) -> int:
@@ -320,6 +323,12 @@ def _deserialize(spec: BundleSpec, weights: bytes, device: torch.device) -> Any:
             f"{where}: the weights file is a pickled object (torch.save of a module or "
             "state_dict), which is refused because unpickling can run arbitrary code; "
             + EXPORT_HINT
+        )
+    if spec.format == "exported_program" and not zipfile.is_zipfile(io.BytesIO(weights)):
+        # torch.export.load would log its own traceback before failing on it.
+        raise ModelError(
+            f"{where}: cannot load the weights file: it is not a torch.export archive (not a "
+            "zip file; truncated, or another format?)"
         )
     ep = None
     try:
@@ -452,6 +461,45 @@ def program_inputs(module: Any) -> list[tuple[torch.dtype, tuple[int | None, ...
             return None
         found.append((val.dtype, tuple(d if isinstance(d, int) else None for d in val.shape)))
     return found
+
+
+def program_max_batch(module: Any) -> int | None:
+    """The largest batch an exported program was exported for (the upper bound its range
+    constraints give the batch dimension of its inputs), or None for no bound.
+
+    Calls skip the program's own input checks (see :func:`load_model`), and a program may be
+    specialised for the range it was exported with: past the bound, it may compute something
+    else without a word. So the run refuses batch sizes beyond it instead.
+    """
+    ranges = getattr(module, "range_constraints", None)
+    if not isinstance(module, torch.fx.GraphModule) or not ranges:
+        return None
+    bound: int | None = None
+    for node in module.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if not isinstance(val, torch.Tensor) or not val.shape:
+            continue
+        rows = val.shape[0]
+        expr = getattr(getattr(rows, "node", None), "expr", None)
+        vr = ranges.get(expr) if expr is not None else None
+        upper: Any = getattr(vr, "upper", None)
+        # torch's int_oo (no bound) is a sympy object that int() refuses in its own way.
+        finite = isinstance(upper, int) or getattr(upper, "is_Integer", False) is True
+        top = int(upper) if finite and upper is not None else None
+        if top is not None and top < 2**62:
+            bound = top if bound is None else min(bound, top)
+    return bound
+
+
+def check_batch_size(model: LoadedModel, batch_size: int) -> None:
+    """Refuse a batch size beyond what the model's program was exported for (ConfigError)."""
+    if model.max_batch is not None and batch_size > model.max_batch:
+        raise ConfigError(
+            f"batch size {batch_size:,} is more than model bundle {model.spec.uri} takes: its "
+            f"program was exported for batches of at most {model.max_batch:,} rows "
+            f"(torch.export.Dim max). Set --batch-size {model.max_batch} or less, or re-export "
+            "with a larger max."
+        )
 
 
 def call_order(spec: BundleSpec, module: Any) -> tuple[int, ...]:
@@ -723,7 +771,9 @@ def load_model(
             # call. The signature check and the dry run above did that once, and every batch
             # is built from the same declared inputs and widths.
             module.validate_inputs = False
-        loaded = LoadedModel(spec, sha, module, dev, w, out_width, order)
+        loaded = LoadedModel(
+            spec, sha, module, dev, w, out_width, order, max_batch=program_max_batch(module)
+        )
         _CACHE[key] = loaded
         logger.info("loaded model %s v%s (%s) on %s", spec.name, spec.version, sha[:12], dev)
         return loaded

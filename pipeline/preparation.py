@@ -29,7 +29,14 @@ from pipeline.cluster import Plan
 from pipeline.config import JobConfig
 from pipeline.errors import ConfigError, ModelError, SchemaError, ShardError
 from pipeline.manifest import settings_hash
-from pipeline.model import BundleSpec, Inputs, LoadedModel, load_model, rows_of
+from pipeline.model import (
+    BundleSpec,
+    Inputs,
+    LoadedModel,
+    check_batch_size,
+    load_model,
+    rows_of,
+)
 from pipeline.precision import (
     DEFAULT_TOLERANCE,
     PARITY_ROWS,
@@ -386,6 +393,7 @@ def prepare_execution(
         x = sample_rows(config, model, sample_from) if sample_from else None
         execution["parity"] = _parity(config, prepared, opts, x)
     if config.batch_size != "auto":
+        check_batch_size(model, int(config.batch_size))
         return Execution(int(config.batch_size), execution)
     chosen, execution["batch_size_auto"] = _auto_batch_size(config, prepared, sample_from, plan)
     return Execution(chosen, execution)
@@ -439,22 +447,31 @@ def _auto_batch_size(
     cached = cache.get(key)
     if cached is not None:
         return cached, {"cached": True, "key": key, "batch_size": cached}
+    # Never past what the program was exported for (model.check_batch_size).
+    limit = prepared.max_batch
+    default = DEFAULT_BATCH_SIZE if limit is None else min(DEFAULT_BATCH_SIZE, limit)
+    sizes = [b for b in tuning.PIPELINE_SIZES if limit is None or b <= limit]
     if sample_from is None:
-        logger.info("batch size auto: no readable rows to measure; using %d", DEFAULT_BATCH_SIZE)
-        return DEFAULT_BATCH_SIZE, {"cached": False, "key": key, "batch_size": DEFAULT_BATCH_SIZE}
+        logger.info("batch size auto: no readable rows to measure; using %d", default)
+        return default, {"cached": False, "key": key, "batch_size": default}
     before = torch.get_num_threads()
     try:
         with _pipeline_step(config, prepared, sample_from, plan) as (step, rows):
             chosen, sweep, facts = tuning.choose_by_rate(
-                step,
-                tuning.PIPELINE_SIZES,
-                rows=rows,
-                default=DEFAULT_BATCH_SIZE,
-                budget_s=AUTO_BUDGET_S,
+                step, sizes, rows=rows, default=default, budget_s=AUTO_BUDGET_S
             )
     finally:
         torch.set_num_threads(before)  # the sweep ran as the workers will (plan.torch_threads)
-    cache.put(key, chosen, sweep)
+    if len(sweep) > 1:
+        cache.put(key, chosen, sweep)
+    else:
+        # A first shard smaller than every other size: nothing was compared, and a later run
+        # over bigger shards must measure instead of reusing this.
+        logger.info(
+            "batch size auto: the sample (%d rows) fits no size but %d; using it, not cached",
+            rows,
+            chosen,
+        )
     return chosen, {
         "cached": False,
         "key": key,

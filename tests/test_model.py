@@ -704,3 +704,39 @@ def test_a_graph_call_that_differs_from_the_module_is_dropped_at_the_dry_run(
     x = random_input(9)
     with torch.inference_mode():
         assert torch.equal(forward(m, x), m.module(x))
+
+
+def test_a_batch_bound_the_program_was_exported_with_is_kept(tmp_path: Path) -> None:
+    # Calls skip the program's own input checks, so the bound is enforced before scoring.
+    from pipeline.model import check_batch_size
+
+    d = tmp_path / "b"
+    d.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation
+        ep = torch.export.export(
+            make_model().eval(),
+            (torch.zeros(2, 16),),
+            dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1000)},),
+        )
+        torch.export.save(ep, d / "model.pt2")
+    (d / "model.toml").write_text(demo_toml())
+    m = load_model(str(d))
+    assert m.max_batch == 1000
+    check_batch_size(m, 1000)  # does not raise
+    with pytest.raises(ConfigError, match="at most 1,000 rows"):
+        check_batch_size(m, 4096)
+
+
+def test_an_unbounded_batch_has_no_limit(bundle_dir: Path, tmp_path: Path) -> None:
+    assert load_model(str(copy_bundle(bundle_dir, tmp_path / "b"))).max_batch is None
+
+
+def test_a_weights_file_that_is_not_an_archive_is_refused_without_torch_s_traceback(
+    bundle_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    d = copy_bundle(bundle_dir, tmp_path / "b")
+    (d / "model.pt2").write_bytes(b"not a zip at all" * 100)
+    with pytest.raises(ModelError, match=r"not a torch\.export archive"):
+        load_model(str(d))
+    assert "Traceback" not in caplog.text

@@ -271,6 +271,27 @@ def test_batch_size_auto_is_measured_once_then_cached(
     assert reps[1]["rows_out"] == 7300
 
 
+def test_batch_size_auto_on_a_first_shard_smaller_than_every_size_is_not_cached(
+    bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 500 rows fit no size but the default: nothing was compared, so a later run over big
+    # shards must measure rather than reuse it.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    small = tmp_path / "small"
+    write_shards(small, [500])
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        res = cli(
+            *_args(small, out, bundle_dir, "--scheduler", "sync", "--batch-size", "auto"),
+            in_process=True,
+        )
+        assert res.returncode == 0, res.output
+        runs.append(report(out)["execution"]["batch_size_auto"])
+    assert [r["cached"] for r in runs] == [False, False]
+    assert [[s["batch"] for s in r["sweep"]] for r in runs] == [[4096], [4096]]
+
+
 @pytest.mark.parametrize(
     "extra",
     [
