@@ -211,10 +211,16 @@ def parity(
             continue
         av = np.asarray(a.flatten() if hasattr(a, "flatten") else a, dtype=np.float64)
         bv = np.asarray(b.flatten() if hasattr(b, "flatten") else b, dtype=np.float64)
-        diff = np.abs(av - bv)
+        # Rows whose outputs are not finite are rejects, not scores (engine.py): compare the
+        # values both sides score, and count the values only one side leaves non-finite (a
+        # NaN would otherwise pass every "diff > tolerance" test).
+        fa, fb = np.isfinite(av), np.isfinite(bv)
+        both = fa & fb
+        diff = np.abs(av[both] - bv[both])
         out[spec.name] = {
             "max_abs_diff": float(diff.max()) if len(diff) else 0.0,
             "mean_abs_diff": float(diff.mean()) if len(diff) else 0.0,
+            "non_finite_mismatch": int(np.count_nonzero(fa != fb)),
         }
     return out
 
@@ -233,6 +239,11 @@ def check_parity(
         if worst > tolerance:
             what = "max |diff|" if "max_abs_diff" in d else "labels differing"
             bad.append(f"{col}: {what} {worst:.3g}")
+        if d.get("non_finite_mismatch"):
+            bad.append(
+                f"{col}: {int(d['non_finite_mismatch'])} value(s) finite on one side and NaN "
+                "or infinite on the other"
+            )
     if bad:
         raise ModelError(
             f"{where}: precision {precision} differs from fp32 beyond the tolerance {tolerance:g} "

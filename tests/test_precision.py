@@ -71,6 +71,23 @@ def test_check_parity_names_the_column_and_the_difference() -> None:
     assert "model bundle X" in msg and "int8" in msg
 
 
+def test_parity_compares_the_rows_both_score_and_fails_on_rows_only_one_leaves_nan(
+    model,  # type: ignore[no-untyped-def]
+) -> None:
+    # Rows whose input is NaN give NaN outputs on both sides (rejects either way): they take
+    # no part in the difference. A NaN difference used to pass every "> tolerance" test.
+    prepared, _ = prepare(model, ExecutionOptions(precision="bf16"))
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(2))
+    x[::7, 3] = float("nan")
+    cols = parity(model, prepared, x)
+    assert 0 < cols["score"]["max_abs_diff"] <= DEFAULT_TOLERANCE["bf16"]
+    assert cols["score"]["non_finite_mismatch"] == 0
+    check_parity(cols, "bf16", DEFAULT_TOLERANCE["bf16"], "b")  # does not raise
+    one_sided = {"score": {"max_abs_diff": 0.0, "mean_abs_diff": 0.0, "non_finite_mismatch": 4}}
+    with pytest.raises(ModelError, match="score: 4 value"):
+        check_parity(one_sided, "bf16", 0.05, "model bundle X")
+
+
 def test_unsupported_combinations_are_config_errors(
     model,
     torchscript_bundle_dir: Path,  # type: ignore[no-untyped-def]
