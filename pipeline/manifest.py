@@ -87,6 +87,8 @@ def scored_entry(
         # Kept so that a run which skips this shard still reports on the whole output.
         "outputs": result.stats.summary(),  # per column: count, sum, min, max, 101-point sketch
         "rejects_by_reason": result.rejects_by_reason,
+        "duplicate_ids": result.duplicate_ids,
+        "null_ids": result.null_ids,
         "run_id": run_id,
         "scored_at": dt.datetime.now(dt.timezone.utc).isoformat(),
     }

@@ -214,6 +214,9 @@ class RunFacts:
     lock_taken_over: dict[str, Any] | None
 
 
+_IN_OUTPUT = (ShardStatus.SCORED, ShardStatus.SKIPPED)
+
+
 def _problems(facts: RunFacts, shards: list[ShardResult]) -> tuple[list[dict[str, Any]], list[str]]:
     """The ``errors`` and ``warnings`` of the report, warnings logged as they are found."""
     errors: list[dict[str, Any]] = [
@@ -404,8 +407,9 @@ def build_report(
         },
         "lock_taken_over": facts.lock_taken_over,
         "oom_splits": sum(r.oom_splits for r in scored),
-        "duplicate_ids": sum(r.duplicate_ids for r in scored),
-        "null_ids": sum(r.null_ids for r in scored),
+        # Over the whole output, as rows_out: shards skipped carry their manifest's counts.
+        "duplicate_ids": sum(r.duplicate_ids for r in shards if r.status in _IN_OUTPUT),
+        "null_ids": sum(r.null_ids for r in shards if r.status in _IN_OUTPUT),
         "versions": versions(),
         "batch_latency_ms": latency_summary(scored),
         "outputs": output_summary(r for r in shards if r.status != ShardStatus.FAILED),

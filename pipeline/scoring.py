@@ -213,6 +213,9 @@ class ShardResult:
             rows_rejected=entry["rows_rejected"],
             stats=ShardStats.from_summary(entry.get("outputs"), entry["rows_scored"]),
             rejects_by_reason=dict(entry.get("rejects_by_reason") or {}),
+            # Entries written before these were kept count none.
+            duplicate_ids=int(entry.get("duplicate_ids") or 0),
+            null_ids=int(entry.get("null_ids") or 0),
         )
 
     def public(self) -> dict[str, Any]:

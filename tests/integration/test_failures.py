@@ -430,6 +430,13 @@ def test_duplicate_ids_are_counted_and_warned(bundle_dir: Path, tmp_path: Path) 
     assert any(w.startswith("2 rows have a null item_id (part-00001") for w in rep["warnings"])
     assert "WARNING" in r.output
     assert rep["rows_out"] == 1100  # warned, not dropped
+    # A rerun skips both shards and still reports their counts (kept in the manifest).
+    again = _run(cat, out, bundle_dir)
+    assert again.returncode == 0, again.output
+    rep = report(out)
+    assert rep["shards_skipped"] == 2
+    assert rep["duplicate_ids"] == 3 and [s["duplicate_ids"] for s in rep["shards"]] == [0, 3]
+    assert rep["null_ids"] == 2 and [s["null_ids"] for s in rep["shards"]] == [0, 2]
 
 
 def test_storage_credentials_never_reach_logs_report_or_manifest(
