@@ -200,7 +200,7 @@ def _aborted(e: Aborted, console: logs.Console) -> NoReturn:
 class _StartupGC:
     """Python's cyclic garbage collector paused while a command starts up, then frozen.
 
-    Importing torch, Dask and torch.export's loader creates about a million objects that live
+    Importing torch, Dask and torch.export's loader creates some 470,000 objects that live
     as long as the process, and the collector traverses them again and again while they are
     being created: pausing it made the imports and the model load 0.5 s faster here (a
     quarter of them). :meth:`started` (the run is about to score) moves every object made so
