@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -244,19 +245,25 @@ def test_empty_shard_gets_an_empty_output_with_the_schema(bundle_dir: Path, tmp_
     assert report(out)["rows_out"] == 900
 
 
-def test_batch_size_auto_is_measured_once_then_cached(
-    catalog: Path, bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+def _two_auto_runs(catalog: Path, bundle: Path, tmp_path: Path) -> list[dict[str, Any]]:
+    """The reports of two `--batch-size auto` runs of ``catalog`` (outputs a and b)."""
     reps = []
     for name in ("a", "b"):
         out = tmp_path / name
         res = cli(
-            *_args(catalog, out, bundle_dir, "--scheduler", "sync", "--batch-size", "auto"),
+            *_args(catalog, out, bundle, "--scheduler", "sync", "--batch-size", "auto"),
             in_process=True,
         )
         assert res.returncode == 0, res.output
         reps.append(report(out))
+    return reps
+
+
+def test_batch_size_auto_is_measured_once_then_cached(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    reps = _two_auto_runs(catalog, bundle_dir, tmp_path)
     first, second = (r["execution"]["batch_size_auto"] for r in reps)
     assert first["cached"] is False and second["cached"] is True
     assert first["basis"] == "pipeline"  # measured through the workers' own scoring code
@@ -279,15 +286,7 @@ def test_batch_size_auto_on_a_first_shard_smaller_than_every_size_is_not_cached(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     small = tmp_path / "small"
     write_shards(small, [500])
-    runs = []
-    for name in ("a", "b"):
-        out = tmp_path / name
-        res = cli(
-            *_args(small, out, bundle_dir, "--scheduler", "sync", "--batch-size", "auto"),
-            in_process=True,
-        )
-        assert res.returncode == 0, res.output
-        runs.append(report(out)["execution"]["batch_size_auto"])
+    runs = [r["execution"]["batch_size_auto"] for r in _two_auto_runs(small, bundle_dir, tmp_path)]
     assert [r["cached"] for r in runs] == [False, False]
     assert [[s["batch"] for s in r["sweep"]] for r in runs] == [[4096], [4096]]
 
