@@ -19,7 +19,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from pipeline import config as cfg
-from pipeline import logs
+from pipeline import hugepages, logs
 from pipeline.cli_bench import bench
 from pipeline.cli_bundle import bundle
 from pipeline.errors import (
@@ -51,6 +51,8 @@ def main() -> None:
     Run `score-catalog run JOB.toml` for a job file (see jobs/), or give --input, --output and
     --model. `score-catalog demo` builds the demo catalog and model.
     """
+    # Before any command imports torch: torch reads it at its first allocation.
+    hugepages.ask_before_torch()
 
 
 # --------------------------------------------------------------------------------------------
