@@ -78,7 +78,25 @@ def machine_facts(repo: Path) -> dict[str, str]:
         "dask / distributed": f"{dask.__version__} / {distributed.__version__}",
         "git commit": commit + (" (tracked files modified)" if dirty else ""),
         "thread variables": env or "none set (OMP_NUM_THREADS etc. unset)",
+        "transparent huge pages": _thp(),
     }
+
+
+def _thp() -> str:
+    """The kernel's THP mode, and who asks torch for huge pages in this bench."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        mode = text.split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        mode = "unknown"
+    asked = os.environ.get("THP_MEM_ALLOC_ENABLE")
+    who = (
+        f"THP_MEM_ALLOC_ENABLE={asked} for every comparator"
+        if asked is not None
+        else "the score-catalog CLI sets THP_MEM_ALLOC_ENABLE=1 for itself; the other "
+        "comparators (library, hand-rolled, Daft, ceilings) run without it"
+    )
+    return f"kernel mode {mode}; {who}"
 
 
 # ---------------------------------------------------------------------------------------------
