@@ -362,7 +362,8 @@ def plan_execution(
         (s for s in shards if s.rel_path not in failed and found.infos[s.rel_path].num_rows),
         None,
     )
-    return prepare_execution(config, found.model, opts, sample_from, plan)
+    rows = sum(found.infos[s.rel_path].num_rows for s in shards if s.rel_path not in failed)
+    return prepare_execution(config, found.model, opts, sample_from, plan, job_rows=rows)
 
 
 def prepare_execution(
@@ -371,11 +372,14 @@ def prepare_execution(
     opts: ExecutionOptions,
     sample_from: ShardRef | None,
     plan: Plan,
+    *,
+    job_rows: int = 0,
 ) -> Execution:
     """Set the model up as configured, check it against fp32 on real rows, pick the batch size.
 
     Runs in the driver before anything is written, so a precision that is too far from fp32
-    fails the run up front (exit 3), never after hours of scoring.
+    fails the run up front (exit 3), never after hours of scoring. ``job_rows`` (the rows the
+    run will score) sizes the ``batch_size = "auto"`` sweep.
     """
     prepared, compile_s = prepare(model, opts)
     execution: dict[str, Any] = {
@@ -395,7 +399,9 @@ def prepare_execution(
     if config.batch_size != "auto":
         check_batch_size(model, int(config.batch_size))
         return Execution(int(config.batch_size), execution)
-    chosen, execution["batch_size_auto"] = _auto_batch_size(config, prepared, sample_from, plan)
+    chosen, execution["batch_size_auto"] = _auto_batch_size(
+        config, prepared, sample_from, plan, job_rows
+    )
     return Execution(chosen, execution)
 
 
@@ -428,15 +434,26 @@ def _parity(
 #: the size it keeps unless another is measurably faster.
 AUTO_SAMPLE_ROWS = 16_384
 AUTO_BUDGET_S = 0.3
+#: A slow model's sweep may take this share of the job's estimated scoring time instead (the
+#: estimate: one probe batch's seconds per row x the job's rows / workers). A sweep that cannot
+#: fit a round of every size over twice the default's rows in its budget is not run: a
+#: 2048-wide MLP at 10k rows/s took 8-12 s, a third of a 200k-row job, and chose no better.
+AUTO_JOB_SHARE = 0.05
 DEFAULT_BATCH_SIZE = 4096
 
 
 def _auto_batch_size(
-    config: JobConfig, prepared: LoadedModel, sample_from: ShardRef | None, plan: Plan
+    config: JobConfig,
+    prepared: LoadedModel,
+    sample_from: ShardRef | None,
+    plan: Plan,
+    job_rows: int,
 ) -> tuple[int, dict[str, Any]]:
     """``batch_size = "auto"``: the size the whole pipeline scores fastest at, measured on
     real rows (:func:`pipeline.tuning.choose_by_rate` on :func:`_pipeline_step`), cached per
-    model, device, precision and thread count."""
+    model, device, precision and thread count. The sweep's rows and time are sized by a probe
+    batch so that it costs at most :data:`AUTO_BUDGET_S` or :data:`AUTO_JOB_SHARE` of the
+    job's ``job_rows`` (:func:`_sweep_rows`)."""
     from pipeline import tuning
 
     key = (
@@ -457,9 +474,37 @@ def _auto_batch_size(
     before = torch.get_num_threads()
     try:
         with _pipeline_step(config, prepared, sample_from, plan) as (step, rows):
+            t0 = time.perf_counter()
+            probe = min(rows, default)
+            per_row = step(default, probe) / probe
+            workers = plan.workers or 1
+            budget = max(AUTO_BUDGET_S, AUTO_JOB_SHARE * per_row * job_rows / workers)
+            n = _sweep_rows(rows, per_row, budget, len(sizes), default)
+            if n is None:
+                logger.info(
+                    "batch size auto: a sweep would take more than %.1fs (%.0f rows/s on a "
+                    "probe batch); using %d",
+                    budget,
+                    1 / per_row,
+                    default,
+                )
+                spent = time.perf_counter() - t0
+                return default, {
+                    "cached": False,
+                    "key": key,
+                    "batch_size": default,
+                    "basis": "pipeline",
+                    "sweep_s": spent,
+                    "sweep": [],
+                }
             chosen, sweep, facts = tuning.choose_by_rate(
-                step, sizes, rows=rows, default=default, budget_s=AUTO_BUDGET_S
+                lambda b: step(b, n),
+                [b for b in sizes if b <= n],
+                rows=n,
+                default=default,
+                budget_s=budget - (time.perf_counter() - t0),
             )
+            facts["sweep_s"] = time.perf_counter() - t0
     finally:
         torch.set_num_threads(before)  # the sweep ran as the workers will (plan.torch_threads)
     if len(sweep) > 1:
@@ -483,14 +528,25 @@ def _auto_batch_size(
     }
 
 
+def _sweep_rows(
+    rows: int, per_row: float, budget_s: float, n_sizes: int, default: int
+) -> int | None:
+    """Rows per pass such that a round of all ``n_sizes`` sizes fits ``budget_s`` at
+    ``per_row`` seconds a row (at most the sample's ``rows``); None when that leaves fewer
+    than twice the default's rows, too few to tell sizes apart."""
+    n = min(rows, int(budget_s / (max(n_sizes, 1) * max(per_row, 1e-12))))
+    return n if n >= min(rows, 2 * default) else None
+
+
 @contextlib.contextmanager
 def _pipeline_step(
     config: JobConfig, model: LoadedModel, shard: ShardRef, plan: Plan
-) -> Iterator[tuple[Callable[[int], float], int]]:
-    """``step(batch)``: score a local copy of the first :data:`AUTO_SAMPLE_ROWS` rows of
-    ``shard`` through the workers' own code (:func:`pipeline.scoring.score_shard`: read,
-    features, model, output columns, statistics, write, commit, with the run's precision,
-    overlap and thread count) into a scratch folder, and return its seconds; and the rows."""
+) -> Iterator[tuple[Callable[[int, int], float], int]]:
+    """``step(batch, rows)``: score a local copy of the first ``rows`` (up to
+    :data:`AUTO_SAMPLE_ROWS`) rows of ``shard`` through the workers' own code
+    (:func:`pipeline.scoring.score_shard`: read, features, model, output columns, statistics,
+    write, commit, with the run's precision, overlap and thread count) into a scratch folder,
+    and return its seconds; and the sample's rows."""
     from pipeline.reading import open_parquet
     from pipeline.scoring import OVERLAP_DEPTH, ShardTask, WorkerSpec, score_shard
 
@@ -505,8 +561,14 @@ def _pipeline_step(
                 break
     table = pa.Table.from_batches(pieces).slice(0, AUTO_SAMPLE_ROWS)
     with tempfile.TemporaryDirectory(prefix="score-catalog-auto-") as tmp:
-        sample = os.path.join(tmp, "sample.parquet")
-        pq.write_table(table, sample, row_group_size=8192)
+        samples: dict[int, str] = {}
+
+        def sample_of(rows: int) -> str:
+            if rows not in samples:
+                samples[rows] = os.path.join(tmp, f"sample-{rows}.parquet")
+                pq.write_table(table.slice(0, rows), samples[rows], row_group_size=8192)
+            return samples[rows]
+
         spec = WorkerSpec.for_job(
             config,
             model.sha256,
@@ -519,13 +581,14 @@ def _pipeline_step(
         spec = dataclasses.replace(spec, storage_options={})
         meta = pa.schema([table.schema.field(c) for c in meta_cols]).serialize().to_pybytes()
 
-        def step(batch: int) -> float:
+        def step(batch: int, rows: int) -> float:
+            rows = min(rows, table.num_rows)
             task = ShardTask(
                 "sample.parquet",
-                sample,
+                sample_of(rows),
                 os.path.join(tmp, f"out-{batch}.parquet"),
                 os.path.join(tmp, f"rejects-{batch}.parquet"),
-                table.num_rows,
+                rows,
                 meta,
             )
             t0 = time.perf_counter()
