@@ -222,6 +222,15 @@ def finish_run(run: ScoringRun) -> RunReport:
     data["foreign_kept"] = sorted(
         {*run.foreign.kept, *(run.out_root.child(rel).uri for rel in settled.foreign)}
     )
+    for uri in data["foreign_kept"]:
+        # Not scores, so _SUCCESS still holds; but readers of the folder trip over it.
+        warning = (
+            f"{uri} is in the output and score-catalog did not write it: it is left alone, but "
+            "pyarrow.dataset and pandas.read_parquet on the output folder read every visible "
+            "file and fail on it; move it out, or give it a name starting with _ or ."
+        )
+        logger.warning("%s", warning)
+        data["warnings"].append(warning)
     _verify(run, data, want)
     index_root = runindex.index_root(run.config.output)
     add_drift(run.config, data, index_root)
