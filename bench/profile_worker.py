@@ -248,13 +248,20 @@ def call_overhead(model_dir: Path, calls: int = 3000, rounds: int = 5) -> dict[s
     return best
 
 
+def _short(shard: str) -> str:
+    """``w1/part-00000.parquet``: the workload's folder and the file, as the report names it."""
+    p = Path(shard)
+    return f"{p.parent.name}/{p.name}"
+
+
 def markdown(res: dict[str, Any]) -> list[str]:
     """The report's section: a table of stages, ms per batch and share of the shard's wall."""
     st = res["stages_s"]
     n = max(1, res["batches"])
     wall = st["wall"]
     lines = [
-        f"One W1 shard ({res['rows']:,} rows, {res['batches']} batches of {res['batch_size']:,}) "
+        f"One shard, `{_short(res['shard'])}` ({res['rows']:,} rows, {res['batches']} "
+        f"batches of {res['batch_size']:,}) "
         "scored in one process through `pipeline.scoring.score_shard`, one torch thread, "
         f"overlap off, each stage timed with `perf_counter` (median of {res['rounds']} rounds; "
         "`python -m bench.profile_worker`).",
