@@ -13,7 +13,8 @@ and advise the kernel to back them with huge pages. Measured on this project's 2
   worker instead of 1.52 GB;
 - one 5M-row shard through the demo MLP without the overlap threads: 0.60 GB peak RSS in
   each run, where without huge pages it was 0.70, 1.36 and 1.93 GB;
-- the small demo MLP (W1, 4 MiB activations): about 5% slower, within this machine's noise.
+- the small demo MLP (W1, 4 MiB activations): 5-7% slower (377k against 351k rows/s in 5
+  alternating rounds), inside this machine's noise but consistent.
 
 torch reads the variable once, at its first allocation, that is while ``import torch`` runs;
 forked Dask workers inherit the value. Where the kernel's THP setting is ``never`` the advice
