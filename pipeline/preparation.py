@@ -483,33 +483,28 @@ def _auto_batch_size(
             if n is None:
                 logger.info(
                     "batch size auto: a sweep would take more than %.1fs (%.0f rows/s on a "
-                    "probe batch); using %d",
+                    "probe batch); using %d, not cached",
                     budget,
                     1 / per_row,
                     default,
                 )
-                spent = time.perf_counter() - t0
-                return default, {
-                    "cached": False,
-                    "key": key,
-                    "batch_size": default,
-                    "basis": "pipeline",
-                    "sweep_s": spent,
-                    "sweep": [],
-                }
-            chosen, sweep, facts = tuning.choose_by_rate(
-                lambda b: step(b, n),
-                [b for b in sizes if b <= n],
-                rows=n,
-                default=default,
-                budget_s=budget - (time.perf_counter() - t0),
-            )
+                chosen = default
+                sweep: list[tuning.BenchRow] = []
+                facts: dict[str, Any] = {}
+            else:
+                chosen, sweep, facts = tuning.choose_by_rate(
+                    lambda b: step(b, n),
+                    [b for b in sizes if b <= n],
+                    rows=n,
+                    default=default,
+                    budget_s=budget - (time.perf_counter() - t0),
+                )
             facts["sweep_s"] = time.perf_counter() - t0
     finally:
         torch.set_num_threads(before)  # the sweep ran as the workers will (plan.torch_threads)
     if len(sweep) > 1:
         cache.put(key, chosen, sweep)
-    else:
+    elif n is not None:
         # A first shard smaller than every other size: nothing was compared, and a later run
         # over bigger shards must measure instead of reusing this.
         logger.info(
@@ -522,7 +517,7 @@ def _auto_batch_size(
         "key": key,
         "batch_size": chosen,
         "basis": "pipeline",
-        "noise": facts["noise"],
+        **({"noise": facts["noise"]} if "noise" in facts else {}),
         "sweep_s": facts["sweep_s"],
         "sweep": [dataclasses.asdict(r) for r in sweep],
     }
