@@ -272,7 +272,19 @@ def _w1_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
             )
     summary += _vs_daft(wl, "cli-4096", lines)
     summary += _auto(wl, lines)
-    phases = _phases(wl, ["cli-4096", "cli-4096-nooverlap", "lib-4096"])
+    forced = wl.primary("cli-4096-overlap")
+    if cli is not None and forced is not None:
+        chose = {s.extra.get("overlap") for s in wl.samples.get("cli-4096", [])}
+        said = {True: "on", False: "off"}
+        text = (
+            f"W1 overlap = auto (the default; it chose "
+            f"{', '.join(said.get(c, '?') for c in chose)}) against `--overlap`: "
+            f"{cli.median:,.0f} vs {forced.median:,.0f} rows/s end to end = "
+            f"**{cli.median / forced.median:.2f}x**."
+        )
+        lines += ["", text]
+        summary.append(text)
+    phases = _phases(wl, ["cli-4096", "cli-4096-overlap", "lib-4096"])
     if phases:
         lines += ["", "### Where the time goes", "", *phases]
         window = [

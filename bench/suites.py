@@ -236,6 +236,7 @@ class Runner:
                     "phases": cli_phases(report, pr),
                     "batch_size": report.get("batch_size"),
                     "auto": (report.get("execution") or {}).get("batch_size_auto"),
+                    "overlap": (report.get("execution") or {}).get("overlap"),
                 },
             )
         return Sample(rows=0, wall_s=pr.wall_s, timed_s=None, peak_rss_bytes=pr.peak_rss_bytes)
@@ -522,20 +523,21 @@ def _score_catalog_w1(runner: Runner, data: Data, sizes: Sizes, batch: int) -> l
             digest=score_digest,
         ),
         Comparator(
-            f"cli-{batch}-nooverlap",
-            "score-catalog CLI, --no-overlap (no read-ahead/write-behind threads)",
+            f"cli-{batch}-overlap",
+            "score-catalog CLI, --overlap (read-ahead/write-behind threads on; auto turns "
+            "them off here)",
             "Dask LocalCluster",
             batch,
             runner.cli_argv(
                 data.w1,
-                out(f"cli-{batch}-nooverlap"),
+                out(f"cli-{batch}-overlap"),
                 data.w1_model,
                 batch,
-                extra=("--no-overlap",),
+                extra=("--overlap",),
             ),
             "cli",
             sizes.w1_rows,
-            output=out(f"cli-{batch}-nooverlap"),
+            output=out(f"cli-{batch}-overlap"),
             digest=score_digest,
         ),
         *([_cli_auto(runner, data, sizes)] if batch == BATCH else []),
@@ -624,7 +626,7 @@ def w1_big_batch(runner: Runner, data: Data, sizes: Sizes, wl: WorkloadResult) -
     comps = [
         c
         for c in _score_catalog_w1(runner, data, sizes, BIG_BATCH)
-        if not c.key.endswith("nooverlap")
+        if not c.key.endswith("-overlap")
     ]
     part = WorkloadResult(wl.key, wl.title, [], comps)
     runner.run_alternating(part, sizes.repeats)

@@ -119,6 +119,9 @@ def _job_option(s: cfg.Setting, flag: str) -> Callable[[F], F]:
     if kind == "bool" and s.default:
         decls[0] = f"{flag}/--no-{flag[2:]}"
         help_text += " (default on)"
+    elif kind == "bool_or_word":
+        # Neither flag given: the job file, the environment or the default (auto) decide.
+        decls[0] = f"{flag}/--no-{flag[2:]}"
     elif kind == "bool":
         kw["is_flag"] = True
     elif kind == "table":
@@ -131,7 +134,7 @@ def _job_option(s: cfg.Setting, flag: str) -> Callable[[F], F]:
         kw["type"] = click.Choice(s.kind.choices)
     else:
         kw["type"] = {"int": click.INT, "float": click.FLOAT}.get(kind) or _Text(s.kind)
-    if not s.required and s.default not in (None, (), {}) and kind != "bool":
+    if not s.required and s.default not in (None, (), {}) and kind not in ("bool", "bool_or_word"):
         help_text += f" (default {s.default})"
     return click.option(*decls, help=help_text, **kw)
 

@@ -322,10 +322,15 @@ class JobConfig:
         ),
     )
     # Read the next batches and write finished ones in background threads, alongside the model.
-    # On 2 CPU cores it cost 11% of W1's throughput but kept memory flat (10x rows: 1.18x peak
-    # RSS with it, 1.68x without; BENCHMARKS.md), so it stays on by default.
-    overlap: bool = field(
-        default=True, metadata=_meta("Read ahead and write behind in background threads.")
+    # "auto": on, except where every CPU core already runs a scoring loop of its own (there the
+    # threads only compete with them: W1 on 2 cores scored 1.2x faster without; see
+    # pipeline.cluster.overlap_rule and docs/tuning.md).
+    overlap: bool | Literal["auto"] = field(
+        default="auto",
+        metadata=_meta(
+            "Read ahead and write behind in background threads (default auto: off where every "
+            "core already runs a scoring loop)."
+        ),
     )
     # Where rejected rows go (template like output). None: <parent of output>/_rejects/<output's
     # name>, beside the output and not inside it, so that no reader (DuckDB's '**/*.parquet',
@@ -506,7 +511,7 @@ def _parse_list(raw: str) -> list[str]:
 class Kind:
     """A key's type, read from its type hint: how to check it, parse it from text, name it."""
 
-    name: str  # str, int, float, bool, list, int_or_word, table
+    name: str  # str, int, float, bool, list, int_or_word, bool_or_word, table
     word: str  # for messages: "an integer"
     accepts: Callable[[Any], bool]
     # From the text of an environment variable or a flag; raises ValueError. None: no text form.
@@ -531,6 +536,17 @@ def _kind(hint: Any) -> Kind:
         rest = tuple(a for a in args if a is not type(None))
         if len(rest) == 1:
             return dataclasses.replace(_kind(rest[0]), optional=len(rest) < len(args))
+        if len(rest) == 2 and rest[0] is bool and get_origin(rest[1]) is Literal:
+            # bool | Literal["auto"]: on, off, or the run decides.
+            words = get_args(rest[1])
+            shown = " or ".join(f'"{w}"' for w in words)
+            return Kind(
+                "bool_or_word",
+                f"true, false or {shown}",
+                lambda v: isinstance(v, bool) or v in words,
+                lambda raw: w if (w := raw.strip().lower()) in words else _parse_bool(raw),
+                choices=words,
+            )
         if len(rest) == 2 and rest[0] is int and get_origin(rest[1]) is Literal:
             # int | Literal["auto"]: a number, or one of a few words.
             words = get_args(rest[1])

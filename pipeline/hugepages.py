@@ -36,4 +36,9 @@ def ask_before_torch() -> bool:
     """
     if "torch" not in sys.modules:
         os.environ.setdefault(ENV, "1")
+    return asked()
+
+
+def asked() -> bool:
+    """Whether this process's environment asks torch for huge pages (forked workers inherit it)."""
     return os.environ.get(ENV, "") not in ("", "0")

@@ -53,7 +53,7 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     entries = _shard_entries(config, shards, found, out_root, expect_done=(sha, settings.hash))
     to_score = [e for e in entries if e["action"] == "score"]
     rows_to_score = sum(e["rows"] or 0 for e in to_score)
-    plan = thread_plan(config, len(to_score))
+    plan = thread_plan(config, len(to_score), device.type)
     sample_from = next(
         (s for s in shards if s.rel_path not in failed and s.rel_path not in problems), None
     )

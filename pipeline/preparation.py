@@ -387,7 +387,7 @@ def prepare_execution(
         "compile": opts.compile,
         "compile_s": compile_s,
         "tf32": model.device.type == "cuda" and not opts.strict_fp32,
-        "overlap": config.overlap,
+        "overlap": plan.overlap,
         "parity": None,
         "batch_size_auto": None,
     }
@@ -570,7 +570,7 @@ def _pipeline_step(
             str(model.device),
             model.widths,
             None,
-            overlap_depth=OVERLAP_DEPTH if config.overlap else 0,
+            overlap_depth=OVERLAP_DEPTH if plan.overlap else 0,
             torch_threads=plan.torch_threads,
         )
         spec = dataclasses.replace(spec, storage_options={})

@@ -168,7 +168,13 @@ class ScoringRun:
         self.settings: Settings = run_settings(
             config, bundle, model_version=self.source.model_version
         )
-        self.plan: Plan = thread_plan(config, len(self.shards))
+        self.plan: Plan = thread_plan(config, len(self.shards), self.device.type)
+        if config.overlap == "auto" and not self.plan.overlap:
+            logger.info(
+                "overlap threads off (overlap = auto): each of the %d cores runs a scoring loop "
+                "of its own; --overlap turns them on",
+                self.plan.cores,
+            )
         if self.plan.scheduler != "sync":
             # Workers start (and load the model) while the driver reads footers below.
             fixed = [i.fixed_width() for i in bundle.inputs]
@@ -287,7 +293,7 @@ class ScoringRun:
         return self.found.model
 
     def _worker_spec(self, widths: tuple[int, ...] | None, batch_size: int | None) -> WorkerSpec:
-        overlap = OVERLAP_DEPTH if self.config.overlap else 0
+        overlap = OVERLAP_DEPTH if self.plan.overlap else 0
         torch_threads = self.plan.torch_threads
         spec = WorkerSpec.for_job(
             self.config,

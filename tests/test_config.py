@@ -63,6 +63,7 @@ def test_defaults_without_job_file() -> None:
     assert cfg.batch_size == 4096
     assert cfg.device == "auto"
     assert cfg.scheduler == "local"
+    assert cfg.overlap == "auto"
     assert cfg.workers is None
     assert cfg.rejects is None
     assert cfg.date is None
@@ -220,6 +221,39 @@ def test_env_values_are_parsed_by_type() -> None:
 def test_env_bool_words(raw: str, expected: bool) -> None:
     cfg = build_config(env={"SCORE_CATALOG_FORCE": raw}, overrides=BASE)
     assert cfg.force is expected
+
+
+@pytest.mark.parametrize(
+    ("file_value", "env_value", "expected"),
+    [
+        (None, None, "auto"),
+        ("true", None, True),
+        ('"auto"', None, "auto"),
+        ("false", None, False),
+        ("false", "auto", "auto"),
+        ('"auto"', "off", False),
+        (None, " AUTO ", "auto"),
+        (None, "yes", True),
+    ],
+)
+def test_overlap_is_on_off_or_auto_in_every_layer(
+    tmp_path: Path, file_value: str | None, env_value: str | None, expected: bool | str
+) -> None:
+    text = 'input = "i"\noutput = "o"\nmodel = "m"\n'
+    if file_value is not None:
+        text += f"overlap = {file_value}\n"
+    env = {} if env_value is None else {"SCORE_CATALOG_OVERLAP": env_value}
+    assert build_config(write_job(tmp_path, text), env=env).overlap == expected
+
+
+def test_overlap_words_other_than_auto_are_refused(tmp_path: Path) -> None:
+    job = write_job(tmp_path, 'input = "i"\noutput = "o"\nmodel = "m"\noverlap = "sometimes"\n')
+    with pytest.raises(ConfigError) as excinfo:
+        build_config(job, env={"SCORE_CATALOG_OVERLAP": "maybe"})
+    assert problems_of(excinfo) == [
+        "SCORE_CATALOG_OVERLAP='maybe' is not true, false or \"auto\"",
+        "overlap = 'sometimes' must be true, false or \"auto\"",
+    ]
 
 
 def test_env_false_beats_file_true(tmp_path: Path) -> None:

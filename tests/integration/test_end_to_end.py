@@ -291,6 +291,30 @@ def test_batch_size_auto_on_a_first_shard_smaller_than_every_size_is_not_cached(
     assert [[s["batch"] for s in r["sweep"]] for r in runs] == [[4096], [4096]]
 
 
+@pytest.mark.parametrize(("huge_pages", "overlap"), [(None, False), ("0", True)])
+def test_overlap_auto_turns_the_threads_off_where_every_core_runs_a_loop(
+    huge_pages: str | None,
+    overlap: bool,
+    bundle_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A real CLI process: it asks torch for huge pages itself unless the environment says 0.
+    cat = tmp_path / "cat"
+    write_shards(cat, [700, 900], row_group_rows=300)
+    out = tmp_path / "o"
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    env = {"THP_MEM_ALLOC_ENABLE": huge_pages} if huge_pages is not None else {}
+    args = _args(cat, out, bundle_dir, "--scheduler", "threads", "--cores", "2", "-v")
+    res = cli(*args, env=env)
+    assert res.returncode == 0, res.stderr
+    rep = report(out)
+    assert rep["execution"]["overlap"] is overlap
+    assert ("overlap threads off (overlap = auto)" in res.stderr) is not overlap
+    ids = [i for p in data_files(out) for i in pq.read_table(p).column("item_id").to_pylist()]
+    assert ids == list(range(1600))
+
+
 @pytest.mark.parametrize(
     "extra",
     [
