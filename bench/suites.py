@@ -59,6 +59,7 @@ class Comparator:
     digest: Callable[[Path], dict[str, Any]] | None = None  # checksums of its output (rep 1)
     keep_output: bool = False  # rep 1's output is compared after the rep, then removed
     scratch: Path | None = None  # a folder the command may fill (a cache): emptied before run 1
+    cold: bool = False  # the scratch folder is emptied before every run, not only the first
 
 
 @dataclass
@@ -245,7 +246,7 @@ class Runner:
         """Run ``comp`` once and record a sample or a failure."""
         if comp.output is not None:
             clear_output(comp.output)
-        if comp.scratch is not None and rep == 0:
+        if comp.scratch is not None and (rep == 0 or comp.cold):
             shutil.rmtree(comp.scratch, ignore_errors=True)
             comp.scratch.mkdir(parents=True)
         log_path = self.root / "logs" / wl.key / f"{comp.key}-rep{rep + 1}.log"
@@ -540,7 +541,11 @@ def _score_catalog_w1(runner: Runner, data: Data, sizes: Sizes, batch: int) -> l
             output=out(f"cli-{batch}-overlap"),
             digest=score_digest,
         ),
-        *([_cli_auto(runner, data, sizes)] if batch == BATCH else []),
+        *(
+            [_cli_auto(runner, data, sizes), _cli_cold(runner, data, sizes)]
+            if batch == BATCH
+            else []
+        ),
         Comparator(
             f"lib-{batch}",
             "score-catalog library (pipeline.run)",
@@ -578,6 +583,28 @@ def _cli_auto(runner: Runner, data: Data, sizes: Sizes) -> Comparator:
         output=out,
         digest=score_digest,
         scratch=cache,
+    )
+
+
+def _cli_cold(runner: Runner, data: Data, sizes: Sizes) -> Comparator:
+    """The CLI with an empty cache folder in every run: the bundle is loaded by torch.export
+    each time (pipeline.programcache), as on a model's first night. The other CLI runs reuse
+    the program the warm-up run cached, as every later night does."""
+    out = runner.out_dir("w1", "cli-4096-cold")
+    cache = runner.out_dir("w1", "cli-4096-cold-cache")
+    argv = runner.cli_argv(data.w1, out, data.w1_model, BATCH)
+    return Comparator(
+        "cli-4096-cold",
+        "score-catalog CLI, cold program cache (every run loads the bundle with torch.export)",
+        "Dask LocalCluster",
+        BATCH,
+        ["env", f"XDG_CACHE_HOME={cache}", *argv],
+        "cli",
+        sizes.w1_rows,
+        output=out,
+        digest=score_digest,
+        scratch=cache,
+        cold=True,
     )
 
 
@@ -882,6 +909,26 @@ def tiny(runner: Runner, data: Data, sizes: Sizes) -> WorkloadResult:
                 output=out,
             )
         )
+    out = runner.out_dir("tiny", "cli-sync-cold")
+    cache = runner.out_dir("tiny", "cli-sync-cold-cache")
+    comps.append(
+        Comparator(
+            "cli-sync-cold",
+            "score-catalog run --scheduler sync, cold program cache",
+            "in-process",
+            BATCH,
+            [
+                "env",
+                f"XDG_CACHE_HOME={cache}",
+                *runner.cli_argv(data.tiny, out, data.w1_model, BATCH, scheduler="sync"),
+            ],
+            "cli",
+            sizes.tiny_rows,
+            output=out,
+            scratch=cache,
+            cold=True,
+        )
+    )
     comps.append(
         Comparator(
             "import",

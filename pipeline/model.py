@@ -29,7 +29,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from pipeline import storage
+from pipeline import programcache, storage
 from pipeline.errors import ConfigError, ModelError
 from pipeline.inputs import DTYPES, InputSpec, example_tensor, parse_inputs, parse_vocabulary
 
@@ -369,10 +369,10 @@ def _deserialize(spec: BundleSpec, weights: bytes, device: torch.device) -> Any:
 # the program's own graph with the module's weights as arguments does the same aten ops, in
 # the same order, on the same tensors, in 14-19 us. Kept per module object, so a wrapper
 # (precision's autocast, torch.compile) never takes the graph call of what it wraps by mistake.
-_GRAPH_CALLS: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = weakref.WeakKeyDictionary()
+_GRAPH_CALLS: weakref.WeakKeyDictionary[Any, programcache.GraphCall] = weakref.WeakKeyDictionary()
 
 
-def _graph_call(ep: Any, module: Any) -> Callable[..., Any] | None:
+def _graph_call(ep: Any, module: Any) -> programcache.GraphCall | None:
     """``graph(*weights, *inputs)`` for a program whose signature is only weights (parameters,
     buffers, constant tensors) then tensor inputs, and tensor outputs (no mutation, no token,
     no custom object); None for any other, which keeps the module's own call."""
@@ -394,12 +394,9 @@ def _graph_call(ep: Any, module: Any) -> Callable[..., Any] | None:
         return None
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
-    graph_forward = ep.graph_module.forward
-
-    def call(*xs: torch.Tensor) -> Any:
-        return graph_forward(*tensors, *xs)
-
-    return call
+    targets = tuple(str(s.target) for s in weights)
+    parameters = tuple(s.kind == InputKind.PARAMETER for s in weights)
+    return programcache.GraphCall(ep.graph_module, tensors, targets, parameters)
 
 
 def callable_of(module: Any) -> Callable[..., Any]:
@@ -435,6 +432,9 @@ def forward(model: LoadedModel, xs: Inputs | torch.Tensor) -> torch.Tensor:
 def parameter_names(module: Any) -> list[str] | None:
     """The names of the program's inputs, in call order: an exported program's keep the
     original ``forward``'s, TorchScript's are in its schema. None when they cannot be read."""
+    facts = programcache.facts_of(module)
+    if facts is not None:
+        return None if facts.parameter_names is None else list(facts.parameter_names)
     schema = getattr(getattr(module, "forward", None), "schema", None)
     if schema is not None:  # TorchScript
         return [a.name for a in schema.arguments[1:]]
@@ -450,6 +450,11 @@ def parameter_names(module: Any) -> list[str] | None:
 def program_inputs(module: Any) -> list[tuple[torch.dtype, tuple[int | None, ...]]] | None:
     """An exported program's inputs as it was exported: (dtype, shape with None for a dynamic
     size) each, in call order. None for programs that do not record them (TorchScript)."""
+    facts = programcache.facts_of(module)
+    if facts is not None:
+        if facts.inputs is None:
+            return None
+        return [(getattr(torch, d.removeprefix("torch.")), shape) for d, shape in facts.inputs]
     if not isinstance(module, torch.fx.GraphModule):
         return None
     found: list[tuple[torch.dtype, tuple[int | None, ...]]] = []
@@ -471,6 +476,9 @@ def program_max_batch(module: Any) -> int | None:
     specialised for the range it was exported with: past the bound, it may compute something
     else without a word. So the run refuses batch sizes beyond it instead.
     """
+    facts = programcache.facts_of(module)
+    if facts is not None:
+        return facts.max_batch
     ranges = getattr(module, "range_constraints", None)
     if not isinstance(module, torch.fx.GraphModule) or not ranges:
         return None
@@ -750,10 +758,10 @@ def load_model(
             f"model bundle {uri} changed while the run was going on (SHA-256 {sha[:12]} instead "
             f"of {expected_sha256[:12]}); rerun the job"
         )
-    module = None
+    module, kept = None, False
     if any(i.fixed_width() is None for i in spec.inputs):
         # An open width: what the program records comes before what the data gives.
-        module = _deserialize(spec, weights, dev)
+        module, kept = _module_of(spec, weights, sha, dev)
         w = input_widths(spec, widths, uri, program_widths(spec, module))
     else:
         w = input_widths(spec, widths, uri)
@@ -763,8 +771,10 @@ def load_model(
         if cached is not None:
             return cached
         if module is None:
-            module = _deserialize(spec, weights, dev)
+            module, kept = _module_of(spec, weights, sha, dev)
         out_width, order = _dry_run(spec, module, w, dev)
+        if not kept:
+            _keep(spec, sha, module, w, order)
         if getattr(module, "validate_inputs", None) is True:
             # An exported program checks every call's inputs against its signature (pytree
             # spec, dtypes, shape guards): about 30 us a call here, 40% of a small batch's
@@ -777,6 +787,51 @@ def load_model(
         _CACHE[key] = loaded
         logger.info("loaded model %s v%s (%s) on %s", spec.name, spec.version, sha[:12], dev)
         return loaded
+
+
+def _module_of(
+    spec: BundleSpec, weights: bytes, sha: str, device: torch.device
+) -> tuple[Any, bool]:
+    """The bundle's module on ``device``, and whether it came from the program cache
+    (:mod:`pipeline.programcache`: a bundle loaded before, without torch.export's loader)."""
+    if spec.format == "exported_program":
+        kept = programcache.load(sha)
+        if kept is not None:
+            try:
+                module = kept.module.to(device)
+            except Exception as e:
+                logger.debug("the cached program would not move to %s (%s)", device, e)
+            else:
+                _GRAPH_CALLS[module] = programcache.call_of(kept)
+                return module, True
+    return _deserialize(spec, weights, device), False
+
+
+def _keep(
+    spec: BundleSpec, sha: str, module: Any, widths: tuple[int, ...], order: tuple[int, ...]
+) -> None:
+    """Save a program whose graph the dry run confirmed to the program cache, with a probe:
+    8 random rows (seeded, not touching the caller's random state) and the outputs they give."""
+    call = _GRAPH_CALLS.get(module)
+    if call is None:  # not a plain program, or its graph call differed from the module
+        return
+    out_spec = getattr(module, "_out_spec", None)
+    if out_spec is None or not out_spec.is_leaf():
+        return  # not one bare tensor out (a tuple, a dict): rebuilt, it would return another
+    names = parameter_names(module)
+    found = program_inputs(module)
+    facts = programcache.ProgramFacts(
+        parameter_names=None if names is None else tuple(names),
+        inputs=None if found is None else tuple((str(d), shape) for d, shape in found),
+        max_batch=program_max_batch(module),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        xs = tuple(
+            example_tensor(i, w, 8, random=True, device="cpu")
+            for i, w in zip(spec.inputs, widths, strict=True)
+        )
+    programcache.save(sha, call, facts, tuple(xs[i] for i in order))
 
 
 def forget(uri: str) -> None:

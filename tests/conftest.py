@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 # Tests must not leak SCORE_CATALOG_* settings from the developer's shell into configs.
 for _var in [v for v in os.environ if v.startswith("SCORE_CATALOG_")]:
     del os.environ[_var]
+
+# The caches under XDG_CACHE_HOME (chosen batch sizes, loaded programs: pipeline.programcache)
+# are the session's own, for the CLI processes the tests start too: what a developer's runs
+# left there never changes what a test sees, and the tests leave nothing in their home.
+_CACHE_HOME = tempfile.mkdtemp(prefix="score-catalog-tests-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
 
 
 def demo_toml(

@@ -699,6 +699,7 @@ def test_a_graph_call_that_differs_from_the_module_is_dropped_at_the_dry_run(
         return lambda *xs: tuple(t + 1 for t in call(*xs))
 
     monkeypatch.setattr(model_mod, "_graph_call", off_by_one)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # a first load: no cache
     m = load_model(str(copy_bundle(bundle_dir, tmp_path / "b")))
     assert model_mod.callable_of(m.module) is m.module
     x = random_input(9)
