@@ -19,14 +19,13 @@ Trust: ``torch.save`` pickles the graph as Python code, and loading a pickle run
 entry is therefore read only from a folder and a file owned by this user that nobody else can
 write (ssh's rule for ``~/.ssh``); anything else is ignored with a warning. The entries live in
 ``$XDG_CACHE_HOME/score-catalog/programs`` (default ``~/.cache/...``); the newest
-:data:`KEEP` are kept, and deleting the folder is always safe: it only costs the next run the
+:data:`KEEP` are kept (programs over :data:`MAX_BYTES` of weights are not cached), and deleting the folder is always safe: it only costs the next run the
 slow load. A cache never stops a run: every problem with it is logged and the slow load used.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import operator
 import os
@@ -42,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 KEEP = 8  # entries kept, newest first (a load refreshes its entry's time)
+# Bigger programs are not kept: their own load takes longer than the 0.75 s the cache saves,
+# and each entry is a second copy of the weights on disk.
+MAX_BYTES = 2 * 1024**3
 FACTS_KEY = "score_catalog_program"  # in a rebuilt GraphModule's ``meta``
 WEIGHT_PREFIX = "_score_catalog_weight_"
 PLAIN_OPS = frozenset({"placeholder", "call_function", "output"})  # what a cached graph holds
@@ -223,6 +225,10 @@ def save(
     path = entry_path(sha256, root)
     if any(n.op not in PLAIN_OPS for n in call.graph.graph.nodes):
         return  # a submodule or attribute in the graph (control flow): not rebuilt here
+    size = sum(w.numel() * w.element_size() for w in call.weights)
+    if size > MAX_BYTES:
+        logger.debug("not caching the program of %s: %d bytes of weights", sha256[:12], size)
+        return
     try:
         weights = tuple(w.detach().cpu() for w in call.weights)
         cpu_call = call.with_weights(weights)
@@ -239,15 +245,13 @@ def save(
             "facts": facts.__dict__,
             "probe": (probe, out),
         }
-        buf = io.BytesIO()
-        torch.save(entry, buf)
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not _private(root, "folder"):
             return
         fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-", suffix=".pt")  # mode 0600
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(buf.getvalue())
+                torch.save(entry, f)
             os.replace(tmp, path)
         except BaseException:
             _remove(Path(tmp))

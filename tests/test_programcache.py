@@ -339,3 +339,16 @@ def test_only_the_newest_entries_are_kept(tmp_path: Path, own_cache: Path) -> No
         programcache.KEEP = original
     left = entries(own_cache)
     assert len(left) == 2 and first not in left
+
+
+def test_a_program_with_more_weights_than_the_limit_is_not_cached(
+    bundle_dir: Path, tmp_path: Path, own_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(programcache, "MAX_BYTES", 1000)  # the demo MLP has ~5 KB of weights
+    uri = str(shutil.copytree(bundle_dir, tmp_path / "b"))
+    load_model(uri)
+    assert entries(own_cache) == []
+    monkeypatch.setattr(programcache, "MAX_BYTES", 10**6)
+    forget(uri)
+    load_model(uri)
+    assert len(entries(own_cache)) == 1
