@@ -569,20 +569,14 @@ def _score_catalog_w1(runner: Runner, data: Data, sizes: Sizes, batch: int) -> l
 def _cli_auto(runner: Runner, data: Data, sizes: Sizes) -> Comparator:
     """``--batch-size auto`` with its own cache, emptied before the first round only: round 1
     pays for the sweep (a cold cache), later rounds reuse its choice as a second night does."""
-    out = runner.out_dir("w1", "cli-auto")
-    cache = runner.out_dir("w1", "cli-auto-cache")
-    argv = runner.cli_argv(data.w1, out, data.w1_model, "auto")
-    return Comparator(
+    return _cli_own_cache(
+        runner,
+        data,
+        sizes,
         "cli-auto",
         "score-catalog CLI --batch-size auto (round 1: cold cache; then cached)",
-        "Dask LocalCluster",
-        None,
-        ["env", f"XDG_CACHE_HOME={cache}", *argv],
-        "cli",
-        sizes.w1_rows,
-        output=out,
-        digest=score_digest,
-        scratch=cache,
+        "auto",
+        cold=False,
     )
 
 
@@ -590,21 +584,43 @@ def _cli_cold(runner: Runner, data: Data, sizes: Sizes) -> Comparator:
     """The CLI with an empty cache folder in every run: the bundle is loaded by torch.export
     each time (pipeline.programcache), as on a model's first night. The other CLI runs reuse
     the program the warm-up run cached, as every later night does."""
-    out = runner.out_dir("w1", "cli-4096-cold")
-    cache = runner.out_dir("w1", "cli-4096-cold-cache")
-    argv = runner.cli_argv(data.w1, out, data.w1_model, BATCH)
-    return Comparator(
+    return _cli_own_cache(
+        runner,
+        data,
+        sizes,
         "cli-4096-cold",
         "score-catalog CLI, cold program cache (every run loads the bundle with torch.export)",
-        "Dask LocalCluster",
         BATCH,
-        ["env", f"XDG_CACHE_HOME={cache}", *argv],
+        cold=True,
+    )
+
+
+def _cli_own_cache(
+    runner: Runner,
+    data: Data,
+    sizes: Sizes,
+    key: str,
+    label: str,
+    batch: int | str,
+    *,
+    cold: bool,
+) -> Comparator:
+    """The CLI on W1 with a cache folder of its own (``XDG_CACHE_HOME``), emptied before the
+    first run or, ``cold``, before every run."""
+    out = runner.out_dir("w1", key)
+    cache = runner.out_dir("w1", f"{key}-cache")
+    return Comparator(
+        key,
+        label,
+        "Dask LocalCluster",
+        batch if isinstance(batch, int) else None,
+        ["env", f"XDG_CACHE_HOME={cache}", *runner.cli_argv(data.w1, out, data.w1_model, batch)],
         "cli",
         sizes.w1_rows,
         output=out,
         digest=score_digest,
         scratch=cache,
-        cold=True,
+        cold=cold,
     )
 
 

@@ -536,26 +536,18 @@ def _kind(hint: Any) -> Kind:
         rest = tuple(a for a in args if a is not type(None))
         if len(rest) == 1:
             return dataclasses.replace(_kind(rest[0]), optional=len(rest) < len(args))
-        if len(rest) == 2 and rest[0] is bool and get_origin(rest[1]) is Literal:
-            # bool | Literal["auto"]: on, off, or the run decides.
-            words = get_args(rest[1])
+        if len(rest) == 2 and rest[0] in (bool, int) and get_origin(rest[1]) is Literal:
+            # bool | Literal["auto"], int | Literal["auto"]: a value, or one of a few words.
+            scalar, words = _SCALARS[rest[0]], get_args(rest[1])
             shown = " or ".join(f'"{w}"' for w in words)
+            what = "true, false" if rest[0] is bool else scalar.word
+            parse = scalar.parse
+            assert parse is not None
             return Kind(
-                "bool_or_word",
-                f"true, false or {shown}",
-                lambda v: isinstance(v, bool) or v in words,
-                lambda raw: w if (w := raw.strip().lower()) in words else _parse_bool(raw),
-                choices=words,
-            )
-        if len(rest) == 2 and rest[0] is int and get_origin(rest[1]) is Literal:
-            # int | Literal["auto"]: a number, or one of a few words.
-            words = get_args(rest[1])
-            shown = " or ".join(f'"{w}"' for w in words)
-            return Kind(
-                "int_or_word",
-                f"an integer or {shown}",
-                lambda v: v in words or _is_int(v),
-                lambda raw: raw.strip().lower() if raw.strip().lower() in words else int(raw),
+                f"{scalar.name}_or_word",
+                f"{what} or {shown}",
+                lambda v: v in words or scalar.accepts(v),
+                lambda raw: w if (w := raw.strip().lower()) in words else parse(raw),
                 choices=words,
             )
     elif origin is Literal:

@@ -19,8 +19,9 @@ Trust: ``torch.save`` pickles the graph as Python code, and loading a pickle run
 entry is therefore read only from a folder and a file owned by this user that nobody else can
 write (ssh's rule for ``~/.ssh``); anything else is ignored with a warning. The entries live in
 ``$XDG_CACHE_HOME/score-catalog/programs`` (default ``~/.cache/...``); the newest
-:data:`KEEP` are kept (programs over :data:`MAX_BYTES` of weights are not cached), and deleting the folder is always safe: it only costs the next run the
-slow load. A cache never stops a run: every problem with it is logged and the slow load used.
+:data:`KEEP` are kept (programs over :data:`MAX_BYTES` of weights are not cached), and
+deleting the folder is always safe: it only costs the next run the slow load. A cache never
+stops a run: every problem with it is logged and the slow load used.
 """
 
 from __future__ import annotations
@@ -87,12 +88,18 @@ class GraphCall:
         return GraphCall(self.graph, weights, self.targets, self.parameters)
 
 
-def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/score-catalog/programs``, else ``~/.cache/score-catalog/programs``
-    (a relative ``XDG_CACHE_HOME`` is ignored, as the XDG spec requires)."""
+def cache_home() -> Path:
+    """The folder of this tool's local caches: ``$XDG_CACHE_HOME/score-catalog``, else
+    ``~/.cache/score-catalog``. Not a ``SCORE_CATALOG_*`` variable: the config layer rejects
+    unknown ones. A relative ``XDG_CACHE_HOME`` is ignored, as the XDG spec requires."""
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "score-catalog" / "programs"
+    return base / "score-catalog"
+
+
+def cache_dir() -> Path:
+    """Where the programs are kept: ``<cache_home>/programs``."""
+    return cache_home() / "programs"
 
 
 def entry_path(sha256: str, root: Path | None = None) -> Path:

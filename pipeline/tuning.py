@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from pipeline.programcache import cache_home
+
 logger = logging.getLogger(__name__)
 
 ModelFn = Callable[[Any], torch.Tensor]
@@ -413,14 +415,9 @@ def cache_key(
 
 
 def default_cache_path() -> Path:
-    """``$XDG_CACHE_HOME/score-catalog/batch_sizes.json``, else ``~/.cache/score-catalog/...``.
-
-    Not a ``SCORE_CATALOG_*`` variable: the config layer rejects unknown ones. A relative
-    ``XDG_CACHE_HOME`` is ignored, as the XDG base directory spec requires.
-    """
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "score-catalog" / "batch_sizes.json"
+    """``batch_sizes.json`` in :func:`pipeline.programcache.cache_home`
+    (``$XDG_CACHE_HOME/score-catalog``, else ``~/.cache/score-catalog``)."""
+    return cache_home() / "batch_sizes.json"
 
 
 class BatchSizeCache:
