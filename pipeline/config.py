@@ -428,7 +428,7 @@ class JobConfig:
     )
 
     def __post_init__(self) -> None:
-        problems = _problems(_as_mapping(self))
+        problems = _problems(_as_mapping(self), none_is_unset=False)
         if problems:
             raise ConfigError(problems)
 
@@ -503,6 +503,13 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
+def _given(raw: str) -> str:
+    """``raw``, unless it is empty: a key that can be a word ("auto") has no empty value."""
+    if not raw.strip():
+        raise ValueError(raw)
+    return raw
+
+
 def _parse_list(raw: str) -> list[str]:
     return [p.strip() for p in raw.split(",") if p.strip()]
 
@@ -547,7 +554,7 @@ def _kind(hint: Any) -> Kind:
                 f"{scalar.name}_or_word",
                 f"{what} or {shown}",
                 lambda v: v in words or scalar.accepts(v),
-                lambda raw: w if (w := raw.strip().lower()) in words else parse(raw),
+                lambda raw: w if (w := raw.strip().lower()) in words else parse(_given(raw)),
                 choices=words,
             )
     elif origin is Literal:
@@ -774,8 +781,12 @@ def _key_problems(data: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def _problems(data: Mapping[str, Any]) -> list[str]:
-    """Every problem of a job in the job-file shape: keys, types, values, and across keys."""
+def _problems(data: Mapping[str, Any], *, none_is_unset: bool = True) -> list[str]:
+    """Every problem of a job in the job-file shape: keys, types, values, and across keys.
+
+    ``none_is_unset``: a None value means "not given" (the default applies), as in the layers
+    :func:`build_config` merges; a constructed :class:`JobConfig` holds its values as they are,
+    so there None is a problem wherever the key is not optional."""
     problems = _key_problems(data)
     good: dict[str, Any] = {}  # key -> value of the right type (given or default)
     bad: set[str] = set()
@@ -788,7 +799,7 @@ def _problems(data: Mapping[str, Any]) -> list[str]:
             )
             bad.add(s.key)
             continue
-        if value is None:
+        if value is None and none_is_unset:
             value = s.default
         if not (s.kind.accepts(value) or (value is None and s.kind.optional)):
             if s.kind.name == "table":

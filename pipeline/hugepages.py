@@ -40,5 +40,6 @@ def ask_before_torch() -> bool:
 
 
 def asked() -> bool:
-    """Whether this process's environment asks torch for huge pages (forked workers inherit it)."""
-    return os.environ.get(ENV, "") not in ("", "0")
+    """Whether this process's environment asks torch for huge pages (forked workers inherit
+    it): torch takes ``1`` only, and ignores any other value with a warning."""
+    return os.environ.get(ENV, "") == "1"

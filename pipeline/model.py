@@ -785,7 +785,14 @@ def load_model(
             spec, sha, module, dev, w, out_width, order, max_batch=program_max_batch(module)
         )
         _CACHE[key] = loaded
-        logger.info("loaded model %s v%s (%s) on %s", spec.name, spec.version, sha[:12], dev)
+        logger.info(
+            "loaded model %s v%s (%s) on %s%s",
+            spec.name,
+            spec.version,
+            sha[:12],
+            dev,
+            " from the program cache" if kept else "",
+        )
         return loaded
 
 

@@ -76,6 +76,7 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
         },
         "device": str(device),
         "threads": plan.public(),
+        "overlap": plan.overlap,
         "shards_total": len(entries),
         "shards_to_score": len(to_score),
         "shards_skipped": sum(e["action"].startswith("skip") for e in entries),
@@ -201,6 +202,7 @@ def plan_table(plan: dict[str, Any], *, max_shards: int = 40) -> str:
         f"  rows      {plan['rows_total']:,} in footers, {plan['rows_to_score']:,} to score",
         f"  model     {cal['rows_per_s']:,.0f} rows/s per worker at batch {cal['batch_size']} "
         f"({cal['torch_threads']} torch threads)" + (f"; {cal['note']}" if cal["note"] else ""),
+        f"  overlap   read-ahead and write-behind threads {'on' if plan['overlap'] else 'off'}",
         "  estimate  "
         + (
             f"{est:.1f}s of scoring with {plan['threads']['workers']} worker(s) (model time "

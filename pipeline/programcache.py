@@ -27,6 +27,7 @@ stops a run: every problem with it is logged and the slow load used.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import operator
 import os
@@ -108,12 +109,13 @@ def entry_path(sha256: str, root: Path | None = None) -> Path:
     return (root or cache_dir()) / f"{sha256}-torch{version}.pt"
 
 
-def _private(path: Path, what: str) -> bool:
-    """Whether ``path`` is owned by this user and writable by nobody else (else: a warning)."""
-    st = path.lstat()
+def _private(path: Path, what: str, st: os.stat_result | None = None, *, warn: bool = True) -> bool:
+    """Whether ``path`` (``st``: its status, by default its ``lstat``) is owned by this user
+    and writable by nobody else; else a warning."""
+    st = st if st is not None else path.lstat()
     kind_ok = stat.S_ISDIR(st.st_mode) if what == "folder" else stat.S_ISREG(st.st_mode)
     if not kind_ok or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        logger.warning(
+        (logger.warning if warn else logger.debug)(
             "ignoring the program cache %s %s: it must be a %s owned by you that no one else can "
             "write (the slow load is used; fix its owner or mode, or delete it)",
             what,
@@ -141,9 +143,14 @@ def load(sha256: str, root: Path | None = None) -> Cached | None:
     or not reproducing its probe: each but the first with a warning)."""
     path = entry_path(sha256, root)
     try:
-        if not path.exists() or not _private(path.parent, "folder") or not _private(path, "file"):
+        if not path.exists() or not _private(path.parent, "folder"):
             return None
-        entry = torch.load(path, map_location="cpu", weights_only=False)
+        # Checked on the open file itself, not its name: what is loaded is what was checked.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not _private(path, "file", os.fstat(fd)):
+                return None
+            entry = torch.load(f, map_location="cpu", weights_only=False)
         cached = _rebuild(entry, sha256)
     except Exception as e:  # an unreadable, truncated or foreign entry: the slow load
         logger.warning("ignoring the program cache entry %s: %s: %s", path, type(e).__name__, e)
@@ -172,6 +179,8 @@ def _rebuild(entry: Any, sha256: str) -> Cached | None:
         or not len(weights) == len(targets) == len(parameters)
     ):
         raise ValueError("its graph or weights are not what this version writes")
+    if entry.get("digest") != _digest(weights):
+        raise ValueError("its weights do not match their checksum (a damaged file?)")
     call = GraphCall(graph, weights, targets, parameters)
     probe_in, probe_out = entry["probe"]
     with torch.inference_mode():
@@ -247,13 +256,14 @@ def save(
             "torch": torch.__version__,
             "graph": call.graph,
             "weights": list(weights),
+            "digest": _digest(weights),
             "targets": list(call.targets),
             "parameters": list(call.parameters),
             "facts": facts.__dict__,
             "probe": (probe, out),
         }
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not _private(root, "folder"):
+        if not _private(root, "folder", warn=False):  # the load has said so already
             return
         fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-", suffix=".pt")  # mode 0600
         try:
@@ -266,6 +276,17 @@ def save(
         _evict(root)
     except Exception as e:
         logger.debug("could not save the program cache entry %s: %s", path, e)
+
+
+def _digest(weights: tuple[torch.Tensor, ...]) -> str:
+    """SHA-256 over every weight's dtype, shape and bytes: a weight the probe does not reach
+    (an embedding row none of its ids picks) is checked too."""
+    h = hashlib.sha256()
+    for w in weights:
+        t = w.detach().contiguous().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def _evict(root: Path) -> None:

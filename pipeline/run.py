@@ -171,8 +171,8 @@ class ScoringRun:
         self.plan: Plan = thread_plan(config, len(self.shards), self.device.type)
         if config.overlap == "auto" and not self.plan.overlap:
             logger.info(
-                "overlap threads off (overlap = auto): each of the %d cores runs a scoring loop "
-                "of its own; --overlap turns them on",
+                "overlap threads off (overlap = auto): each core already runs a scoring loop "
+                "of its own (%d in all); --overlap turns them on",
                 self.plan.cores,
             )
         if self.plan.scheduler != "sync":

@@ -47,8 +47,9 @@ def test_auto_overlap_is_off_only_where_every_core_runs_a_loop(
 
 
 def test_auto_overlap_stays_on_without_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Without them a worker without the threads once grew glibc's heap to 1.9 GB.
-    for value in (None, "0", ""):
+    # Without them a worker without the threads once grew glibc's heap to 1.9 GB. torch takes
+    # "1" only: "yes", "true" or "2" ask for nothing (it ignores them with a warning).
+    for value in (None, "0", "", "yes", "true", "2", " 1"):
         if value is None:
             monkeypatch.delenv(HUGE_PAGES, raising=False)
         else:

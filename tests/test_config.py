@@ -256,6 +256,30 @@ def test_overlap_words_other_than_auto_are_refused(tmp_path: Path) -> None:
     ]
 
 
+def test_an_empty_overlap_variable_is_refused_not_read_as_false() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        build_config(env={"SCORE_CATALOG_OVERLAP": " "}, overrides=BASE)
+    assert problems_of(excinfo) == ["SCORE_CATALOG_OVERLAP=' ' is not true, false or \"auto\""]
+
+
+@pytest.mark.parametrize(
+    ("key", "word"),
+    [
+        ("overlap", 'true, false or "auto"'),
+        ("batch_size", 'an integer or "auto"'),
+        ("force", "true or false"),
+    ],
+)
+def test_a_constructed_config_refuses_none_where_the_key_is_not_optional(
+    key: str, word: str
+) -> None:
+    # In a layer None means "not given"; in JobConfig(...) it is the value itself.
+    with pytest.raises(ConfigError) as excinfo:
+        JobConfig(**BASE, **{key: None})
+    assert problems_of(excinfo) == [f"{key} = None must be {word}"]
+    assert JobConfig(**BASE, workers=None).workers is None  # an optional key
+
+
 def test_env_false_beats_file_true(tmp_path: Path) -> None:
     job = write_job(tmp_path, 'input = "i"\noutput = "o"\nmodel = "m"\nforce = true\n')
     assert build_config(job, env={}).force is True

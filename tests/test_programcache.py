@@ -270,6 +270,7 @@ def test_an_entry_whose_weights_changed_fails_its_probe(
     uri, entry = _warm_entry(bundle_dir, tmp_path, own_cache)
     doc = torch.load(entry, weights_only=False)
     doc["weights"][0] = doc["weights"][0] + 1e-3
+    doc["digest"] = programcache._digest(tuple(doc["weights"]))  # only the probe can tell
     torch.save(doc, entry)
     os.chmod(entry, 0o600)
     m = load_model(uri)
@@ -279,6 +280,35 @@ def test_an_entry_whose_weights_changed_fails_its_probe(
     x = torch.randn(20, 16)
     with torch.inference_mode():
         assert torch.equal(forward(m, x), forward(cold, x))
+
+
+def test_a_damaged_weight_the_probe_does_not_reach_is_caught_by_the_checksum(
+    bundle_dir: Path, tmp_path: Path, own_cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Bit rot in a weight the 8 probe rows never touch (an embedding row no probe id picks):
+    # here a changed weight with a probe rewritten to match it, so only the checksum can tell.
+    uri, entry = _warm_entry(bundle_dir, tmp_path, own_cache)
+    doc = torch.load(entry, weights_only=False)
+    doc["weights"][0][0, 0] += 0.5
+    call = programcache.GraphCall(
+        doc["graph"], tuple(doc["weights"]), tuple(doc["targets"]), tuple(doc["parameters"])
+    )
+    probe_in, _ = doc["probe"]
+    with torch.inference_mode():
+        doc["probe"] = (probe_in, tuple(t.clone() for t in call(*probe_in)))
+    torch.save(doc, entry)
+    m = load_model(uri)
+    assert programcache.facts_of(m.module) is None
+    assert "do not match their checksum" in caplog.text
+
+
+def test_a_load_from_the_cache_says_so_in_the_log(
+    bundle_dir: Path, tmp_path: Path, own_cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri, _ = _warm_entry(bundle_dir, tmp_path, own_cache)
+    with caplog.at_level("INFO", logger="pipeline.model"):
+        load_model(uri)
+    assert "from the program cache" in caplog.text
 
 
 def test_an_entry_of_another_bundle_is_not_used(
