@@ -385,8 +385,9 @@ def _auto(wl: WorkloadResult, lines: list[str]) -> list[str]:
     cold_text = f"{cold:,.0f} rows/s = {cold / best.median:.2f}x" if cold else "failed"
     text = (
         f"W1 `--batch-size auto` against the best fixed size measured beside it (`{best_key}`, "
-        f"{best.median:,.0f} rows/s end to end): {warm_text}; cold cache (round 1, the sweep "
-        f"paid) {cold_text}; chose {', '.join(f'{c:,}' for c in chosen) or '?'}; sweep {share}."
+        f"{best.median:,.0f} rows/s end to end): {warm_text}; cold caches (round 1: the sweep "
+        f"and torch.export's load of the bundle paid) {cold_text}; chose "
+        f"{', '.join(f'{c:,}' for c in chosen) or '?'}; sweep {share}."
     )
     lines += ["", text]
     return [text]
@@ -456,6 +457,23 @@ def _w2_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
         )
         lines += ["", text]
         summary.append(text)
+        window = [
+            p["scoring"]
+            for smp in wl.samples.get("cli-fp32", [])
+            if (p := smp.extra.get("phases")) and p["scoring"] > 0
+        ]
+        rows = next((c.rows for c in wl.comparators if c.key == "cli-fp32"), 0)
+        if window and lim is not None and rows:
+            rate = rows / float(np.median(window))
+            text = (
+                f"W2 scoring window (first shard start to last shard end, CLI fp32): "
+                f"{rate:,.0f} rows/s = **{rate / ceil.median:.2f}x** the fp32 model ceiling and "
+                f"{rate / lim.rows_per_s:.2f}x the limit; the limit itself is "
+                f"{lim.rows_per_s / ceil.median:.2f}x the ceiling, since reading and writing "
+                "share the cores with the model."
+            )
+            lines += ["", text]
+            summary.append(text)
     pair = wl.meta.get("bf16_pair")
     if pair and any(c.key == pair[1] for c in wl.comparators):
         a, b = wl.primary(pair[0]), wl.primary(pair[1])
