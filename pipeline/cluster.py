@@ -90,8 +90,8 @@ def overlap_rule(plan: Plan, device_type: str) -> bool:
     Off only where every CPU core already runs a scoring loop of its own (a worker process or
     thread per core) and torch is asked for huge pages. There the threads only take turns on
     the cores with the loops: W1 on 2 cores scored 1.16x faster end to end without them (its
-    scoring window 1.3x), W2 the same either way. With a core to spare they are what uses it:
-    one shard, or ``--scheduler sync``, scored 1.1-1.2x faster with them. On. A GPU computes
+    scoring window 1.3x), W2 the same either way. With a core to spare they are what uses it
+    (one shard, or ``--scheduler sync``, scored 1.1-1.2x faster with them): on. A GPU computes
     while they read and write, and an external cluster's cores are not known here: on.
     Without huge pages (the library, unless its caller asks), a worker without them once let
     glibc's heap grow to 1.9 GB on one 5M-row shard (pipeline.hugepages): on.
