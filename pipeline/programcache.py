@@ -186,10 +186,19 @@ def _rebuild(entry: Any, sha256: str) -> Cached | None:
     with torch.inference_mode():
         got = call(*probe_in)
     if len(got) != len(probe_out) or not all(
-        torch.equal(a, b) for a, b in zip(got, probe_out, strict=True)
+        _same(a, b) for a, b in zip(got, probe_out, strict=True)
     ):
         return None
     return Cached(_unlifted(call, ProgramFacts(**entry["facts"])), call)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit the same values, NaN where the other has NaN (a model may give NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _unlifted(call: GraphCall, facts: ProgramFacts) -> torch.fx.GraphModule:

@@ -134,6 +134,32 @@ def test_a_cached_program_computes_exactly_what_torch_export_s_did(
     assert_same_outputs(cold, warm, (1, 2, 7, 300, 4096))
 
 
+class NanForNegatives(nn.Module):
+    """NaN wherever the first feature is negative: the random probe rows get NaN too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.lin = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x) + torch.log(x[:, :1])
+        return out
+
+
+def test_a_model_that_gives_nan_reproduces_its_probe(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NaN != NaN: a probe compared with torch.equal would fail, and warn, on every load.
+    cold, warm = cold_then_warm(_bundle(tmp_path, NanForNegatives()))
+    assert "does not reproduce" not in caplog.text
+    x = torch.randn(100, 16)
+    with torch.inference_mode():
+        a, b = forward(cold, x), forward(warm, x)
+    assert a.isnan().any() and torch.equal(a.isnan(), b.isnan())
+    assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
 def test_nan_inputs_give_the_same_nan_scores(bundle_dir: Path, tmp_path: Path) -> None:
     cold, warm = cold_then_warm(str(shutil.copytree(bundle_dir, tmp_path / "b")))
     x = torch.randn(64, 16)
