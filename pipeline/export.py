@@ -12,6 +12,7 @@ on the example. Only a bundle that passes is moved into place; anything else is 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import uuid
 from collections.abc import Mapping, Sequence
@@ -275,12 +276,24 @@ def _verify(staging: Path, target: Path, xs: Inputs, eager: torch.Tensor, tolera
             f"save_bundle: the saved program gives shape {tuple(got.shape)}, the module "
             f"{tuple(eager.shape)}"
         )
-    diff = float((got - eager).abs().max()) if got.numel() else 0.0
+    diff = _max_difference(got, eager)
     if not diff <= tolerance:
         raise ModelError(
             f"save_bundle: the saved program differs from the module by up to {diff:.3g} "
-            f"on the example (tolerance {tolerance:g}); nothing was saved"
+            f"on the example (tolerance {tolerance:g}"
+            + ("; inf: NaN or inf on one side only" if math.isinf(diff) else "")
+            + "); nothing was saved"
         )
+
+
+def _max_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want|, where NaN on both sides (a model that gives NaN for some rows)
+    and the same infinity agree, and NaN or inf on one side only is an infinite difference."""
+    if not got.numel():
+        return 0.0
+    agree = (got == want) | (got.isnan() & want.isnan())
+    delta = torch.where(agree, torch.zeros_like(got), (got - want).abs())
+    return float(torch.nan_to_num(delta, nan=math.inf, posinf=math.inf).max())
 
 
 def _check_example_dtypes(spec: BundleSpec, xs: Inputs) -> None:

@@ -256,3 +256,43 @@ def test_bundle_check_refuses_ids_the_model_cannot_take(tmp_path: Path) -> None:
     assert r.exit_code == 3, r.output
     assert "the model fails on id 6 of input 'brand'" in r.output
     assert "a vocabulary of 7 values" in r.output
+
+
+class _LogOfFirst(torch.nn.Module):
+    """NaN for rows whose first feature is negative: a model may score some rows as NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+
+    def forward(self, numeric: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(numeric) + torch.log(numeric[:, :1])
+        return out
+
+
+def test_an_example_the_model_scores_nan_for_some_rows_is_saved(tmp_path: Path) -> None:
+    # NaN in the same rows on both sides is agreement, not an infinite difference.
+    example = torch.tensor([[1.0, 2.0], [-1.0, 0.5], [3.0, -2.0]])
+    with torch.inference_mode():
+        assert _LogOfFirst()(example).isnan().any()
+    save_bundle(
+        _LogOfFirst(),
+        tmp_path / "b",
+        inputs={"numeric": {"columns": ["a", "b"]}},
+        outputs={"score": "raw"},
+        example=example,
+        name="log",
+        version="1",
+    )
+    assert (tmp_path / "b" / "model.toml").exists()
+
+
+def test_nan_on_one_side_only_is_an_infinite_difference() -> None:
+    from pipeline.export import _max_difference
+
+    nan, inf = float("nan"), float("inf")
+    same = torch.tensor([1.0, nan, inf, -inf])
+    assert _max_difference(same, same.clone()) == 0.0
+    assert _max_difference(torch.tensor([1.0, nan]), torch.tensor([1.0, 2.0])) == inf
+    assert _max_difference(torch.tensor([inf]), torch.tensor([-inf])) == inf
+    assert _max_difference(torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0])) == 0.5
