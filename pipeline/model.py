@@ -409,6 +409,20 @@ def callable_of(module: Any) -> Callable[..., Any]:
     return call
 
 
+class NotOneTensor(TypeError):
+    """The model returned something other than one tensor (or a 1-tuple of one)."""
+
+
+def _what_it_returned(out: Any) -> str:
+    if isinstance(out, (tuple, list)):
+        kinds = ", ".join(sorted({type(o).__name__ for o in out})) or "nothing"
+        what = f"a {type(out).__name__} of {len(out)} ({kinds})"
+        return f"the model returned {what}, expected one tensor"
+    if isinstance(out, dict):
+        return f"the model returned a dict (keys {', '.join(map(str, out))}), expected one tensor"
+    return f"the model returned {type(out).__name__}, expected one tensor"
+
+
 def _forward(
     module: Any, xs: Inputs, order: tuple[int, ...], *, graph: bool = True
 ) -> torch.Tensor:
@@ -417,7 +431,7 @@ def _forward(
     if isinstance(out, (tuple, list)) and len(out) == 1:
         out = out[0]
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"the model returned {type(out).__name__}, expected one tensor")
+        raise NotOneTensor(_what_it_returned(out))
     if out.dim() == 1:
         out = out.unsqueeze(1)
     return out
@@ -611,6 +625,11 @@ def _dry_run(
         try:
             with torch.inference_mode():
                 y = _forward(module, xs, order, graph=False)
+        except NotOneTensor as e:
+            raise ModelError(
+                f"model bundle {spec.uri}: {e}. A bundle's model returns one (batch, n) tensor "
+                "(its [outputs] are taken from its columns); re-export it returning that tensor"
+            ) from e
         except Exception as e:
             text = str(e).splitlines()[0] if str(e) else type(e).__name__
             if rows == 2 and outs:

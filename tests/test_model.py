@@ -6,6 +6,7 @@ import hashlib
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -741,3 +742,34 @@ def test_a_weights_file_that_is_not_an_archive_is_refused_without_torch_s_traceb
     with pytest.raises(ModelError, match=r"not a torch\.export archive"):
         load_model(str(d))
     assert "Traceback" not in caplog.text
+
+
+class _Two(nn.Module):
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.inner = make_model()
+        self.as_dict = as_dict
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.inner(x)
+        return {"logits": y, "double": 2 * y} if self.as_dict else (y, 2 * y)
+
+
+@pytest.mark.parametrize(
+    ("as_dict", "said"),
+    [(False, "returned a tuple of 2 (Tensor)"), (True, "returned a dict (keys logits, double)")],
+)
+def test_a_model_returning_several_tensors_is_named_for_what_it_returns(
+    as_dict: bool, said: str, tmp_path: Path
+) -> None:
+    # The message is about the outputs, not about inputs that fit the program perfectly well.
+    from pipeline.demo import export_bundle
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        d = export_bundle(_Two(as_dict), tmp_path / "b", demo_toml(), n_in=16)
+    with pytest.raises(ModelError) as excinfo:
+        load_model(str(d))
+    msg = str(excinfo.value)
+    assert said in msg and "returns one (batch, n) tensor" in msg
+    assert "rejected input" not in msg
