@@ -301,14 +301,8 @@ def _w1_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
     phases = _phases(wl, ["cli-4096", "cli-4096-overlap", "lib-4096"])
     if phases:
         lines += ["", "### Where the time goes", "", *phases]
-        window = [
-            p["scoring"]
-            for s in wl.samples.get("cli-4096", [])
-            if (p := s.extra.get("phases")) and p["scoring"] > 0
-        ]
-        rows = next((c.rows for c in wl.comparators if c.key == "cli-4096"), 0)
-        if window and lim is not None and rows:
-            rate = rows / float(np.median(window))
+        rate = _window_rate(wl, "cli-4096")
+        if rate is not None and lim is not None:
             text = (
                 f"W1 scoring window (first shard start to last shard end, CLI): {rate:,.0f} "
                 f"rows/s = **{rate / lim.rows_per_s:.2f}x** the machine's limit."
@@ -320,6 +314,18 @@ def _w1_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
 
 
 PHASES = ("start-up", "planning", "scoring", "finish", "exit")
+
+
+def _window_rate(wl: WorkloadResult, key: str) -> float | None:
+    """Rows/s of ``key``'s scoring window (first shard start to last shard end), the median
+    over its runs; None without phases."""
+    window = [
+        p["scoring"]
+        for smp in wl.samples.get(key, [])
+        if (p := smp.extra.get("phases")) and p["scoring"] > 0
+    ]
+    rows = next((c.rows for c in wl.comparators if c.key == key), 0)
+    return rows / float(np.median(window)) if window and rows else None
 
 
 def _phases(wl: WorkloadResult, keys: list[str]) -> list[str]:
@@ -457,14 +463,8 @@ def _w2_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
         )
         lines += ["", text]
         summary.append(text)
-        window = [
-            p["scoring"]
-            for smp in wl.samples.get("cli-fp32", [])
-            if (p := smp.extra.get("phases")) and p["scoring"] > 0
-        ]
-        rows = next((c.rows for c in wl.comparators if c.key == "cli-fp32"), 0)
-        if window and lim is not None and rows:
-            rate = rows / float(np.median(window))
+        rate = _window_rate(wl, "cli-fp32")
+        if rate is not None and lim is not None:
             text = (
                 f"W2 scoring window (first shard start to last shard end, CLI fp32): "
                 f"{rate:,.0f} rows/s = **{rate / ceil.median:.2f}x** the fp32 model ceiling and "

@@ -141,3 +141,17 @@ def ranker_reference(model: Ranker, table: pa.Table) -> tuple[np.ndarray, dict[i
         with torch.inference_mode():
             scores[r["item_id"]] = float(torch.sigmoid(model(numeric, brand, seller))[0, 0])
     return scores, reasons  # type: ignore[return-value]
+
+
+class CountsCalls(nn.Module):
+    """Adds 1 to a buffer on every call: a program that mutates the module's own buffer."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        out: torch.Tensor = self.inner(x)
+        return out

@@ -23,6 +23,7 @@ from pipeline.model import (
     read_bundle,
     resolve_device,
 )
+from tests.catalog_models import CountsCalls
 from tests.conftest import demo_toml, make_model
 
 TS: dict[str, str] = {"fmt": "torchscript", "file": "model.ts"}
@@ -630,19 +631,6 @@ def test_an_exported_program_runs_through_its_graph_with_the_module_s_exact_outp
         assert torch.equal(forward(m, x), own)
 
 
-class _CountsCalls(nn.Module):
-    """Mutates a buffer on every call: a program whose outputs include a buffer mutation."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = make_model()
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls.add_(1)
-        return self.inner(x)
-
-
 def test_a_program_that_mutates_a_buffer_mutates_the_module_s_own_once_per_call(
     tmp_path: Path,
 ) -> None:
@@ -651,7 +639,7 @@ def test_a_program_that_mutates_a_buffer_mutates_the_module_s_own_once_per_call(
     from pipeline.demo import export_bundle
     from pipeline.model import callable_of
 
-    d = export_bundle(_CountsCalls(), tmp_path / "b", demo_toml(), n_in=16)
+    d = export_bundle(CountsCalls(make_model()), tmp_path / "b", demo_toml(), n_in=16)
     m = load_model(str(d))
     assert callable_of(m.module) is not m.module
     before = int(m.module.calls)
@@ -670,7 +658,7 @@ def test_a_functional_program_with_a_buffer_mutation_output_keeps_the_module_s_c
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation
         ep = torch.export.export(
-            _CountsCalls().eval(),
+            CountsCalls(make_model()).eval(),
             (torch.zeros(2, 16),),
             dynamic_shapes=({0: torch.export.Dim("batch", min=1)},),
         ).run_decompositions()

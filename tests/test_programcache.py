@@ -20,7 +20,13 @@ from pipeline.demo import export_bundle
 from pipeline.export import save_bundle
 from pipeline.model import LoadedModel, check_batch_size, forget, forward, load_model
 from pipeline.precision import ExecutionOptions, prepare
-from tests.catalog_models import RANKER_INPUTS, Ranker, SwappedRanker, ranker_example
+from tests.catalog_models import (
+    RANKER_INPUTS,
+    CountsCalls,
+    Ranker,
+    SwappedRanker,
+    ranker_example,
+)
 from tests.conftest import demo_toml, make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,20 +95,6 @@ class Tied(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.out(torch.relu(self.b(torch.relu(self.a(x)))))
-        return out
-
-
-class Counts(nn.Module):
-    """Adds 1 to a buffer on every call (the graph mutates the module's own buffer)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = make_model()
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls.add_(1)
-        out: torch.Tensor = self.inner(x)
         return out
 
 
@@ -196,7 +188,7 @@ def test_several_typed_inputs_keep_their_names_and_order(
 
 
 def test_a_buffer_the_program_mutates_is_the_cached_module_s_own(tmp_path: Path) -> None:
-    _, warm = cold_then_warm(_bundle(tmp_path, Counts()))
+    _, warm = cold_then_warm(_bundle(tmp_path, CountsCalls(make_model())))
     before = int(warm.module.calls)
     with torch.inference_mode():
         forward(warm, torch.randn(3, 16))
