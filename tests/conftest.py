@@ -46,6 +46,23 @@ def demo_toml(
     )
 
 
+def bounded_bundle(path: Path, max_batch: int) -> Path:
+    """The demo MLP exported with ``Dim("batch", min=1, max=max_batch)``, as a bundle."""
+    import warnings
+
+    path.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation
+        ep = torch.export.export(
+            make_model().eval(),
+            (torch.zeros(2, 16),),
+            dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=max_batch)},),
+        )
+        torch.export.save(ep, path / "model.pt2")
+    (path / "model.toml").write_text(demo_toml())
+    return path
+
+
 def make_model(
     seed: int = 0, n_in: int = 16, hidden: tuple[int, int] = (32, 16), n_out: int = 2
 ) -> DemoMLP:

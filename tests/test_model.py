@@ -24,7 +24,7 @@ from pipeline.model import (
     resolve_device,
 )
 from tests.catalog_models import CountsCalls
-from tests.conftest import demo_toml, make_model
+from tests.conftest import bounded_bundle, demo_toml, make_model
 
 TS: dict[str, str] = {"fmt": "torchscript", "file": "model.ts"}
 
@@ -700,18 +700,7 @@ def test_a_batch_bound_the_program_was_exported_with_is_kept(tmp_path: Path) -> 
     # Calls skip the program's own input checks, so the bound is enforced before scoring.
     from pipeline.model import check_batch_size
 
-    d = tmp_path / "b"
-    d.mkdir()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation
-        ep = torch.export.export(
-            make_model().eval(),
-            (torch.zeros(2, 16),),
-            dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1000)},),
-        )
-        torch.export.save(ep, d / "model.pt2")
-    (d / "model.toml").write_text(demo_toml())
-    m = load_model(str(d))
+    m = load_model(str(bounded_bundle(tmp_path / "b", 1000)))
     assert m.max_batch == 1000
     check_batch_size(m, 1000)  # does not raise
     with pytest.raises(ConfigError, match="at most 1,000 rows"):

@@ -27,7 +27,7 @@ from tests.catalog_models import (
     SwappedRanker,
     ranker_example,
 )
-from tests.conftest import demo_toml, make_model
+from tests.conftest import bounded_bundle, demo_toml, make_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,18 +197,7 @@ def test_a_buffer_the_program_mutates_is_the_cached_module_s_own(tmp_path: Path)
 
 
 def test_the_batch_bound_is_kept(tmp_path: Path) -> None:
-    d = tmp_path / "b"
-    d.mkdir()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        ep = torch.export.export(
-            make_model().eval(),
-            (torch.zeros(2, 16),),
-            dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1000)},),
-        )
-        torch.export.save(ep, d / "model.pt2")
-    (d / "model.toml").write_text(demo_toml())
-    _, warm = cold_then_warm(str(d))
+    _, warm = cold_then_warm(str(bounded_bundle(tmp_path / "b", 1000)))
     assert warm.max_batch == 1000
     with pytest.raises(Exception, match="at most 1,000 rows"):
         check_batch_size(warm, 4096)
