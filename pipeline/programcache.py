@@ -47,7 +47,6 @@ KEEP = 8  # entries kept, newest first (a load refreshes its entry's time)
 # and each entry is a second copy of the weights on disk.
 MAX_BYTES = 2 * 1024**3
 FACTS_KEY = "score_catalog_program"  # in a rebuilt GraphModule's ``meta``
-WEIGHT_PREFIX = "_score_catalog_weight_"
 PLAIN_OPS = frozenset({"placeholder", "call_function", "output"})  # what a cached graph holds
 
 
