@@ -3,7 +3,8 @@
 Each partition is an ordinary run of the job with ``date`` set: its own output, manifest,
 ``_report.json`` and ``_SUCCESS``, so an interrupted partition resumes shard by shard. A partition
 whose output already has ``_SUCCESS`` from the current model bundle is skipped without starting a
-run. One summary, ``<root>/_backfills/<job>/<from>_<to>.json``, lists every partition.
+run. One summary, ``<area>/_backfills/<job>/<from>_<to>.json`` (``<area>``: the control area
+beside the output template's fixed part, ``pipeline.layout``), lists every partition.
 
 A day that fails, for whatever reason (a bad input, an output path that is a file, a bug), is
 recorded with its message and the backfill goes on to the next day: one bad day must not cost
@@ -86,8 +87,8 @@ def _check_templates(config: JobConfig) -> None:
     ]
     if problems:
         problems.append("a backfill needs both templated, e.g. dt={date}")
-    # Unset, rejects go to <output's parent>/_rejects/<output's name>, which is per day since
-    # output has {date}. Set
+    # Unset, rejects go to <root's parent>/_rejects/<root's name>/<output below the root>, which
+    # is per day since output has {date}. Set
     # without {date}, every day writes its rejects under the same names (part-00000.parquet...):
     # day 2 would silently replace day 1's rejected rows.
     if config.rejects is not None and "{date}" not in config.rejects:
@@ -95,7 +96,7 @@ def _check_templates(config: JobConfig) -> None:
             f"rejects = {config.rejects!r} has no {{date}}: every partition would write its "
             "rejected rows to the same files, each day replacing the one before; template it "
             "like output (e.g. .../rejects/dt={date}) or leave rejects unset "
-            "(<output's parent>/_rejects/<output's name>, one per day)"
+            "(<root's parent>/_rejects/<root's name>/..., one per day)"
         )
     if problems:
         raise ConfigError(problems)
@@ -104,11 +105,11 @@ def _check_templates(config: JobConfig) -> None:
 def _finished(config: JobConfig, sha: str) -> dict[str, Any] | None:
     """The partition's report if its output is complete and came from this model bundle (and,
     for a model from a registry, this registered version: ``config.model`` is pinned)."""
-    out = storage.locate(config.output_uri("backfill"), config.storage)
-    if not storage.exists(out.child(SUCCESS_NAME)):
+    where = layout.for_run(config, "backfill")
+    if not storage.exists(where.output.child(SUCCESS_NAME)):
         return None
     try:
-        found = layout.find(out, REPORT_NAME)  # the control folder, or inside (older layout)
+        found = layout.find_in(where, REPORT_NAME)  # its control folder, or an older one
         report = storage.read_json(found) if found is not None else None
     except (StorageError, ValueError):  # unreadable: score the partition again
         return None
@@ -117,12 +118,12 @@ def _finished(config: JobConfig, sha: str) -> dict[str, Any] | None:
     version = (report.get("settings") or {}).get("model_version")
     if version != (config.model if registry.is_registry_uri(config.model) else None):
         return None  # another registered version, or a bundle where one is asked for now
-    if not _input_unchanged(config, out):
+    if not _input_unchanged(config, where):
         return None  # a shard added, deleted or rewritten upstream: run the day (it resumes)
     return report
 
 
-def _input_unchanged(config: JobConfig, out: storage.Location) -> bool:
+def _input_unchanged(config: JobConfig, where: layout.Places) -> bool:
     """Whether the day's input still holds exactly the shards its manifest recorded, each with
     the fingerprint a run would check: size and mtime/ETag from the listing, then row count and
     footer statistics (:func:`pipeline.reading.footer_hash`) from each footer. The listing
@@ -131,7 +132,7 @@ def _input_unchanged(config: JobConfig, out: storage.Location) -> bool:
     footer, as ``run`` catches it."""
     try:
         shards = storage.list_shards(config.input_uri(), config.storage)
-        done = Manifest.load(out).shards
+        done = Manifest.load(where.control, where.old_controls).shards
     except PipelineError:
         return False
     if {s.rel_path for s in shards} != set(done):

@@ -259,8 +259,9 @@ def run(job: Path | None, **opts: Any) -> None:
     Settings come from the job file, then SCORE_CATALOG_* environment variables, then these
     flags (later wins). Finished shards recorded in the output's _manifest.json are skipped, so
     rerunning a failed night resumes it. The summary goes to stdout, log lines to stderr,
-    _report.json and _report.html beside the output (<output's parent>/_score_catalog/<output's
-    name>/, with the manifest) and, on success, _SUCCESS into the output. On a terminal a
+    _report.json and _report.html (with the manifest) to the output's control folder, beside
+    the output template's fixed part (data/scored/run_date=X: data/_score_catalog/scored/
+    run_date=X/), and, on success, _SUCCESS into the output. On a terminal a
     progress bar shows rows, shards, rows/s and ETA.
     """
     # Paused until the run starts scoring (on_start), or until the command fails before.
@@ -301,7 +302,7 @@ def run(job: Path | None, **opts: Any) -> None:
     console.summary(
         {**report.data, "exit_code": report.exit_code},
         summary_table(report),
-        problem_line(report.data),
+        problem_line(report.data, report.control),
     )
     _exit(report.exit_code)
 
@@ -403,8 +404,8 @@ def plan(job: Path | None, as_json: bool, **opts: Any) -> None:
 def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_json: bool) -> None:
     """Print the summary of a finished run, or two runs side by side with --vs.
 
-    RUN_URI is a run's output root (its _report.json is beside it, in <output's
-    parent>/_score_catalog/<output's name>/) or the report file; any fsspec URI works (s3://...).
+    RUN_URI is a run's output root (its _report.json is found in its control folder, beside
+    the output template's fixed part) or the report file; any fsspec URI works (s3://...).
     """
     from pipeline.errors import ConfigError
     from pipeline.report import RunReport, diff_table, load_report, summary_table
@@ -454,7 +455,8 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
     own output, manifest and report; days whose output already has _SUCCESS from the current
     model bundle, over the same input shards, are skipped (--force rescores them) and missing
     input folders are listed as missing. A summary of every day goes to
-    <output root>/_backfills/<job>/<from>_<to>.json.
+    _backfills/<job>/<from>_<to>.json in the control area beside the output template's fixed
+    part (output data/scored/dt={date}: data/_score_catalog/scored/_backfills/).
     """
     with _StartupGC():  # the imports only: each day's run allocates its own
         from pipeline.backfill import backfill as run_backfill

@@ -332,13 +332,15 @@ class JobConfig:
             "core already runs a scoring loop)."
         ),
     )
-    # Where rejected rows go (template like output). None: <parent of output>/_rejects/<output's
-    # name>, beside the output and not inside it, so that no reader (DuckDB's '**/*.parquet',
-    # Dask) takes rejects for scores. An output at a bucket root has no parent: set it there.
+    # Where rejected rows go (template like output). None: outside the output template's fixed
+    # part (data/scored/run_date=X -> data/_rejects/scored/run_date=X), so that no reader of
+    # the whole dataset (DuckDB's '**/*.parquet', Dask) takes rejects for scores. A root
+    # without a parent (a bucket root) has nowhere beside it: set it there.
     rejects: str | None = field(
         default=None,
         metadata=_meta(
-            "Where rejected rows go (default <output's parent>/_rejects/<output's name>).",
+            "Where rejected rows go (default <root's parent>/_rejects/<root's name>/..., "
+            "root: the output up to its first placeholder).",
             checks=(_template(*TEMPLATE_FIELDS),),
             metavar="URI",
         ),
@@ -447,10 +449,9 @@ class JobConfig:
     def rejects_uri(self, run_id: str) -> str:
         """Where rejected rows go for this run (see :func:`default_rejects`)."""
         if self.rejects is None:
-            output = self.output_uri(run_id)
-            found = default_rejects(output)
+            found = default_rejects(self.output, self.output_uri(run_id))
             if found is None:
-                raise ConfigError(_no_parent_message(output))
+                raise ConfigError(_no_parent_message(self.output))
             return found
         return self.rejects.format(date=self.run_date, run_id=run_id)
 
@@ -462,23 +463,31 @@ class JobConfig:
         return d
 
 
-def default_rejects(output: str) -> str | None:
-    """``<parent of output>/_rejects/<output's name>``, or None when the output has no parent.
+def default_rejects(template: str, output: str) -> str | None:
+    """Where the rejects of ``output`` (``template`` filled in) go by default, or None when the
+    template's fixed part has no parent folder.
 
-    ``data/scored/run_date=X`` gives ``data/scored/_rejects/run_date=X`` and ``s3://b/scored/x``
-    gives ``s3://b/scored/_rejects/x``: beside the output, never inside it. A bucket root
-    (``s3://b``) or the filesystem root has no parent folder to hold them.
+    ``<root's parent>/_rejects/<root's name>/<output below the root>``, where the root is the
+    template up to its first placeholder (``pipeline.layout``): ``data/scored/run_date={date}``
+    gives ``data/_rejects/scored/run_date=X``, ``data/scored`` gives ``data/_rejects/scored``.
+    Outside the root, so that readers of the whole dataset never see them. A bucket root
+    (``s3://b`` or ``s3://b/{date}``), ``/`` and ``.`` (``{date}/x``) have no parent.
     """
-    from pipeline.layout import beside  # imports storage (fsspec): only when needed
+    from pipeline.layout import default_rejects as found  # imports storage: only when needed
 
-    return beside(output, "_rejects")
+    return found(template, output)
 
 
-def _no_parent_message(output: str) -> str:
+def _no_parent_message(template: str) -> str:
+    from pipeline.layout import fixed_part
+
+    root = fixed_part(template)[0]
     return (
-        f"output = {output!r} has no parent folder to keep rejects beside it (the default is "
-        "<output's parent>/_rejects/<output's name>, outside the output so that readers see "
-        "only scores); set rejects (--rejects URI) to a location outside the output"
+        f"output = {template!r}: its fixed part {root!r} has no parent folder to keep rejects "
+        "beside it (the default is <root's parent>/_rejects/<root's name>/..., outside the "
+        "dataset so that readers see only scores); set rejects (--rejects URI) to a location "
+        "outside it, e.g. another bucket, or move the output under a prefix "
+        "(s3://bucket/scored/{date})"
     )
 
 
@@ -837,8 +846,11 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[str]:
     if "output" in good and "output" not in bad and good.get("rejects") is None:
         # Placeholders filled with a sample value: the shape of the path is what matters.
         sample = good["output"].format(date="2000-01-01", run_id="run")
-        if default_rejects(sample) is None:
-            problems.append(_no_parent_message(good["output"]))
+        try:
+            if default_rejects(good["output"], sample) is None:
+                problems.append(_no_parent_message(good["output"]))
+        except ConfigError:
+            pass  # a template with no fixed root: index_root below says so
     if good.get("storage"):
         problems += _storage_problems(good)
     if "output" in good and "output" not in bad:

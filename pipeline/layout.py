@@ -1,50 +1,87 @@
-"""Where a run keeps what is not scores: beside the output, so that the output holds only data.
+"""Where a run keeps what is not scores: outside the template's fixed part, which is a dataset.
 
-For an output ``<parent>/<name>`` (``data/scored/run_date=2026-11-29``)::
+An output template's *fixed part* (its *root*) is the text before its first placeholder, cut
+back to the last ``/`` (:func:`fixed_part`); a template without placeholders is its own root.
+Readers query the root: every date below it at once. So the root holds only data, and what
+is not data lives beside it, under its parent::
 
-    <parent>/<name>/                    the output: scored Parquet files, _SUCCESS and
-                                        _SCORE_CATALOG (both empty), _lock*.json while a run
-                                        holds it
-    <parent>/_score_catalog/<name>/     its control folder: _manifest.json, _report.json,
-                                        _report.html (and _runs/<job>/ for an output whose
-                                        template has no placeholder: see runindex.index_root)
-    <parent>/_rejects/<name>/           its rejects, unless the job sets ``rejects``
+    data/scored/                                  root of data/scored/run_date={date}
+      run_date=2026-11-29/                        an output: scored Parquet files, _SUCCESS and
+                                                  _SCORE_CATALOG (both empty), _lock*.json while
+                                                  a run holds it
+    data/_score_catalog/scored/                   the root's control area
+      run_date=2026-11-29/                        the output's control folder: _manifest.json,
+                                                  _report.json, _report.html
+      _runs/<job>/<run_id>.json                   the run index (pipeline.runindex)
+      _backfills/<job>/<from>_<to>.json           backfill summaries (pipeline.backfill)
+    data/_rejects/scored/run_date=2026-11-29/     its rejects, unless the job sets ``rejects``
 
-Why beside and not inside under a ``_`` name: Polars' ``scan_parquet('<output>')`` (2.1, default
-settings) reads every file below the folder, hidden names included, and refuses a folder whose
-files do not all share one extension; it skips only empty files. A ``_report.json``, a
-``.report.json``, an extensionless ``_report`` or a ``_score_catalog/`` subfolder all break it,
-while an empty ``_SUCCESS`` does not (``polars-io`` ``path_utils::expand_paths_hive`` lists files
-with ``len() > 0`` and compares their extensions). pyarrow.dataset, pandas, Dask, Spark and
-DuckDB's ``'<output>/*.parquet'`` skip ``_`` names either way, so for them nothing changes.
+A template without placeholders (``data/scored``) is the same with nothing below the root: its
+control folder is ``data/_score_catalog/scored`` (holding ``_runs/`` too), its rejects
+``data/_rejects/scored``. A root without a parent folder (a bucket root ``s3://b``, ``/``, or
+``.`` for ``{date}/scored``) has nowhere beside it: its control files stay inside it
+(``<root>/_score_catalog/<rest>``, or the output itself when it is the root, and
+``<root>/_runs``), and the job must set ``rejects`` (``pipeline.config``).
 
-Outputs written before the control folder existed kept these files inside the output: they are
-read from there when the control folder has none (:func:`find`), and moved out by the next run
-that takes the output's lock (``pipeline.run``). An output at a bucket root has no parent: its
-control files stay inside it, as before (Polars then needs ``hidden_file_prefix=['_', '.']``).
+Why beside and not inside under a ``_`` name. Measured with Polars 1.x, DuckDB 1.4/2.0,
+pyarrow 26, pandas 3.1 and Dask 2026.8 on two dated outputs under one root: the empty
+``_SUCCESS`` and ``_SCORE_CATALOG`` in each date folder change nothing for any of them
+(``scan_parquet(root)``, ``read_parquet('<root>/**/*.parquet', hive_partitioning=true)``,
+``pyarrow.dataset.dataset(root, partitioning="hive")``, ``pandas.read_parquet(root)`` and
+``dask.dataframe.read_parquet(root)`` all returned exactly the scored rows, plus ``run_date``).
+But DuckDB's ``'**/*.parquet'`` and Dask read Parquet files below ``_`` folders (rejects there
+count as scores), and Polars reads every non-empty file below the folder, ``_`` names
+included, and refuses a folder whose files do not share one extension (``.json`` reports, the
+run index): ``polars-io`` ``path_utils::expand_paths_hive`` skips only empty files.
+
+Older versions kept these files in other places: inside the output (manifest, report, run
+index in ``<output>/_runs``, rejects in ``<output>/_rejects``), then beside each output
+(``<root>/_score_catalog/<name>``, ``<root>/_rejects/<name>``, ``<root>/_runs``,
+``<root>/_backfills``). They are still read there (:func:`find`, :attr:`Places.old_controls`),
+and :func:`claim` moves them to their place here when a run takes the output's lock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import posixpath
+import re
+import string
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from pipeline import storage
+from pipeline.errors import ConfigError
 from pipeline.storage import Location
 
-#: The folder, beside each output, that holds its control files.
+if TYPE_CHECKING:
+    from pipeline.config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+#: The folder, beside a template's root, that holds its control files (the control area).
 CONTROL_DIR = "_score_catalog"
+#: The folder, beside a template's root, that holds its default rejects.
+REJECTS_DIR = "_rejects"
 #: An empty file in every output this tool writes: cheap proof that the folder is ours (the
 #: control folder lives outside it, so it could outlive the folder it describes).
 OUTPUT_MARK = "_SCORE_CATALOG"
-#: The run index's folder (``pipeline.runindex``) below its root.
+#: The run index's folder (``pipeline.runindex``) in the control area.
 RUN_INDEX_DIR = "_runs"
+#: The backfill summaries' folder (``pipeline.backfill``) in the control area.
+BACKFILL_DIR = "_backfills"
+
+
+# --------------------------------------------------------------------------- paths as text
 
 
 def beside(uri: str, folder: str) -> str | None:
     """``<parent of uri>/<folder>/<uri's name>``, or None when ``uri`` has no parent.
 
     ``data/scored/x`` gives ``data/scored/<folder>/x`` and ``s3://b/scored/x`` gives
-    ``s3://b/scored/<folder>/x``. A bucket root (``s3://b``) or the filesystem root has no parent.
+    ``s3://b/scored/<folder>/x``. A bucket root (``s3://b``), the filesystem root and ``.``
+    have no parent.
     """
     proto, sep, rest = uri.rpartition("://")
     path = rest.rstrip("/")
@@ -56,58 +93,308 @@ def beside(uri: str, folder: str) -> str | None:
     return f"{proto}{sep}{parent}{slash}{folder}/{name}"
 
 
-def control_root(out_root: Location) -> Location:
-    """The control folder of ``out_root``; the output itself when it has no parent."""
-    uri = beside(out_root.uri, CONTROL_DIR)
-    parent, slash, name = out_root.path.rstrip("/").rpartition("/")
-    if uri is None or not slash or name in ("", ".", ".."):
-        return out_root
-    path = f"{parent}/{CONTROL_DIR}/{name}"
-    return Location(out_root.fs, path, uri, out_root.retry_deadline_s)
+def fixed_part(template: str) -> tuple[str, bool]:
+    """The template's root, and whether it has a placeholder at all.
+
+    The root is the text before the first placeholder, cut back to the last ``/``:
+    ``data/scored/{date}`` gives ``data/scored``, ``s3://b/scored/dt={date}/x`` gives
+    ``s3://b/scored``, ``{date}/scored`` gives ``.`` and ``/{date}`` gives ``/``. A template
+    without placeholders is its own root. A placeholder in the bucket or host part of a URI
+    leaves no fixed root: that is a :class:`ConfigError`.
+    """
+    literal: list[str] = []
+    has_field = False
+    try:
+        for text, field_name, _spec, _conv in string.Formatter().parse(template):
+            literal.append(text)
+            if field_name is not None:
+                has_field = True
+                break
+    except ValueError as e:
+        raise ConfigError(f"output = {template!r} is not a valid template: {e}") from e
+    prefix = "".join(literal)
+    if not has_field:
+        return prefix.rstrip("/") or prefix, False
+    proto_end = prefix.find("://")
+    cut = prefix.rfind("/")
+    if proto_end >= 0 and cut <= proto_end + 2:
+        raise ConfigError(
+            f"output = {template!r}: a placeholder in the bucket or host leaves no fixed "
+            "location for the run index; put placeholders in the path only"
+        )
+    if cut < 0:
+        return ".", True  # "{date}/scored": relative to the working directory
+    return prefix[:cut] or "/", True
 
 
-def candidates(out_root: Location) -> list[Location]:
-    """Where ``out_root``'s control files may be: its control folder, then (older layout, or a
-    bucket root) the output itself."""
-    control = control_root(out_root)
-    return [control] if control == out_root else [control, out_root]
+def below(root: str, output: str) -> str:
+    """``output``'s path below ``root`` (its template's fixed part): ``""`` for the root."""
+    out = output.rstrip("/")
+    if root == ".":
+        return out.removeprefix("./").strip("/") if out not in ("", ".") else ""
+    base = root.rstrip("/")
+    if out == base:
+        return ""
+    if not out.startswith(base + "/"):
+        raise ValueError(f"{output!r} is not below {root!r}")
+    return out[len(base) + 1 :].strip("/")
 
 
-def find(out_root: Location, name: str) -> Location | None:
-    """The control file ``name`` of ``out_root`` where it exists (control folder first)."""
-    for root in candidates(out_root):
+def _join(base: str, rest: str) -> str:
+    return f"{base.rstrip('/')}/{rest}" if rest else base
+
+
+def control_area(root: str) -> str:
+    """Where the control files of everything under ``root`` live: ``<parent>/_score_catalog/
+    <name>``, or the root itself when it has no parent."""
+    return beside(root, CONTROL_DIR) or root
+
+
+def index_root(template: str) -> str:
+    """The folder holding the run index (``_runs/``) and backfill summaries (``_backfills/``)
+    of the jobs writing under ``template``: its root's control area."""
+    return control_area(fixed_part(template)[0])
+
+
+def control_uri(template: str, output: str) -> str:
+    """The control folder of ``output`` (``template`` filled in)."""
+    root, _ = fixed_part(template)
+    rest = below(root, output)
+    area = beside(root, CONTROL_DIR)
+    if area is not None:
+        return _join(area, rest)
+    if not rest:
+        return output  # the output is a root without a parent: its files stay inside it
+    return _join(CONTROL_DIR if root == "." else _join(root, CONTROL_DIR), rest)
+
+
+def default_rejects(template: str, output: str) -> str | None:
+    """``<root's parent>/_rejects/<root's name>/<output below the root>``, or None when the
+    root has no parent (then the job must set ``rejects``)."""
+    root, _ = fixed_part(template)
+    area = beside(root, REJECTS_DIR)
+    return None if area is None else _join(area, below(root, output))
+
+
+def _single_segment_pattern(template: str, root: str) -> re.Pattern[str] | None:
+    """A regex for the outputs of ``template`` when they are single folders right below its
+    root (``run_date={date}``); None otherwise."""
+    rest = template.rstrip("/")[len(root.rstrip("/")) :].strip("/") if root != "." else template
+    if not rest or "/" in rest:
+        return None
+    parts = []
+    for text, field_name, _spec, _conv in string.Formatter().parse(rest):
+        parts.append(re.escape(text))
+        if field_name is not None:
+            parts.append("[^/]+")
+    return re.compile("".join(parts))
+
+
+# --------------------------------------------------------------------------- one run's places
+
+
+@dataclass(frozen=True)
+class Places:
+    """Where one run of a job keeps what it writes, and where older versions kept it."""
+
+    output: Location
+    control: Location  # _manifest.json, _report.json, _report.html
+    index: Location  # holds _runs/ and _backfills/
+    # This output's control folders in older layouts, newest first: read when ``control`` has
+    # nothing, emptied by the run that takes the lock.
+    old_controls: tuple[Location, ...] = ()
+    # Older layouts' folders to move, as (from, to) pairs of folders.
+    moves: tuple[tuple[Location, Location], ...] = ()
+    # The template's other outputs right below its root (``run_date=...``): their old control
+    # folders and default rejects move too, as (old parent, new parent, their names' pattern).
+    sweeps: tuple[tuple[Location, Location, re.Pattern[str]], ...] = ()
+    # This output's default rejects in the older layout, and now (rejects unset only).
+    rejects_moved: tuple[Location, Location] | None = None
+
+
+def places(
+    template: str,
+    output: str,
+    options: Mapping[str, Any] | None = None,
+    *,
+    rejects: str | None = None,
+) -> Places:
+    """The places of ``output`` (``template`` filled in); ``rejects`` is the job's setting
+    (None: the default, whose older default location then moves too)."""
+    root, templated = fixed_part(template)
+    out = storage.locate(output, options)
+    control = storage.locate(control_uri(template, output), options)
+    index = storage.locate(index_root(template), options)
+    beside_out = beside(output, CONTROL_DIR)
+    olds = [storage.locate(beside_out, options)] if beside_out is not None else []
+    old_controls = tuple(dict.fromkeys(o for o in (*olds, out) if o != control))
+    moves = [(o, control) for o in old_controls if o != out]
+    if out != index:
+        moves.append((out.child(RUN_INDEX_DIR), index.child(RUN_INDEX_DIR)))  # oldest layout
+    sweeps: list[tuple[Location, Location, re.Pattern[str]]] = []
+    has_parent = beside(root, CONTROL_DIR) is not None
+    root_loc = storage.locate(root, options) if templated and has_parent else None
+    pattern = _single_segment_pattern(template, root)
+    if root_loc is not None:
+        for name in (RUN_INDEX_DIR, BACKFILL_DIR):
+            moves.append((root_loc.child(name), index.child(name)))
+        if pattern is not None:
+            area = storage.locate(control_area(root), options)
+            sweeps.append((root_loc.child(CONTROL_DIR), area, pattern))
+    rejects_moved = None
+    new_rejects, old_rejects = default_rejects(template, output), beside(output, REJECTS_DIR)
+    if rejects is None and new_rejects is not None and old_rejects not in (None, new_rejects):
+        rejects_moved = (
+            storage.locate(str(old_rejects), options),
+            storage.locate(new_rejects, options),
+        )
+        moves.append(rejects_moved)
+        rejects_area = beside(root, REJECTS_DIR)
+        if root_loc is not None and pattern is not None and rejects_area is not None:
+            new_parent = storage.locate(rejects_area, options)
+            sweeps.append((root_loc.child(REJECTS_DIR), new_parent, pattern))
+    return Places(out, control, index, old_controls, tuple(moves), tuple(sweeps), rejects_moved)
+
+
+def for_run(config: JobConfig, run_id: str) -> Places:
+    """:func:`places` of a job's run (its output with ``{date}`` and ``{run_id}`` filled in)."""
+    output = config.output_uri(run_id)
+    return places(config.output, output, config.storage, rejects=config.rejects)
+
+
+# --------------------------------------------------------------------------- finding files
+
+
+def ancestors(loc: Location) -> list[Location]:
+    """The folders above ``loc``, nearest first, up to the filesystem root or the bucket."""
+    found: list[Location] = []
+    path, uri = loc.path.rstrip("/") or "/", loc.uri.rstrip("/") or "/"
+    while True:
+        stripped = path.strip("/")
+        if not stripped or ("/" not in stripped and not loc.is_local):
+            return found  # "/" on disk, or the bucket of an object store
+        path = posixpath.dirname(path) or "/"
+        uri = path if loc.is_local else uri.rsplit("/", 1)[0]
+        found.append(Location(loc.fs, path, uri, loc.retry_deadline_s))
+
+
+def candidates(out: Location) -> list[Location]:
+    """Where the control files of ``out`` may be when its template is unknown (``report OUT``):
+    for each folder from ``out`` up, the control folder ``out`` has if that folder is its
+    template's root; then the output itself (oldest layout)."""
+    found = []
+    for top in [out, *ancestors(out)]:
+        uri = beside(top.uri, CONTROL_DIR)
+        if uri is None:
+            continue
+        rest = below(top.path, out.path)
+        area = sibling(top, uri)
+        found.append(area.child(rest) if rest else area)
+    return [*found, out]
+
+
+def sibling(loc: Location, uri: str) -> Location:
+    """A Location for ``uri`` on ``loc``'s storage (same options, same client)."""
+    path = loc.fs._strip_protocol(uri)
+    return Location(loc.fs, path, path if loc.is_local else uri, loc.retry_deadline_s)
+
+
+def find(out: Location, name: str) -> Location | None:
+    """The control file ``name`` of the output ``out`` where it exists, nearest first."""
+    for root in candidates(out):
         loc = root.child(name)
         if storage.exists(loc):
             return loc
     return None
 
 
-def claim(out_root: Location, index: Location, fence: Callable[[], None]) -> None:
+def find_in(where: Places, name: str) -> Location | None:
+    """The control file ``name`` of a run's output: its control folder, else an older one."""
+    for root in (where.control, *where.old_controls):
+        loc = root.child(name)
+        if storage.exists(loc):
+            return loc
+    return None
+
+
+# --------------------------------------------------------------------------- taking an output
+
+
+def claim(where: Places, fence: Callable[[], None]) -> None:
     """What a run does first once it holds the output's lock, before anything is scored.
 
     Marks the folder as ours (:data:`OUTPUT_MARK`); withdraws the previous run's ``_SUCCESS``
     and report, which describe the output as it was and would be taken for this run's while it
-    changes it (the run index keeps every run's record); and moves the run index an older
-    version kept inside the output (``<output>/_runs``) to ``index``. The manifest moves on its
-    own (``Manifest.load`` reads the old place, the run saves to the new one).
+    changes it (the run index keeps every run's record); and moves what older versions kept
+    in other places (:func:`migrate`). The manifest in the output itself (the oldest layout)
+    moves on its own (``Manifest.load`` reads it, the run saves to the new place).
     """
     from pipeline.report import HTML_NAME, REPORT_NAME
 
     fence()
-    mark = out_root.child(OUTPUT_MARK)
+    out = where.output
+    mark = out.child(OUTPUT_MARK)
     if not storage.exists(mark):
         storage.write_bytes(mark, b"")
-    storage.remove(out_root.child(storage.SUCCESS_NAME))
-    for root in candidates(out_root):
+    storage.remove(out.child(storage.SUCCESS_NAME))
+    for root in (where.control, *where.old_controls):
         for name in (REPORT_NAME, HTML_NAME):
             storage.remove(root.child(name))
-    old_index = out_root.child(RUN_INDEX_DIR)
-    if index == out_root:
-        return
-    moved = storage.list_files(old_index)
-    for rel in moved:
-        src = old_index.child(rel)
-        storage.write_bytes(index.child(f"{RUN_INDEX_DIR}/{rel}"), storage.read_bytes(src))
-        storage.remove(src)
-    if moved:
-        storage.remove_tree(old_index)  # its folders, empty now
+    migrate(where, fence)
+
+
+def migrate(where: Places, fence: Callable[[], None]) -> None:
+    """Move what older versions kept under the template's root (or inside the output) to its
+    place now: this output's control folder and default rejects, the run index and backfill
+    summaries, and the control folders and default rejects of the template's other outputs
+    (those right below the root, such as ``run_date=...``).
+
+    Crash-safe and safe against concurrent runs of other dates: each file is copied with an
+    exclusive create (an existing copy wins: it is a copy of the same file, or newer) and only
+    then deleted from its old place, so a crash leaves it in one place or both, and the next
+    run finishes the move. Nothing is ever deleted that was not copied first.
+    """
+    pairs = list(where.moves)
+    for old_parent, new_parent, pattern in where.sweeps:
+        try:
+            entries = storage.ls(old_parent)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        pairs += [(e, new_parent.child(e.name)) for e in entries if pattern.fullmatch(e.name)]
+    for src, dst in pairs:
+        if src == dst:
+            continue
+        fence()
+        moved = move_tree(src, dst)
+        if moved:
+            logger.info(
+                "moved %d file(s) an older version kept in %s to %s", moved, src.uri, dst.uri
+            )
+
+
+def move_tree(src: Location, dst: Location) -> int:
+    """Move every file below ``src`` to the same place below ``dst``; returns how many.
+
+    A file already at ``dst`` is kept (it was copied by a run that crashed before deleting
+    the original, or written since by this version); the original is deleted either way.
+    Temporary files of interrupted writes are dropped.
+    """
+    moved = 0
+    for rel in storage.list_files(src):
+        old = src.child(rel)
+        if storage.TMP_MARK in posixpath.basename(rel):
+            storage.remove(old)
+            continue
+        try:
+            data = storage.read_bytes(old)
+        except FileNotFoundError:
+            continue  # moved meanwhile by another run
+        new = dst.child(rel)
+        if data:
+            storage.exclusive_create(new, data)
+        elif not storage.exists(new):
+            storage.write_bytes(new, b"")
+        storage.remove(old)
+        moved += 1
+    storage.remove_empty_folders(src)
+    return moved

@@ -1,7 +1,8 @@
 """``_manifest.json``: what was scored from what, so that a rerun skips finished shards.
 
-It lives in the output's control folder (``<parent>/_score_catalog/<name>/``, see
-:mod:`pipeline.layout`); one written inside the output by an older version is still read.
+It lives in the output's control folder, outside the template's root
+(``data/_score_catalog/scored/run_date=X/``, see :mod:`pipeline.layout`); one an older version
+wrote elsewhere (beside the output, or inside it) is still read.
 
 An entry is reused only if the input shard's fingerprint (size, modification time or ETag, footer
 row count and a hash of the footer's row-group layout and column statistics), the model's SHA-256
@@ -21,7 +22,7 @@ import datetime as dt
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -102,18 +103,17 @@ class Manifest:
     _last_cost: float = field(default=0.0, repr=False)  # seconds the last save took
     _last_end: float = field(default=float("-inf"), repr=False)
 
-    # Where it was read from when that was inside the output (the layout before the control
-    # folder, see pipeline.layout): the run that takes the lock moves it out.
+    # Where it was read from when that was an older version's place (see pipeline.layout):
+    # the run that takes the lock saves it to ``loc`` and removes that copy.
     read_from: Location | None = field(default=None, repr=False)
 
     @classmethod
-    def load(cls, root: Location) -> Manifest:
-        """The manifest of the output ``root``: from its control folder, or else from inside
-        the output (written by a version before the control folder); empty if neither."""
-        from pipeline import layout
-
-        loc = layout.control_root(root).child(MANIFEST_NAME)
-        for where in layout.candidates(root):
+    def load(cls, control: Location, old: Sequence[Location] = ()) -> Manifest:
+        """The manifest of an output: from its control folder ``control``, or else from one
+        of the places an older version kept it (``old``, see ``pipeline.layout.Places``);
+        empty if none. It is saved to ``control``."""
+        loc = control.child(MANIFEST_NAME)
+        for where in (control, *old):
             src = where.child(MANIFEST_NAME)
             found = cls._read(src)
             if found is not None:

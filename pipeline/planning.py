@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pipeline import registry, storage
+from pipeline import layout, nesting, registry, storage
 from pipeline.cluster import thread_plan
 from pipeline.config import JobConfig
 from pipeline.manifest import Manifest, expectation, fingerprint_hash
@@ -41,16 +41,19 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     source = registry.resolve_model(config.model)
     config = dataclasses.replace(config, model=source.bundle)
     opts = config.storage
-    out_root = storage.locate(config.output_uri("plan"), opts)
+    where = layout.for_run(config, "plan")
+    out_root = where.output
     shards = storage.list_shards(config.input_uri(), opts)
-    # What a run would refuse before writing (a missing bucket, an output under a file).
+    # What a run would refuse before writing (a missing bucket, an output under a file, an
+    # output that contains or lies inside another).
     storage.check_write_target(out_root, "output", create_bucket=config.create_output_bucket)
+    nesting.check(out_root)
     device = resolve_device(config.device)
     spec, _, sha = read_bundle(config.model, opts)
     found = inspect_shards(config, shards, spec, sha, device, opts)
     _, failed, problems, _, model = found
     settings = run_settings(config, spec, model_version=source.model_version)
-    entries = _shard_entries(config, shards, found, out_root, expect_done=(sha, settings.hash))
+    entries = _shard_entries(config, shards, found, where, expect_done=(sha, settings.hash))
     to_score = [e for e in entries if e["action"] == "score"]
     rows_to_score = sum(e["rows"] or 0 for e in to_score)
     plan = thread_plan(config, len(to_score), device.type)
@@ -95,12 +98,13 @@ def _shard_entries(
     config: JobConfig,
     shards: list[ShardRef],
     found: Inspection,
-    out_root: Location,
+    where: layout.Places,
     expect_done: tuple[str, str],  # model SHA-256 and settings hash a done shard must match
 ) -> list[dict[str, Any]]:
     """One plan entry per shard: rows, row groups, bytes and what a run would do with it."""
     infos, failed, problems = found.infos, found.failed, found.schema_problems
-    manifest = Manifest.load(out_root)
+    manifest = Manifest.load(where.control, where.old_controls)
+    out_root = where.output
     entries: list[dict[str, Any]] = []
     for s in shards:
         info = infos.get(s.rel_path)

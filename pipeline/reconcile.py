@@ -10,11 +10,14 @@ previous model's rows. :func:`reconcile` removes those, and :func:`verify` check
 against the report from the files' own footers; ``_SUCCESS`` is written only when it finds
 nothing wrong.
 
-What this tool wrote is known from two sources: the manifest's entries, and the key-value
-metadata in the footer of every output file (:func:`footer_metadata`), which survives a crash
-that lost the manifest entry. A visible file known by neither is someone else's: it is never
-deleted unless the job says ``on_foreign_output = "replace"`` (:func:`remove_foreign`), and
-:func:`check_output_owner` refuses a foreign output folder before anything is written.
+What this output holds of its own is what its manifest lists: only those files are ever
+deleted by a run. The key-value metadata in the footer of every output file
+(:func:`footer_metadata`) says that this tool wrote a file, not that this output did (a file
+copied in from another output carries it too): it lets :func:`check_output_owner` accept a
+folder a crashed run left before its first manifest save, and :func:`verify` check what a
+reader sees, but a file the manifest does not list is never deleted unless the job says
+``on_foreign_output = "replace"`` (:func:`remove_foreign`). :func:`check_output_owner` refuses
+a foreign output folder before anything is written.
 """
 
 from __future__ import annotations
@@ -235,15 +238,17 @@ def remove_foreign(
 ) -> ForeignFiles:
     """With ``on_foreign_output = "replace"``: delete every visible foreign data file.
 
-    ``ours``: relative paths the manifest lists. A file neither listed there nor marked in its
-    footer is foreign: a data file (a Parquet name or footer) is deleted with a WARNING naming
-    it; any other file (``notes.txt``) is left alone and listed. Nothing is overwritten without
-    a word: a later commit to the same name finds it already gone and logged.
+    ``ours``: relative paths the manifest lists. A file not listed there is foreign, even if
+    its footer says this tool wrote it (copied in from another output, or left by a crash
+    before its manifest entry was saved; a shard still in the input is scored again): a data
+    file (a Parquet name or footer) is deleted with a WARNING naming it; any other file
+    (``notes.txt``) is left alone and listed. Nothing is overwritten without a word: a later
+    commit to the same name finds it already gone and logged.
     """
     found = ForeignFiles()
     for rel in visible_files(out_root):
         loc = out_root.child(rel)
-        if rel in ours or written_by_us(loc, options):
+        if rel in ours:
             continue
         if is_data(loc, options):
             storage.remove(loc)
@@ -318,18 +323,18 @@ def clear_the_way(
     new output would fail to commit every night. Their inputs are gone, so the final
     :func:`reconcile` would remove them anyway; this does it before scoring.
 
-    ``ours``: relative paths the manifest lists. Anything in the way that this tool did not
-    write is a :class:`ConfigError` naming it, and nothing is removed.
+    ``ours``: relative paths the manifest lists. Anything in the way that it does not list is a
+    :class:`ConfigError` naming it, and nothing is removed.
     """
     wanted = list(wanted)
     blocking = _in_the_way(set(storage.list_files(out_root)), wanted)
     for files in blocking.values():
         for f in files:
-            if f not in ours and not written_by_us(out_root.child(f), options):
+            if f not in ours:
                 raise ConfigError(
                     f"output {out_root.uri}: {out_root.child(f).uri} is in the way of the "
-                    f"output of an input shard that changed shape, and score-catalog did not "
-                    "write it. Nothing was removed; move it away and run again."
+                    f"output of an input shard that changed shape, and this output's manifest "
+                    "does not list it. Nothing was removed; move it away and run again."
                 )
     removed = []
     for obstacle, files in sorted(blocking.items()):
@@ -420,19 +425,22 @@ def reconcile(
     """Remove every visible output of ours that is not in ``keep``, with its rejects.
 
     ``keep``: relative paths of shards scored or skipped in this run (their outputs stay).
-    ``ours``: relative paths this tool wrote earlier (the manifest's entries as the run found
-    them, before it forgot failed shards). ``reasons``: why a relative path is no longer wanted
+    ``ours``: relative paths this output's manifest lists (its entries as the run found them,
+    before it forgot failed shards). ``reasons``: why a relative path is no longer wanted
     (failed this run, skipped by the schema policy); anything else in ``ours`` lost its input
-    shard. A visible file in neither set whose footer does not carry this tool's mark was not
-    written by it: it is never deleted, only listed, and :func:`verify` then refuses
-    ``_SUCCESS`` if it is data.
+    shard. A visible file in neither set is never deleted, whatever its footer says (a scored
+    file copied in from another output carries this tool's mark too): it is only listed, and
+    :func:`verify` then refuses ``_SUCCESS`` if it is data. A folder below the output that a
+    removal leaves without visible files loses its ``_SUCCESS`` too: it no longer has the data
+    that ``_SUCCESS`` vouched for.
     """
     result = Reconciliation()
-    for rel in visible_files(out_root):
+    files = storage.list_files(out_root)
+    for rel in [r for r in files if is_visible(r)]:
         if rel in keep:
             continue
         loc = out_root.child(rel)
-        if rel not in ours and not written_by_us(loc, options):
+        if rel not in ours:
             result.foreign.append(rel)
             continue
         reason = reasons.get(rel, "its input shard no longer exists")
@@ -441,6 +449,7 @@ def reconcile(
         removal = Removal(rel, loc.uri, reason, rejects)
         logger.warning("removed %s from the output: %s", removal.output, reason)
         result.removed.append(removal)
+    _withdraw_emptied_successes(out_root, files, {r.rel_path for r in result.removed})
     gone = (ours | set(reasons)) - keep
     # Rejects of shards that are no longer in the dataset, whose output was already missing.
     for rel in storage.list_files(rej_root):
@@ -448,6 +457,23 @@ def reconcile(
             _remove_rejects(rej_root.child(rel), out_root.child(rel), options)
     _remove_legacy_rejects(out_root, rej_root, ours | keep | set(reasons))
     return result
+
+
+def _withdraw_emptied_successes(out_root: Location, files: list[str], removed: set[str]) -> None:
+    """Delete ``_SUCCESS`` in each folder below ``out_root`` that held removed files and now
+    holds no visible file."""
+    left = [f for f in files if is_visible(f) and f not in removed]
+    emptied: set[str] = set()
+    for rel in removed:
+        parts = rel.split("/")[:-1]
+        emptied.update("/".join(parts[: i + 1]) for i in range(len(parts)))
+    for folder in sorted(emptied):
+        marker = out_root.child(f"{folder}/{storage.SUCCESS_NAME}")
+        if f"{folder}/{storage.SUCCESS_NAME}" in files and not any(
+            f.startswith(folder + "/") for f in left
+        ):
+            storage.remove(marker)
+            logger.warning("removed %s: the data it vouched for is gone", marker.uri)
 
 
 def _remove_legacy_rejects(out_root: Location, rej_root: Location, known: set[str]) -> None:

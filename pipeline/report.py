@@ -49,6 +49,9 @@ class RunReport:
     """The outcome of :func:`pipeline.run`; ``data`` is exactly what ``_report.json`` holds."""
 
     data: dict[str, Any]
+    # The control folder its _report.json and _report.html were written to (pipeline.layout);
+    # not part of the report itself. None: unknown (a report read back from storage).
+    control: str | None = None
 
     @property
     def status(self) -> str:
@@ -484,16 +487,18 @@ def why_lines(d: Mapping[str, Any], *, max_listed: int = MAX_LISTED) -> list[str
     return lines
 
 
-def problem_line(d: Mapping[str, Any]) -> str:
+def problem_line(d: Mapping[str, Any], control: str | None = None) -> str:
     """A run that did not succeed cleanly, in one line (what ``-q`` prints instead of the
-    summary): its status, why, and where its report is."""
+    summary): its status, why, and where its report is (``control``: its folder, as
+    :attr:`RunReport.control`; by default where an output without placeholders keeps it)."""
     why = list(d.get("failure_reasons") or []) or list(d.get("warnings") or [])
     text = f"run {d.get('run_id')} {d.get('status')}"
     if why:
         text += ": " + "; ".join(why[:3]) + (f" (and {len(why) - 3} more)" if len(why) > 3 else "")
-    out = str(d.get("output"))
-    control = layout.beside(out, layout.CONTROL_DIR) or out
-    return f"{text} (report: {control}/{REPORT_NAME})"
+    if control is None:
+        out = str(d.get("output"))
+        control = layout.beside(out, layout.CONTROL_DIR) or out
+    return f"{text} (report: {control.rstrip('/')}/{REPORT_NAME})"
 
 
 def _grouped_errors(d: Mapping[str, Any], errors: list[dict[str, Any]]) -> list[str]:
@@ -594,15 +599,17 @@ def load_report(uri: str, options: Mapping[str, Any] | None = None) -> dict[str,
 
     given = storage.locate(uri, options)
     hint = (
-        f"give a run's output root (its report is in <output's parent>/_score_catalog/"
-        f"<output's name>/{REPORT_NAME}, written when a run ends) or the report file"
+        f"give a run's output root (its {REPORT_NAME} is in the control folder beside the "
+        "output template's fixed part, e.g. data/_score_catalog/scored/run_date=X/ for "
+        "data/scored/run_date=X, written when a run ends) or the report file"
     )
     where = ""
     try:
         loc = given
         if not given.path.endswith(".json"):
-            # The output's control folder (pipeline.layout), the output itself (older layout),
-            # or the control folder given directly.
+            # The output's control folder (pipeline.layout: beside its template's root, which
+            # is the output itself or a folder above it), an older layout's, or the control
+            # folder given directly.
             loc = layout.find(given, REPORT_NAME) or given.child(REPORT_NAME)
         data = storage.read_json(loc)
     except NotADirectoryError:

@@ -6,9 +6,10 @@ passes), ``lock`` (take the output, clear what a crashed run left, find what is 
 (on the cluster, with retries) and ``finish`` (report, drift, HTML, run index, ``_SUCCESS``).
 
 Order of commits: once the lock is taken, the previous run's ``_SUCCESS`` and report are
-withdrawn (``pipeline.layout.claim``); then each shard's rejects, its output, its manifest entry;
-``_report.json``, ``_report.html`` (in the control folder beside the output) and the run-index
-entry after every shard has finished; ``_SUCCESS`` last and only when the run succeeded within
+withdrawn and what an older version kept elsewhere is moved (``pipeline.layout.claim``); then
+each shard's rejects, its output, its manifest entry; ``_report.json``, ``_report.html`` (in the
+output's control folder, outside the template's root) and the run-index entry after every shard
+has finished; ``_SUCCESS`` last and only when the run succeeded within
 its error budget and what readers see of the output matched the report (``pipeline.reconcile``).
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline import finish, layout, logs, registry, runindex, storage
+from pipeline import finish, layout, logs, nesting, registry, storage
 from pipeline.cluster import DaskSession, Plan, thread_plan
 from pipeline.config import JobConfig
 from pipeline.execution import cancelled, execute, interrupted
@@ -104,10 +105,12 @@ class ScoringRun:
         self.run_id = run_id or new_run_id()
         logs.bind_run_id(self.run_id)  # every log line from here on, workers' included
         opts = config.storage
-        self.out_root = storage.locate(config.output_uri(self.run_id), opts)
+        # Manifest, report, HTML page, run index and default rejects: outside the template's
+        # fixed part, which readers query as one dataset (pipeline.layout).
+        self.places = layout.for_run(config, self.run_id)
+        self.out_root = self.places.output
         self.rej_root = storage.locate(config.rejects_uri(self.run_id), opts)
-        # Manifest, report and HTML page: beside the output, not in it (pipeline.layout).
-        self.control = layout.control_root(self.out_root)
+        self.control = self.places.control
         self.session: DaskSession | None = None
         self.lock_: RunLock | None = None
         self.manifest: Manifest | None = None
@@ -162,6 +165,9 @@ class ScoringRun:
             for loc, what in ((self.out_root, "output"), (self.rej_root, "rejects"))
             if (bucket := storage.check_write_target(loc, what, create_bucket=create))
         ]
+        # Outputs never nest: one that contains, lies inside or is the template root of
+        # another output of this tool is refused before the model is even loaded.
+        nesting.check(self.out_root)
         self.device = resolve_device(config.device)
         bundle, _, self.sha = read_bundle(config.model, opts)
         # Before any worker spec: each output file's footer carries the settings hash.
@@ -215,17 +221,19 @@ class ScoringRun:
             lock_token=self.lock_.token,
         )
         checkpoint("locked")
-        index = storage.locate(runindex.index_root(self.config.output), opts)
-        layout.claim(self.out_root, index, self.lock_.assert_held)
+        layout.claim(self.places, self.lock_.assert_held)
         for root in (self.out_root, self.rej_root):
             for path in storage.remove_stale_temporaries(root):
                 logger.info("removed a temporary file left by an interrupted run: %s", path)
-        loaded = Manifest.load(self.out_root)
+        loaded = Manifest.load(self.control, self.places.old_controls)
         self.manifest = FencedManifest(loaded.loc, loaded.shards, fence=self.lock_.assert_held)
-        if loaded.read_from is not None:
-            # Written inside the output by an older version: save it to the control folder
-            # first, then drop the old copy (a crash in between leaves both; the new one wins).
+        moved = self._rejects_moved()
+        if loaded.read_from is not None or moved:
+            # Written by an older version elsewhere (inside the output), or naming rejects
+            # where it kept them: save it to the control folder first, then drop the old copy
+            # (a crash in between leaves both; the new one wins).
             self.manifest.save()
+        if loaded.read_from is not None:
             storage.remove(loaded.read_from)
         # What earlier runs wrote, before failed shards are forgotten: reconcile's "ours".
         self.previous_outputs = set(self.manifest.shards)
@@ -283,7 +291,9 @@ class ScoringRun:
     def finish(self) -> RunReport:
         """Reconcile the output, account, judge against the error budget, report, check what
         readers see against the report, and mark success last (:func:`finish.finish_run`)."""
-        return finish.finish_run(self)
+        report = finish.finish_run(self)
+        report.control = self.control.uri
+        return report
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -370,6 +380,21 @@ class ScoringRun:
         s = self._by_path[task.rel_path]
         expect = self._expect(s)
         self.manifest.record(task.rel_path, scored_entry(s.uri, expect, result, self.run_id))
+
+    def _rejects_moved(self) -> bool:
+        """Point the manifest's entries at the rejects :func:`layout.claim` moved from an older
+        version's default location; True if any entry changed."""
+        assert self.manifest is not None
+        if self.places.rejects_moved is None:
+            return False
+        old, new = (loc.uri.rstrip("/") + "/" for loc in self.places.rejects_moved)
+        changed = False
+        for entry in self.manifest.shards.values():
+            rejects = entry.get("rejects")
+            if isinstance(rejects, str) and rejects.startswith(old):
+                entry["rejects"] = new + rejects[len(old) :]
+                changed = True
+        return changed
 
     def _release(self) -> None:
         """Save the manifest, delete this run's leftover temporary files and release the lock;

@@ -1,10 +1,10 @@
 """A small index of finished runs, so a run can find the previous successful run of its job.
 
-The index lives in ``<root>/_runs/<job>/<run_id>.json``, where ``<root>`` is the output
-template's fixed part (:func:`index_root`): one small JSON file per run, written atomically, so
-concurrent runs of the same job for different dates never write the same object and need no
-lock, and a half-written entry is never seen. The leading ``_`` keeps dataset readers (Spark,
-Hive, pyarrow) from taking the index for data. All I/O goes through :mod:`pipeline.storage`, so
+The index lives in ``<root>/_runs/<job>/<run_id>.json``, where ``<root>`` is the control area
+beside the output template's fixed part (:func:`index_root`), outside the dataset readers
+query: one small JSON file per run, written atomically, so concurrent runs of the same job for
+different dates never write the same object and need no lock, and a half-written entry is
+never seen. All I/O goes through :mod:`pipeline.storage`, so
 the index works wherever the output does (local disk, ``s3://``, ``memory://``).
 """
 
@@ -14,13 +14,12 @@ import datetime as dt
 import json
 import logging
 import re
-import string
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline import storage
-from pipeline.errors import ConfigError, PipelineError
-from pipeline.layout import CONTROL_DIR, RUN_INDEX_DIR, beside
+from pipeline import layout, storage
+from pipeline.errors import PipelineError
+from pipeline.layout import RUN_INDEX_DIR
 from pipeline.statuses import RunStatus
 
 logger = logging.getLogger(__name__)
@@ -34,43 +33,17 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def index_root(output_template: str) -> str:
-    """The fixed root of an output template, under which the run index lives.
+    """The folder that holds the run index of the jobs writing under ``output_template``.
 
-    That is the text before the first placeholder, cut back to the last ``/``:
-    ``data/scored/{date}`` gives ``data/scored`` and ``s3://b/scored/dt={date}/x`` gives
-    ``s3://b/scored``. A template without placeholders gives the output's control folder
-    (``data/scored`` gives ``data/_score_catalog/scored``; see :mod:`pipeline.layout`), or the
-    output itself at a bucket root. The index is then ``<root>/_runs/<job>/``, shared by every
-    run of the job whatever its date. A placeholder in the bucket or host part of a URI leaves
-    no fixed root: that is a :class:`ConfigError`.
+    That is the control area of the template's fixed part (:func:`pipeline.layout.index_root`),
+    outside it so that readers of the whole dataset see only scores: ``data/scored/{date}``
+    and ``data/scored`` both give ``data/_score_catalog/scored``, and ``s3://b/scored/dt={date}/x``
+    gives ``s3://b/_score_catalog/scored``. A fixed part without a parent (``s3://b/{date}``,
+    ``{date}/x``) keeps it inside: ``s3://b``, ``.``. The index is then ``<root>/_runs/<job>/``,
+    shared by every run of the job whatever its date. A placeholder in the bucket or host
+    part of a URI leaves no fixed root: that is a :class:`ConfigError`.
     """
-    literal: list[str] = []
-    has_field = False
-    try:
-        for text, field, _spec, _conv in string.Formatter().parse(output_template):
-            literal.append(text)
-            if field is not None:
-                has_field = True
-                break
-    except ValueError as e:
-        raise ConfigError(f"output = {output_template!r} is not a valid template: {e}") from e
-    prefix = "".join(literal)
-    if not has_field:
-        # One output: its index goes into its control folder, beside it (pipeline.layout), so
-        # that the output holds only data; a bucket root has none and keeps it inside.
-        own = prefix.rstrip("/") or prefix
-        return beside(own, CONTROL_DIR) or own
-    proto_end = prefix.find("://")
-    cut = prefix.rfind("/")
-    if proto_end >= 0 and cut <= proto_end + 2:
-        raise ConfigError(
-            f"output = {output_template!r}: a placeholder in the bucket or host leaves no fixed "
-            "location for the run index (<root>/_runs/); put placeholders in the path only"
-        )
-    if cut < 0:
-        # "{date}/scored": relative to the working directory.
-        return "."
-    return prefix[:cut] or "/"
+    return layout.index_root(output_template)
 
 
 def safe_name(name: str) -> str:

@@ -607,8 +607,8 @@ def test_output_and_rejects_templating() -> None:
     )
     assert cfg.run_date == "2024-03-05"
     assert cfg.output_uri("r42") == "s3://bucket/scored/run_date=2024-03-05/run=r42"
-    # Default rejects: beside the output (its parent's _rejects/<output's name>), not inside.
-    assert cfg.rejects_uri("r42") == "s3://bucket/scored/run_date=2024-03-05/_rejects/run=r42"
+    # Default rejects: outside the template's fixed part (s3://bucket/scored), beside it.
+    assert cfg.rejects_uri("r42") == "s3://bucket/_rejects/scored/run_date=2024-03-05/run=r42"
 
     cfg2 = dataclasses.replace(cfg, output="out/{date}/", rejects="rej/{run_id}/{date}")
     assert cfg2.output_uri("abc") == "out/2024-03-05/"
@@ -617,7 +617,7 @@ def test_output_and_rejects_templating() -> None:
     cfg3 = dataclasses.replace(cfg, output="out/{{literal}}/{date}/", rejects=None)
     assert cfg3.output_uri("x") == "out/{literal}/2024-03-05/"
     # A trailing slash on the output does not end up in the rejects' name.
-    assert cfg3.rejects_uri("x") == "out/{literal}/_rejects/2024-03-05"
+    assert cfg3.rejects_uri("x") == "out/_rejects/{literal}/2024-03-05"
 
 
 def test_run_date_defaults_to_today_utc() -> None:

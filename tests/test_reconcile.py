@@ -80,7 +80,9 @@ def test_reconcile_removes_ours_not_kept_with_rejects_and_never_foreign(tmp_path
     _ours(out / "gone.parquet", 30)  # in the manifest, its input deleted
     _ours(rej / "gone.parquet", 2)
     _ours(out / "d=1" / "failed.parquet", 30)  # failed in this run
-    _ours(out / "crashed.parquet", 12)  # lost its manifest entry, but marked in its footer
+    # Not in the manifest, though this tool's mark is in its footer: copied in from another
+    # output (or left by a crash before its entry was saved). Never deleted: verify decides.
+    _ours(out / "copied.parquet", 12)
     _theirs(out / "theirs.parquet")
     (out / "notes.txt").write_text("x")
     before = _sha(out / "theirs.parquet")
@@ -88,17 +90,77 @@ def test_reconcile_removes_ours_not_kept_with_rejects_and_never_foreign(tmp_path
         storage.locate(str(out)),
         storage.locate(str(rej)),
         keep={"kept.parquet"},
-        ours={"kept.parquet", "gone.parquet"},
+        ours={"kept.parquet", "gone.parquet", "d=1/failed.parquet"},
         reasons={"d=1/failed.parquet": "its shard failed in this run (unreadable)"},
     )
     removed = {Path(r.output).relative_to(out).as_posix(): r for r in done.removed}
-    assert set(removed) == {"gone.parquet", "d=1/failed.parquet", "crashed.parquet"}
+    assert set(removed) == {"gone.parquet", "d=1/failed.parquet"}
     assert removed["gone.parquet"].rejects == str(rej / "gone.parquet")
     assert "no longer exists" in removed["gone.parquet"].reason
     assert "unreadable" in removed["d=1/failed.parquet"].reason
     assert not (rej / "gone.parquet").exists()
-    assert sorted(done.foreign) == ["notes.txt", "theirs.parquet"]
+    assert sorted(done.foreign) == ["copied.parquet", "notes.txt", "theirs.parquet"]
     assert _sha(out / "theirs.parquet") == before and (out / "kept.parquet").exists()
+    assert (out / "copied.parquet").exists()
+
+
+def test_reconcile_never_deletes_a_scored_file_its_manifest_does_not_list(tmp_path: Path) -> None:
+    """A scored file of another output copied in, under a name of a shard whose input is gone
+    and under a new name: this output's manifest lists neither, so both stay (and verify then
+    refuses _SUCCESS), whatever the footers say."""
+    other, out = tmp_path / "other", tmp_path / "out"
+    _ours(other / "part-0.parquet", 7, source="part-0.parquet", fp="f0")
+    _ours(out / "part-1.parquet", 5, source="part-1.parquet", fp="f1")  # this output's own
+    (out / "part-0.parquet").write_bytes((other / "part-0.parquet").read_bytes())
+    (out / "extra.parquet").write_bytes((other / "part-0.parquet").read_bytes())
+    before = {p.name: _sha(p) for p in out.glob("*.parquet")}
+    loc = storage.locate(str(out))
+    done = reconcile(
+        loc,
+        storage.locate(str(tmp_path / "rej")),
+        keep={"part-1.parquet"},
+        ours={"part-1.parquet"},
+        reasons={},
+    )
+    assert done.removed == []
+    assert sorted(done.foreign) == ["extra.parquet", "part-0.parquet"]
+    assert {p.name: _sha(p) for p in out.glob("*.parquet")} == before
+    expected = {"part-1.parquet": Expected(5, SHA, SETTINGS)}
+    problems = verify(loc, expected)
+    assert len(problems) == 2 and all("not in the report" in p for p in problems), problems
+
+
+def test_reconcile_withdraws_success_from_a_folder_whose_data_it_removed(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _ours(out / "d=1" / "a.parquet", 4)
+    _ours(out / "d=1" / "sub" / "b.parquet", 4)
+    (out / "d=1" / "_SUCCESS").write_bytes(b"")
+    _ours(out / "d=2" / "c.parquet", 4)
+    (out / "d=2" / "_SUCCESS").write_bytes(b"")
+    _ours(out / "d=3" / "e.parquet", 4)  # loses one file, keeps another
+    _ours(out / "d=3" / "f.parquet", 4)
+    (out / "d=3" / "_SUCCESS").write_bytes(b"")
+    listed = {
+        "d=1/a.parquet",
+        "d=1/sub/b.parquet",
+        "d=2/c.parquet",
+        "d=3/e.parquet",
+        "d=3/f.parquet",
+    }
+    done = reconcile(
+        storage.locate(str(out)),
+        storage.locate(str(tmp_path / "rej")),
+        keep={"d=2/c.parquet", "d=3/f.parquet"},
+        ours=listed,
+        reasons={},
+    )
+    assert {r.rel_path for r in done.removed} == {
+        "d=1/a.parquet",
+        "d=1/sub/b.parquet",
+        "d=3/e.parquet",
+    }
+    assert not (out / "d=1" / "_SUCCESS").exists()  # its data is gone: no _SUCCESS vouches for it
+    assert (out / "d=2" / "_SUCCESS").exists() and (out / "d=3" / "_SUCCESS").exists()
 
 
 def _rejects(path: Path, owner: str | None) -> None:
@@ -235,19 +297,19 @@ def test_a_folder_of_our_marked_files_is_ours_without_a_manifest(tmp_path: Path)
 
 def test_remove_foreign_deletes_data_and_keeps_the_rest(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    _ours(out / "ours.parquet", 5)
+    _ours(out / "unlisted.parquet", 5)  # our footer, but not this output's manifest: foreign
     _ours(out / "listed.parquet", 5)
     _theirs(out / "theirs.parquet")
     _theirs(out / "sub" / "deep.parquet")
     (out / "notes.txt").write_text("x")
     found = remove_foreign(storage.locate(str(out)), {"listed.parquet"})
-    assert sorted(found.removed) == [str(out / "sub" / "deep.parquet"), str(out / "theirs.parquet")]
-    assert found.kept == [str(out / "notes.txt")]
-    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == [
-        "listed.parquet",
-        "notes.txt",
-        "ours.parquet",
+    assert sorted(found.removed) == [
+        str(out / "sub" / "deep.parquet"),
+        str(out / "theirs.parquet"),
+        str(out / "unlisted.parquet"),
     ]
+    assert found.kept == [str(out / "notes.txt")]
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["listed.parquet", "notes.txt"]
 
 
 def test_wanted_sorts_results() -> None:
@@ -282,19 +344,29 @@ def test_footer_hash_follows_values_not_just_size(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("output", "rejects"),
+    ("template", "output", "rejects"),
     [
-        ("data/scored/run_date=X", "data/scored/_rejects/run_date=X"),
-        ("s3://bucket/scored/x/", "s3://bucket/scored/_rejects/x"),
-        ("s3://bucket/x", "s3://bucket/_rejects/x"),
-        ("out", "_rejects/out"),
-        ("s3://bucket", None),
-        ("s3://bucket/", None),
-        ("/", None),
+        (
+            "data/scored/run_date={date}",
+            "data/scored/run_date=X",
+            "data/_rejects/scored/run_date=X",
+        ),
+        ("s3://bucket/scored/{date}/", "s3://bucket/scored/x/", "s3://bucket/_rejects/scored/x"),
+        ("s3://b/s/{date}/{run_id}", "s3://b/s/x/r", "s3://b/_rejects/s/x/r"),
+        ("data/scored", "data/scored", "data/_rejects/scored"),
+        ("s3://bucket/x", "s3://bucket/x", "s3://bucket/_rejects/x"),
+        ("out", "out", "_rejects/out"),
+        ("s3://bucket", "s3://bucket", None),
+        ("s3://bucket/", "s3://bucket/", None),
+        ("s3://bucket/{date}", "s3://bucket/x", None),  # the root is the bucket: no parent
+        ("{date}/scored", "x/scored", None),
+        ("/", "/", None),
     ],
 )
-def test_default_rejects_sit_beside_the_output(output: str, rejects: str | None) -> None:
-    assert default_rejects(output) == rejects
+def test_default_rejects_sit_outside_the_template_root(
+    template: str, output: str, rejects: str | None
+) -> None:
+    assert default_rejects(template, output) == rejects
 
 
 def test_an_output_without_a_parent_must_set_rejects() -> None:

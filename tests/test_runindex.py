@@ -58,13 +58,14 @@ def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 @pytest.mark.parametrize(
     ("template", "expected"),
     [
-        ("data/scored/{date}", "data/scored"),
-        ("data/scored/{date}/", "data/scored"),
-        ("s3://b/scored/dt={date}/x", "s3://b/scored"),
-        ("s3://bucket/scored/{date}/{run_id}", "s3://bucket/scored"),
-        ("s3://bucket/{date}", "s3://bucket"),
-        ("/abs/scored/date={date}", "/abs/scored"),
-        # One output (no placeholder): its control folder, beside it (pipeline.layout).
+        # The control area beside the template's fixed part, outside the dataset readers query.
+        ("data/scored/{date}", "data/_score_catalog/scored"),
+        ("data/scored/{date}/", "data/_score_catalog/scored"),
+        ("s3://b/scored/dt={date}/x", "s3://b/_score_catalog/scored"),
+        ("s3://bucket/scored/{date}/{run_id}", "s3://bucket/_score_catalog/scored"),
+        ("s3://bucket/{date}", "s3://bucket"),  # the root is a bucket: no parent, inside
+        ("/abs/scored/date={date}", "/abs/_score_catalog/scored"),
+        # One output (no placeholder) is its own root: the same place, its control folder.
         ("data/scored", "data/_score_catalog/scored"),
         ("data/scored/", "data/_score_catalog/scored"),
         ("out", "_score_catalog/out"),
@@ -72,7 +73,7 @@ def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         ("s3://b", "s3://b"),  # a bucket root has no parent: the index stays inside
         ("{date}/scored", "."),
         ("/{date}", "/"),
-        ("data/{{literal}}/{date}", "data/{literal}"),
+        ("data/{{literal}}/{date}", "data/_score_catalog/{literal}"),
     ],
 )
 def test_index_root(template: str, expected: str) -> None:

@@ -201,9 +201,20 @@ def check_report(rep: Mapping[str, Any], where: str = "_report.json") -> None:
 
 
 def control_of(out: Path) -> Path:
-    """The control folder of output ``out`` (``pipeline.layout``): ``<parent>/_score_catalog/
-    <name>``, where its ``_report.json``, ``_report.html`` and ``_manifest.json`` are."""
+    """The control folder of output ``out`` (``pipeline.layout``), where its ``_report.json``,
+    ``_report.html`` and ``_manifest.json`` are: beside the fixed part of its output template,
+    ``<root's parent>/_score_catalog/<root's name>/<out below the root>``. The root is not known
+    from ``out`` alone: this is the first folder from ``out`` up whose control folder holds
+    one of those files, else ``out``'s own (an output without placeholders is its root)."""
+    from pipeline import layout, storage
+
+    for place in layout.candidates(storage.locate(str(out)))[:-1]:
+        if any((Path(place.path) / name).is_file() for name in _CONTROL_FILES):
+            return Path(place.path)
     return out.parent / "_score_catalog" / out.name
+
+
+_CONTROL_FILES = ("_report.json", "_manifest.json", "_report.html")
 
 
 def report_path(out: Path) -> Path:
@@ -246,6 +257,9 @@ def temporaries(*roots: Path) -> list[Path]:
     return [p for r in roots if r.exists() for p in r.rglob("*") if ".tmp-" in p.name]
 
 
-def rejects_of(out: Path) -> Path:
-    """The default rejects folder of output ``out``: ``<parent>/_rejects/<name>``."""
-    return out.parent / "_rejects" / out.name
+def rejects_of(out: Path, root: Path | None = None) -> Path:
+    """The default rejects folder of output ``out`` whose template's fixed part is ``root``
+    (default: ``out``, an output without placeholders): ``<root's parent>/_rejects/<root's
+    name>/<out below the root>``."""
+    root = out if root is None else root
+    return root.parent / "_rejects" / root.name / out.relative_to(root)

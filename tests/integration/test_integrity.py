@@ -376,21 +376,26 @@ def test_every_reader_sees_exactly_the_scores(
     _poison_one_row(catalog / "part-00000.parquet", 3)
     _poison_one_row(catalog / "part-00002.parquet", 5)
     if templated:
-        # The usual nightly layout: the run index and the rejects land beside the day's output.
+        # The usual nightly layout: the run index and the rejects land beside the template's
+        # fixed part (tmp_path/scored), outside it.
         template = str(tmp_path / "scored" / "{date}")
         r = _run(catalog, Path(template), bundle_dir, "--date", "2026-11-29")
         out = tmp_path / "scored" / "2026-11-29"
+        rej, index = (
+            tmp_path / "_rejects" / "scored" / out.name,
+            tmp_path / "_score_catalog" / "scored",
+        )
     else:
         # No placeholder: the run index used to live inside the output (<output>/_runs).
         out = tmp_path / "scored" / "latest"
         r = _run(catalog, out, bundle_dir)
+        rej, index = _rejects_of(out), control_of(out)
     assert r.returncode == 0, r.output
     rep = _check_contract(out, success=True)
     assert rep["rows_rejected"] == 2 and rep["rows_out"] == 7298
-    assert rep["rejects"] == str(_rejects_of(out))
-    index = tmp_path / "scored" if templated else control_of(out)
+    assert rep["rejects"] == str(rej)
     assert len(list((index / "_runs").rglob("*.json"))) == 1
-    assert len(list(_rejects_of(out).glob("*.parquet"))) == 2
+    assert len(list(rej.glob("*.parquet"))) == 2
     # Only data and empty markers in the output: Polars reads a folder only if every non-empty
     # file below it has the same extension.
     others = [p for p in out.rglob("*") if p.is_file() and p.suffix != ".parquet"]
@@ -419,11 +424,7 @@ def test_every_reader_sees_exactly_the_scores(
     dframe = dd.read_parquet(str(out)).compute()
     assert len(dframe) == n and list(dframe.columns) == OUTPUT_COLUMNS
     # No rejected id is among the scores.
-    rejected = {
-        i
-        for p in _rejects_of(out).glob("*.parquet")
-        for i in pq.read_table(p)["item_id"].to_pylist()
-    }
+    rejected = {i for p in rej.glob("*.parquet") for i in pq.read_table(p)["item_id"].to_pylist()}
     assert rejected and not rejected & set(table.column("item_id").to_pylist())
     assert pc.sum(pc.is_null(table.column("score"))).as_py() == 0
 

@@ -1,0 +1,121 @@
+"""pipeline.nesting: an output that contains, lies inside, or is the template root of another
+output of this tool is refused, and the check reads only what it must."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline import nesting, storage
+from pipeline.errors import ConfigError
+
+
+def _output(folder: Path, *, mark: str = "_SCORE_CATALOG") -> None:
+    """An output of this tool: a data file and its mark (or an older version's manifest)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "part-00000.parquet").write_bytes(b"PAR1")
+    (folder / mark).write_text("" if mark == "_SCORE_CATALOG" else "{}")
+
+
+def _entry(index: Path, job: str, run_id: str, output: Path) -> None:
+    d = index / "_runs" / job
+    d.mkdir(parents=True, exist_ok=True)
+    entry = {"run_id": run_id, "job": job, "output": str(output)}
+    (d / f"{run_id}.json").write_text(json.dumps(entry))
+
+
+@pytest.mark.parametrize("mark", ["_SCORE_CATALOG", "_manifest.json"])
+def test_an_output_containing_another_is_refused(tmp_path: Path, mark: str) -> None:
+    _output(tmp_path / "scored" / "run_date=2026-11-28", mark=mark)
+    with pytest.raises(ConfigError) as e:
+        nesting.check(storage.locate(str(tmp_path / "scored")))
+    text = str(e.value)
+    assert (
+        f"output {tmp_path / 'scored'} contains {tmp_path / 'scored' / 'run_date=2026-11-28'}"
+        in text
+    )
+    # The fix, for the usual slip (a forgotten {date}): the template it most likely meant.
+    assert f"--output '{tmp_path / 'scored'}/run_date={{date}}'" in text
+
+
+def test_an_older_control_folder_below_is_a_sign_of_outputs_below(tmp_path: Path) -> None:
+    control = tmp_path / "scored" / "_score_catalog" / "d1"
+    control.mkdir(parents=True)
+    (control / "_report.json").write_text("{}")
+    with pytest.raises(ConfigError, match="contains .*d1"):
+        nesting.check(storage.locate(str(tmp_path / "scored")))
+
+
+@pytest.mark.parametrize("mark", ["_SCORE_CATALOG", "_manifest.json"])
+def test_an_output_inside_another_is_refused(tmp_path: Path, mark: str) -> None:
+    _output(tmp_path / "out", mark=mark)
+    inner = tmp_path / "out" / "a" / "b"
+    with pytest.raises(ConfigError) as e:
+        nesting.check(storage.locate(str(inner)))
+    assert f"output {inner} lies inside {tmp_path / 'out'}" in str(e.value)
+    assert not inner.exists()
+
+
+def test_the_root_of_another_job_s_template_is_refused_from_its_run_index(tmp_path: Path) -> None:
+    """The nightly's dated outputs are gone (retention), its run index is not: the root it
+    writes under is still its own."""
+    root = tmp_path / "scored"
+    root.mkdir()
+    _entry(
+        tmp_path / "_score_catalog" / "scored", "nightly", "20261128T021500Z-aaaaaa", root / "d1"
+    )
+    with pytest.raises(ConfigError) as e:
+        nesting.check(storage.locate(str(root)))
+    text = str(e.value)
+    assert "fixed part of the template job 'nightly' writes under" in text
+    assert str(root / "d1") in text and "_runs/nightly" in text
+
+
+def test_an_older_run_index_inside_the_root_counts_too(tmp_path: Path) -> None:
+    root = tmp_path / "scored"
+    _entry(root, "nightly", "20261128T021500Z-aaaaaa", root / "d1")
+    with pytest.raises(ConfigError, match="template job 'nightly'"):
+        nesting.check(storage.locate(str(root)))
+
+
+def test_outputs_side_by_side_and_an_output_s_own_files_pass(tmp_path: Path) -> None:
+    _output(tmp_path / "scored" / "d1")
+    _output(tmp_path / "scored" / "d2")
+    nesting.check(storage.locate(str(tmp_path / "scored" / "d2")))  # its own mark: fine
+    nesting.check(storage.locate(str(tmp_path / "scored" / "d3")))  # absent: fine
+    nesting.check(storage.locate(str(tmp_path / "other")))
+    # An output without placeholders is its own root: its own run index entries are fine.
+    own = tmp_path / "latest"
+    _output(own)
+    (own / "_manifest.json").write_text("{}")  # the oldest layout kept it inside
+    _entry(tmp_path / "_score_catalog" / "latest", "job", "20261129T000000Z-bbbbbb", own)
+    _entry(own, "job", "20261128T000000Z-cccccc", own)  # the oldest layout's run index
+    nesting.check(storage.locate(str(own)))
+
+
+def test_the_newest_entry_of_each_job_decides(tmp_path: Path) -> None:
+    root = tmp_path / "scored"
+    index = tmp_path / "_score_catalog" / "scored"
+    _entry(index, "job", "20261101T000000Z-aaaaaa", root / "d1")  # long ago, dated
+    _entry(index, "job", "20261129T000000Z-bbbbbb", root)  # since then: the root itself
+    nesting.check(storage.locate(str(root)))
+    (index / "_runs" / "job" / "20261130T000000Z-cccccc.json").write_text("not json")
+    nesting.check(storage.locate(str(root)))  # an unreadable entry blocks nothing
+
+
+def test_on_an_object_store_the_check_lists_only_the_output(tmp_path: Path) -> None:
+    """memory:// stands in for a bucket here (the CLI test on moto is in
+    tests/integration/test_nesting.py): the refusal works without local paths."""
+    fs = storage.locate("memory://nest-bucket").fs
+    try:
+        fs.pipe("/nest-bucket/scored/d1/_SCORE_CATALOG", b"")
+        fs.pipe("/nest-bucket/scored/d1/part-0.parquet", b"PAR1")
+        with pytest.raises(ConfigError, match="contains memory://nest-bucket/scored/d1"):
+            nesting.check(storage.locate("memory://nest-bucket/scored"))
+        with pytest.raises(ConfigError, match="lies inside memory://nest-bucket/scored/d1"):
+            nesting.check(storage.locate("memory://nest-bucket/scored/d1/x"))
+        nesting.check(storage.locate("memory://nest-bucket/scored/d2"))
+    finally:
+        fs.rm("/nest-bucket", recursive=True)
