@@ -208,8 +208,8 @@ class Places:
     # The template's other outputs right below its root (``run_date=...``): their old control
     # folders and default rejects move too, as (old parent, new parent, their names' pattern).
     sweeps: tuple[tuple[Location, Location, re.Pattern[str]], ...] = ()
-    # This output's default rejects in the older layout, and now (rejects unset only).
-    rejects_moved: tuple[Location, Location] | None = None
+    # This output's default rejects in older layouts, and now (rejects unset only): (old, new).
+    rejects_moved: tuple[tuple[Location, Location], ...] = ()
 
 
 def places(
@@ -241,19 +241,21 @@ def places(
         if pattern is not None:
             area = storage.locate(control_area(root), options)
             sweeps.append((root_loc.child(CONTROL_DIR), area, pattern))
-    rejects_moved = None
+    rejects_moved: list[tuple[Location, Location]] = []
     new_rejects, old_rejects = default_rejects(template, output), beside(output, REJECTS_DIR)
-    if rejects is None and new_rejects is not None and old_rejects not in (None, new_rejects):
-        rejects_moved = (
-            storage.locate(str(old_rejects), options),
-            storage.locate(new_rejects, options),
-        )
-        moves.append(rejects_moved)
+    if rejects is None and new_rejects is not None:
+        new_loc = storage.locate(new_rejects, options)
+        # The previous layout kept them beside the output, the oldest inside it.
+        olds = [storage.locate(old_rejects, options)] if old_rejects is not None else []
+        rejects_moved = [(o, new_loc) for o in (*olds, out.child(REJECTS_DIR)) if o != new_loc]
+        moves += rejects_moved
         rejects_area = beside(root, REJECTS_DIR)
         if root_loc is not None and pattern is not None and rejects_area is not None:
             new_parent = storage.locate(rejects_area, options)
             sweeps.append((root_loc.child(REJECTS_DIR), new_parent, pattern))
-    return Places(out, control, index, old_controls, tuple(moves), tuple(sweeps), rejects_moved)
+    return Places(
+        out, control, index, old_controls, tuple(moves), tuple(sweeps), tuple(rejects_moved)
+    )
 
 
 def for_run(config: JobConfig, run_id: str) -> Places:
@@ -352,7 +354,7 @@ def migrate(where: Places, fence: Callable[[], None]) -> None:
     Crash-safe and safe against concurrent runs of other dates: each file is copied with an
     exclusive create (an existing copy wins: it is a copy of the same file, or newer) and only
     then deleted from its old place, so a crash leaves it in one place or both, and the next
-    run finishes the move. Nothing is ever deleted that was not copied first.
+    run finishes the move. A file leaves its old place only once its new place holds it.
     """
     pairs = list(where.moves)
     for old_parent, new_parent, pattern in where.sweeps:
@@ -361,23 +363,46 @@ def migrate(where: Places, fence: Callable[[], None]) -> None:
         except (FileNotFoundError, NotADirectoryError):
             continue
         pairs += [(e, new_parent.child(e.name)) for e in entries if pattern.fullmatch(e.name)]
+    # The JSON files that move (manifests, reports, run index entries) name rejects and
+    # reports by their old places: they name the new ones once moved.
+    renames = [(old, new) for old, new, _ in where.sweeps] + list(where.moves)
+    rewrite = [(_quoted(old), _quoted(new)) for old, new in renames if old != new]
+    total = 0
     for src, dst in pairs:
         if src == dst:
             continue
         fence()
-        moved = move_tree(src, dst)
+        moved = move_tree(src, dst, rewrite)
         if moved:
-            logger.info(
-                "moved %d file(s) an older version kept in %s to %s", moved, src.uri, dst.uri
-            )
+            logger.debug("moved %d file(s) from %s to %s", moved, src.uri, dst.uri)
+        total += moved
+    if total:
+        logger.info(
+            "moved %d file(s) an older version kept in the output or under its template's root "
+            "to their places outside it (control area %s)",
+            total,
+            where.index.uri,
+        )
+    for old_parent, _, _ in where.sweeps:
+        storage.remove_empty_folders(old_parent)  # what is left is not ours to move
 
 
-def move_tree(src: Location, dst: Location) -> int:
+def _quoted(loc: Location) -> tuple[bytes, bytes]:
+    """How a JSON document names a place below ``loc``: a string starting with its URI."""
+    return f'"{loc.uri.rstrip("/")}/'.encode(), f'"{loc.uri.rstrip("/")}"'.encode()
+
+
+def move_tree(
+    src: Location,
+    dst: Location,
+    rewrite: list[tuple[tuple[bytes, bytes], tuple[bytes, bytes]]] | None = None,
+) -> int:
     """Move every file below ``src`` to the same place below ``dst``; returns how many.
 
     A file already at ``dst`` is kept (it was copied by a run that crashed before deleting
     the original, or written since by this version); the original is deleted either way.
-    Temporary files of interrupted writes are dropped.
+    Temporary files of interrupted writes are dropped. In ``.json`` files, each URI that
+    starts with an old place of ``rewrite`` is changed to start with its new place.
     """
     moved = 0
     for rel in storage.list_files(src):
@@ -389,6 +414,9 @@ def move_tree(src: Location, dst: Location) -> int:
             data = storage.read_bytes(old)
         except FileNotFoundError:
             continue  # moved meanwhile by another run
+        if rel.endswith(".json"):
+            for (old_below, old_self), (new_below, new_self) in rewrite or []:
+                data = data.replace(old_below, new_below).replace(old_self, new_self)
         new = dst.child(rel)
         if data:
             storage.exclusive_create(new, data)

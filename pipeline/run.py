@@ -385,15 +385,14 @@ class ScoringRun:
         """Point the manifest's entries at the rejects :func:`layout.claim` moved from an older
         version's default location; True if any entry changed."""
         assert self.manifest is not None
-        if self.places.rejects_moved is None:
-            return False
-        old, new = (loc.uri.rstrip("/") + "/" for loc in self.places.rejects_moved)
         changed = False
-        for entry in self.manifest.shards.values():
-            rejects = entry.get("rejects")
-            if isinstance(rejects, str) and rejects.startswith(old):
-                entry["rejects"] = new + rejects[len(old) :]
-                changed = True
+        for old_loc, new_loc in self.places.rejects_moved:
+            old, new = (loc.uri.rstrip("/") + "/" for loc in (old_loc, new_loc))
+            for entry in self.manifest.shards.values():
+                rejects = entry.get("rejects")
+                if isinstance(rejects, str) and rejects.startswith(old):
+                    entry["rejects"] = new + rejects[len(old) :]
+                    changed = True
         return changed
 
     def _release(self) -> None:

@@ -67,16 +67,16 @@ def test_places_of_a_dated_output_on_disk_and_on_an_object_store(tmp_path: Path)
     assert where.index.uri == str(tmp_path / "_score_catalog" / "scored")
     old = storage.locate(str(tmp_path / "scored" / "_score_catalog" / "d=1"))
     assert where.old_controls == (old, where.output)
-    assert where.rejects_moved is not None
-    assert [loc.uri for loc in where.rejects_moved] == [
-        str(tmp_path / "scored" / "_rejects" / "d=1"),
-        str(tmp_path / "_rejects" / "scored" / "d=1"),
+    new_rejects = str(tmp_path / "_rejects" / "scored" / "d=1")
+    assert [(old.uri, new.uri) for old, new in where.rejects_moved] == [
+        (str(tmp_path / "scored" / "_rejects" / "d=1"), new_rejects),  # the previous layout
+        (str(tmp_path / "scored" / "d=1" / "_rejects"), new_rejects),  # the oldest
     ]
     remote = layout.places("memory://bucket/scored/{date}/", "memory://bucket/scored/d=1/")
     assert remote.control.uri == "memory://bucket/_score_catalog/scored/d=1"
     assert remote.index.uri == "memory://bucket/_score_catalog/scored"
     # Set rejects are the job's: nothing of them moves.
-    assert layout.places("memory://b/s/{date}", "memory://b/s/1", rejects="x").rejects_moved is None
+    assert layout.places("memory://b/s/{date}", "memory://b/s/1", rejects="x").rejects_moved == ()
 
 
 def test_find_prefers_the_control_folder_and_reads_older_places(tmp_path: Path) -> None:
@@ -196,3 +196,18 @@ def test_two_runs_moving_the_same_old_files_at_once_lose_nothing(tmp_path: Path)
     assert json.loads((area / "d=1" / "_report.json").read_text()) == {"report": "d=1"}
     assert json.loads((area / "d=1" / "_manifest.json").read_text()) == {"d": "d=1"}
     assert (area / "_runs" / "job" / "r1.json").read_text() == '{"run_id": "r1"}'
+
+
+def test_rejects_the_oldest_layout_kept_inside_the_output_move_out(tmp_path: Path) -> None:
+    """An output without placeholders: its default rejects did not move since the previous
+    layout, but the oldest one kept them in ``<output>/_rejects``, where DuckDB's
+    ``'**/*.parquet'`` read them as scores."""
+    out = tmp_path / "latest"
+    (out / "_rejects" / "sub").mkdir(parents=True)
+    (out / "_rejects" / "sub" / "part-0.parquet").write_bytes(b"rejected rows")
+    where = layout.places(str(out), str(out))
+    layout.claim(where, lambda: None)
+    moved = tmp_path / "_rejects" / "latest" / "sub" / "part-0.parquet"
+    assert moved.read_bytes() == b"rejected rows"
+    assert not (out / "_rejects").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["_SCORE_CATALOG"]

@@ -1,0 +1,184 @@
+"""Outputs never nest (issue 22, case 1), through the real CLI, on disk and on S3 (moto).
+
+The case as a new user met it: two nightly runs into ``scored/run_date={date}``, then one run
+with ``--output scored`` (a forgotten ``{date}``, an environment override, or the Python API
+example run after the Quickstart). That run used to remove every scored file of both dates as
+"its input shard no longer exists", leave ``_SUCCESS`` in the emptied date folders, move the
+nightly job's run index, and exit 0. Now it is refused before anything is written (exit 2,
+naming both outputs and the fix), and reconcile deletes only what an output's own manifest
+lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import write_shards
+from tests.integration.helpers import CliResult, cli, job_args, report
+from tests.integration.servers import S3Bucket
+
+pytestmark = pytest.mark.integration
+
+DAYS = ("2026-11-28", "2026-11-29", "2026-11-30")
+
+
+def _run(catalog: Path, out: Path | str, bundle: Path, *extra: str) -> CliResult:
+    opts = ("--passthrough", "category", "--batch-size", "400", "--scheduler", "sync")
+    return cli("run", *job_args(catalog, out, bundle, *opts, *extra), in_process=True)
+
+
+def _files(root: Path, *skip: str) -> dict[str, str]:
+    """Every file below ``root`` (but the folders ``skip``) and the SHA-256 of its bytes."""
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.relative_to(root).parts[0] not in skip
+    }
+
+
+def _nightly(catalog: Path, bundle: Path, tmp_path: Path, *days: str) -> list[dict[str, object]]:
+    template = tmp_path / "scored" / "run_date={date}"
+    reps = []
+    for day in days:
+        r = _run(catalog, template, bundle, "--date", day)
+        assert r.returncode == 0, r.output
+        reps.append(report(tmp_path / "scored" / f"run_date={day}"))
+    return reps
+
+
+def test_the_root_of_two_dated_runs_is_refused_and_nothing_is_removed(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    first, second = _nightly(catalog, bundle_dir, tmp_path, *DAYS[:2])
+    before = _files(tmp_path, "catalog")
+
+    r = _run(catalog, tmp_path / "scored", bundle_dir)
+    assert r.returncode == 2, r.output
+    root, dated = tmp_path / "scored", tmp_path / "scored" / f"run_date={DAYS[0]}"
+    assert f"output {root} contains {dated}" in r.stderr  # both outputs named
+    assert f"--output '{root}/run_date={{date}}'" in r.stderr  # and the fix
+    assert "REMOVED" not in r.output
+    # Nothing removed, moved or written: every score, _SUCCESS, report, rejects and run index
+    # entry is where it was, byte for byte.
+    assert _files(tmp_path, "catalog") == before
+    for day in DAYS[:2]:
+        assert pq.read_table(tmp_path / "scored" / f"run_date={day}").num_rows == 7300
+
+    # The next night still finds its predecessor to compare drift against.
+    (third,) = _nightly(catalog, bundle_dir, tmp_path, DAYS[2])
+    assert third["drift"]["baseline"]["run_id"] == second["run_id"] != first["run_id"]
+
+
+def test_a_plan_with_the_root_as_output_is_refused_too(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    _nightly(catalog, bundle_dir, tmp_path, DAYS[0])
+    r = cli("plan", *job_args(catalog, tmp_path / "scored", bundle_dir), in_process=True)
+    assert r.returncode == 2 and "Outputs never nest" in r.stderr, r.output
+
+
+def test_an_output_inside_another_output_is_refused(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    before = _files(tmp_path, "catalog")
+    inner = out / "inner"
+    r = _run(catalog, inner, bundle_dir)
+    assert r.returncode == 2, r.output
+    assert f"output {inner} lies inside {out}" in r.stderr
+    assert not inner.exists() and _files(tmp_path, "catalog") == before
+
+
+def test_a_dated_output_under_an_output_without_placeholder_is_refused(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """The other order: ``scored`` was an output of its own first; a dated job under it would
+    be removed by its next run."""
+    assert _run(catalog, tmp_path / "scored", bundle_dir).returncode == 0
+    r = _run(catalog, tmp_path / "scored" / "run_date={date}", bundle_dir, "--date", DAYS[0])
+    assert r.returncode == 2, r.output
+    assert f"lies inside {tmp_path / 'scored'}" in r.stderr
+
+
+def test_the_root_another_job_writes_under_is_refused_from_its_run_index(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """The dated outputs are gone (retention deleted them), the run index says which job
+    writes under the root: an output there would take that job's next outputs for its own."""
+    _nightly(catalog, bundle_dir, tmp_path, DAYS[0])
+    shutil.rmtree(tmp_path / "scored" / f"run_date={DAYS[0]}")
+    r = _run(catalog, tmp_path / "scored", bundle_dir)
+    assert r.returncode == 2, r.output
+    assert f"output {tmp_path / 'scored'} is the fixed part of the template job" in r.stderr
+    assert f"run_date={DAYS[0]}" in r.stderr and not list((tmp_path / "scored").iterdir())
+
+
+def test_a_scored_file_copied_in_from_another_output_is_never_deleted(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """Reconcile deletes only what this output's manifest lists. A scored file of another
+    output copied in carries this tool's footer mark, but nothing ties it to this output: it is
+    kept, and since readers would count its rows the run refuses ``_SUCCESS`` (exit 1, naming
+    it); ``--on-foreign-output replace`` is the explicit way to delete it."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        assert _run(catalog, out, bundle_dir).returncode == 0
+    copied = b / "part-00009.parquet"
+    shutil.copy(a / "part-00000.parquet", copied)
+    before = hashlib.sha256(copied.read_bytes()).hexdigest()
+
+    r = _run(catalog, b, bundle_dir)
+    assert r.returncode == 1, r.output
+    assert hashlib.sha256(copied.read_bytes()).hexdigest() == before
+    assert not (b / "_SUCCESS").exists()
+    rep = report(b)
+    assert rep["status"] == "failed" and rep["removed_outputs"] == []
+    assert any(str(copied) in reason for reason in rep["failure_reasons"])
+
+    replaced = _run(catalog, b, bundle_dir, "--on-foreign-output", "replace")
+    assert replaced.returncode == 0, replaced.output
+    assert not copied.exists() and report(b)["foreign_removed"] == [str(copied)]
+
+
+# ---------------------------------------------------------------- on object storage
+
+
+def test_nesting_is_refused_on_s3(s3_bucket: S3Bucket, bundle_dir: Path, tmp_path: Path) -> None:
+    """The same refusals against a real S3 API: the check lists only the output's own prefix
+    and asks ``exists`` of the folders above it."""
+    write_shards(tmp_path / "catalog", [1200, 900], row_group_rows=400)
+    s3_bucket.upload_tree(tmp_path / "catalog", "catalog")
+    job = s3_bucket.write_job(
+        tmp_path / "nightly.toml",
+        input=s3_bucket.uri("catalog/"),
+        output=s3_bucket.uri("scored/run_date={date}"),
+        model=str(bundle_dir),
+        passthrough=["category"],
+        batch_size=512,
+        scheduler="sync",
+    )
+    for day in DAYS[:2]:
+        r = cli("run", str(job), "--date", day)
+        assert r.returncode == 0, r.output
+    fs, b = s3_bucket.fs, s3_bucket.name
+
+    def objects() -> dict[str, str]:
+        return {k: str(fs.info(k)["ETag"]) for k in sorted(fs.find(b))}
+
+    before = objects()
+    assert f"{b}/_score_catalog/scored/run_date={DAYS[0]}/_report.json" in before
+    assert not [k for k in before if k.startswith(f"{b}/scored/") and k.endswith(".json")]
+
+    root = cli("run", str(job), "--output", s3_bucket.uri("scored"))
+    assert root.returncode == 2, root.output
+    assert f"contains {s3_bucket.uri('scored')}/run_date=" in root.stderr
+    inside = cli("run", str(job), "--output", s3_bucket.uri(f"scored/run_date={DAYS[0]}/x"))
+    assert inside.returncode == 2, inside.output
+    assert f"lies inside {s3_bucket.uri(f'scored/run_date={DAYS[0]}')}" in inside.stderr
+    assert objects() == before
