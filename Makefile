@@ -110,7 +110,8 @@ help-check:
 	rm -rf .venv-runtime
 
 clean:
-	rm -rf data/catalog data/scored data/rejects data/archive data/archive_scored data/archive_rejects .pytest_cache .ruff_cache \
+	rm -rf data/catalog data/scored data/rejects data/archive data/archive_scored data/archive_rejects \
+	  data/_score_catalog data/_rejects data/api_scored .pytest_cache .ruff_cache \
 	  .mypy_cache .hypothesis build dist *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 

@@ -130,9 +130,9 @@ def _refuse_template_root(out: Location, files: list[str]) -> None:
             if found is None:
                 continue
             entry, doc = found
-            wrote = str(doc.get("output") or "")
+            wrote = str(doc.get("output") or "").rstrip("/")
             if not wrote.startswith(base):
-                continue
+                continue  # the output itself (a template without placeholders), or elsewhere
             raise ConfigError(
                 f"output {out.uri} is the fixed part of the template job "
                 f"{doc.get('job', job_dir.name)!r} writes under: its run {doc.get('run_id')} "

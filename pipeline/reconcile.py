@@ -200,7 +200,8 @@ def check_rejects_location(
                 f"rejects {rej_root.uri} holds {loc.uri}, rejected rows of another output "
                 f"({_output_of(owner, rel)}): this run would replace or delete them. Nothing "
                 f"was written. Give each output its own rejects location (leave rejects unset: "
-                "<output's parent>/_rejects/<output's name>), or move those files away."
+                "<root's parent>/_rejects/<root's name>/<output below the root>), or move those "
+                "files away."
             )
 
 

@@ -431,8 +431,8 @@ def check_disjoint(
             raise ConfigError(
                 f"rejects {rejects_loc.uri} overlaps the output {output_loc.uri}: rejected rows "
                 "would be read as scores, or a shard's output would replace its rejects. Leave "
-                "rejects unset (<output's parent>/_rejects/<output's name>) or choose a "
-                "separate folder."
+                "rejects unset (beside the output template's fixed part: <root's parent>/"
+                "_rejects/<root's name>/...) or choose a separate folder."
             )
     inp = locate(input_uri, options)
     for loc, what in ((output_loc, "output"), (rejects_loc, "rejects")):

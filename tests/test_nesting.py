@@ -44,7 +44,7 @@ def test_an_older_control_folder_below_is_a_sign_of_outputs_below(tmp_path: Path
     control = tmp_path / "scored" / "_score_catalog" / "d1"
     control.mkdir(parents=True)
     (control / "_report.json").write_text("{}")
-    with pytest.raises(ConfigError, match="contains .*d1"):
+    with pytest.raises(ConfigError, match=r"contains .*d1"):
         nesting.check(storage.locate(str(tmp_path / "scored")))
 
 
@@ -117,5 +117,9 @@ def test_on_an_object_store_the_check_lists_only_the_output(tmp_path: Path) -> N
         with pytest.raises(ConfigError, match="lies inside memory://nest-bucket/scored/d1"):
             nesting.check(storage.locate("memory://nest-bucket/scored/d1/x"))
         nesting.check(storage.locate("memory://nest-bucket/scored/d2"))
+        # An output without placeholders, named with a trailing slash, in its own run index.
+        entry = {"run_id": "r", "job": "j", "output": "memory://nest-bucket/latest/"}
+        fs.pipe("/nest-bucket/_score_catalog/latest/_runs/j/r.json", json.dumps(entry).encode())
+        nesting.check(storage.locate("memory://nest-bucket/latest/"))
     finally:
         fs.rm("/nest-bucket", recursive=True)

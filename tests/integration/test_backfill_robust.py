@@ -73,7 +73,9 @@ def _job(tmp_path: Path, bundle: Path, rejects: str | None) -> Path:
 
 
 def _summary(tmp_path: Path) -> dict[str, Any]:
-    path = tmp_path / "scored" / "_backfills" / "nightly" / f"{DAYS[0]}_{DAYS[-1]}.json"
+    # In the control area beside the output template's fixed part (pipeline.layout).
+    area = tmp_path / "_score_catalog" / "scored"
+    path = area / "_backfills" / "nightly" / f"{DAYS[0]}_{DAYS[-1]}.json"
     summary: dict[str, Any] = json.loads(path.read_text())
     return summary
 
@@ -124,7 +126,8 @@ def test_every_days_rejected_rows_are_kept(
         rep = report(out)  # checked against the report schema
         assert rep["status"] == OK
         assert rep["rows_rejected"] == archive[day]
-        where = tmp_path / "rejects" / f"dt={day}" if templated else rejects_of(out)
+        root = tmp_path / "scored"  # the default: beside the template's fixed part
+        where = tmp_path / "rejects" / f"dt={day}" if templated else rejects_of(out, root)
         assert _rejected_ids(where) == _expected_rejects(k)  # day 2 did not replace day 1's
         scored = [
             i for p in data_files(out) for i in pq.read_table(p).column("item_id").to_pylist()

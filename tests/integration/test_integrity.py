@@ -634,7 +634,7 @@ def test_a_foreign_file_where_a_shard_folder_must_go_is_named_and_kept(
     write_shards(catalog / "extra.parquet", [300], start=10_000)  # a new partition folder
     r = _run(catalog, out, bundle_dir)
     assert r.returncode == 2, r.output
-    assert str(theirs) in r.output and "did not write" in r.output
+    assert str(theirs) in r.output and "manifest does not list it" in r.output
     assert _sha(theirs) == before
     assert not (out / "_SUCCESS").exists()
     assert not (out / "extra.parquet" / "part-00000.parquet").exists()

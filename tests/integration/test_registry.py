@@ -280,7 +280,8 @@ def test_backfill_scores_every_day_with_one_version_and_reruns_days_when_it_move
     def backfill() -> dict[str, Any]:
         r = cli(*args, env=env, in_process=True)
         assert r.returncode == 0, r.output
-        path = tmp_path / "scored" / "_backfills" / "rescore" / f"{days[0]}_{days[-1]}.json"
+        area = tmp_path / "_score_catalog" / "scored"  # beside the template's fixed part
+        path = area / "_backfills" / "rescore" / f"{days[0]}_{days[-1]}.json"
         summary: dict[str, Any] = json.loads(path.read_text())
         return summary
 
