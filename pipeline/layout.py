@@ -177,17 +177,20 @@ def default_rejects(template: str, output: str) -> str | None:
 
 
 def _single_segment_pattern(template: str, root: str) -> re.Pattern[str] | None:
-    """A regex for the outputs of ``template`` when they are single folders right below its
-    root (``run_date={date}``); None otherwise."""
-    rest = template.rstrip("/")[len(root.rstrip("/")) :].strip("/") if root != "." else template
-    if not rest or "/" in rest:
-        return None
-    parts = []
-    for text, field_name, _spec, _conv in string.Formatter().parse(rest):
-        parts.append(re.escape(text))
+    """A regex for the names of the outputs of ``template`` when they are single folders right
+    below its root (``run_date=[^/]+`` for ``data/scored/run_date={date}``); None otherwise."""
+    literal: list[str] = []
+    fields = 0
+    for text, field_name, _spec, _conv in string.Formatter().parse(template.rstrip("/")):
+        literal.append(text)
         if field_name is not None:
-            parts.append("[^/]+")
-    return re.compile("".join(parts))
+            literal.append("\x00")  # a placeholder: no "/" in what it expands to
+            fields += 1
+    skip = 0 if root == "." else len(root.rstrip("/")) + 1
+    rest = "".join(literal)[skip:]
+    if not fields or "/" in rest:
+        return None
+    return re.compile("[^/]+".join(re.escape(part) for part in rest.split("\x00")))
 
 
 # --------------------------------------------------------------------------- one run's places

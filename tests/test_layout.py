@@ -211,3 +211,23 @@ def test_rejects_the_oldest_layout_kept_inside_the_output_move_out(tmp_path: Pat
     assert moved.read_bytes() == b"rejected rows"
     assert not (out / "_rejects").exists()
     assert sorted(p.name for p in out.iterdir()) == ["_SCORE_CATALOG"]
+
+
+@pytest.mark.parametrize(
+    ("template", "names", "others"),
+    [
+        ("data/scored/run_date={date}", ["run_date=2026-11-28"], ["x", "run_date", "_runs"]),
+        ("data/{{x}}/d={date}_{run_id}", ["d=2026-11-28_r1"], ["d=2026-11-28"]),
+        ("s3://b/scored/{date}/", ["2026-11-28"], []),
+    ],
+)
+def test_the_other_outputs_of_a_template_are_told_by_name(
+    template: str, names: list[str], others: list[str]
+) -> None:
+    pattern = layout._single_segment_pattern(template, layout.fixed_part(template)[0])
+    assert pattern is not None
+    assert all(pattern.fullmatch(n) for n in names)
+    assert not any(pattern.fullmatch(n) for n in others)
+    # Outputs deeper below the root ({date}/part) are moved by their own runs only.
+    assert layout._single_segment_pattern("data/s/{date}/part", "data/s") is None
+    assert layout._single_segment_pattern("data/s", "data/s") is None
