@@ -7,9 +7,11 @@ passes), ``lock`` (take the output, clear what a crashed run left, find what is 
 
 Order of commits: once the lock is taken, the previous run's ``_SUCCESS`` and report are
 withdrawn (``pipeline.layout.claim``); then each shard's rejects, its output, its manifest entry;
-``_report.json``, ``_report.html`` (in the control folder beside the output) and the run-index
-entry after every shard has finished; ``_SUCCESS`` last and only when the run succeeded within
-its error budget and what readers see of the output matched the report (``pipeline.reconcile``).
+after every shard has finished, the run's status is decided once (``pipeline.finish.decide``),
+then the manifest with the dataset's drift verdict, ``_report.html`` and ``_report.json`` (in
+the control folder beside the output); ``_SUCCESS`` last and only when the run succeeded within
+its error budget and what readers see of the output matched the report (``pipeline.reconcile``);
+the run-index entry after it. A failure among these rewrites the report as failed.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ class ScoringRun:
                 self.score()
                 return self.finish()
             except Exception as e:
-                self._report_failure(e)
+                if self.failure_data is None:  # else finish already rewrote its report as failed
+                    self._report_failure(e)
                 raise
         raise AssertionError("unreachable")  # pragma: no cover  (ExitStack never swallows)
 
@@ -221,7 +224,9 @@ class ScoringRun:
             for path in storage.remove_stale_temporaries(root):
                 logger.info("removed a temporary file left by an interrupted run: %s", path)
         loaded = Manifest.load(self.out_root)
-        self.manifest = FencedManifest(loaded.loc, loaded.shards, fence=self.lock_.assert_held)
+        self.manifest = FencedManifest(
+            loaded.loc, loaded.shards, verdict=loaded.verdict, fence=self.lock_.assert_held
+        )
         if loaded.read_from is not None:
             # Written inside the output by an older version: save it to the control folder
             # first, then drop the old copy (a crash in between leaves both; the new one wins).
@@ -435,7 +440,7 @@ def run(
         if summary is None:
             status = RunStatus.FAILED if isinstance(e, Exception) else RunStatus.INTERRUPTED
             duration = time.perf_counter() - t0
-            summary = finish.failed_summary(config, started_at, duration, e, status)
+            summary = finish.failed_summary(config.name, started_at, duration, e, status)
         finish.publish_metrics(config, summary)
         logs.bind_run_id(outer_run_id)
         raise
