@@ -3,8 +3,8 @@ page, the report, ``_SUCCESS``, the run index and the metrics.
 
 The status in ``_report.json``, the metrics and the exit code always agree: the status is set in
 one place (:func:`decide`); the report is written after everything that could still change it
-(``_SUCCESS`` alone comes after, and the run index, a record on top of a finished run); a failure
-while committing rewrites what was already written as failed (:func:`_retract`).
+(``_SUCCESS`` alone comes after); a failure while committing rewrites what was already written
+as failed (:func:`_retract`).
 """
 
 from __future__ import annotations
@@ -78,8 +78,15 @@ _INDEX_KEYS = (
 )
 
 
-def record_run(config: JobConfig, index_root: str, control: Location, data: dict[str, Any]) -> None:
-    """Add the run to the job's run index (with its score sketches, the next drift baseline)."""
+def record_run(
+    config: JobConfig, index_root: str, control: Location, data: dict[str, Any]
+) -> str | None:
+    """Add the run to the job's run index (with its score sketches, the next drift baseline).
+
+    Returns a warning when it could not (the index is a record on top of the run: a failure
+    to write it does not fail the run), else None. Recording the same run again replaces its
+    entry.
+    """
     entry = {key: data[key] for key in _INDEX_KEYS}
     entry["report"] = control.child(REPORT_NAME).uri
     verdict = data.get("verdict")
@@ -94,7 +101,10 @@ def record_run(config: JobConfig, index_root: str, control: Location, data: dict
     try:
         runindex.record(index_root, config.storage, config.name, entry)
     except Exception as e:
-        logger.warning("could not record the run in the index at %s: %s", index_root, e)
+        warning = f"could not record the run in the index at {index_root}: {describe(e)}"
+        logger.warning("%s", warning)
+        return warning
+    return None
 
 
 def failed_summary(
@@ -161,8 +171,8 @@ def last_success_from_index(config: JobConfig) -> float | None:
 
 def finish_run(run: ScoringRun) -> RunReport:
     """Reconcile the output, account, decide the run's status once (:func:`decide`), then
-    commit: the manifest with the dataset's verdict, ``_report.html``, ``_report.json`` and
-    ``_SUCCESS`` last; the run index after it.
+    commit: the manifest with the dataset's verdict, the run-index entry, ``_report.html``,
+    ``_report.json`` and ``_SUCCESS`` last.
 
     A failure while committing (a full disk, a read-only control folder) turns the run into a
     failed one before the error goes up: the report, if written, is rewritten as failed, or
@@ -197,7 +207,6 @@ def finish_run(run: ScoringRun) -> RunReport:
     except Exception as e:
         _retract(run, data, e)
         raise
-    record_run(run.config, runindex.index_root(run.config.output), run.control, data)
     return RunReport(data)
 
 
@@ -245,12 +254,14 @@ def decide(
 
 
 def _commit(run: ScoringRun, data: dict[str, Any], record: dict[str, Any] | None) -> None:
-    """Write what the run decided, the report last but for ``_SUCCESS``."""
+    """Write what the run decided: the manifest (with the verdict), the run-index entry, the
+    page, the report, and ``_SUCCESS`` last."""
     lock, manifest = run.lock_, run.manifest
     assert lock is not None and manifest is not None
     if record is not None:
         manifest.set_verdict(record)
     naming(manifest.loc, manifest.flush)  # fenced
+    _record(run, data, warn=True)
     lock.assert_held()
     write_html(run.control, data)
     lock.assert_held()
@@ -260,11 +271,10 @@ def _commit(run: ScoringRun, data: dict[str, Any], record: dict[str, Any] | None
     if run.stop.requested:
         # A signal while the report was being written: the run was asked to stop before its
         # output was committed, so it is not (decide() explains why).
-        logger.warning(
-            "%s arrived before _SUCCESS was written: not committing", run.stop.signal_name
-        )
+        logger.warning("%s arrived before _SUCCESS was written", run.stop.signal_name)
         data["status"] = RunStatus.INTERRUPTED
         data["failure_reasons"] = [run.stop.reason, *data["failure_reasons"]]
+        _record(run, data)
         lock.assert_held()
         write_html(run.control, data)
         write_report(run.control, data)
@@ -274,13 +284,23 @@ def _commit(run: ScoringRun, data: dict[str, Any], record: dict[str, Any] | None
     naming(success, lambda: storage.write_bytes(success, b"", point="success-rename"))
 
 
+def _record(run: ScoringRun, data: dict[str, Any], *, warn: bool = False) -> bool:
+    """The run's entry in the run index (``warn``: a failure becomes a warning of the report);
+    whether it was written."""
+    index_root = runindex.index_root(run.config.output)
+    problem = record_run(run.config, index_root, run.control, data)
+    if problem is not None and warn:
+        data["warnings"].append(problem)
+    return problem is None
+
+
 def _retract(run: ScoringRun, data: dict[str, Any], e: Exception) -> None:
     """The run failed while committing: say so wherever it already said otherwise.
 
-    ``data`` becomes a failed report (the metrics publish it); where the report or the page
-    was written they are rewritten as failed, or removed when that fails too (a full disk still
-    lets a file be deleted), and ``_SUCCESS`` is withdrawn. A run that lost its lock touches
-    nothing: the output is another run's now.
+    ``data`` becomes a failed report (the metrics publish it); where the run-index entry, the
+    report or the page were written they are rewritten as failed, or removed when that fails
+    too (a full disk still lets a file be deleted), and ``_SUCCESS`` is withdrawn. A run that
+    lost its lock touches nothing: the output is another run's now.
     """
     data["status"] = RunStatus.FAILED
     data["failure_reasons"] = [f"could not commit the run: {describe(e)}", *data["failure_reasons"]]
@@ -288,6 +308,13 @@ def _retract(run: ScoringRun, data: dict[str, Any], e: Exception) -> None:
     if run.lock_ is None or isinstance(e, LockLostError):
         return
     _remove(run.out_root.child(SUCCESS_NAME))
+    if not _record(run, data):
+        config = run.config
+        root = runindex.index_root(config.output)
+        log_cleanup_error(
+            lambda: runindex.remove(root, config.storage, config.name, run.run_id),
+            "removing the run's entry from the run index",
+        )
     writers: list[tuple[str, Callable[[Location, dict[str, Any]], None]]] = [
         (REPORT_NAME, write_report),
         (HTML_NAME, write_html),

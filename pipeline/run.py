@@ -8,10 +8,10 @@ passes), ``lock`` (take the output, clear what a crashed run left, find what is 
 Order of commits: once the lock is taken, the previous run's ``_SUCCESS`` and report are
 withdrawn (``pipeline.layout.claim``); then each shard's rejects, its output, its manifest entry;
 after every shard has finished, the run's status is decided once (``pipeline.finish.decide``),
-then the manifest with the dataset's drift verdict, ``_report.html`` and ``_report.json`` (in
-the control folder beside the output); ``_SUCCESS`` last and only when the run succeeded within
-its error budget and what readers see of the output matched the report (``pipeline.reconcile``);
-the run-index entry after it. A failure among these rewrites the report as failed.
+then the manifest with the dataset's drift verdict, the run-index entry, ``_report.html`` and
+``_report.json`` (in the control folder beside the output); ``_SUCCESS`` last and only when the
+run succeeded within its error budget and what readers see of the output matched the report
+(``pipeline.reconcile``). A failure among these rewrites what was written as failed.
 """
 
 from __future__ import annotations

@@ -107,6 +107,11 @@ def record(root: str, options: Mapping[str, Any] | None, job: str, entry: dict[s
     return loc.uri
 
 
+def remove(root: str, options: Mapping[str, Any] | None, job: str, run_id: str) -> None:
+    """Delete the entry of run ``run_id`` (one that could not be rewritten after it failed)."""
+    storage.remove(_job_dir(root, options, job).child(f"{safe_name(run_id)}.json"))
+
+
 def _parse_time(value: Any) -> dt.datetime:
     if not isinstance(value, str):
         raise ValueError(f"finished_at is {value!r}, not an ISO-8601 string")
