@@ -260,7 +260,7 @@ def _commit(run: ScoringRun, data: dict[str, Any], record: dict[str, Any] | None
     assert lock is not None and manifest is not None
     if record is not None:
         manifest.set_verdict(record)
-    naming(manifest.loc, manifest.flush)  # fenced
+    manifest.flush()  # fenced; an error names the file
     _record(run, data, warn=True)
     lock.assert_held()
     write_html(run.control, data)

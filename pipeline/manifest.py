@@ -189,12 +189,13 @@ class Manifest:
         if self.verdict is not None:
             # An optional key: versions that do not know it read the shards as before.
             doc["verdict"] = self.verdict
-        storage.write_json(
-            self.loc,
-            doc,
-            point="manifest-rename",
-            compact=True,
-        )
+        try:
+            storage.write_json(self.loc, doc, point="manifest-rename", compact=True)
+        except OSError as e:
+            if e.filename:
+                raise
+            # A full disk's ENOSPC names no file: say which one could not be written.
+            raise StorageError(f"could not write {self.loc.uri}: {type(e).__name__}: {e}") from e
         self._dirty = False
         self._last_end = time.monotonic()
         self._last_cost = self._last_end - t0

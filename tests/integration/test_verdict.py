@@ -1,10 +1,10 @@
-"""Issue 22, items 2 and 9 (a stop that finds nothing left in flight) through the real CLI.
+"""Issue 22, item 2 through the real CLI: a drift verdict belongs to the dataset.
 
 A drift verdict belongs to the dataset: a rerun that leaves the output's data unchanged reports
 the verdict of the run that judged it (status, exit code, warnings, the HTML drift section and
 the PSI gauges), a partial rerun judges the whole dataset again against the previous
 *different* dataset of the job, and ``score-catalog accept-drift`` is the one way to turn an
-alert into a success, recorded in the run index. A requested stop ends ``interrupted``.
+alert into a success, recorded in the run index.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.demo import FEATURES
-from tests.integration.helpers import CliResult, cli, control_of, job_args, report, report_path
+from tests.integration.helpers import CliResult, cli, control_of, job_args, report
 
 pytestmark = pytest.mark.integration
 
@@ -230,43 +230,3 @@ def test_a_backfill_that_skips_a_drifted_day_keeps_its_verdict(
     accepted = cli("accept-drift", str(out / f"dt={DAY2}"), "--reason", "expected")
     assert accepted.returncode == 0, accepted.output
     assert cli(*args).returncode == 0
-
-
-@pytest.mark.parametrize(("sig", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
-def test_a_stop_after_the_last_shard_finished_still_interrupts(
-    catalog: Path, bundle_dir: Path, tmp_path: Path, sig: str, code: int
-) -> None:
-    """One Ctrl-C (or a cron timeout's SIGTERM) while the last shard is finishing: nothing is
-    left to cancel, but the run was asked to stop, so it does not commit (no _SUCCESS)."""
-    out = tmp_path / "out"
-    metrics = tmp_path / "m.prom"
-    args = ["run", *job_args(catalog, out, bundle_dir), "--scheduler", "sync"]
-    args += ["--metrics-file", str(metrics)]
-    # The signal arrives right after the third (last) shard was yielded.
-    env = {"_SCORE_CATALOG_KILL_AT": "between-shards:3", "_SCORE_CATALOG_KILL_SIGNAL": sig}
-    stopped = cli(*args, env=env)
-    assert stopped.returncode == code, stopped.output
-    rep = stopped.report
-    assert rep is not None and rep["status"] == "interrupted"
-    assert rep["failure_reasons"][0] == f"interrupted by {sig}"
-    assert rep["shards_scored"] == 3 and rep["shards_not_scored"] == 0
-    assert not (out / "_SUCCESS").exists()
-    assert _status_of(metrics) == "interrupted"
-    rerun = cli(*args)
-    assert rerun.returncode == 0, rerun.output
-    assert rerun.report is not None and rerun.report["shards_skipped"] == 3
-    assert (out / "_SUCCESS").exists()
-
-
-def test_a_stop_while_the_report_is_written_interrupts(
-    catalog: Path, bundle_dir: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "out"
-    metrics = tmp_path / "m.prom"
-    args = ["run", *job_args(catalog, out, bundle_dir), "--scheduler", "sync"]
-    env = {"_SCORE_CATALOG_KILL_AT": "report-rename", "_SCORE_CATALOG_KILL_SIGNAL": "SIGINT"}
-    r = cli(*args, "--metrics-file", str(metrics), env=env)
-    assert r.returncode == 130, r.output
-    assert json.loads(report_path(out).read_text())["status"] == "interrupted"
-    assert not (out / "_SUCCESS").exists()
-    assert _status_of(metrics) == "interrupted"
