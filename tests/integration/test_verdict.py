@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline import runindex
 from pipeline.demo import FEATURES
 from tests.integration.helpers import CliResult, cli, control_of, job_args, report
 
@@ -70,6 +71,12 @@ def _psi(metrics: Path) -> dict[str, float]:
         for (name, labels), v in _metrics(metrics).items()
         if name == "score_catalog_last_run_drift_psi"
     }
+
+
+def _acceptances(root: Path) -> list[Path]:
+    """The drift acceptances in the run index of the job writing ``root/{date}``."""
+    index = Path(runindex.index_root(str(root / "{date}"))) / runindex.INDEX_DIR
+    return sorted(index.rglob(f"{runindex.ACCEPTED_DIR}/*.json"))
 
 
 @pytest.fixture
@@ -158,7 +165,7 @@ def test_accept_drift_is_recorded_and_the_rerun_exits_0(
     ok = cli("accept-drift", str(root / DAY2), "--reason", reason, "--by", "alice")
     assert ok.returncode == 0, ok.output
     assert "accepted by alice" in ok.stdout
-    (entry_path,) = (root / "_runs").rglob("_accepted/*.json")
+    (entry_path,) = _acceptances(root)
     entry = json.loads(entry_path.read_text())
     assert entry["by"] == "alice" and entry["reason"] == reason
     assert entry["dataset"] == first["verdict"]["dataset"]
@@ -192,7 +199,7 @@ def test_accept_drift_refuses_what_it_cannot_accept(
     assert nothing.returncode == 2 and "no drift verdict" in nothing.stderr, nothing.output
     blank = cli("accept-drift", str(root / DAY2), "--reason", "  ")
     assert blank.returncode == 2 and "--reason" in blank.stderr, blank.output
-    assert not list((root / "_runs").rglob("_accepted/*.json"))
+    assert not _acceptances(root)
 
 
 def test_changed_data_after_an_acceptance_is_judged_again(
