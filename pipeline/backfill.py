@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import layout, registry, runindex, storage
+from pipeline import layout, registry, runindex, storage, verdict
 from pipeline.config import JobConfig
 from pipeline.errors import (
     EXIT_DRIFT,
@@ -233,6 +233,8 @@ def _partition(
             "run_id": done.get("run_id"),
             "rows_out": done.get("rows_out"),
             "note": "finished earlier with this model bundle",
+            # Its verdict stands: a day that drifted still says so until it is accepted.
+            "drift_alert": verdict.open_alert(cfg, done),
         }
     report: RunReport = run(cfg, on_shard=on_shard, stop=stop)
     d = report.data

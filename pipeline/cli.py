@@ -7,11 +7,13 @@ from :data:`pipeline.config.SETTINGS`, so their names, choices and defaults are 
 
 from __future__ import annotations
 
+import datetime
 import gc
 import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -20,6 +22,7 @@ import click
 
 from pipeline import config as cfg
 from pipeline import hugepages, logs
+from pipeline.cli_accept import accept_drift
 from pipeline.cli_bench import bench
 from pipeline.cli_bundle import bundle
 from pipeline.errors import (
@@ -32,6 +35,7 @@ from pipeline.errors import (
     PLAN_EXIT_CODES_HELP,
     REPORT_EXIT_CODES_HELP,
     PipelineError,
+    UsageError,
 )
 from pipeline.faults import checkpoint
 from pipeline.interrupt import EXIT_CODES, Aborted, StopRequest, handle_signals
@@ -245,6 +249,33 @@ def _exit(code: int) -> NoReturn:
     sys.exit(code)
 
 
+def _job_config(job: Path | None, opts: dict[str, Any]) -> cfg.JobConfig:
+    """The job's configuration; when it cannot be built (exit 2), the metrics still say so."""
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t0 = time.perf_counter()
+    overrides = cfg.from_flags(opts)
+    try:
+        return cfg.build_config(job, overrides=overrides)
+    except PipelineError as e:
+        _failed_metrics(cfg.metrics_destination(job, overrides=overrides), started, t0, e)
+        raise
+
+
+def _failed_metrics(
+    dest: cfg.MetricsDestination | None, started: datetime.datetime, t0: float, e: BaseException
+) -> None:
+    """Status ``failed`` to the metrics file and Pushgateway of a job that never started (a
+    configuration or usage error): the documented alert on ``status="failed"`` must fire for
+    a bad deploy too, not only the staleness alert a day later."""
+    if dest is None:
+        return
+    from pipeline import metrics  # not pipeline.finish: a usage error should not import torch
+
+    error = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
+    summary = metrics.failure_summary(dest.name, started, time.perf_counter() - t0, error)
+    metrics.publish(dest.metrics_file, dest.pushgateway, summary)
+
+
 # --------------------------------------------------------------------------------------------
 # Commands
 
@@ -275,7 +306,7 @@ def run(job: Path | None, **opts: Any) -> None:
         run_id = new_run_id()
         logs.bind_run_id(run_id)  # every line of this command carries it, the earliest included
         try:
-            config = cfg.build_config(job, overrides=cfg.from_flags(opts))
+            config = _job_config(job, opts)
             # SIGTERM/SIGINT: stop scheduling, let shards in flight commit, report (exit 143/130).
             stop = StopRequest(config.grace_period_s)
             checkpoint("startup")  # the crash tests' place for a signal before the run routes them
@@ -466,7 +497,7 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
     console.summarize_errors = True
     force = bool(opts.pop("force"))
     try:
-        config = cfg.build_config(job, overrides=cfg.from_flags(opts))
+        config = _job_config(job, opts)
         # SIGTERM/SIGINT: the day in progress stops as a run does; the days left are not run.
         stop = StopRequest(config.grace_period_s)
         with handle_signals(stop):
@@ -491,6 +522,7 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
 
 main.add_command(bench)
 main.add_command(bundle)
+main.add_command(accept_drift)
 
 
 class _EarlyStop(BaseException):
@@ -515,6 +547,35 @@ def _wants_json(argv: list[str]) -> bool:
     )
 
 
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value of ``flag`` (``--flag V`` or ``--flag=V``, the last one) in raw arguments."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a[len(flag) + 1 :]
+    return value
+
+
+def _usage_error_metrics(args: list[str], e: click.exceptions.UsageError) -> None:
+    """A command line Click refused (a bad flag value, a misspelt flag) of ``run`` or
+    ``backfill``: the failed status to the metrics the job file, environment and flags name,
+    read from the raw arguments since Click parsed none of them."""
+    job = next((a for a in args if a.endswith(".toml") and not a.startswith("-")), None)
+    overrides = {
+        key: value
+        for key, flag in (("metrics_file", "--metrics-file"), ("pushgateway", "--pushgateway"))
+        if (value := _flag_value(args, flag)) is not None
+    }
+    try:
+        dest = cfg.metrics_destination(job, overrides=overrides)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        _failed_metrics(dest, now, time.perf_counter(), UsageError(e.format_message()))
+    except Exception as err:  # the usage error is what the user must see
+        logging.getLogger(__name__).debug("no metrics for the usage error: %s", err)
+
+
 def entrypoint() -> None:
     """The ``score-catalog`` console script.
 
@@ -537,6 +598,8 @@ def entrypoint() -> None:
             console.error(e.format_message(), e.exit_code)
         else:
             e.show()
+        if argv and argv[0] in ("run", "backfill"):
+            _usage_error_metrics(argv[1:], e)
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
         logs.emit_error("aborted", EXIT_RUN_FAILED, fmt)

@@ -756,6 +756,52 @@ def build_config(
     return JobConfig(**kwargs)  # validated again, by __post_init__: the same rules, cheap
 
 
+@dataclass(frozen=True)
+class MetricsDestination:
+    """Where a job's metrics go, and the job's name on them."""
+
+    name: str
+    metrics_file: str | None
+    pushgateway: str | None
+
+
+def metrics_destination(
+    job_file: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> MetricsDestination | None:
+    """The metrics file and Pushgateway of a job whose configuration could not be built.
+
+    Read from the same layers as :func:`build_config` (job file < environment < flags), taking
+    from each what is readable: a bad key elsewhere, an unknown environment variable or a job
+    file that is not TOML at all (then only the environment and the flags) does not hide where
+    the metrics go, so that the failed status of a bad deploy reaches the alert. A value that
+    is itself wrong (a Pushgateway that is not a URL) is left out. None when neither is set.
+    """
+    layers: list[Mapping[str, Any]] = []
+    if job_file is not None:
+        try:
+            data = dict(read_job_file(job_file))
+        except ConfigError:
+            data = {}
+        data.setdefault("name", Path(job_file).stem)
+        layers.append(data)
+    layers.append(_env_layer(os.environ if env is None else env)[0])
+    if overrides:
+        layers.append(overrides)
+    merged = _merge(layers)
+    found: dict[str, Any] = {}
+    for key in ("name", "metrics_file", "pushgateway"):
+        s = setting(key)
+        value = merged.get(key)
+        ok = value is not None and s.kind.accepts(value) and not _value_problems(s, value)
+        found[key] = value if ok else s.default
+    if found["metrics_file"] is None and found["pushgateway"] is None:
+        return None
+    return MetricsDestination(str(found["name"]), found["metrics_file"], found["pushgateway"])
+
+
 # --------------------------------------------------------------------------------------------
 # Validation: one plain mapping in, every problem out
 

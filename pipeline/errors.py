@@ -24,6 +24,8 @@ EXIT_CODES_HELP = (
     "3 input, schema or model error found before any row was scored; "
     "4 scored and committed, but the score distribution drifted from the previous successful "
     "run beyond [monitoring] thresholds (status succeeded_with_warnings, whatever the rejects); "
+    "a rerun over the same data says so again until `score-catalog accept-drift OUTPUT` "
+    "accepts it; "
     "143 or 130 stopped by SIGTERM or SIGINT (status interrupted; committed shards are kept and "
     "a rerun resumes)."
 )
@@ -32,6 +34,10 @@ EXIT_CODES_HELP = (
 PLAN_EXIT_CODES_HELP = (
     "Exit codes: 0 every shard would be scored; 2 usage or configuration error; 3 a shard would "
     "fail (unreadable, or its columns do not fit the model), or an input or model error."
+)
+ACCEPT_EXIT_CODES_HELP = (
+    "Exit codes: 0 the acceptance was recorded in the run index; 1 the storage could not be "
+    "read or written; 2 usage error, no drift verdict at OUTPUT, or no drift alert to accept."
 )
 REPORT_EXIT_CODES_HELP = (
     "Exit codes: 0 the summary was printed (whatever the run's status); 1 the storage could not "

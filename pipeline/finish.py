@@ -1,7 +1,10 @@
-"""After the last shard: drift against the previous success, the HTML page, the run index, metrics.
+"""After the last shard: the run's status, decided once; the dataset's drift verdict, the HTML
+page, the report, ``_SUCCESS``, the run index and the metrics.
 
-Each of these is a view or a record on top of ``_report.json``: a failure here is logged and
-never fails a run whose shards are committed.
+The status in ``_report.json``, the metrics and the exit code always agree: the status is set in
+one place (:func:`decide`); the report is written after everything that could still change it
+(``_SUCCESS`` alone comes after); a failure while committing rewrites what was already written
+as failed (:func:`_retract`).
 """
 
 from __future__ import annotations
@@ -13,17 +16,18 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from pipeline import drift as drift_mod
 from pipeline import runindex, storage
+from pipeline import verdict as verdict_mod
 from pipeline.config import JobConfig
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.errors import ConfigError, PipelineError, StorageError
 from pipeline.execution import not_scored
+from pipeline.faults import checkpoint
 from pipeline.html_report import render_html
 from pipeline.locking import LockLostError
 from pipeline.reconcile import Reconciliation, Wanted, reconcile, verify, wanted
 from pipeline.report import HTML_NAME, REPORT_NAME, RunFacts, RunReport, build_report, model_section
-from pipeline.reportschema import DriftComparison, ReportData
-from pipeline.statuses import FailureKind, RunStatus
+from pipeline.reportschema import ReportData
+from pipeline.statuses import SUCCESS_STATUSES, FailureKind, RunStatus
 from pipeline.storage import SUCCESS_NAME, Location, ShardRef
 
 if TYPE_CHECKING:
@@ -31,56 +35,6 @@ if TYPE_CHECKING:
     from pipeline.scoring import ShardResult
 
 logger = logging.getLogger(__name__)
-
-
-def add_drift(config: JobConfig, data: dict[str, Any], index_root: str) -> None:
-    """Compare with the previous success; a drift alert turns a success into a warning.
-
-    It does so from ``succeeded_with_errors`` too (rejects or failed shards within the budget):
-    the status alone gives the exit code (4 here), and scores that drifted need a look before
-    anyone uses them, which a 0 would hide. The rejects and failed shards stay in the report
-    (``errors``, ``rows_rejected``, ``shards_failed``).
-    """
-    if not config.monitoring.drift or data["status"] in (RunStatus.FAILED, RunStatus.INTERRUPTED):
-        return
-    data["drift"] = drift_section(config, data, index_root)
-    if data["drift"].get("alert"):
-        data["status"] = RunStatus.SUCCEEDED_WITH_WARNINGS
-    for reason in data["drift"].get("reasons", []):
-        data["warnings"].append(f"drift: {reason}")
-        logger.warning("drift: %s", reason)
-
-
-def drift_section(
-    config: JobConfig, data: dict[str, Any], index_root: str
-) -> DriftComparison | dict[str, Any]:
-    """Compare this run's scores with the previous successful run of the same job."""
-    if not data["rows_processed"]:
-        # A resume that found every shard done scored nothing: no distribution to compare.
-        return {"baseline": None, "note": "this run scored no rows (every shard was done)"}
-    try:
-        # The index entry carries the run's sketches: its _report.json may have been replaced
-        # since by a later run into the same output (a resume, a rerun of that night).
-        baseline = runindex.previous_success(
-            index_root,
-            config.storage,
-            config.name,
-            exclude_run_id=data["run_id"],
-            scored_only=True,
-        )
-    except Exception as e:  # drift is a check on top of a finished run: never fail it
-        logger.warning("could not read the run index at %s: %s", index_root, e)
-        return {"baseline": None, "note": f"run index unreadable: {e}"}
-    if baseline is None:
-        return {
-            "baseline": None,
-            "note": f"no previous successful run of job {config.name!r} in {index_root}/_runs",
-        }
-    m = config.monitoring
-    thresholds = drift_mod.DriftThresholds(
-        psi=m.psi_threshold, ks=m.ks_threshold, rows_change=m.rows_change_threshold
-    )
-    return drift_mod.compare(baseline, data, thresholds)
 
 
 def write_html(control: Location, data: dict[str, Any]) -> None:
@@ -91,7 +45,25 @@ def write_html(control: Location, data: dict[str, Any]) -> None:
     except Exception as e:  # the JSON report is the record; the page is a view of it
         logger.warning("could not render %s: %s", HTML_NAME, e)
         return
-    storage.write_bytes(control.child(HTML_NAME), page.encode("utf-8"), point="html-rename")
+    loc = control.child(HTML_NAME)
+    naming(loc, lambda: storage.write_bytes(loc, page.encode("utf-8"), point="html-rename"))
+
+
+def write_report(control: Location, data: dict[str, Any]) -> None:
+    """``_report.json`` in the output's control folder."""
+    loc = control.child(REPORT_NAME)
+    naming(loc, lambda: storage.write_json(loc, data, point="report-rename"))
+
+
+def naming(loc: Location, write: Callable[[], None]) -> None:
+    """Run ``write``; an OS error that does not name its file (``[Errno 28] No space left on
+    device`` from a write or an fsync) becomes a :class:`StorageError` naming ``loc``."""
+    try:
+        write()
+    except OSError as e:
+        if e.filename:
+            raise
+        raise StorageError(f"could not write {loc.uri}: {describe(e)}") from e
 
 
 _INDEX_KEYS = (
@@ -106,10 +78,22 @@ _INDEX_KEYS = (
 )
 
 
-def record_run(config: JobConfig, index_root: str, control: Location, data: dict[str, Any]) -> None:
-    """Add the run to the job's run index (with its score sketches, the next drift baseline)."""
+def record_run(
+    config: JobConfig, index_root: str, control: Location, data: dict[str, Any]
+) -> str | None:
+    """Add the run to the job's run index (with its score sketches, the next drift baseline).
+
+    Returns a warning when it could not (the index is a record on top of the run: a failure
+    to write it does not fail the run), else None. Recording the same run again replaces its
+    entry.
+    """
     entry = {key: data[key] for key in _INDEX_KEYS}
     entry["report"] = control.child(REPORT_NAME).uri
+    verdict = data.get("verdict")
+    if verdict:
+        # The drift baseline of later runs skips this dataset (pipeline.verdict).
+        entry["dataset"] = verdict["dataset"]
+        entry["verdict"] = verdict
     entry["outputs"] = {
         col: {"count": v.get("count"), "sketch": v.get("sketch")}
         for col, v in (data.get("outputs") or {}).items()
@@ -117,11 +101,14 @@ def record_run(config: JobConfig, index_root: str, control: Location, data: dict
     try:
         runindex.record(index_root, config.storage, config.name, entry)
     except Exception as e:
-        logger.warning("could not record the run in the index at %s: %s", index_root, e)
+        warning = f"could not record the run in the index at {index_root}: {describe(e)}"
+        logger.warning("%s", warning)
+        return warning
+    return None
 
 
 def failed_summary(
-    config: JobConfig,
+    job: str,
     started_at: dt.datetime,
     duration: float,
     e: BaseException,
@@ -129,21 +116,9 @@ def failed_summary(
 ) -> dict[str, Any]:
     """What the metrics say about a run that ended without a report: stopped before scoring
     (exit 2 or 3), an error where no report could be written, or a second signal (aborted)."""
-    return {
-        "job": config.name,
-        "status": status,
-        "started_at": started_at.isoformat(),
-        "finished_at": (started_at + dt.timedelta(seconds=duration)).isoformat(),
-        "duration_s": duration,
-        "rows_out": 0,
-        "rows_rejected": 0,
-        "shards_failed": 0,
-        "shards_not_scored": 0,
-        "rows_processed": 0,
-        "rows_per_s": None,  # nothing was scored: no throughput
-        "drift": None,
-        "error": describe(e),
-    }
+    from pipeline import metrics
+
+    return metrics.failure_summary(job, started_at, duration, describe(e), status)
 
 
 def describe(e: BaseException) -> str:
@@ -160,31 +135,21 @@ def publish_metrics(config: JobConfig, data: dict[str, Any]) -> None:
 
     Never raises: the run is over, and an error here must not hide how it ended.
     """
-    if config.metrics_file is None and config.pushgateway is None:
+    publish(config.metrics_file, config.pushgateway, data, lambda: last_success_from_index(config))
+
+
+def publish(
+    metrics_file: str | None,
+    pushgateway: str | None,
+    data: dict[str, Any],
+    last_success: Callable[[], float | None] | None = None,
+) -> None:
+    """:func:`pipeline.metrics.publish` (never raises)."""
+    if metrics_file is None and pushgateway is None:
         return
-    try:
-        _publish(config, data)
-    except Exception as e:
-        logger.error("could not publish the run's metrics: %s", describe(e))
-
-
-def _publish(config: JobConfig, data: dict[str, Any]) -> None:
     from pipeline import metrics
 
-    previous = None
-    if config.metrics_file is not None:
-        previous = metrics.previous_success_timestamp(config.metrics_file, config.name)
-        try:
-            metrics.write_metrics_file(config.metrics_file, data, previous_success_ts=previous)
-        except PipelineError as e:
-            logger.error("%s", e)
-    if config.pushgateway is not None:
-        if previous is None and data.get("status") == RunStatus.FAILED:
-            previous = last_success_from_index(config)
-        try:
-            metrics.push_metrics(config.pushgateway, data, previous_success_ts=previous)
-        except PipelineError as e:
-            logger.error("%s", e)
+    metrics.publish(metrics_file, pushgateway, data, last_success)
 
 
 def last_success_from_index(config: JobConfig) -> float | None:
@@ -205,8 +170,15 @@ def last_success_from_index(config: JobConfig) -> float | None:
 
 
 def finish_run(run: ScoringRun) -> RunReport:
-    """Reconcile the output, account, judge against the error budget, report, check what
-    readers see against the report, and mark success last."""
+    """Reconcile the output, account, decide the run's status once (:func:`decide`), then
+    commit: the manifest with the dataset's verdict, the run-index entry, ``_report.html``,
+    ``_report.json`` and ``_SUCCESS`` last.
+
+    A failure while committing (a full disk, a read-only control folder) turns the run into a
+    failed one before the error goes up: the report, if written, is rewritten as failed, or
+    removed where that fails too (:func:`_retract`), so that the report, the metrics (from
+    ``run.failure_data``) and the exit code agree.
+    """
     ordered = [run.results[s.rel_path] for s in run.shards]
     want = wanted(ordered)
     lock = run.lock_
@@ -214,9 +186,6 @@ def finish_run(run: ScoringRun) -> RunReport:
     lock.assert_held()  # the fence: reconciling deletes from the output
     settled = _reconcile(run, want)
     data = build_report(run_facts(run), ordered, run.fatal, time.perf_counter() - run.t0)
-    if any(r.kind == FailureKind.INTERRUPTED for r in ordered):
-        data["status"] = RunStatus.INTERRUPTED
-        data["failure_reasons"] = [run.stop.reason, *data["failure_reasons"]]
     data["removed_outputs"] = [r.public() for r in (*run.cleared, *settled.removed)]
     data["foreign_removed"] = list(run.foreign.removed)
     data["foreign_kept"] = sorted(
@@ -231,19 +200,139 @@ def finish_run(run: ScoringRun) -> RunReport:
         )
         logger.warning("%s", warning)
         data["warnings"].append(warning)
+    record = decide(run, data, want, ordered)
+    checkpoint("judged")
+    try:
+        _commit(run, data, record)
+    except Exception as e:
+        _retract(run, data, e)
+        raise
+    return RunReport(data)
+
+
+def decide(
+    run: ScoringRun, data: dict[str, Any], want: Wanted, ordered: list[ShardResult]
+) -> dict[str, Any] | None:
+    """Set the run's ``status`` (and its reasons, drift, verdict and warnings), once.
+
+    In order: a requested stop (SIGTERM, SIGINT) makes it ``interrupted``, even when every
+    shard in flight finished (the run was asked to stop; a rerun commits what is left); the
+    error budget (:func:`pipeline.report.build_report`) or an output that does not match the
+    report (:func:`_verify`) makes it ``failed``; an open drift alert on the dataset makes a
+    success ``succeeded_with_warnings`` (:func:`pipeline.verdict.judge`). Returns the verdict
+    record to keep with the manifest (None for a run that did not succeed).
+    """
+    if run.stop.requested or any(r.kind == FailureKind.INTERRUPTED for r in ordered):
+        data["status"] = RunStatus.INTERRUPTED
+        reasons = [run.stop.reason]
+        if not any(r.kind == FailureKind.INTERRUPTED for r in ordered):
+            reasons.append(
+                "every shard in flight finished before the run stopped, but the output is not "
+                "committed (no _SUCCESS); a rerun commits it without scoring them again"
+            )
+        data["failure_reasons"] = [*reasons, *data["failure_reasons"]]
+        return None
+    if data["status"] == RunStatus.FAILED:
+        return None
     _verify(run, data, want)
+    if data["status"] == RunStatus.FAILED:
+        return None
+    assert run.manifest is not None
     index_root = runindex.index_root(run.config.output)
-    add_drift(run.config, data, index_root)
-    report = RunReport(data)
-    lock.assert_held()  # the fence, before each commit
-    storage.write_json(run.control.child(REPORT_NAME), data, point="report-rename")
+    found = verdict_mod.judge(run.config, data, run.manifest, index_root)
+    data["drift"], data["verdict"] = found.drift, found.verdict
+    for warning in found.warnings:
+        logger.warning("%s", warning)
+    data["warnings"].extend(found.warnings)
+    if found.alert_open:
+        # From succeeded_with_errors too (rejects or failed shards within the budget): the
+        # status alone gives the exit code (4 here), and scores that drifted need a look
+        # before anyone uses them, which a 0 would hide. The rejects and failed shards stay in
+        # the report (errors, rows_rejected, shards_failed).
+        data["status"] = RunStatus.SUCCEEDED_WITH_WARNINGS
+    return found.record
+
+
+def _commit(run: ScoringRun, data: dict[str, Any], record: dict[str, Any] | None) -> None:
+    """Write what the run decided: the manifest (with the verdict), the run-index entry, the
+    page, the report, and ``_SUCCESS`` last."""
+    lock, manifest = run.lock_, run.manifest
+    assert lock is not None and manifest is not None
+    if record is not None:
+        manifest.set_verdict(record)
+    manifest.flush()  # fenced; an error names the file
+    _record(run, data, warn=True)
     lock.assert_held()
     write_html(run.control, data)
-    record_run(run.config, index_root, run.control, data)
-    if report.status not in (RunStatus.FAILED, RunStatus.INTERRUPTED):
+    lock.assert_held()
+    write_report(run.control, data)
+    if data["status"] not in SUCCESS_STATUSES:
+        return
+    if run.stop.requested:
+        # A signal while the report was being written: the run was asked to stop before its
+        # output was committed, so it is not (decide() explains why).
+        logger.warning("%s arrived before _SUCCESS was written", run.stop.signal_name)
+        data["status"] = RunStatus.INTERRUPTED
+        data["failure_reasons"] = [run.stop.reason, *data["failure_reasons"]]
+        _record(run, data)
         lock.assert_held()
-        storage.write_bytes(run.out_root.child(SUCCESS_NAME), b"", point="success-rename")
-    return report
+        write_html(run.control, data)
+        write_report(run.control, data)
+        return
+    lock.assert_held()
+    success = run.out_root.child(SUCCESS_NAME)
+    naming(success, lambda: storage.write_bytes(success, b"", point="success-rename"))
+
+
+def _record(run: ScoringRun, data: dict[str, Any], *, warn: bool = False) -> bool:
+    """The run's entry in the run index (``warn``: a failure becomes a warning of the report);
+    whether it was written."""
+    index_root = runindex.index_root(run.config.output)
+    problem = record_run(run.config, index_root, run.control, data)
+    if problem is not None and warn:
+        data["warnings"].append(problem)
+    return problem is None
+
+
+def _retract(run: ScoringRun, data: dict[str, Any], e: Exception) -> None:
+    """The run failed while committing: say so wherever it already said otherwise.
+
+    ``data`` becomes a failed report (the metrics publish it); where the run-index entry, the
+    report or the page were written they are rewritten as failed, or removed when that fails
+    too (a full disk still lets a file be deleted), and ``_SUCCESS`` is withdrawn. A run that
+    lost its lock touches nothing: the output is another run's now.
+    """
+    data["status"] = RunStatus.FAILED
+    data["failure_reasons"] = [f"could not commit the run: {describe(e)}", *data["failure_reasons"]]
+    run.failure_data = data
+    if run.lock_ is None or isinstance(e, LockLostError):
+        return
+    _remove(run.out_root.child(SUCCESS_NAME))
+    if not _record(run, data):
+        config = run.config
+        root = runindex.index_root(config.output)
+        log_cleanup_error(
+            lambda: runindex.remove(root, config.storage, config.name, run.run_id),
+            "removing the run's entry from the run index",
+        )
+    writers: list[tuple[str, Callable[[Location, dict[str, Any]], None]]] = [
+        (REPORT_NAME, write_report),
+        (HTML_NAME, write_html),
+    ]
+    for name, write in writers:
+        try:
+            run.lock_.assert_held()
+            write(run.control, data)
+        except Exception as again:
+            logger.error(
+                "no %s is left: it could not be written as failed (%s)", name, describe(again)
+            )
+            _remove(run.control.child(name))
+
+
+def _remove(loc: Location) -> None:
+    """Delete ``loc``; an error is logged (a retraction must not hide the run's error)."""
+    log_cleanup_error(lambda: storage.remove(loc), f"removing {loc.uri}")
 
 
 def _reconcile(run: ScoringRun, want: Wanted) -> Reconciliation:
@@ -295,7 +384,7 @@ def report_failure(run: ScoringRun, e: Exception) -> dict[str, Any] | None:
         for key in ("foreign_removed", "foreign_kept"):
             data.setdefault(key, [])
         run.lock_.assert_held()
-        storage.write_json(run.control.child(REPORT_NAME), data, point="report-rename")
+        write_report(run.control, data)
         write_html(run.control, data)
     except Exception as report_error:
         logger.error("could not write the report: %s", describe(report_error))

@@ -535,17 +535,39 @@ def _drift_columns(d: DriftComparison) -> str:
     return "<h3>Per column</h3>" + _table(["column", "PSI", "KS", "alert"], table_rows, classes)
 
 
+def _verdict_lines(r: ReportData) -> list[tuple[str, Any]]:
+    """Whose verdict on the dataset this is, and who accepted its alert."""
+    v = r.get("verdict")
+    if not v:
+        return []
+    lines: list[tuple[str, Any]] = [("dataset", v["dataset"])]
+    if v["reused"]:
+        lines.append(
+            ("verdict", f"kept from run {v['judged_by']} ({v['judged_at']}): the data is unchanged")
+        )
+    acc = v.get("accepted")
+    if acc:
+        lines.append(("accepted", f"by {acc['by']} at {acc['at']}: {acc['reason']}"))
+    return lines
+
+
 def _drift(r: ReportData) -> str:
     drift: DriftComparison | DriftNote | None = r["drift"]
     if drift is None:
         return _p("No drift comparison for this run (monitoring.drift is off, or the run failed).")
     if drift["baseline"] is None:
-        return _p(drift.get("note") or "No drift comparison for this run (no baseline run).")
+        note = drift.get("note") or "No drift comparison for this run (no baseline run)."
+        return _p(note) + (_kv(_verdict_lines(r)) if r.get("verdict") else "")
     d = drift  # a comparison: its baseline is a run, not None
     base, th, n = d["baseline"], d["thresholds"], d["rows"]
+    verdict = r.get("verdict")
+    accepted = verdict is not None and verdict["accepted"] is not None
+    if d["alert"]:
+        banner = ("warn", "DRIFT ALERT, ACCEPTED") if accepted else ("bad", "DRIFT ALERT")
+    else:
+        banner = ("ok", "No drift alert")
     out = [
-        f'<div class="banner {"bad" if d["alert"] else "ok"}">'
-        f"{'DRIFT ALERT' if d['alert'] else 'No drift alert'}</div>",
+        f'<div class="banner {banner[0]}">{banner[1]}</div>',
         _kv(
             [
                 ("baseline run", base["run_id"]),
@@ -556,6 +578,7 @@ def _drift(r: ReportData) -> str:
                     f"PSI > {_g(th['psi'])}, KS > {_g(th['ks'])}, "
                     f"row count change > {_pct(th['rows_change'])}",
                 ),
+                *_verdict_lines(r),
             ]
         ),
     ]
@@ -613,7 +636,7 @@ _SECTIONS: list[tuple[str, str, Callable[[ReportData], str]]] = [
 
 
 def render_html(report: ReportData) -> str:
-    """The whole ``_report.html`` page for one ``_report.json`` (``schema_version`` 3).
+    """The whole ``_report.html`` page for one ``_report.json`` (``schema_version`` 4).
 
     A section that fails on a malformed value says so on the page; the others still render.
     """

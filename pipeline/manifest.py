@@ -106,6 +106,9 @@ class Manifest:
     # Where it was read from when that was an older version's place (see pipeline.layout):
     # the run that takes the lock saves it to ``loc`` and removes that copy.
     read_from: Location | None = field(default=None, repr=False)
+    # The drift verdict on the dataset these entries describe (pipeline.verdict), kept with them
+    # so that a rerun which leaves the dataset unchanged reports the same verdict.
+    verdict: dict[str, Any] | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, control: Location, old: Sequence[Location] = ()) -> Manifest:
@@ -115,13 +118,19 @@ class Manifest:
         loc = control.child(MANIFEST_NAME)
         for where in (control, *old):
             src = where.child(MANIFEST_NAME)
-            found = cls._read(src)
-            if found is not None:
-                return cls(loc, found, read_from=None if src == loc else src)
+            doc = cls._read(src)
+            if doc is not None:
+                verdict = doc.get("verdict")
+                return cls(
+                    loc,
+                    dict(doc.get("shards", {})),
+                    read_from=None if src == loc else src,
+                    verdict=verdict if isinstance(verdict, dict) else None,
+                )
         return cls(loc)
 
     @staticmethod
-    def _read(loc: Location) -> dict[str, dict[str, Any]] | None:
+    def _read(loc: Location) -> dict[str, Any] | None:
         try:
             doc = storage.read_json(loc)
         except json.JSONDecodeError as e:
@@ -136,7 +145,7 @@ class Manifest:
                 f"{loc.uri} has schema_version {doc.get('schema_version')!r}; this version reads "
                 f"{SCHEMA_VERSION}. Delete it (or use --force) to rescore everything."
             )
-        return dict(doc.get("shards", {}))
+        return dict(doc)
 
     def matches(self, rel_path: str, expect: dict[str, Any]) -> bool:
         """True if the entry of ``rel_path`` says it was scored from the same input, model and
@@ -154,6 +163,12 @@ class Manifest:
         if self.shards.pop(rel_path, None) is not None:
             self._changed()
 
+    def set_verdict(self, verdict: dict[str, Any] | None) -> None:
+        """Keep ``verdict`` with the entries (saved by the next :meth:`flush`)."""
+        if verdict != self.verdict:
+            self.verdict = verdict
+            self._dirty = True
+
     def _changed(self) -> None:
         self._dirty = True
         if time.monotonic() - self._last_end >= self._last_cost / SAVE_BUDGET:
@@ -166,16 +181,21 @@ class Manifest:
 
     def save(self) -> None:
         t0 = time.monotonic()
-        storage.write_json(
-            self.loc,
-            {
-                "schema_version": SCHEMA_VERSION,
-                "updated_at": dt.datetime.now(dt.timezone.utc).isoformat(),
-                "shards": dict(sorted(self.shards.items())),
-            },
-            point="manifest-rename",
-            compact=True,
-        )
+        doc: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "updated_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+            "shards": dict(sorted(self.shards.items())),
+        }
+        if self.verdict is not None:
+            # An optional key: versions that do not know it read the shards as before.
+            doc["verdict"] = self.verdict
+        try:
+            storage.write_json(self.loc, doc, point="manifest-rename", compact=True)
+        except OSError as e:
+            if e.filename:
+                raise
+            # A full disk's ENOSPC names no file: say which one could not be written.
+            raise StorageError(f"could not write {self.loc.uri}: {type(e).__name__}: {e}") from e
         self._dirty = False
         self._last_end = time.monotonic()
         self._last_cost = self._last_end - t0

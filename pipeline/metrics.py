@@ -16,7 +16,8 @@ Every metric is a gauge describing the last run (a batch job's counters would re
 each run), so none ends in ``_total``. The usual alerts:
 ``time() - score_catalog_last_success_timestamp_seconds > 26 * 3600`` (the nightly run has not
 succeeded for a day), ``score_catalog_last_run_status{status="failed"} == 1``,
-``score_catalog_last_run_drift_psi > 0.25``.
+``score_catalog_last_run_drift_psi > 0.25 unless on (job_name)
+score_catalog_last_run_drift_accepted == 1``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import datetime as dt
 import http.client
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, push_to_gateway, write_to_textfile
@@ -132,6 +133,7 @@ def registry_for(
         _number(report.get("rows_per_s")) if report.get("rows_processed") else None,
     )
     _drift_gauge(reg, job, report.get("drift"))
+    _accepted_gauge(reg, job, report.get("drift"), report.get("verdict"))
     _status_gauge(reg, job, status)
     return reg
 
@@ -150,6 +152,20 @@ def _drift_gauge(reg: CollectorRegistry, job: str, drift: Any) -> None:
         value = _number(stats.get("psi")) if isinstance(stats, Mapping) else None
         if value is not None:
             psi.labels(job, str(col)).set(value)
+
+
+def _accepted_gauge(reg: CollectorRegistry, job: str, drift: Any, verdict: Any) -> None:
+    """1 when the dataset's drift alert was accepted (``score-catalog accept-drift``), 0 when
+    it is open; no sample without a drift alert."""
+    g = Gauge(
+        f"{PREFIX}_last_run_drift_accepted",
+        "Whether the drift alert on the last run's dataset was accepted (1) or is open (0).",
+        [JOB_LABEL],
+        registry=reg,
+    )
+    if isinstance(drift, Mapping) and drift.get("alert"):
+        accepted = isinstance(verdict, Mapping) and bool(verdict.get("accepted"))
+        g.labels(job).set(1 if accepted else 0)
 
 
 def _status_gauge(reg: CollectorRegistry, job: str, status: Any) -> None:
@@ -244,3 +260,69 @@ def push_metrics(
         # OSError for those); HTTPException a server that does not speak HTTP; ValueError a URL
         # that cannot be parsed.
         raise StorageError(f"cannot push metrics to Pushgateway {url}: {e}") from e
+
+
+def failure_summary(
+    job: str,
+    started_at: dt.datetime,
+    duration: float,
+    error: str,
+    status: str = RunStatus.FAILED,
+) -> dict[str, Any]:
+    """The fields the metrics read, for a run that ended without a report: stopped before
+    scoring (exit 2 or 3), an error where no report could be written, a second signal."""
+    return {
+        "job": job,
+        "status": status,
+        "started_at": started_at.isoformat(),
+        "finished_at": (started_at + dt.timedelta(seconds=duration)).isoformat(),
+        "duration_s": duration,
+        "rows_out": 0,
+        "rows_rejected": 0,
+        "shards_failed": 0,
+        "shards_not_scored": 0,
+        "rows_processed": 0,
+        "rows_per_s": None,  # nothing was scored: no throughput
+        "drift": None,
+        "error": error,
+    }
+
+
+def publish(
+    metrics_file: str | None,
+    pushgateway: str | None,
+    data: Mapping[str, Any],
+    last_success: Callable[[], float | None] | None = None,
+) -> None:
+    """``data`` (a report, or a :func:`failure_summary`) to ``metrics_file`` and
+    ``pushgateway`` where given; ``last_success`` finds the last success for a push when the
+    metrics file does not have it (a push replaces the whole group).
+
+    Never raises: the run is over, and an error here must not hide how it ended.
+    """
+    try:
+        _publish(metrics_file, pushgateway, data, last_success)
+    except Exception as e:
+        logger.error("could not publish the run's metrics: %s: %s", type(e).__name__, e)
+
+
+def _publish(
+    metrics_file: str | None,
+    pushgateway: str | None,
+    data: Mapping[str, Any],
+    last_success: Callable[[], float | None] | None,
+) -> None:
+    previous = None
+    if metrics_file is not None:
+        previous = previous_success_timestamp(metrics_file, str(data["job"]))
+        try:
+            write_metrics_file(metrics_file, data, previous_success_ts=previous)
+        except StorageError as e:
+            logger.error("%s", e)
+    if pushgateway is not None:
+        if previous is None and data.get("status") == RunStatus.FAILED and last_success:
+            previous = last_success()
+        try:
+            push_metrics(pushgateway, data, previous_success_ts=previous)
+        except StorageError as e:
+            logger.error("%s", e)

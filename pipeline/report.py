@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 REPORT_NAME = "_report.json"
 HTML_NAME = "_report.html"
 # 3: the report is described by a committed JSON Schema (pipeline/schemas); keys as in 2.
-SCHEMA_VERSION = 3
+# 4: the dataset's drift verdict (``verdict``: pipeline.verdict).
+SCHEMA_VERSION = 4
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
 STATUSES = (
     RunStatus.SUCCEEDED,
@@ -419,6 +420,8 @@ def build_report(
         "rejects_by_reason": _rejects_by_reason(shards),
         "throughput": _throughput(scored, t0),
         "drift": None,
+        # The drift verdict on the dataset (pipeline.verdict), filled in by the finish phase.
+        "verdict": None,
         "errors": errors,
         "warnings": warnings,
         "lossy_casts": lossy_cast_entries(scored),
@@ -550,6 +553,11 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
     if lat["p50"] is not None:
         lines.append(
             f"  batch ms  p50 {lat['p50']:.2f}  p95 {lat['p95']:.2f}  p99 {lat['p99']:.2f}"
+        )
+    verdict = d.get("verdict") or {}
+    if verdict.get("reused") and (d.get("drift") or {}).get("alert"):
+        lines.append(
+            f"  drift     the verdict of run {verdict['judged_by']}: the data is unchanged since"
         )
     lines += _shard_lines(d["shards"], max_shards)
     for warning in d.get("warnings", []):

@@ -30,8 +30,8 @@ from typing import Any, Literal, TypedDict
 from pipeline.statuses import FailureKind, RunStatus, ShardStatus
 
 #: The ``schema_version`` this module and the committed schema describe. 3 added the
-#: ``interrupted`` status and made the report's shape a committed JSON Schema.
-SCHEMA_VERSION = 3
+#: ``interrupted`` status and made the report's shape a committed JSON Schema; 4 the ``verdict``.
+SCHEMA_VERSION = 4
 #: Where the schema ships inside the package (``pipeline/schemas/report.schema.json``).
 SCHEMA_RESOURCE = "schemas/report.schema.json"
 
@@ -340,11 +340,29 @@ class DriftComparison(TypedDict):
     reasons: list[str]
 
 
+class DriftAcceptance(TypedDict):
+    """Who accepted a dataset's drift alert, when and why (``score-catalog accept-drift``)."""
+
+    by: str
+    at: str
+    reason: str
+
+
+class Verdict(TypedDict):
+    """``verdict``: the drift verdict on the dataset the output holds (``pipeline.verdict``)."""
+
+    dataset: str  # a hash of the output's content: shards, input versions, model, settings
+    judged_by: str  # the run that compared this dataset with the previous one
+    judged_at: str
+    reused: bool  # this run left the dataset unchanged and kept that run's verdict
+    accepted: DriftAcceptance | None
+
+
 # ---------------------------------------------------------------- the report
 
 
 class ReportData(TypedDict):
-    """Every key of ``_report.json`` (``schema_version`` 3); all are always present."""
+    """Every key of ``_report.json`` (``schema_version`` 4); all are always present."""
 
     schema_version: int
     run_id: str
@@ -386,6 +404,7 @@ class ReportData(TypedDict):
     rejects_by_reason: dict[str, int]
     throughput: list[ThroughputPoint]
     drift: DriftComparison | DriftNote | None  # None when [monitoring] drift is off or failed
+    verdict: Verdict | None  # None where drift is
     errors: list[ErrorEntry]
     warnings: list[str]
     lossy_casts: list[LossyCastEntry]  # feature columns that lost precision as float32
@@ -426,6 +445,8 @@ SCHEMA_OBJECTS: dict[str, type] = {
     "#/$defs/drift_rows": DriftRows,
     "#/$defs/drift_column": DriftColumn,
     "#/$defs/drift_thresholds": DriftThresholdValues,
+    "#/$defs/verdict": Verdict,
+    "#/$defs/drift_acceptance": DriftAcceptance,
 }
 
 
@@ -455,7 +476,7 @@ def _non_finite(value: Any, path: str = "$") -> Iterator[str]:
 def validate_report(data: Any) -> None:
     """Raise :class:`ReportSchemaError` listing every way ``data`` differs from the schema.
 
-    ``data`` is a parsed ``_report.json`` of ``schema_version`` 3 (older reports are not
+    ``data`` is a parsed ``_report.json`` of ``schema_version`` 4 (older reports are not
     checked against it). Beyond the schema, NaN and infinite numbers are refused: Python's
     ``json`` writes them as ``NaN``/``Infinity`` tokens, which are not JSON and which strict
     parsers (``jq``, browsers, Go, Java) reject.

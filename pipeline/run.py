@@ -7,10 +7,12 @@ passes), ``lock`` (take the output, clear what a crashed run left, find what is 
 
 Order of commits: once the lock is taken, the previous run's ``_SUCCESS`` and report are
 withdrawn and what an older version kept elsewhere is moved (``pipeline.layout.claim``); then
-each shard's rejects, its output, its manifest entry; ``_report.json``, ``_report.html`` (in the
-output's control folder, outside the template's root) and the run-index entry after every shard
-has finished; ``_SUCCESS`` last and only when the run succeeded within
+each shard's rejects, its output, its manifest entry; after every shard has finished, the run's
+status is decided once (``pipeline.finish.decide``), then the manifest with the dataset's drift
+verdict, the run-index entry, ``_report.html`` and ``_report.json`` (in the output's control
+folder, outside the template's root); ``_SUCCESS`` last and only when the run succeeded within
 its error budget and what readers see of the output matched the report (``pipeline.reconcile``).
+A failure among these rewrites what was written as failed.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ class ScoringRun:
                 self.score()
                 return self.finish()
             except Exception as e:
-                self._report_failure(e)
+                if self.failure_data is None:  # else finish already rewrote its report as failed
+                    self._report_failure(e)
                 raise
         raise AssertionError("unreachable")  # pragma: no cover  (ExitStack never swallows)
 
@@ -226,7 +229,9 @@ class ScoringRun:
             for path in storage.remove_stale_temporaries(root):
                 logger.info("removed a temporary file left by an interrupted run: %s", path)
         loaded = Manifest.load(self.control, self.places.old_controls)
-        self.manifest = FencedManifest(loaded.loc, loaded.shards, fence=self.lock_.assert_held)
+        self.manifest = FencedManifest(
+            loaded.loc, loaded.shards, verdict=loaded.verdict, fence=self.lock_.assert_held
+        )
         moved = self._rejects_moved()
         if loaded.read_from is not None or moved:
             # Written by an older version elsewhere (inside the output), or naming rejects
@@ -459,7 +464,7 @@ def run(
         if summary is None:
             status = RunStatus.FAILED if isinstance(e, Exception) else RunStatus.INTERRUPTED
             duration = time.perf_counter() - t0
-            summary = finish.failed_summary(config, started_at, duration, e, status)
+            summary = finish.failed_summary(config.name, started_at, duration, e, status)
         finish.publish_metrics(config, summary)
         logs.bind_run_id(outer_run_id)
         raise

@@ -14,7 +14,7 @@ import datetime as dt
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pipeline import layout, storage
@@ -29,6 +29,8 @@ SUCCESS_STATUSES = frozenset(
     {RunStatus.SUCCEEDED, RunStatus.SUCCEEDED_WITH_ERRORS, RunStatus.SUCCEEDED_WITH_WARNINGS}
 )
 REQUIRED_KEYS = ("run_id", "job", "status", "started_at", "finished_at", "output", "report")
+#: Drift acceptances (``score-catalog accept-drift``), below the job's folder of the index.
+ACCEPTED_DIR = "_accepted"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -78,6 +80,11 @@ def record(root: str, options: Mapping[str, Any] | None, job: str, entry: dict[s
     return loc.uri
 
 
+def remove(root: str, options: Mapping[str, Any] | None, job: str, run_id: str) -> None:
+    """Delete the entry of run ``run_id`` (one that could not be rewritten after it failed)."""
+    storage.remove(_job_dir(root, options, job).child(f"{safe_name(run_id)}.json"))
+
+
 def _parse_time(value: Any) -> dt.datetime:
     if not isinstance(value, str):
         raise ValueError(f"finished_at is {value!r}, not an ISO-8601 string")
@@ -94,11 +101,13 @@ def previous_success(
     *,
     exclude_run_id: str | None = None,
     scored_only: bool = False,
+    skip: Callable[[dict[str, Any]], bool] | None = None,
 ) -> dict[str, Any] | None:
     """The newest (by ``finished_at``) successful entry of ``job`` in the index, or None.
 
     ``scored_only`` skips runs that scored no rows themselves (a resume that found every shard
-    done): they have no score distribution to compare with.
+    done): they have no score distribution to compare with. ``skip`` skips every entry for
+    which it returns True (the drift baseline skips the current dataset: pipeline.verdict).
 
     Successful means a status in :data:`SUCCESS_STATUSES`. ``exclude_run_id`` skips one run
     (the current one, if it was already recorded). Entries that cannot be read or parsed are
@@ -106,31 +115,12 @@ def previous_success(
     different job whose name sanitizes to the same directory are skipped too. A missing index
     gives None.
     """
-    d = _job_dir(root, options, job)
-    try:
-        entries = [e for e in storage.ls(d) if e.name.endswith(".json")]
-    except FileNotFoundError:
-        return None
-    entries = [e for e in entries if not e.name.startswith(".")]
-    if not entries:
-        return None
-    # One bulk fetch: object stores serve these concurrently, instead of one round trip each.
-    blobs = storage.read_many(entries)
     best: tuple[dt.datetime, dict[str, Any]] | None = None
-    for e in entries:
-        raw = blobs[e.uri]
+    for uri, entry in _entries(_job_dir(root, options, job), "run index entry"):
         try:
-            if isinstance(raw, BaseException):
-                raise raw
-            entry = json.loads(raw)
-            if not isinstance(entry, dict):
-                raise ValueError("not a JSON object")
             finished = _parse_time(entry.get("finished_at"))
-        except FileNotFoundError:
-            # Listed, then gone: pruned by someone else meanwhile; nothing to warn about.
-            continue
-        except (OSError, ValueError, TypeError, PipelineError) as err:
-            logger.warning("skipping unreadable run index entry %s: %s", e.uri, err)
+        except (ValueError, TypeError) as err:
+            logger.warning("skipping unreadable run index entry %s: %s", uri, err)
             continue
         if entry.get("job", job) != job or entry.get("status") not in SUCCESS_STATUSES:
             continue
@@ -138,6 +128,70 @@ def previous_success(
             continue
         if scored_only and entry.get("rows_processed", 1) == 0:
             continue
+        if skip is not None and skip(entry):
+            continue
         if best is None or finished > best[0]:
             best = (finished, entry)
     return best[1] if best else None
+
+
+def _entries(d: storage.Location, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(uri, document)`` of each ``*.json`` file directly in ``d``; none if ``d`` is missing.
+
+    A file that cannot be read or is not a JSON object is skipped with a warning naming it
+    (``what`` says what it should have been): a damaged entry must never stop a run.
+    """
+    try:
+        found = [e for e in storage.ls(d) if e.name.endswith(".json")]
+    except FileNotFoundError:
+        return
+    found = [e for e in found if not e.name.startswith(".")]
+    # One bulk fetch: object stores serve these concurrently, instead of one round trip each.
+    blobs = storage.read_many(found)
+    for e in found:
+        raw = blobs[e.uri]
+        try:
+            if isinstance(raw, BaseException):
+                raise raw
+            doc = json.loads(raw)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+        except FileNotFoundError:
+            # Listed, then gone: pruned by someone else meanwhile; nothing to warn about.
+            continue
+        except (OSError, ValueError, TypeError, PipelineError) as err:
+            logger.warning("skipping unreadable %s %s: %s", what, e.uri, err)
+            continue
+        yield e.uri, doc
+
+
+def record_acceptance(
+    root: str, options: Mapping[str, Any] | None, job: str, entry: dict[str, Any]
+) -> str:
+    """Write a drift acceptance as ``<root>/_runs/<job>/_accepted/<at>-<dataset>.json``.
+
+    ``entry`` holds at least ``dataset``, ``baseline`` (the run the drift was measured
+    against), ``by``, ``at`` and ``reason``. One file each, never rewritten: the index keeps
+    who accepted what, when and why. Returns its URI.
+    """
+    stamp = re.sub(r"[^0-9A-Za-z]", "", str(entry["at"]))
+    name = f"{stamp}-{safe_name(str(entry['dataset']))}.json"
+    loc = _job_dir(root, options, job).child(f"{ACCEPTED_DIR}/{name}")
+    storage.write_json(loc, entry, point="acceptance-rename")
+    return loc.uri
+
+
+def acceptance(
+    root: str, options: Mapping[str, Any] | None, job: str, dataset: str, baseline: Any
+) -> dict[str, Any] | None:
+    """The newest acceptance of the drift of ``dataset`` against run ``baseline``, or None.
+
+    Unreadable entries are skipped with a warning, like run entries.
+    """
+    best: dict[str, Any] | None = None
+    for _uri, found in _entries(_job_dir(root, options, job).child(ACCEPTED_DIR), "acceptance"):
+        if found.get("dataset") != dataset or found.get("baseline") != baseline:
+            continue
+        if best is None or str(found.get("at")) > str(best.get("at")):
+            best = found
+    return best

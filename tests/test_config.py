@@ -21,7 +21,9 @@ from pipeline.config import (
     SETTINGS,
     ErrorPolicy,
     JobConfig,
+    MetricsDestination,
     build_config,
+    metrics_destination,
 )
 from pipeline.errors import EXIT_USAGE, ConfigError
 
@@ -801,3 +803,27 @@ def test_nan_is_not_a_valid_batch_size_from_env() -> None:
     with pytest.raises(ConfigError) as excinfo:
         build_config(env={"SCORE_CATALOG_BATCH_SIZE": "nan"}, overrides=BASE)
     assert problems_of(excinfo) == ["SCORE_CATALOG_BATCH_SIZE='nan' is not an integer or \"auto\""]
+
+
+# --- where the metrics of a job whose configuration is wrong go (issue 22, item 8) -----------
+
+
+def test_metrics_destination_reads_every_layer_that_can_be_read(tmp_path: Path) -> None:
+    job = tmp_path / "nightly.toml"
+    job.write_text('batch_size = "lots"\nmetrics_file = "/m/job.prom"\nunknown_key = 1\n')
+    with pytest.raises(ConfigError):
+        build_config(job, env={})
+    found = metrics_destination(job, env={"SCORE_CATALOG_BATCH_SIZ": "5"})
+    assert found == MetricsDestination("nightly", "/m/job.prom", None)
+    # Later layers win, as in build_config; a value that is wrong itself is left out.
+    env = {"SCORE_CATALOG_METRICS_FILE": "/m/env.prom", "SCORE_CATALOG_PUSHGATEWAY": "gw:9091"}
+    found = metrics_destination(job, env=env, overrides={"name": "nightly-eu"})
+    assert found == MetricsDestination("nightly-eu", "/m/env.prom", None)
+
+
+def test_metrics_destination_without_a_readable_job_file(tmp_path: Path) -> None:
+    job = tmp_path / "broken.toml"
+    job.write_text('input = "unterminated\n')
+    env = {"SCORE_CATALOG_PUSHGATEWAY": "http://gw:9091"}
+    assert metrics_destination(job, env=env) == MetricsDestination("broken", None, "http://gw:9091")
+    assert metrics_destination(tmp_path / "missing.toml", env={}) is None

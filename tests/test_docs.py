@@ -126,7 +126,16 @@ def test_flag_reference_matches_help() -> None:
     flags_doc = (DOCS / "flags.md").read_text(encoding="utf-8")
     helps = {
         name: _help(*name.split())
-        for name in ("run", "demo", "bench", "plan", "report", "backfill", "bundle register")
+        for name in (
+            "run",
+            "demo",
+            "bench",
+            "plan",
+            "report",
+            "backfill",
+            "bundle register",
+            "accept-drift",
+        )
     }
     # Every option in the flag table is an option of `run`...
     table = re.findall(r"^\| `(--[a-z][a-z0-9-]+)", flags_doc, flags=re.M)

@@ -142,6 +142,8 @@ def full_report() -> dict[str, Any]:
             "alert": True,
             "reasons": ["score: PSI 0.31 > 0.2 against run 20261128T222511Z-aaaaaa"],
         },
+        "verdict": {"dataset": "0123456789abcdef", "judged_by": "20261129T222511Z-bbbbbb",
+                    "judged_at": "2026-11-29T22:25:16+00:00", "reused": False, "accepted": None},
         "errors": [{"shard": "/data/catalog/part-00003.parquet", "kind": "schema",
                     "message": "missing column f3"}],
         "warnings": ["drift: score: PSI 0.31 > 0.2 against run 20261128T222511Z-aaaaaa"],

@@ -102,9 +102,24 @@ def test_file_values_equal_the_report(tmp_path: Path) -> None:
         "score_catalog_last_run_drift_psi",
         (("job_name", JOB), ("output", "new_col")),
     ) not in found
-    assert len(found) == 8 + 2 + len(STATUSES)
+    # The alert is open: nobody accepted it (the report has no verdict saying so).
+    assert value(found, "last_run_drift_accepted") == 0
+    assert len(found) == 8 + 2 + 1 + len(STATUSES)
     assert "# HELP score_catalog_last_success_timestamp_seconds Unix time" in text
     assert "# TYPE score_catalog_last_run_status gauge" in text
+
+
+def test_drift_accepted_is_1_once_accepted_and_absent_without_an_alert(tmp_path: Path) -> None:
+    path = tmp_path / "m.prom"
+    accepted = {"by": "alice", "at": "2026-03-01T09:00:00+00:00", "reason": "new feed"}
+    verdict = {"dataset": "d", "judged_by": "r", "judged_at": "t", "reused": True}
+    write_metrics_file(str(path), report(verdict={**verdict, "accepted": accepted}))
+    assert value(samples(path.read_text()), "last_run_drift_accepted") == 1
+    calm = report(drift={"baseline": None, "note": "first run"}, verdict=None)
+    write_metrics_file(str(path), calm)
+    assert not any(
+        name == "score_catalog_last_run_drift_accepted" for name, _ in samples(path.read_text())
+    )
 
 
 # --- Names and labels that fit Prometheus --------------------------------------------------
@@ -112,7 +127,11 @@ def test_file_values_equal_the_report(tmp_path: Path) -> None:
 #: Unit suffixes in Prometheus's naming convention for what a run measures; a name ends in one
 #: unless its value has no unit (an index, a 0/1 state).
 UNITS = ("_timestamp_seconds", "_seconds", "_rows", "_shards", "_rows_per_second")
-UNITLESS = {"score_catalog_last_run_drift_psi", "score_catalog_last_run_status"}
+UNITLESS = {
+    "score_catalog_last_run_drift_psi",
+    "score_catalog_last_run_drift_accepted",
+    "score_catalog_last_run_status",
+}
 
 
 def _families(tmp_path: Path, **extra: Any) -> tuple[str, list[Any]]:
@@ -124,7 +143,7 @@ def _families(tmp_path: Path, **extra: Any) -> tuple[str, list[Any]]:
 
 def test_names_and_labels_fit_prometheus_conventions(tmp_path: Path) -> None:
     text, families = _families(tmp_path)
-    assert len(families) == 10
+    assert len(families) == 11
     for fam in families:
         # One prefix, units last, `_total` only on counters (there are none: every metric
         # describes the last run, and a batch job's counter would restart at 0 each run).

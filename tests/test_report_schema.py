@@ -1,8 +1,9 @@
 """``_report.json`` against its committed JSON Schema, its TypedDicts and docs/report.md's table.
 
 The reports validated here come from real runs of :func:`pipeline.run` on real Parquet shards
-(several row groups each): a success, a resumed run (one shard scored again, one skipped, drift
-compared with the first run), a rerun that finds everything done, a run failed by the error
+(several row groups each): a success, a resumed run (one lost shard scored again from the same
+input, one skipped: the same dataset, so the first run's verdict), a rerun that finds everything
+done, a run failed by the error
 budget (rejected rows and an unreadable shard), a run stopped by a fatal invalid row, a run that
 takes over the lock of a dead process, and a run that skips a shard whose columns do not fit the
 model.
@@ -64,7 +65,7 @@ def test_schema_file_is_a_valid_draft_2020_12_schema() -> None:
     jsonschema.Draft202012Validator.check_schema(schema)
     assert schema["additionalProperties"] is False
     assert schema["properties"]["schema_version"] == {"const": SCHEMA_VERSION}
-    assert SCHEMA_VERSION == 3
+    assert SCHEMA_VERSION == 4
 
 
 @pytest.mark.parametrize(
@@ -215,6 +216,7 @@ def _minimal_valid() -> dict[str, Any]:
         "rejects_by_reason": {},
         "throughput": [{"t_s": 0.0, "rows": 0}],
         "drift": None,
+        "verdict": None,
         "errors": [],
         "warnings": [],
         "lossy_casts": [],
@@ -345,18 +347,22 @@ def test_success(runs: dict[str, dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow  # real runs (the module's ``runs`` fixture)
-def test_resumed_run_skips_what_is_done_and_compares_drift(
+def test_resumed_run_skips_what_is_done_and_keeps_the_datasets_verdict(
     runs: dict[str, dict[str, Any]],
 ) -> None:
     r = runs["resumed"]
     assert [s["status"] for s in r["shards"]] == [ShardStatus.SKIPPED, ShardStatus.SCORED]
-    assert r["drift"]["baseline"]["run_id"] == runs["success"]["run_id"]
-    assert set(r["drift"]["columns"]) == {"score", "label"}
+    # The lost file was scored again from the same input: the dataset is the one the first run
+    # judged, so its verdict stands (it is not compared with itself).
+    first = runs["success"]
+    assert r["verdict"]["dataset"] == first["verdict"]["dataset"]
+    assert r["verdict"]["reused"] is True and r["verdict"]["judged_by"] == first["run_id"]
+    assert r["drift"] == first["drift"]
     done = runs["all_done"]
     assert done["shards_skipped"] == 2 and done["rows_processed"] == 0
     # A rerun that scores nothing still describes the whole output (issue: "a rerun describes
     # the dataset"): outputs come from the skipped shards' manifest statistics.
-    assert done["drift"]["baseline"] is None
+    assert done["drift"]["baseline"] is None and done["verdict"]["reused"] is True
     assert done["outputs"]["score"]["count"] == done["rows_out"]
 
 

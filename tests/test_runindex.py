@@ -14,7 +14,15 @@ import pytest
 
 from pipeline import storage
 from pipeline.errors import ConfigError
-from pipeline.runindex import index_root, previous_success, record, safe_name
+from pipeline.runindex import (
+    acceptance,
+    index_root,
+    previous_success,
+    record,
+    record_acceptance,
+    remove,
+    safe_name,
+)
 
 JOB = "nightly-catalog"
 
@@ -207,3 +215,37 @@ def test_scored_only_skips_runs_that_scored_nothing(tmp_path: Path) -> None:
     assert previous_success(root, {}, "j")["run_id"] == "b"  # type: ignore[index]
     found = previous_success(root, {}, "j", scored_only=True)
     assert found is not None and found["run_id"] == "a"
+
+
+def test_skip_leaves_out_the_entries_it_names(root: str) -> None:
+    old = {**entry("20260301T230000Z-aaaaaa", "2026-03-01T23:10:00+00:00"), "dataset": "d1"}
+    new = {**entry("20260302T230000Z-bbbbbb", "2026-03-02T23:10:00+00:00"), "dataset": "d2"}
+    record(root, {}, JOB, old)
+    record(root, {}, JOB, new)
+    assert previous_success(root, {}, JOB) == new
+    found = previous_success(root, {}, JOB, skip=lambda e: e.get("dataset") == "d2")
+    assert found == old
+    assert previous_success(root, {}, JOB, skip=lambda e: True) is None
+
+
+def test_acceptances_are_kept_beside_the_runs_and_found_by_dataset_and_baseline(
+    root: str,
+) -> None:
+    base = {"dataset": "d1", "baseline": "run-a", "by": "alice", "reason": "new feed"}
+    record_acceptance(root, {}, JOB, {**base, "at": "2026-03-02T09:00:00+00:00"})
+    later = {**base, "by": "bob", "at": "2026-03-03T09:00:00+00:00"}
+    uri = record_acceptance(root, {}, JOB, later)
+    assert f"/_runs/{JOB}/_accepted/" in uri
+    assert acceptance(root, {}, JOB, "d1", "run-a") == later  # the newest
+    assert acceptance(root, {}, JOB, "d1", "run-b") is None  # another baseline's alert
+    assert acceptance(root, {}, JOB, "d2", "run-a") is None
+    # Acceptances are not runs: no baseline comes from them.
+    assert previous_success(root, {}, JOB) is None
+
+
+def test_remove_deletes_one_runs_entry(root: str) -> None:
+    e = entry("20260301T230000Z-aaaaaa", "2026-03-01T23:10:00+00:00")
+    record(root, {}, JOB, e)
+    remove(root, {}, JOB, e["run_id"])
+    assert previous_success(root, {}, JOB) is None
+    remove(root, {}, JOB, e["run_id"])  # gone already: nothing to do

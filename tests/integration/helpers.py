@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 # The CLI's fault-injection hook (pipeline/faults.py): a run that reaches the named point
 # SIGKILLs itself, so it must never be set in the pytest process or leak into a run by accident.
 KILL_AT = "_SCORE_CATALOG_KILL_AT"
+# The same module's full-disk hook: every staged write fails from a named point on.
+FAIL_AT = "_SCORE_CATALOG_FAIL_AT"
 
 
 class CliResult(NamedTuple):
@@ -53,6 +55,7 @@ def cli_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     developer's shell cannot change a test's config), plus ``env``."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("SCORE_CATALOG_")}
     full.pop(KILL_AT, None)
+    full.pop(FAIL_AT, None)
     full.update(env or {})
     full.setdefault("PYTHONPATH", str(REPO))
     return full

@@ -68,6 +68,9 @@ def test_resume_and_noop_rerun_report_the_whole_output(bundle_dir: Path, tmp_pat
     inp, root = tmp_path / "catalog", tmp_path / "scored"
     for k in range(4):
         _write(inp, k, seed=0)
+    before = _run(inp, root, bundle_dir, "2026-10-31")  # the day before: the drift baseline
+    assert before.returncode == 0, before.output
+    rep0 = report(root / "2026-10-31")
     first = _run(inp, root, bundle_dir, "2026-11-01")
     assert first.returncode == 0, first.output
     rep1 = report(root / "2026-11-01")
@@ -80,7 +83,8 @@ def test_resume_and_noop_rerun_report_the_whole_output(bundle_dir: Path, tmp_pat
     assert rep2["rows_processed"] == SIZES[2]  # this invocation's work ...
     assert rep2["outputs"]["score"]["count"] == rep2["rows_out"] == sum(SIZES)  # ... the dataset
     d = rep2["drift"]
-    assert d["baseline"]["run_id"] == rep1["run_id"]
+    # Compared with the day before, not with this day's own earlier version.
+    assert d["baseline"]["run_id"] == rep0["run_id"]
     assert d["alert"] is False and rep2["status"] == "succeeded", d
     assert all(c["psi"] < 0.01 and c["ks"] < 0.02 for c in d["columns"].values()), d
 

@@ -303,3 +303,56 @@ def test_gnu_timeout_interrupts_with_a_report_not_an_abort(
     scored = {s["rel_path"] for s in rep["shards"] if s["status"] == "scored"}
     assert len(scored) < 4, "the run finished before the timeout: make the shards bigger"
     assert {str(p.relative_to(out)) for p in data_files(out)} == scored
+
+
+def _metrics_status(metrics: Path) -> str:
+    """The status the metrics file says the last run ended with."""
+    (status,) = [
+        line.split('status="')[1].split('"')[0]
+        for line in metrics.read_text().splitlines()
+        if line.startswith("score_catalog_last_run_status{") and line.endswith(" 1.0")
+    ]
+    return status
+
+
+# Issue 22, item 9: a stop that finds nothing left in flight still interrupts.
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_stop_after_the_last_shard_finished_still_interrupts(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, sig: str, code: int
+) -> None:
+    """One Ctrl-C (or a cron timeout's SIGTERM) while the last shard is finishing: nothing is
+    left to cancel, but the run was asked to stop, so it does not commit (no _SUCCESS)."""
+    out = tmp_path / "out"
+    metrics = tmp_path / "m.prom"
+    args = ["run", *job_args(catalog, out, bundle_dir), "--scheduler", "sync"]
+    args += ["--metrics-file", str(metrics)]
+    # The signal arrives right after the third (last) shard was yielded.
+    env = {"_SCORE_CATALOG_KILL_AT": "between-shards:3", "_SCORE_CATALOG_KILL_SIGNAL": sig}
+    stopped = cli(*args, env=env)
+    assert stopped.returncode == code, stopped.output
+    rep = stopped.report
+    assert rep is not None and rep["status"] == "interrupted"
+    assert rep["failure_reasons"][0] == f"interrupted by {sig}"
+    assert rep["shards_scored"] == 3 and rep["shards_not_scored"] == 0
+    assert not (out / "_SUCCESS").exists()
+    assert _metrics_status(metrics) == "interrupted"
+    rerun = cli(*args)
+    assert rerun.returncode == 0, rerun.output
+    assert rerun.report is not None and rerun.report["shards_skipped"] == 3
+    assert (out / "_SUCCESS").exists()
+
+
+def test_a_stop_while_the_report_is_written_interrupts(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    metrics = tmp_path / "m.prom"
+    args = ["run", *job_args(catalog, out, bundle_dir), "--scheduler", "sync"]
+    env = {"_SCORE_CATALOG_KILL_AT": "report-rename", "_SCORE_CATALOG_KILL_SIGNAL": "SIGINT"}
+    r = cli(*args, "--metrics-file", str(metrics), env=env)
+    assert r.returncode == 130, r.output
+    assert json.loads(report_path(out).read_text())["status"] == "interrupted"
+    assert not (out / "_SUCCESS").exists()
+    assert _metrics_status(metrics) == "interrupted"

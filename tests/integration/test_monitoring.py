@@ -59,7 +59,9 @@ def test_drift_crosses_threshold_on_shifted_data_not_on_identical_rerun(
     first_id = report(root / "2026-11-01")["run_id"]
     resumed = _run(catalog, root, bundle_dir, "2026-11-01")  # every shard done: nothing scored
     assert resumed.returncode == 0, resumed.stdout
-    assert "scored no rows" in report(root / "2026-11-01")["drift"]["note"]
+    # The same dataset: the first run's verdict (nothing to compare with) stands.
+    assert report(root / "2026-11-01")["drift"]["baseline"] is None
+    assert report(root / "2026-11-01")["verdict"]["judged_by"] == first_id
 
     same = _run(catalog, root, bundle_dir, "2026-11-02")
     assert same.returncode == 0, same.stderr
