@@ -155,10 +155,13 @@ def _meta(
     checks: tuple[Check, ...] = (),
     flag: str | None = "",
     metavar: str | None = None,
+    commands: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    """A field's metadata: ``help`` (the --help text), value ``checks``, and the command-line
-    ``flag`` (default ``--field-name``; None: not a command-line option) and its ``metavar``."""
-    return {"help": help, "checks": checks, "flag": flag, "metavar": metavar}
+    """A field's metadata: ``help`` (the --help text), value ``checks``, the command-line
+    ``flag`` (default ``--field-name``; None: not a command-line option) and its ``metavar``,
+    and the ``commands`` that take the flag (None: run, plan and backfill). The job key and its
+    environment variable are read by every command; the others ignore them."""
+    return {"help": help, "checks": checks, "flag": flag, "metavar": metavar, "commands": commands}
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,6 +371,18 @@ class JobConfig:
     )
     # Rescore every shard even where the manifest says it is done.
     force: bool = field(default=False, metadata=_meta("Rescore shards the manifest says are done."))
+    # backfill only: a day whose input folder does not exist is listed as missing and accepted
+    # (an archive with gaps). Unset, such a day fails the backfill (exit 1, a WARNING per day),
+    # so that a hole in the archive is never reported as a clean rescore. A range in which no
+    # day has input fails either way (exit 3): that is a wrong input template, not a gap.
+    allow_missing_partitions: bool = field(
+        default=False,
+        metadata=_meta(
+            "Accept days whose input folder does not exist (an archive with gaps); without it "
+            "they fail the backfill.",
+            commands=("backfill",),
+        ),
+    )
     # A lock older than this many seconds is taken over even if its holder seems alive.
     stale_lock_after_s: float = field(
         default=6 * 3600.0,
@@ -587,6 +602,7 @@ class Setting:
     flag: str | None  # the command-line option, e.g. "--batch-size"; None: none
     metavar: str | None
     checks: tuple[Check, ...]
+    commands: tuple[str, ...] | None = None  # the commands whose flags include it; None: all
 
     @property
     def required(self) -> bool:
@@ -619,6 +635,7 @@ def _settings_of(cls: type, table: str | None = None) -> Iterator[Setting]:
             flag="--" + f.name.replace("_", "-") if flag == "" else flag,
             metavar=meta.get("metavar"),
             checks=meta.get("checks", ()),
+            commands=meta.get("commands"),
         )
 
 

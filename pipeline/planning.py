@@ -23,6 +23,7 @@ from pipeline.preparation import (
     SAMPLE_ROWS,
     Inspection,
     inspect_shards,
+    list_input,
     run_settings,
     sample_rows,
 )
@@ -42,7 +43,7 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     config = dataclasses.replace(config, model=source.bundle)
     opts = config.storage
     out_root = storage.locate(config.output_uri("plan"), opts)
-    shards = storage.list_shards(config.input_uri(), opts)
+    shards = list_input(config)
     # What a run would refuse before writing (a missing bucket, an output under a file).
     storage.check_write_target(out_root, "output", create_bucket=config.create_output_bucket)
     device = resolve_device(config.device)

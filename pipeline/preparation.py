@@ -24,10 +24,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from pipeline import storage
 from pipeline.batching import ShardBatches
 from pipeline.cluster import Plan
 from pipeline.config import JobConfig
-from pipeline.errors import ConfigError, ModelError, SchemaError, ShardError
+from pipeline.errors import ConfigError, MissingInputError, ModelError, SchemaError, ShardError
 from pipeline.manifest import settings_hash
 from pipeline.model import (
     BundleSpec,
@@ -113,6 +114,31 @@ def check_output_columns(config: JobConfig, spec: BundleSpec) -> None:
             seen[name] = where
     if problems:
         raise ConfigError(problems)
+
+
+def list_input(config: JobConfig) -> list[ShardRef]:
+    """The input shards of ``config`` (:func:`pipeline.storage.list_shards`). A templated input
+    whose day does not exist says which day, and where that day came from, and lists the
+    partitions that do exist instead of guessing another date."""
+    try:
+        return storage.list_shards(config.input_uri(), config.storage)
+    except MissingInputError as e:
+        if "{date}" not in config.input:
+            raise
+        raise MissingInputError(missing_partition_message(config), uri=e.uri) from None
+
+
+def missing_partition_message(config: JobConfig) -> str:
+    """``input X does not exist``, for an input templated with ``{date}``: the template, the
+    date and its source, and what the nearest existing folder holds."""
+    uri = config.input_uri()
+    day = config.run_date
+    source = "from --date" if config.date else "today in UTC: no --date was given"
+    loc = storage.locate(uri, config.storage)
+    return (
+        f"input {uri} does not exist: no partition for {day} ({source}; input = "
+        f"{config.input!r}){storage.missing_hint(loc, literal=day)}"
+    )
 
 
 class Inspection(NamedTuple):

@@ -45,6 +45,7 @@ from pipeline.preparation import (
     Settings,
     apply_schema_policy,
     inspect_shards,
+    list_input,
     meta_fields,
     new_run_id,
     plan_execution,
@@ -151,7 +152,7 @@ class ScoringRun:
         self.config = dataclasses.replace(self.config, model=self.source.bundle)
         config, opts = self.config, self.config.storage
         input_uri = config.input_uri()
-        self.shards: list[ShardRef] = storage.list_shards(input_uri, opts)
+        self.shards: list[ShardRef] = list_input(config)
         storage.check_disjoint(
             input_uri, self.out_root, self.rej_root, options=opts, shards=self.shards
         )
