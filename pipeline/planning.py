@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pipeline import registry, storage
+from pipeline import oov, registry, storage
 from pipeline.cluster import thread_plan
 from pipeline.config import JobConfig
 from pipeline.manifest import Manifest, expectation, fingerprint_hash
@@ -50,6 +50,8 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     spec, _, sha = read_bundle(config.model, opts)
     found = inspect_shards(config, shards, spec, sha, device, opts)
     _, failed, problems, _, model = found
+    # What the run would warn about: in the plan's output (its table or JSON), once.
+    warnings = oov.check(model)
     settings = run_settings(config, spec, model_version=source.model_version)
     entries = _shard_entries(config, shards, found, out_root, expect_done=(sha, settings.hash))
     to_score = [e for e in entries if e["action"] == "score"]
@@ -87,6 +89,7 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
         "calibration": calibration,
         "estimated_scoring_s": estimate,
         "problems": [f"{e['input']}: {e['problem']}" for e in entries if e.get("problem")],
+        "warnings": warnings,
         "shards": entries,
         "plan_s": time.perf_counter() - t0,
     }
@@ -222,4 +225,6 @@ def plan_table(plan: dict[str, Any], *, max_shards: int = 40) -> str:
         lines.append(f"  ... {len(plan['shards']) - max_shards} more shards (--json lists all)")
     for p in plan["problems"]:
         lines.append(f"  PROBLEM {p}")
+    for w in plan.get("warnings") or []:
+        lines.append(f"  WARNING {w}")
     return "\n".join(lines)

@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline import finish, layout, logs, registry, runindex, storage
+from pipeline import finish, layout, logs, oov, registry, runindex, storage
 from pipeline.cluster import DaskSession, Plan, thread_plan
 from pipeline.config import JobConfig
 from pipeline.execution import cancelled, execute, interrupted
@@ -117,6 +117,7 @@ class ScoringRun:
         self.fatal: ShardResult | None = None
         self.previous_outputs: set[str] = set()
         self.foreign = ForeignFiles()
+        self.model_warnings: list[str] = []  # said before scoring, kept for the report
         # Where the model comes from; a registry URI is resolved at the start of prepare().
         self.source = registry.ModelSource(uri=config.model, bundle=config.model)
         self.cleared: list[Removal] = []  # outputs taken away before scoring (clear_the_way)
@@ -185,6 +186,11 @@ class ScoringRun:
         self.found: Inspection = inspect_shards(
             config, self.shards, bundle, self.sha, self.device, opts
         )
+        # Unseen values that a vocabulary input maps to a real value's id: said once, now, and
+        # in the report's warnings; ids beyond the model's embedding fail here (exit 3).
+        self.model_warnings = oov.check(self.found.model)
+        for warning in self.model_warnings:
+            logger.warning("%s", warning)
         self.failed = apply_schema_policy(config, self.shards, self.found)
         self.execution: Execution = plan_execution(
             config, self.shards, self.failed, self.found, self.plan
