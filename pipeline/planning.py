@@ -22,6 +22,7 @@ from pipeline.precision import ExecutionOptions, prepare
 from pipeline.preparation import (
     SAMPLE_ROWS,
     Inspection,
+    check_job_columns,
     inspect_shards,
     list_input,
     run_settings,
@@ -50,6 +51,7 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     spec, _, sha = read_bundle(config.model, opts)
     found = inspect_shards(config, shards, spec, sha, device, opts)
     _, failed, problems, _, model = found
+    check_job_columns(config, found.infos)  # as the run would: a typo, exit 2
     # What the run would warn about: in the plan's output (its table or JSON), once.
     warnings = oov.check(model)
     settings = run_settings(config, spec, model_version=source.model_version)

@@ -27,7 +27,7 @@ import torch
 from pipeline import storage
 from pipeline.batching import ShardBatches
 from pipeline.cluster import Plan
-from pipeline.config import JobConfig
+from pipeline.config import JobConfig, setting
 from pipeline.errors import ConfigError, MissingInputError, ModelError, SchemaError, ShardError
 from pipeline.manifest import settings_hash
 from pipeline.model import (
@@ -270,6 +270,7 @@ def meta_fields(
 
 
 MAX_NAMED_SHARDS = 3  # shards named in a grouped schema problem before "and N more"
+MAX_NAMED_COLUMNS = 40  # a shard's columns listed in a message before "... (N in all)"
 _MISSING = re.compile(r"column '(?P<col>[^']+)' is missing$")
 
 
@@ -311,6 +312,35 @@ def _closest(column: str, names: list[str]) -> list[str]:
     return found or [n for n in names if len(n) > 1 and (n.lower() in low or low in n.lower())][:1]
 
 
+def check_job_columns(config: JobConfig, infos: Mapping[str, ShardInfo]) -> None:
+    """Refuse (:class:`ConfigError`, exit 2) an id or pass-through column that no readable
+    shard has: a mistake in the job (a typo), not shards to skip (``skip_shard`` would skip
+    every one of them). Each is named with its key and the closest column the shards have."""
+    if not infos:
+        return
+    columns = list(dict.fromkeys(n for info in infos.values() for n in info.schema.names))
+    have = set(columns)
+    wanted = [("id_column", config.id_column), *(("passthrough", c) for c in config.passthrough)]
+    problems = []
+    for key, col in wanted:
+        if col in have:
+            continue
+        s = setting(key)
+        close = _closest(col, columns)
+        what = f"id_column = {col!r}" if key == "id_column" else f"passthrough names {col!r}, which"
+        shown = ", ".join(columns[:MAX_NAMED_COLUMNS])
+        if len(columns) > MAX_NAMED_COLUMNS:
+            shown += f", ... ({len(columns)} in all)"
+        problems.append(
+            f"{what} is not a column of any input shard ({len(infos)} read; their columns: "
+            f"{shown})"
+            + (f"; did you mean {close[0]!r}?" if close else ".")
+            + f" Set {key} in the job file, {s.env} or {s.flag}"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
 def apply_schema_policy(
     config: JobConfig, shards: list[ShardRef], found: Inspection
 ) -> dict[str, ShardResult]:
@@ -327,9 +357,15 @@ def apply_schema_policy(
         f"{spec.name} v{spec.version} ({spec.describe_inputs()})"
     )
     if problems and config.errors.on_schema_error == "fail":
+        readable = len(shards) - len(found.failed)
+        # skip_shard scores the rest; where no shard fits, there is no rest to score.
+        fix = (
+            "Fix the input or the model bundle"
+            if len(problems) >= readable
+            else "Fix the input, or set errors.on_schema_error = 'skip_shard' to score the rest"
+        )
         raise SchemaError(
-            f"{what}; nothing was scored. Fix the input, or set errors.on_schema_error = "
-            "'skip_shard' to score the rest:\n" + "\n".join(f"  - {p}" for p in lines)
+            f"{what}; nothing was scored. {fix}:\n" + "\n".join(f"  - {p}" for p in lines)
         )
     if problems:
         logger.warning(

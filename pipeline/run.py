@@ -44,6 +44,7 @@ from pipeline.preparation import (
     Inspection,
     Settings,
     apply_schema_policy,
+    check_job_columns,
     inspect_shards,
     list_input,
     meta_fields,
@@ -191,6 +192,7 @@ class ScoringRun:
         self.model_warnings = oov.check(self.found.model)
         for warning in self.model_warnings:
             logger.warning("%s", warning)
+        check_job_columns(config, self.found.infos)  # a typo is not a shard to skip
         self.failed = apply_schema_policy(config, self.shards, self.found)
         self.execution: Execution = plan_execution(
             config, self.shards, self.failed, self.found, self.plan
