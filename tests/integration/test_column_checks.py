@@ -3,8 +3,9 @@
 Real CLI runs on real Parquet shards: an id column missing from 12 shards is one line that
 names the columns those shards do have, whether the run stops (``fail``) or skips them
 (``skip_shard``), and missing from every shard it is a configuration mistake (exit 2, "did you
-mean", never a suggestion to skip every shard); an int64 feature beyond 2**24 and a float64 feature float32 rounds are
-reported once per column, in the log and in ``_report.json``'s ``lossy_casts``.
+mean", never a suggestion to skip every shard); an int64 feature beyond 2**24 and a float64
+feature float32 rounds are reported once per column, in the log and in ``_report.json``'s
+``lossy_casts``.
 """
 
 from __future__ import annotations
