@@ -592,6 +592,26 @@ def file_in_the_way(loc: Location) -> str | None:
     return None if os.path.isdir(path) else path
 
 
+def modified_time(loc: Location) -> float | None:
+    """When ``loc`` was last written, in epoch seconds by the storage's clock (local disk: the
+    file's mtime; S3: LastModified); None when it does not exist or the storage does not say."""
+    try:
+        info = _retry(loc, lambda: loc.fs.info(loc.path), "checking")
+    except FileNotFoundError:
+        return None
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
 def exists(loc: Location) -> bool:
     """Whether anything (a file or a folder) is at ``loc``."""
     return bool(_retry(loc, lambda: loc.fs.exists(loc.path), "checking"))
