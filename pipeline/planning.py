@@ -25,6 +25,7 @@ from pipeline.preparation import (
     check_job_columns,
     inspect_shards,
     list_input,
+    meta_fields,
     run_settings,
     sample_rows,
 )
@@ -52,6 +53,7 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     found = inspect_shards(config, shards, spec, sha, device, opts)
     _, failed, problems, _, model = found
     check_job_columns(config, found.infos)  # as the run would: a typo, exit 2
+    meta_fields(config, found.infos, failed)  # and a column no one type can hold, exit 3
     # What the run would warn about: in the plan's output (its table or JSON), once.
     warnings = oov.check(model)
     settings = run_settings(config, spec, model_version=source.model_version)

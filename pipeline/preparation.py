@@ -244,14 +244,20 @@ def meta_fields(
     """
     out: dict[str, pa.Field] = {}
     names = list(dict.fromkeys((config.id_column, *config.passthrough)))
-    usable = [i for rel, i in infos.items() if rel not in failed]
+    usable = {rel: i for rel, i in infos.items() if rel not in failed}
     for name in names:
-        fields = [i.schema.field(name) for i in usable if i.schema.names.count(name) == 1]
-        if not fields:
+        found = {
+            rel: i.schema.field(name)
+            for rel, i in usable.items()
+            if i.schema.names.count(name) == 1
+        }
+        if not found:
             continue
         plain = [
-            f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in fields
+            f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f
+            for f in found.values()
         ]
+        plain = _common_time_zone(name, dict(zip(found, plain, strict=True)), config.input_uri())
         try:
             unified = pa.unify_schemas(
                 [pa.schema([f]) for f in plain], promote_options="permissive"
@@ -267,6 +273,33 @@ def meta_fields(
             continue
         out[name] = unified.field(name)
     return out
+
+
+def _common_time_zone(name: str, fields: dict[str, pa.Field], input_uri: str) -> list[pa.Field]:
+    """Timestamp fields of one column, ready to be unified: time zones that differ between
+    shards become UTC (a zoned timestamp is an instant, stored as UTC whatever its zone, so
+    this changes no value), which Arrow's unification would refuse. A column with a time zone
+    in one shard and none in another is a :class:`SchemaError` naming both: a timestamp
+    without one is a wall-clock time, and which instant it means is not in the data."""
+    stamps = {rel: f for rel, f in fields.items() if pa.types.is_timestamp(f.type)}
+    if len(stamps) < len(fields):  # not all timestamps: unification decides (and warns)
+        return list(fields.values())
+    zoned = {rel: f for rel, f in stamps.items() if f.type.tz is not None}
+    naive = {rel: f for rel, f in stamps.items() if f.type.tz is None}
+    if zoned and naive:
+        (a, fa), (b, fb) = next(iter(zoned.items())), next(iter(naive.items()))
+        raise SchemaError(
+            f"column {name!r} of input {input_uri} is a timestamp with time zone "
+            f"{fa.type.tz} ({fa.type}) in shard {a} but a timestamp without a time zone "
+            f"({fb.type}) in shard {b} ({len(zoned)} shard(s) with a zone, {len(naive)} "
+            "without): which "
+            "instant a timestamp without a zone means is not in the data, so the output could "
+            "not give the column one type. Rewrite the shards with one kind (pyarrow: "
+            "pc.assume_timezone), or leave the column out of passthrough"
+        )
+    if len({f.type.tz for f in zoned.values()}) > 1:
+        return [f.with_type(pa.timestamp(f.type.unit, "UTC")) for f in fields.values()]
+    return list(fields.values())
 
 
 MAX_NAMED_SHARDS = 3  # shards named in a grouped schema problem before "and N more"
