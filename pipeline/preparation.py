@@ -545,7 +545,7 @@ def _auto_batch_size(
     job_rows: int,
 ) -> tuple[int, dict[str, Any]]:
     """``batch_size = "auto"``: the size the whole pipeline scores fastest at, measured on
-    real rows (:func:`pipeline.tuning.choose_by_rate` on :func:`_pipeline_step`), cached per
+    real rows (:func:`pipeline.tuning.choose_by_rate` on :func:`pipeline_step`), cached per
     model, device, precision and thread count. The sweep's rows and time are sized by a probe
     batch so that it costs at most :data:`AUTO_BUDGET_S` or :data:`AUTO_JOB_SHARE` of the
     job's ``job_rows`` (:func:`_sweep_rows`)."""
@@ -568,7 +568,7 @@ def _auto_batch_size(
         return default, {"cached": False, "key": key, "batch_size": default}
     before = torch.get_num_threads()
     try:
-        with _pipeline_step(config, prepared, sample_from, plan) as (step, rows):
+        with pipeline_step(config, prepared, sample_from, plan) as (step, rows):
             t0 = time.perf_counter()
             probe = min(rows, default)
             per_row = step(default, probe) / probe
@@ -629,7 +629,7 @@ def _sweep_rows(
 
 
 @contextlib.contextmanager
-def _pipeline_step(
+def pipeline_step(
     config: JobConfig, model: LoadedModel, shard: ShardRef, plan: Plan
 ) -> Iterator[tuple[Callable[[int, int], float], int]]:
     """``step(batch, rows)``: score a local copy of the first ``rows`` (up to
