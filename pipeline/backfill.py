@@ -121,7 +121,7 @@ def _check_some_input(config: JobConfig, days: list[str]) -> None:
     the input template, not a gap in the archive. Stops at the first day that has input, so a
     normal backfill pays one existence check here."""
     for day in days:
-        if storage.exists(storage.locate(config.input.format(date=day), config.storage)):
+        if storage.input_exists(storage.locate(config.input.format(date=day), config.storage)):
             return
     first = storage.locate(config.input.format(date=days[0]), config.storage)
     others = f", nor does the input of the other {len(days) - 1} days" if len(days) > 1 else ""
@@ -258,7 +258,7 @@ def _partition(
 ) -> dict[str, Any]:
     """One day: missing, skipped (done earlier with this bundle), or run; its summary entry."""
     inp = storage.locate(cfg.input_uri(), cfg.storage)
-    if not storage.exists(inp):
+    if not storage.input_exists(inp):
         return {"status": PartitionStatus.MISSING, "message": f"input {inp.uri} does not exist"}
     done = None if force else _finished(cfg, sha)
     if done is not None:

@@ -592,6 +592,13 @@ def file_in_the_way(loc: Location) -> str | None:
     return None if os.path.isdir(path) else path
 
 
+def input_exists(loc: Location) -> bool:
+    """Whether an input location names anything: a file or folder, or, for a glob, a match."""
+    if _is_glob(loc.path):
+        return bool(_retry(loc, lambda: loc.fs.glob(loc.path), "listing"))
+    return exists(loc)
+
+
 def modified_time(loc: Location) -> float | None:
     """When ``loc`` was last written, in epoch seconds by the storage's clock (local disk: the
     file's mtime; S3: LastModified); None when it does not exist or the storage does not say."""

@@ -128,3 +128,14 @@ def test_run_on_a_day_without_input_names_the_day_and_what_exists(
     assert r.returncode == 3 and "no partition for 2025-03-05" in _flat(r.stderr)
     # backfill's flag is not run's: run --help does not offer it.
     assert "--allow-missing-partitions" not in cli("run", "--help").stdout
+
+
+def test_a_glob_template_finds_its_days(archive: Path, tmp_path: Path, bundle_dir: Path) -> None:
+    # input may be a glob; a day is there when the glob matches (it was always "missing").
+    job = _job(tmp_path, bundle_dir)
+    job.write_text(job.read_text().replace('dt={date}"', 'dt={date}/*.parquet"', 1))
+    r = cli("backfill", str(job), "--from", DAYS[0], "--to", DAYS[-1])
+    assert r.returncode == 0, r.output
+    s = _summary(tmp_path, DAYS[0], DAYS[-1])
+    assert [p["status"] for p in s["partitions"]] == ["succeeded", "succeeded"]
+    assert s["rows_out"] == 2400
