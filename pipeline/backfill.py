@@ -9,6 +9,11 @@ beside the output template's fixed part, ``pipeline.layout``), lists every parti
 A day that fails, for whatever reason (a bad input, an output path that is a file, a bug), is
 recorded with its message and the backfill goes on to the next day: one bad day must not cost
 the others, nor the summary that says which day went wrong.
+
+A day with no input folder is ``missing``: a WARNING each, and it fails the backfill (exit 1)
+unless ``allow_missing_partitions`` accepts gaps in the archive. A range in which no day has
+input is a wrong input template (``data/my_archiv/dt={date}``), not a gap: it fails before any
+day runs (exit 3), naming the template and the first path it looked for.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pipeline.errors import (
     EXIT_OK,
     EXIT_RUN_FAILED,
     ConfigError,
+    InputError,
     PipelineError,
     StorageError,
 )
@@ -54,17 +60,26 @@ class BackfillReport:
 
     @property
     def exit_code(self) -> int:
-        """The worst of the days': interrupted (the run's 130/143), failed (1), drift (4), 0."""
+        """The worst of the days': interrupted (the run's 130/143), failed or missing without
+        ``allow_missing_partitions`` (1), drift (4), 0."""
         parts = self.data["partitions"]
         for p in parts:
             if p["status"] == RunStatus.INTERRUPTED:
                 # The shell's 128 + signal from the run; an interrupted day is never a success.
                 return int(p.get("exit_code") or EXIT_RUN_FAILED)
-        if any(p["status"] in FAILED_PARTITION_STATUSES for p in parts):
+        if any(_fails(p, self.data) for p in parts):
             return EXIT_RUN_FAILED
         if any(p.get("drift_alert") for p in parts):
             return EXIT_DRIFT
         return EXIT_OK
+
+
+def _fails(part: dict[str, Any], summary: dict[str, Any]) -> bool:
+    """Whether a day's outcome fails the backfill: a failed, interrupted or errored day, and a
+    missing one unless the job accepts gaps (``allow_missing_partitions``)."""
+    if part["status"] == PartitionStatus.MISSING:
+        return not summary.get("allow_missing_partitions")
+    return part["status"] in FAILED_PARTITION_STATUSES
 
 
 def dates(start: dt.date, end: dt.date) -> list[str]:
@@ -100,6 +115,22 @@ def _check_templates(config: JobConfig) -> None:
         )
     if problems:
         raise ConfigError(problems)
+
+
+def _check_some_input(config: JobConfig, days: list[str]) -> None:
+    """Refuse (exit 3, before any day runs) a range in which no day's input exists: a typo in
+    the input template, not a gap in the archive. Stops at the first day that has input, so a
+    normal backfill pays one existence check here."""
+    for day in days:
+        if storage.input_exists(storage.locate(config.input.format(date=day), config.storage)):
+            return
+    first = storage.locate(config.input.format(date=days[0]), config.storage)
+    others = f", nor does the input of the other {len(days) - 1} days" if len(days) > 1 else ""
+    raise InputError(
+        f"no day from {days[0]} to {days[-1]} has input: input = {config.input!r} gives "
+        f"{first.uri} for {days[0]}, which does not exist{others}; nothing was scored or "
+        f"written. Check the input template{storage.missing_hint(first, literal=days[0])}"
+    )
 
 
 def _finished(config: JobConfig, sha: str) -> dict[str, Any] | None:
@@ -172,11 +203,14 @@ def backfill(
     fails, whatever the exception, is listed with its message and does not stop the others; an
     interrupted one (SIGTERM/SIGINT) stops the backfill, and the days left are listed in the
     summary's ``not_run`` (``stop`` is the signal state the CLI installs). The summary is
-    written either way; the exit code is the worst outcome. Templates that would make days
-    share a location raise :class:`ConfigError` before any day runs.
+    written either way; the exit code is the worst outcome, and a missing day fails the
+    backfill unless ``config.allow_missing_partitions``. Templates that would make days share
+    a location raise :class:`ConfigError`, and a range in which no day has input
+    :class:`InputError`, before any day runs.
     """
     _check_templates(config)
     days = dates(start, end)
+    _check_some_input(config, days)
     t0 = time.perf_counter()
     started_at = dt.datetime.now(dt.timezone.utc)
     source = registry.resolve_model(config.model)
@@ -187,6 +221,8 @@ def backfill(
     parts: list[dict[str, Any]] = []
     for i, day in enumerate(days):
         entry: dict[str, Any] = {"date": day, "input": config.input.format(date=day)}
+        if config.allow_missing_partitions:
+            entry["missing_allowed"] = True  # for the log line: accepted, not a warning
         try:
             cfg = dataclasses.replace(config, date=day, force=force or config.force)
             entry.update(_partition(cfg, sha, force, on_shard, stop))
@@ -223,8 +259,8 @@ def _partition(
 ) -> dict[str, Any]:
     """One day: missing, skipped (done earlier with this bundle), or run; its summary entry."""
     inp = storage.locate(cfg.input_uri(), cfg.storage)
-    if not storage.exists(inp):
-        return {"status": PartitionStatus.MISSING}
+    if not storage.input_exists(inp):
+        return {"status": PartitionStatus.MISSING, "message": f"input {inp.uri} does not exist"}
     done = None if force else _finished(cfg, sha)
     if done is not None:
         return {
@@ -272,11 +308,23 @@ def _summary(
     counts: dict[str, int] = {}
     for p in parts:
         counts[p["status"]] = counts.get(p["status"], 0) + 1
+        p.pop("missing_allowed", None)  # said once for the whole backfill, below
     if not_run:
         counts["not_run"] = len(not_run)
+    missing = [p["date"] for p in parts if p["status"] == PartitionStatus.MISSING]
+    allowed = config.allow_missing_partitions
+    reasons = []
+    if missing and not allowed:
+        reasons.append(
+            f"{len(missing)} of {len(parts) + len(not_run)} days "
+            f"{'has' if len(missing) == 1 else 'have'} no input "
+            f"({_dates_text(missing)}); rerun once their input is there (the days done are "
+            "skipped), or set allow_missing_partitions = true (--allow-missing-partitions) "
+            "if the archive has gaps"
+        )
     if any(p["status"] == RunStatus.INTERRUPTED for p in parts):
         status = RunStatus.INTERRUPTED
-    elif any(p["status"] in FAILED_PARTITION_STATUSES for p in parts):
+    elif reasons or any(p["status"] in FAILED_PARTITION_STATUSES for p in parts):
         status = RunStatus.FAILED
     else:
         status = RunStatus.SUCCEEDED
@@ -285,10 +333,13 @@ def _summary(
         "from": start.isoformat(),
         "to": end.isoformat(),
         "status": status,
+        "failure_reasons": reasons,
         "started_at": started_at.isoformat(),
         "duration_s": duration,
         "partitions_total": len(parts) + len(not_run),
         "partitions_by_status": counts,
+        "partitions_missing": missing,
+        "allow_missing_partitions": allowed,
         "rows_out": sum(
             p.get("rows_out") or 0 for p in parts if p["status"] != PartitionStatus.SKIPPED
         ),
@@ -297,13 +348,18 @@ def _summary(
     }
 
 
+def _dates_text(days: list[str], shown: int = 5) -> str:
+    more = f" and {len(days) - shown} more" if len(days) > shown else ""
+    return ", ".join(days[:shown]) + more
+
+
 def problem_line(report: BackfillReport) -> str:
     """A backfill that did not exit 0, in one line (what ``-q`` prints instead of the table)."""
     d = report.data
     bad = [
         f"{p['date']} {p['status']}" + (f" ({p['message']})" if p.get("message") else "")
         for p in d["partitions"]
-        if p["status"] in FAILED_PARTITION_STATUSES or p.get("drift_alert")
+        if _fails(p, d) or p.get("drift_alert")
     ]
     text = f"backfill {d['job']} {d['from']}..{d['to']} {d['status']}"
     if bad:
@@ -311,13 +367,19 @@ def problem_line(report: BackfillReport) -> str:
     return f"{text} (summary: {d.get('summary_uri', '-')})"
 
 
+def _accepted(d: dict[str, Any]) -> bool:
+    return bool(d.get("partitions_missing")) and bool(d.get("allow_missing_partitions"))
+
+
 def summary_table(report: BackfillReport) -> str:
     """The backfill's per-partition table for the terminal."""
     d = report.data
     lines = [
         f"score-catalog backfill {d['job']} {d['from']}..{d['to']}: {str(d['status']).upper()}",
+        *(f"  reason     {r}" for r in d.get("failure_reasons") or []),
         "  partitions "
-        + ", ".join(f"{n} {status}" for status, n in sorted(d["partitions_by_status"].items())),
+        + ", ".join(f"{n} {status}" for status, n in sorted(d["partitions_by_status"].items()))
+        + (" (missing days accepted: allow_missing_partitions)" if _accepted(d) else ""),
         f"  summary    {d.get('summary_uri', '-')}",
         "",
         f"  {'date':<10}  {'status':<24} {'rows scored':>12}  note",

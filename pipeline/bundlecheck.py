@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline import oov
 from pipeline.engine import output_columns, score
 from pipeline.errors import InputError, ModelError, SchemaError
 from pipeline.inputs import InputSpec, id_limit
@@ -31,6 +32,8 @@ class BundleCheck:
     rows: int
     outputs: dict[str, list[Any]]  # per output column, the first rows' values
     rejected: list[tuple[int, str]] = field(default_factory=list)  # (row, reason)
+    # What a run would warn about (pipeline.oov: an oov id that is a real value's).
+    warnings: list[str] = field(default_factory=list)
 
 
 def check_bundle(
@@ -46,10 +49,15 @@ def check_bundle(
     if input_uri is None:
         model = load_model(uri, device, options=options)
         check_declared_ranges(model)  # ids a run may feed must not crash the model
+        warnings = oov.check(model)
         xs = model.example(rows, random=True)
         scored = score(model, xs)
-        return _result(model, f"{rows} random rows", rows, scored, [])
-    return _from_input(uri, input_uri, rows, device, options)
+        result = _result(model, f"{rows} random rows", rows, scored, [])
+    else:
+        result = _from_input(uri, input_uri, rows, device, options)
+        warnings = oov.check(result.model)
+    result.warnings = warnings
+    return result
 
 
 def _from_input(
@@ -146,6 +154,9 @@ def _input_line(inp: InputSpec, width: int) -> str:
     parts = [f"{inp.name:<12} {src:<28} {inp.dtype} {inp.shape_text(width)}"]
     if inp.vocabulary:
         oov = "reject" if inp.oov is None else f"-> {inp.oov}"
+        if inp.oov is not None:  # whose id it is: a reserved entry's, its own, or a real value's
+            own = inp.oov >= len(inp.vocab)
+            oov += " (its own id)" if own else f" ({inp.vocab[inp.oov]!r})"
         parts.append(f"vocabulary {inp.vocabulary} ({len(inp.vocab):,} values), unseen {oov}")
     if inp.num_embeddings is not None:
         parts.append(f"ids 0..{inp.num_embeddings - 1}")
@@ -190,4 +201,6 @@ def check_text(result: BundleCheck, *, max_rows: int = 8) -> str:
         lines.append("    " + "  ".join(f"{_fmt(result.outputs[n][k]):>14}" for n in shown))
     for row, reason in result.rejected[:max_rows]:
         lines.append(f"    row {row}: rejected: {reason}")
+    for warning in result.warnings:
+        lines.append(f"  WARNING   {warning}")
     return "\n".join(lines)

@@ -143,18 +143,26 @@ def _job_option(s: cfg.Setting, flag: str) -> Callable[[F], F]:
     return click.option(*decls, help=help_text, **kw)
 
 
-def job_options(f: F, *, without: frozenset[str] = frozenset()) -> F:
+def job_options(f: F, *, command: str = "run", without: frozenset[str] = frozenset()) -> F:
     """The options shared by run, plan and backfill: each overrides one job-file key (except
-    the keys in ``without``, which the command sets itself)."""
+    the keys in ``without``, which the command sets itself, and the keys only other commands
+    take: see ``commands`` in :func:`pipeline.config._meta`)."""
     for s in reversed(cfg.SETTINGS):
-        if s.flag is not None and s.key not in without:
+        if s.flag is None or s.key in without:
+            continue
+        if s.commands is None or command in s.commands:
             f = _job_option(s, s.flag)(f)
     return f
 
 
 def backfill_job_options(f: F) -> F:
     """:func:`job_options` without ``--date``: each day of a backfill sets its own."""
-    return job_options(f, without=frozenset({"date"}))
+    return job_options(f, command="backfill", without=frozenset({"date"}))
+
+
+def plan_job_options(f: F) -> F:
+    """:func:`job_options` for ``plan``."""
+    return job_options(f, command="plan")
 
 
 def output_options(f: F) -> F:
@@ -391,7 +399,7 @@ def demo(
 
 @main.command(context_settings=CONTEXT, epilog=PLAN_EXIT_CODES_HELP)
 @click.argument("job", required=False, type=click.Path(dir_okay=False, path_type=Path))
-@job_options
+@plan_job_options
 @output_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(job: Path | None, as_json: bool, **opts: Any) -> None:

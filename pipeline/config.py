@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import difflib
 import logging
 import math
 import os
@@ -46,6 +47,9 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 # A value rule: (dotted key, a value of the right type) -> the problems, each naming key and value.
 Check = Callable[[str, Any], list[str]]
+# A problem and the dotted key (or environment variable) it is about, so that build_config
+# can name where that key's value came from.
+Keyed = tuple[str, str]
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,10 +159,13 @@ def _meta(
     checks: tuple[Check, ...] = (),
     flag: str | None = "",
     metavar: str | None = None,
+    commands: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    """A field's metadata: ``help`` (the --help text), value ``checks``, and the command-line
-    ``flag`` (default ``--field-name``; None: not a command-line option) and its ``metavar``."""
-    return {"help": help, "checks": checks, "flag": flag, "metavar": metavar}
+    """A field's metadata: ``help`` (the --help text), value ``checks``, the command-line
+    ``flag`` (default ``--field-name``; None: not a command-line option) and its ``metavar``,
+    and the ``commands`` that take the flag (None: run, plan and backfill). The job key and its
+    environment variable are read by every command; the others ignore them."""
+    return {"help": help, "checks": checks, "flag": flag, "metavar": metavar, "commands": commands}
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,6 +377,18 @@ class JobConfig:
     )
     # Rescore every shard even where the manifest says it is done.
     force: bool = field(default=False, metadata=_meta("Rescore shards the manifest says are done."))
+    # backfill only: a day whose input folder does not exist is listed as missing and accepted
+    # (an archive with gaps). Unset, such a day fails the backfill (exit 1, a WARNING per day),
+    # so that a hole in the archive is never reported as a clean rescore. A range in which no
+    # day has input fails either way (exit 3): that is a wrong input template, not a gap.
+    allow_missing_partitions: bool = field(
+        default=False,
+        metadata=_meta(
+            "Accept days whose input folder does not exist (an archive with gaps); without it "
+            "they fail the backfill.",
+            commands=("backfill",),
+        ),
+    )
     # A lock older than this many seconds is taken over even if its holder seems alive.
     stale_lock_after_s: float = field(
         default=6 * 3600.0,
@@ -596,6 +615,7 @@ class Setting:
     flag: str | None  # the command-line option, e.g. "--batch-size"; None: none
     metavar: str | None
     checks: tuple[Check, ...]
+    commands: tuple[str, ...] | None = None  # the commands whose flags include it; None: all
 
     @property
     def required(self) -> bool:
@@ -628,6 +648,7 @@ def _settings_of(cls: type, table: str | None = None) -> Iterator[Setting]:
             flag="--" + f.name.replace("_", "-") if flag == "" else flag,
             metavar=meta.get("metavar"),
             checks=meta.get("checks", ()),
+            commands=meta.get("commands"),
         )
 
 
@@ -672,25 +693,42 @@ def from_flags(values: Mapping[str, Any]) -> dict[str, Any]:
 # Loading
 
 
-def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], list[Keyed]]:
+    """The ``SCORE_CATALOG_*`` variables as a layer, and their problems keyed by variable."""
     layer: dict[str, Any] = {}
-    problems: list[str] = []
+    problems: list[Keyed] = []
     for var, raw in sorted(env.items()):
         if not var.startswith(ENV_PREFIX):
             continue
         s = _BY_ENV.get(var)
         parse = s.kind.parse if s is not None else None
         if s is None or parse is None:
-            problems.append(f"unknown environment variable {var}; known ones: {', '.join(_BY_ENV)}")
+            problems.append((var, _unknown_env(var)))
             continue
         try:
             value = parse(raw)
         except ValueError:
-            problems.append(f"{var}={raw!r} is not {s.kind.word}")
+            problems.append((var, f"{var}={raw!r} is not {s.kind.word}"))
             continue
         target = layer.setdefault(s.table, {}) if s.table else layer
         target[s.name] = value
     return layer, problems
+
+
+def _closest_names(name: str, known: list[str], prefix: str = "") -> list[str]:
+    """Up to two of ``known`` that look like a typo of ``name``, compared without the
+    ``prefix`` they all share (which would make every SCORE_CATALOG_* name look alike)."""
+    bare = {k.removeprefix(prefix).lower(): k for k in known}
+    close = difflib.get_close_matches(name.removeprefix(prefix).lower(), list(bare), n=2)
+    return [bare[c] for c in close]
+
+
+def _unknown_env(var: str) -> str:
+    """An unknown SCORE_CATALOG_* variable: the closest names, or every name if none is."""
+    close = _closest_names(var, list(_BY_ENV), ENV_PREFIX)
+    if close:
+        return f"unknown environment variable {var}; did you mean {' or '.join(close)}?"
+    return f"unknown environment variable {var}; known ones: {', '.join(_BY_ENV)}"
 
 
 def read_job_file(path: str | Path) -> dict[str, Any]:
@@ -733,18 +771,24 @@ def build_config(
     """
     source = str(job_file) if job_file else None
     layers: list[Mapping[str, Any]] = []
+    origins: dict[str, str] = {}  # dotted key -> where its value came from, for messages
     if job_file is not None:
         data = read_job_file(job_file)
+        _note_origins(origins, data, lambda _key: str(job_file))
         data.setdefault("name", Path(job_file).stem)
         layers.append(data)
-    env_top, problems = _env_layer(os.environ if env is None else env)
+    env_top, env_problems = _env_layer(os.environ if env is None else env)
+    _note_origins(origins, env_top, _env_of)
     layers.append(env_top)
     if overrides:
+        _note_origins(origins, overrides, _flag_of)
         layers.append(overrides)
     merged = _merge(layers)
-    problems += _problems(merged)
-    if problems:
-        raise ConfigError(problems, source)
+    # The environment's own problems, keyed by their variable (which their text names).
+    sourced: list[tuple[str | None, str]] = list(env_problems)
+    sourced += [(_origin(origins, key), p) for key, p in _keyed_problems(merged)]
+    if sourced:
+        raise _sourced_error(sourced, source)
     kwargs: dict[str, Any] = {}
     for name, value in merged.items():
         if name in SECTIONS:
@@ -802,6 +846,61 @@ def metrics_destination(
     return MetricsDestination(str(found["name"]), found["metrics_file"], found["pushgateway"])
 
 
+def _note_origins(
+    origins: dict[str, str], layer: Mapping[str, Any], label: Callable[[str], str]
+) -> None:
+    """Record ``label(key)`` as the origin of every key ``layer`` sets (a later layer wins,
+    as in :func:`_merge`); a table's entries each, and the table itself."""
+    for k, v in layer.items():
+        if v is None:
+            continue
+        if k in _TABLE_KEYS and isinstance(v, Mapping):
+            for entry, ev in v.items():
+                if ev is not None:
+                    origins[f"{k}.{entry}"] = label(f"{k}.{entry}")
+        origins[k] = label(k)
+
+
+def _env_of(key: str) -> str:
+    """The environment variable that sets ``key`` (a table: the environment as a whole)."""
+    found = next((s.env for s in SETTINGS if s.key == key and s.env), None)
+    return found or f"the {ENV_PREFIX}* variables"
+
+
+def _flag_of(key: str) -> str:
+    """The command-line flag that sets ``key`` (``--batch-size``, ``--storage-option``)."""
+    for s in SETTINGS:
+        if s.key == key or (s.kind.name == "table" and key.startswith(f"{s.key}.")):
+            return s.flag or f"--{key}"
+    table = key.split(".", 1)[0]
+    return next((s.flag for s in SETTINGS if s.table == table and s.flag), None) or key
+
+
+def _origin(origins: Mapping[str, str], key: str) -> str | None:
+    """Where ``key``'s value came from: its own entry, else its table's (None: no layer set
+    it, e.g. a required key that is missing everywhere)."""
+    return origins.get(key) or origins.get(key.split(".", 1)[0])
+
+
+def _sourced_error(sourced: list[tuple[str | None, str]], job_file: str | None) -> ConfigError:
+    """One :class:`ConfigError` for problems from several layers. The header names the job
+    file only when every problem is in it; otherwise each problem says where it came from
+    ("(from SCORE_CATALOG_BATCH_SIZE)", "(from --workers)", "(in jobs/my_job.toml)"), unless
+    its text names that already."""
+    if all(where in (None, job_file) for where, _ in sourced):
+        return ConfigError([p for _, p in sourced], job_file)
+    if job_file is None and not any((w or "").startswith(ENV_PREFIX) for w, _ in sourced):
+        # Flags only (or a Python caller's overrides): nothing to tell apart.
+        return ConfigError([p for _, p in sourced])
+    named = []
+    for where, p in sourced:
+        if where is None or where in p:
+            named.append(p)
+        else:
+            named.append(f"{p} ({'in' if where == job_file else 'from'} {where})")
+    return ConfigError(named)
+
+
 # --------------------------------------------------------------------------------------------
 # Validation: one plain mapping in, every problem out
 
@@ -818,21 +917,25 @@ def _as_mapping(config: JobConfig) -> dict[str, Any]:
 
 
 def _unknown(key: str, known: list[str]) -> str:
-    return f"unknown key {key!r}; known keys: {', '.join(known)}"
+    close = _closest_names(key, known)
+    guess = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    return f"unknown key {key!r}; {guess}known keys: {', '.join(known)}"
 
 
-def _key_problems(data: Mapping[str, Any]) -> list[str]:
+def _key_problems(data: Mapping[str, Any]) -> list[Keyed]:
     """Unknown keys, at the top level and inside the tables, and tables that are not tables."""
     top = [f.name for f in dataclasses.fields(JobConfig)]
-    problems = [_unknown(k, top) for k in data if k not in top]
+    problems = [(k, _unknown(k, top)) for k in data if k not in top]
     for table in SECTIONS:
         values = data.get(table)
         if values is not None and not isinstance(values, Mapping):
-            problems.append(f"[{table}] must be a table")
+            problems.append((table, f"[{table}] must be a table"))
         elif isinstance(values, Mapping):
             known = [s.key for s in SETTINGS if s.table == table]
             names = {s.name for s in SETTINGS if s.table == table}
-            problems += [_unknown(f"{table}.{k}", known) for k in values if k not in names]
+            problems += [
+                (f"{table}.{k}", _unknown(f"{table}.{k}", known)) for k in values if k not in names
+            ]
     return problems
 
 
@@ -842,6 +945,11 @@ def _problems(data: Mapping[str, Any], *, none_is_unset: bool = True) -> list[st
     ``none_is_unset``: a None value means "not given" (the default applies), as in the layers
     :func:`build_config` merges; a constructed :class:`JobConfig` holds its values as they are,
     so there None is a problem wherever the key is not optional."""
+    return [text for _, text in _keyed_problems(data, none_is_unset=none_is_unset)]
+
+
+def _keyed_problems(data: Mapping[str, Any], *, none_is_unset: bool = True) -> list[Keyed]:
+    """:func:`_problems`, each with the key it is about."""
     problems = _key_problems(data)
     good: dict[str, Any] = {}  # key -> value of the right type (given or default)
     bad: set[str] = set()
@@ -850,7 +958,10 @@ def _problems(data: Mapping[str, Any], *, none_is_unset: bool = True) -> list[st
         value = scope.get(s.name) if isinstance(scope, Mapping) else None
         if value is None and s.required:
             problems.append(
-                f"{s.key} is required (set it in the job file, as {s.env} or with {s.flag})"
+                (
+                    s.key,
+                    f"{s.key} is required (set it in the job file, as {s.env} or with {s.flag})",
+                )
             )
             bad.add(s.key)
             continue
@@ -858,14 +969,14 @@ def _problems(data: Mapping[str, Any], *, none_is_unset: bool = True) -> list[st
             value = s.default
         if not (s.kind.accepts(value) or (value is None and s.kind.optional)):
             if s.kind.name == "table":
-                problems.append(f"[{s.key}] must be a table")
+                problems.append((s.key, f"[{s.key}] must be a table"))
             else:
-                problems.append(f"{s.key} = {value!r} must be {s.kind.word}")
+                problems.append((s.key, f"{s.key} = {value!r} must be {s.kind.word}"))
             bad.add(s.key)
             continue
         good[s.key] = value
         found = _value_problems(s, value)
-        problems += found
+        problems += [(s.key, p) for p in found]
         if found:
             bad.add(s.key)
     return problems + _cross_problems(good, bad)
@@ -883,29 +994,35 @@ def _value_problems(s: Setting, value: Any) -> list[str]:
     return found
 
 
-def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[str]:
-    """Rules that involve more than one key, judged on the keys that are fine on their own."""
-    problems: list[str] = []
+def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[Keyed]:
+    """Rules that involve more than one key, judged on the keys that are fine on their own;
+    each problem is keyed by the key a user would change."""
+    problems: list[Keyed] = []
     id_column = good.get("id_column")
     if id_column is not None and id_column in good.get("passthrough", ()):
-        problems.append(f"passthrough names the id column {id_column!r}; it is always copied first")
+        problems.append(
+            (
+                "passthrough",
+                f"passthrough names the id column {id_column!r}; it is always copied first",
+            )
+        )
     if "output" in good and "output" not in bad and good.get("rejects") is None:
         # Placeholders filled with a sample value: the shape of the path is what matters.
         sample = good["output"].format(date="2000-01-01", run_id="run")
         try:
             if default_rejects(good["output"], sample) is None:
-                problems.append(_no_parent_message(good["output"]))
+                problems.append(("output", _no_parent_message(good["output"])))
         except ConfigError:
             pass  # a template with no fixed root: index_root below says so
     if good.get("storage"):
-        problems += _storage_problems(good)
+        problems += [("storage", p) for p in _storage_problems(good)]
     if "output" in good and "output" not in bad:
         from pipeline.runindex import index_root
 
         try:
             index_root(good["output"])  # where the run index lives: checked now, not after scoring
         except ConfigError as e:
-            problems += e.problems
+            problems += [("output", p) for p in e.problems]
     return problems
 
 

@@ -49,9 +49,10 @@ DEMO_EXIT_CODES_HELP = (
 )
 BACKFILL_EXIT_CODES_HELP = (
     "Exit codes: the worst of the days': 143 or 130 a day was stopped by SIGTERM or SIGINT (the "
-    "days after it are not run); 1 a day failed; 4 a day's scores drifted; 0 every day "
-    "succeeded, was skipped (already done) or had no input (missing). 2 usage or configuration "
-    "error, 3 model error, before any day runs."
+    "days after it are not run); 1 a day failed, or had no input (missing) without "
+    "--allow-missing-partitions; 4 a day's scores drifted; 0 every day succeeded, was skipped "
+    "(already done) or was missing with --allow-missing-partitions. 2 usage or configuration "
+    "error, 3 model error or no day in the range has input, before any day runs."
 )
 
 
@@ -89,6 +90,15 @@ class InputError(PipelineError):
     """The input cannot be scored as configured (no shards, bad schema); found before scoring."""
 
     exit_code = EXIT_INPUT
+
+
+class MissingInputError(InputError):
+    """The input (a folder, a file, or the folder a glob starts from) does not exist; ``uri``
+    is the location that was looked for."""
+
+    def __init__(self, message: str, *, uri: str) -> None:
+        self.uri = uri
+        super().__init__(message)
 
 
 class SchemaError(InputError):

@@ -22,9 +22,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from pipeline.cluster import DaskSession
 from pipeline.faults import checkpoint
@@ -48,7 +48,17 @@ MIN_TASKS_PER_SLOT = 4  # grouping never leaves a worker thread with fewer tasks
 POLL_S = 0.05
 
 
-def group_tasks(tasks: list[ShardTask], target_rows: int, slots: int) -> list[list[ShardTask]]:
+class HasRows(Protocol):
+    """What grouping reads of a task (``plan`` groups plain row counts the same way)."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+
+T = TypeVar("T", bound=HasRows)
+
+
+def group_tasks(tasks: Sequence[T], target_rows: int, slots: int) -> list[list[T]]:
     """Pack consecutive small shards into groups of about ``target_rows`` rows.
 
     The target shrinks so that each of ``slots`` worker threads still gets several groups (a
@@ -57,8 +67,8 @@ def group_tasks(tasks: list[ShardTask], target_rows: int, slots: int) -> list[li
     """
     total = sum(t.num_rows for t in tasks)
     limit = max(1, min(target_rows, -(-total // max(1, slots * MIN_TASKS_PER_SLOT))))
-    groups: list[list[ShardTask]] = []
-    current: list[ShardTask] = []
+    groups: list[list[T]] = []
+    current: list[T] = []
     rows = 0
     for t in tasks:
         if current and rows + t.num_rows > limit:

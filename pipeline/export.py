@@ -12,6 +12,7 @@ on the example. Only a bundle that passes is moved into place; anything else is 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import uuid
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pipeline import oov
 from pipeline.bundlecheck import check_declared_ranges
 from pipeline.errors import ModelError
 from pipeline.inputs import NAMED_KEYS
@@ -35,6 +37,8 @@ from pipeline.model import (
     parse_bundle_toml,
     read_bundle,
 )
+
+logger = logging.getLogger(__name__)
 
 #: Parity between the saved program and the eager module on the example (max |difference|).
 DEFAULT_TOLERANCE = 1e-5
@@ -233,7 +237,7 @@ def save_bundle(  # noqa: PLR0913 - keyword-only, each one a part of model.toml
         (staging / "model.toml").write_text(toml_text, encoding="utf-8")
         for file, data in files.items():
             (staging / file).write_bytes(data)
-        _verify(staging, target, xs, eager, tolerance)
+        warnings = _verify(staging, target, xs, eager, tolerance)
         if target.exists():
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         staging.rename(target)
@@ -242,6 +246,9 @@ def save_bundle(  # noqa: PLR0913 - keyword-only, each one a part of model.toml
         raise
     finally:
         forget(str(staging))  # the staging folder is gone: its cached load is no use
+    for warning in warnings:
+        # Saved (the bundle loads and scores), but a run would score some rows wrongly.
+        logger.warning("save_bundle: %s", warning)
     return read_bundle(str(target))[0]
 
 
@@ -258,8 +265,11 @@ def _with_list_dims(
     return out
 
 
-def _verify(staging: Path, target: Path, xs: Inputs, eager: torch.Tensor, tolerance: float) -> None:
-    """Load the staged bundle as a run does and hold it to the eager module's output."""
+def _verify(
+    staging: Path, target: Path, xs: Inputs, eager: torch.Tensor, tolerance: float
+) -> list[str]:
+    """Load the staged bundle as a run does and hold it to the eager module's output; the
+    warnings a run would give (:func:`pipeline.oov.check`), naming the target."""
     widths = tuple(0 if t.dim() == 1 else int(t[0].numel()) for t in xs)
     try:
         loaded = load_model(str(staging), "cpu", widths=widths)
@@ -268,7 +278,8 @@ def _verify(staging: Path, target: Path, xs: Inputs, eager: torch.Tensor, tolera
     except ModelError as e:  # name the bundle being saved, not its staging folder
         raise ModelError(str(e).replace(str(staging), str(target))) from e
     try:
-        check_declared_ranges(loaded)
+        check_declared_ranges(loaded)  # ids the bundle declares valid must not crash it
+        warnings = oov.check(loaded)  # and unseen values must not borrow a real value's id
     except ModelError as e:
         raise ModelError(str(e).replace(str(staging), str(target))) from e
     if got.shape != eager.shape:
@@ -284,6 +295,7 @@ def _verify(staging: Path, target: Path, xs: Inputs, eager: torch.Tensor, tolera
             + ("; inf: NaN or inf on one side only" if math.isinf(diff) else "")
             + "); nothing was saved"
         )
+    return [w.replace(str(staging), str(target)) for w in warnings]
 
 
 def _max_difference(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -419,6 +419,7 @@ def run_facts(run: ScoringRun) -> RunFacts:
         batch_size=run.execution.batch_size,
         execution=run.execution.report,
         lock_taken_over=run.lock_.took_over,
+        model_warnings=tuple(run.model_warnings),
     )
 
 

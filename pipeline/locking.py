@@ -14,7 +14,12 @@ A lock is never taken over while its holder is alive:
 * elsewhere: the holder refreshes a heartbeat (``_lock.heartbeat-<token>.json``) from a daemon
   thread every ``stale_after_s / 4`` (at most every minute); the lock is stale once the last
   heartbeat is older than ``stale_after_s``. This compares the holder's clock with ours: hosts
-  are assumed to keep time (NTP), a skew must stay well below ``stale_after_s``.
+  are assumed to keep time (NTP), a skew must stay well below ``stale_after_s``. A heartbeat
+  stamped more than ``stale_after_s`` in the future is that assumption broken (the holder's
+  clock is ahead): its age would keep a dead holder's lock for as long as the skew, for ever
+  with a clock years off. Such a lock is judged by when the storage last saw its heartbeat (or
+  lock) file written instead, by the storage's clock: stale once that is older than
+  ``stale_after_s``; otherwise refused with a message that names both clocks.
 
 Taking over a stale lock is race-free: contenders first exclusive-create a claim named after the
 stale lock's token (``_lock.takeover-<token>-<n>.json``); only the one that gets it deletes the
@@ -154,9 +159,15 @@ def _token_of(held: Mapping[str, Any]) -> str:
 
 
 def _stale_reason(
-    held: Mapping[str, Any], last_beat: float, stale_after_s: float, now: float
+    held: Mapping[str, Any],
+    last_beat: float,
+    stale_after_s: float,
+    now: float,
+    written: float | None = None,
 ) -> str | None:
-    """Why ``held`` is stale, or None while its holder may be alive."""
+    """Why ``held`` is stale, or None while its holder may be alive. ``written``: when the
+    storage last saw the holder's heartbeat (or lock) file written, by the storage's clock,
+    for a heartbeat stamped in the future (see :func:`_skewed_reason`)."""
     me = _identity()
     pid = held.get("pid")
     if isinstance(pid, int) and _same_machine(held, me):
@@ -175,6 +186,8 @@ def _stale_reason(
         if state == "reused":
             return f"pid {pid} is no longer running on this host (another process has its pid)"
         return None
+    if last_beat - now > stale_after_s:
+        return _skewed_reason(held, last_beat, stale_after_s, now, written)
     age = now - last_beat
     if age > stale_after_s:
         return (
@@ -182,6 +195,48 @@ def _stale_reason(
             f"(stale after {stale_after_s:g}s)"
         )
     return None
+
+
+def _clock(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _skew_text(held: Mapping[str, Any], last_beat: float, now: float) -> str:
+    """The two clocks of a heartbeat stamped in the future, for messages."""
+    return (
+        f"its last heartbeat is stamped {_clock(last_beat)} by host {held.get('host')}'s clock, "
+        f"{last_beat - now:,.0f}s ahead of this host's ({socket.gethostname()}: {_clock(now)})"
+    )
+
+
+def _skewed_reason(
+    held: Mapping[str, Any],
+    last_beat: float,
+    stale_after_s: float,
+    now: float,
+    written: float | None,
+) -> str | None:
+    """A heartbeat stamped more than ``stale_after_s`` in the future: the holder's clock is
+    ahead of ours by more than the lock tolerates, so its stamps say nothing about whether it
+    is alive. Stale when the storage last saw the heartbeat written more than ``stale_after_s``
+    ago; None (alive, or unknown) otherwise."""
+    if written is None or now - written <= stale_after_s:
+        return None
+    return (
+        f"no heartbeat from host {held.get('host')} for {now - written:.0f}s by the storage's "
+        f"clock (stale after {stale_after_s:g}s); {_skew_text(held, last_beat, now)}: the two "
+        "clocks disagree, so the storage's time was used"
+    )
+
+
+def _last_written(root: Location, held: Mapping[str, Any]) -> float | None:
+    """When the storage last saw the holder of ``held`` write its heartbeat or its lock file
+    (epoch seconds, the storage's clock); None when it does not say."""
+    files = [root.child(LOCK_NAME)]
+    if held.get("token"):
+        files.append(_heartbeat_loc(root, _token_of(held)))
+    times = [t for f in files if (t := storage.modified_time(f)) is not None]
+    return max(times) if times else None
 
 
 # --------------------------------------------------------------------------- lock files
@@ -263,11 +318,36 @@ def _take_over(
         storage.remove(claim)
 
 
-def _locked_error(root: Location, loc: Location, held: Mapping[str, Any]) -> LockError:
+def _locked_error(
+    root: Location, loc: Location, held: Mapping[str, Any], skew: str | None = None
+) -> LockError:
+    why = f" {skew}." if skew else ""
     return LockError(
         f"output {root.uri} is locked by run {held.get('run_id')} (pid {held.get('pid')} on "
-        f"{held.get('host')}, since {held.get('started_at')}). Wait for it to finish; if it is "
-        f"dead, delete {loc.uri}."
+        f"{held.get('host')}, since {held.get('started_at')}).{why} Wait for it to finish; if "
+        f"it is dead, delete {loc.uri}."
+    )
+
+
+def _skew_note(
+    held: Mapping[str, Any],
+    last_beat: float,
+    now: float,
+    stale_after_s: float,
+    written: float | None,
+) -> str:
+    """Why a lock whose heartbeat is stamped in the future is not taken over, both clocks named."""
+    seen = (
+        f"the storage saw its heartbeat written {now - written:,.0f}s ago, so its holder looks "
+        "alive"
+        if written is not None
+        else "the storage does not say when its heartbeat was written, so whether its holder "
+        "is alive cannot be told"
+    )
+    return (
+        f"Its holder's clock is ahead: {_skew_text(held, last_beat, now)}, more than "
+        f"stale_lock_after_s ({stale_after_s:g}s); {seen}. Fix the clock on "
+        f"{held.get('host')} (NTP)"
     )
 
 
@@ -338,9 +418,14 @@ class RunLock:
                 continue  # released between our create and our read: try again
             if held.get("token") == me["token"]:
                 break  # our create landed although its answer was lost (then retried)
-            reason = _stale_reason(held, _last_beat(root, held), stale_after_s, time.time())
+            beat, now = _last_beat(root, held), time.time()
+            # A heartbeat stamped in the future: judged by when the storage saw it written.
+            written = _last_written(root, held) if beat - now > stale_after_s else None
+            reason = _stale_reason(held, beat, stale_after_s, now, written)
             if reason is None:
-                raise _locked_error(root, loc, held)
+                skewed = beat - now > stale_after_s and not _same_machine(held, _identity())
+                note = _skew_note(held, beat, now, stale_after_s, written) if skewed else None
+                raise _locked_error(root, loc, held, note)
             if _take_over(root, loc, held, me):
                 took_over = {k: v for k, v in held.items() if k != "token"} | {"reason": reason}
                 logger.warning("taking over the stale lock %s: %s", loc.uri, reason)

@@ -457,14 +457,19 @@ def log_shard(result: ShardResult) -> None:
 
 
 def log_partition(entry: Mapping[str, Any]) -> None:
-    """Log one finished backfill partition (``partition_done``; ERROR if it failed)."""
+    """Log one finished backfill partition (``partition_done``): ERROR if it failed, WARNING
+    if its input is missing (INFO where the job accepts gaps: ``allow_missing_partitions``)."""
     status = entry["status"]
     level = logging.ERROR if status in ("failed", "error") else logging.INFO
+    if status == "missing" and not entry.get("missing_allowed"):
+        level = logging.WARNING
+    detail = f" ({entry['message']})" if status == "missing" and entry.get("message") else ""
     logger.log(
         level,
-        "partition %s: %s",
+        "partition %s: %s%s",
         entry["date"],
         status,
+        detail,
         extra={
             "event": "partition_done",
             "status": status,

@@ -254,6 +254,12 @@ def read_bundle(
     except (FileNotFoundError, NotADirectoryError) as e:
         if isinstance(e, NotADirectoryError) or storage.is_file(root):
             raise _file_not_bundle(uri, options) from None
+        if not storage.exists(root):
+            # A typo in the path, not a folder that lacks its model.toml: say which.
+            raise ModelError(
+                f"model bundle {uri} does not exist{storage.missing_hint(root)} (a bundle is a "
+                "directory holding model.toml and one weights file)"
+            ) from None
         raise ModelError(
             f"model bundle {uri} has no model.toml (a bundle is a directory holding model.toml "
             "and one weights file)"

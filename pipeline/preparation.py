@@ -24,10 +24,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from pipeline import storage
 from pipeline.batching import ShardBatches
 from pipeline.cluster import Plan
-from pipeline.config import JobConfig
-from pipeline.errors import ConfigError, ModelError, SchemaError, ShardError
+from pipeline.config import JobConfig, setting
+from pipeline.errors import ConfigError, MissingInputError, ModelError, SchemaError, ShardError
 from pipeline.manifest import settings_hash
 from pipeline.model import (
     BundleSpec,
@@ -113,6 +114,31 @@ def check_output_columns(config: JobConfig, spec: BundleSpec) -> None:
             seen[name] = where
     if problems:
         raise ConfigError(problems)
+
+
+def list_input(config: JobConfig) -> list[ShardRef]:
+    """The input shards of ``config`` (:func:`pipeline.storage.list_shards`). A templated input
+    whose day does not exist says which day, and where that day came from, and lists the
+    partitions that do exist instead of guessing another date."""
+    try:
+        return storage.list_shards(config.input_uri(), config.storage)
+    except MissingInputError as e:
+        if "{date}" not in config.input:
+            raise
+        raise MissingInputError(missing_partition_message(config), uri=e.uri) from None
+
+
+def missing_partition_message(config: JobConfig) -> str:
+    """``input X does not exist``, for an input templated with ``{date}``: the template, the
+    date and its source, and what the nearest existing folder holds."""
+    uri = config.input_uri()
+    day = config.run_date
+    source = "from --date" if config.date else "today in UTC: no --date was given"
+    loc = storage.locate(uri, config.storage)
+    return (
+        f"input {uri} does not exist: no partition for {day} ({source}; input = "
+        f"{config.input!r}){storage.missing_hint(loc, literal=day)}"
+    )
 
 
 class Inspection(NamedTuple):
@@ -218,14 +244,20 @@ def meta_fields(
     """
     out: dict[str, pa.Field] = {}
     names = list(dict.fromkeys((config.id_column, *config.passthrough)))
-    usable = [i for rel, i in infos.items() if rel not in failed]
+    usable = {rel: i for rel, i in infos.items() if rel not in failed}
     for name in names:
-        fields = [i.schema.field(name) for i in usable if i.schema.names.count(name) == 1]
-        if not fields:
+        found = {
+            rel: i.schema.field(name)
+            for rel, i in usable.items()
+            if i.schema.names.count(name) == 1
+        }
+        if not found:
             continue
         plain = [
-            f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in fields
+            f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f
+            for f in found.values()
         ]
+        plain = _common_time_zone(name, dict(zip(found, plain, strict=True)), config.input_uri())
         try:
             unified = pa.unify_schemas(
                 [pa.schema([f]) for f in plain], promote_options="permissive"
@@ -243,7 +275,35 @@ def meta_fields(
     return out
 
 
+def _common_time_zone(name: str, fields: dict[str, pa.Field], input_uri: str) -> list[pa.Field]:
+    """Timestamp fields of one column, ready to be unified: time zones that differ between
+    shards become UTC (a zoned timestamp is an instant, stored as UTC whatever its zone, so
+    this changes no value), which Arrow's unification would refuse. A column with a time zone
+    in one shard and none in another is a :class:`SchemaError` naming both: a timestamp
+    without one is a wall-clock time, and which instant it means is not in the data."""
+    stamps = {rel: f for rel, f in fields.items() if pa.types.is_timestamp(f.type)}
+    if len(stamps) < len(fields):  # not all timestamps: unification decides (and warns)
+        return list(fields.values())
+    zoned = {rel: f for rel, f in stamps.items() if f.type.tz is not None}
+    naive = {rel: f for rel, f in stamps.items() if f.type.tz is None}
+    if zoned and naive:
+        (a, fa), (b, fb) = next(iter(zoned.items())), next(iter(naive.items()))
+        raise SchemaError(
+            f"column {name!r} of input {input_uri} is a timestamp with time zone "
+            f"{fa.type.tz} ({fa.type}) in shard {a} but a timestamp without a time zone "
+            f"({fb.type}) in shard {b} ({len(zoned)} shard(s) with a zone, {len(naive)} "
+            "without): which "
+            "instant a timestamp without a zone means is not in the data, so the output could "
+            "not give the column one type. Rewrite the shards with one kind (pyarrow: "
+            "pc.assume_timezone), or leave the column out of passthrough"
+        )
+    if len({f.type.tz for f in zoned.values()}) > 1:
+        return [f.with_type(pa.timestamp(f.type.unit, "UTC")) for f in fields.values()]
+    return list(fields.values())
+
+
 MAX_NAMED_SHARDS = 3  # shards named in a grouped schema problem before "and N more"
+MAX_NAMED_COLUMNS = 40  # a shard's columns listed in a message before "... (N in all)"
 _MISSING = re.compile(r"column '(?P<col>[^']+)' is missing$")
 
 
@@ -285,6 +345,35 @@ def _closest(column: str, names: list[str]) -> list[str]:
     return found or [n for n in names if len(n) > 1 and (n.lower() in low or low in n.lower())][:1]
 
 
+def check_job_columns(config: JobConfig, infos: Mapping[str, ShardInfo]) -> None:
+    """Refuse (:class:`ConfigError`, exit 2) an id or pass-through column that no readable
+    shard has: a mistake in the job (a typo), not shards to skip (``skip_shard`` would skip
+    every one of them). Each is named with its key and the closest column the shards have."""
+    if not infos:
+        return
+    columns = list(dict.fromkeys(n for info in infos.values() for n in info.schema.names))
+    have = set(columns)
+    wanted = [("id_column", config.id_column), *(("passthrough", c) for c in config.passthrough)]
+    problems = []
+    for key, col in wanted:
+        if col in have:
+            continue
+        s = setting(key)
+        close = _closest(col, columns)
+        what = f"id_column = {col!r}" if key == "id_column" else f"passthrough names {col!r}, which"
+        shown = ", ".join(columns[:MAX_NAMED_COLUMNS])
+        if len(columns) > MAX_NAMED_COLUMNS:
+            shown += f", ... ({len(columns)} in all)"
+        problems.append(
+            f"{what} is not a column of any input shard ({len(infos)} read; their columns: "
+            f"{shown})"
+            + (f"; did you mean {close[0]!r}?" if close else ".")
+            + f" Set {key} in the job file, {s.env} or {s.flag}"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
 def apply_schema_policy(
     config: JobConfig, shards: list[ShardRef], found: Inspection
 ) -> dict[str, ShardResult]:
@@ -301,9 +390,15 @@ def apply_schema_policy(
         f"{spec.name} v{spec.version} ({spec.describe_inputs()})"
     )
     if problems and config.errors.on_schema_error == "fail":
+        readable = len(shards) - len(found.failed)
+        # skip_shard scores the rest; where no shard fits, there is no rest to score.
+        fix = (
+            "Fix the input or the model bundle"
+            if len(problems) >= readable
+            else "Fix the input, or set errors.on_schema_error = 'skip_shard' to score the rest"
+        )
         raise SchemaError(
-            f"{what}; nothing was scored. Fix the input, or set errors.on_schema_error = "
-            "'skip_shard' to score the rest:\n" + "\n".join(f"  - {p}" for p in lines)
+            f"{what}; nothing was scored. {fix}:\n" + "\n".join(f"  - {p}" for p in lines)
         )
     if problems:
         logger.warning(
@@ -450,7 +545,7 @@ def _auto_batch_size(
     job_rows: int,
 ) -> tuple[int, dict[str, Any]]:
     """``batch_size = "auto"``: the size the whole pipeline scores fastest at, measured on
-    real rows (:func:`pipeline.tuning.choose_by_rate` on :func:`_pipeline_step`), cached per
+    real rows (:func:`pipeline.tuning.choose_by_rate` on :func:`pipeline_step`), cached per
     model, device, precision and thread count. The sweep's rows and time are sized by a probe
     batch so that it costs at most :data:`AUTO_BUDGET_S` or :data:`AUTO_JOB_SHARE` of the
     job's ``job_rows`` (:func:`_sweep_rows`)."""
@@ -473,7 +568,7 @@ def _auto_batch_size(
         return default, {"cached": False, "key": key, "batch_size": default}
     before = torch.get_num_threads()
     try:
-        with _pipeline_step(config, prepared, sample_from, plan) as (step, rows):
+        with pipeline_step(config, prepared, sample_from, plan) as (step, rows):
             t0 = time.perf_counter()
             probe = min(rows, default)
             per_row = step(default, probe) / probe
@@ -534,7 +629,7 @@ def _sweep_rows(
 
 
 @contextlib.contextmanager
-def _pipeline_step(
+def pipeline_step(
     config: JobConfig, model: LoadedModel, shard: ShardRef, plan: Plan
 ) -> Iterator[tuple[Callable[[int, int], float], int]]:
     """``step(batch, rows)``: score a local copy of the first ``rows`` (up to

@@ -216,6 +216,8 @@ class RunFacts:
     batch_size: int
     execution: dict[str, Any]
     lock_taken_over: dict[str, Any] | None
+    # Found before scoring and logged then (pipeline.oov: unseen values sharing a real id).
+    model_warnings: tuple[str, ...] = ()
 
 
 _IN_OUTPUT = (ShardStatus.SCORED, ShardStatus.SKIPPED)
@@ -256,6 +258,7 @@ def _problems(facts: RunFacts, shards: list[ShardResult]) -> tuple[list[dict[str
         )
     for w in warnings:
         logger.warning("%s", w)
+    warnings.extend(facts.model_warnings)  # logged when the run found them, before scoring
     for r in shards:
         if r.status != ShardStatus.FAILED and r.rows_in != r.rows_out + r.rows_rejected:
             errors.append(

@@ -27,7 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline import finish, layout, logs, nesting, registry, storage
+from pipeline import finish, layout, logs, nesting, oov, registry, storage
 from pipeline.cluster import DaskSession, Plan, thread_plan
 from pipeline.config import JobConfig
 from pipeline.execution import cancelled, execute, interrupted
@@ -47,7 +47,9 @@ from pipeline.preparation import (
     Inspection,
     Settings,
     apply_schema_policy,
+    check_job_columns,
     inspect_shards,
+    list_input,
     meta_fields,
     new_run_id,
     plan_execution,
@@ -121,6 +123,7 @@ class ScoringRun:
         self.fatal: ShardResult | None = None
         self.previous_outputs: set[str] = set()
         self.foreign = ForeignFiles()
+        self.model_warnings: list[str] = []  # said before scoring, kept for the report
         # Where the model comes from; a registry URI is resolved at the start of prepare().
         self.source = registry.ModelSource(uri=config.model, bundle=config.model)
         self.cleared: list[Removal] = []  # outputs taken away before scoring (clear_the_way)
@@ -157,7 +160,7 @@ class ScoringRun:
         self.config = dataclasses.replace(self.config, model=self.source.bundle)
         config, opts = self.config, self.config.storage
         input_uri = config.input_uri()
-        self.shards: list[ShardRef] = storage.list_shards(input_uri, opts)
+        self.shards: list[ShardRef] = list_input(config)
         storage.check_disjoint(
             input_uri, self.out_root, self.rej_root, options=opts, shards=self.shards
         )
@@ -193,6 +196,12 @@ class ScoringRun:
         self.found: Inspection = inspect_shards(
             config, self.shards, bundle, self.sha, self.device, opts
         )
+        # Unseen values that a vocabulary input maps to a real value's id: said once, now, and
+        # in the report's warnings; ids beyond the model's embedding fail here (exit 3).
+        self.model_warnings = oov.check(self.found.model)
+        for warning in self.model_warnings:
+            logger.warning("%s", warning)
+        check_job_columns(config, self.found.infos)  # a typo is not a shard to skip
         self.failed = apply_schema_policy(config, self.shards, self.found)
         self.execution: Execution = plan_execution(
             config, self.shards, self.failed, self.found, self.plan

@@ -20,6 +20,7 @@ every write is staged, the shard's task is simply run again.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import fnmatch
 import functools
@@ -40,7 +41,7 @@ import fsspec
 import fsspec.utils
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.errors import ConfigError, InputError, StorageError
+from pipeline.errors import ConfigError, InputError, MissingInputError, StorageError
 from pipeline.faults import checkpoint
 
 logger = logging.getLogger(__name__)
@@ -289,7 +290,53 @@ def _find_input(loc: Location, input_uri: str) -> tuple[str, dict[str, Any]]:
         return loc.path, fs.find(loc.path, detail=True)
     if fs.exists(loc.path):
         return posixpath.dirname(loc.path), {loc.path: fs.info(loc.path)}
-    raise InputError(f"input {input_uri} does not exist")
+    raise MissingInputError(f"input {input_uri} does not exist{missing_hint(loc)}", uri=loc.uri)
+
+
+def nearest_existing(loc: Location) -> tuple[Location, str, list[str]] | None:
+    """For a ``loc`` that does not exist: the closest folder above it that does, the name of
+    the first path segment below that folder that is missing, and the names of the folder's
+    entries (sorted). None when no folder above it exists, or it cannot be told (this is for
+    messages only, so storage errors are not raised)."""
+    path, uri = loc.path.rstrip("/"), loc.uri.rstrip("/")
+    try:
+        for _ in range(64):
+            head, _, name = path.rpartition("/")
+            if not name or not (head or loc.is_local):
+                return None  # the filesystem root, or a bucket that does not exist
+            parent = Location(loc.fs, head or "/", uri.rpartition("/")[0] or "/")
+            # Direct calls, not retried: a hint must not hold a failing run for a deadline.
+            if bool(parent.fs.isdir(parent.path)):
+                listed = (str(n).rstrip("/") for n in parent.fs.ls(parent.path, detail=False))
+                own = parent.path.rstrip("/")
+                names = {posixpath.basename(n) for n in listed if n != own}
+                return parent, name, sorted(n for n in names if n)
+            path, uri = head, uri.rpartition("/")[0]
+    except Exception:  # a hint, never a reason to fail differently
+        logger.debug("could not find the nearest folder above %s", loc.uri, exc_info=True)
+    return None
+
+
+def missing_hint(loc: Location, *, literal: str | None = None) -> str:
+    """``"; <folder> holds no 'x': did you mean <folder>/y?"``: where the missing ``loc``
+    stops existing, for the end of a "does not exist" message ("" when nothing above it does).
+    A name holding ``literal`` (the date a template filled in) gets no guess: the partitions
+    there are listed instead, since another date is not what was meant."""
+    found = nearest_existing(loc)
+    if found is None:
+        return ""
+    folder, name, entries = found
+    visible = [e for e in entries if not e.startswith(("_", "."))]
+    if not visible:
+        return f"; {folder.uri} exists but is empty"
+    guess = literal is None or literal not in name
+    close = difflib.get_close_matches(name, visible, n=1, cutoff=0.7) if guess else []
+    if close:
+        return f"; {folder.uri} holds no {name!r}: did you mean {folder.child(close[0]).uri}?"
+    shown = ", ".join(visible[:3])
+    if len(visible) > 3:
+        shown += f", ... {visible[-1]} ({len(visible)} in all)"
+    return f"; {folder.uri} holds no {name!r}, only {shown}"
 
 
 def list_shards(
@@ -543,6 +590,33 @@ def file_in_the_way(loc: Location) -> str | None:
             return None
         path = parent
     return None if os.path.isdir(path) else path
+
+
+def input_exists(loc: Location) -> bool:
+    """Whether an input location names anything: a file or folder, or, for a glob, a match."""
+    if _is_glob(loc.path):
+        return bool(_retry(loc, lambda: loc.fs.glob(loc.path), "listing"))
+    return exists(loc)
+
+
+def modified_time(loc: Location) -> float | None:
+    """When ``loc`` was last written, in epoch seconds by the storage's clock (local disk: the
+    file's mtime; S3: LastModified); None when it does not exist or the storage does not say."""
+    try:
+        info = _retry(loc, lambda: loc.fs.info(loc.path), "checking")
+    except FileNotFoundError:
+        return None
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    return None
 
 
 def exists(loc: Location) -> bool:

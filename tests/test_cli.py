@@ -57,7 +57,13 @@ def test_every_flagged_setting_is_a_run_option_with_the_config_choices() -> None
     options = options_by_name()
     flagged = [s for s in config.SETTINGS if s.flag is not None]
     assert {s.key for s in config.SETTINGS} - {s.key for s in flagged} == NO_FLAG
+    backfill = {p.name: p for p in main.commands["backfill"].params if p.name}
     for s in flagged:
+        if s.commands is not None:  # a flag of other commands only (backfill's)
+            assert s.name not in options, s.key
+            assert all(s.name in {p.name for p in main.commands[c].params} for c in s.commands)
+            assert s.flag in backfill[s.name].opts
+            continue
         option = options[s.name]
         assert s.flag in option.opts, (s.key, option.opts)
         # None: "not given", so that the job file and the environment stay.

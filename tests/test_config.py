@@ -23,6 +23,7 @@ from pipeline.config import (
     JobConfig,
     MetricsDestination,
     build_config,
+    from_flags,
     metrics_destination,
 )
 from pipeline.errors import EXIT_USAGE, ConfigError
@@ -254,7 +255,7 @@ def test_overlap_words_other_than_auto_are_refused(tmp_path: Path) -> None:
         build_config(job, env={"SCORE_CATALOG_OVERLAP": "maybe"})
     assert problems_of(excinfo) == [
         "SCORE_CATALOG_OVERLAP='maybe' is not true, false or \"auto\"",
-        "overlap = 'sometimes' must be true, false or \"auto\"",
+        f"overlap = 'sometimes' must be true, false or \"auto\" (in {job})",
     ]
 
 
@@ -296,14 +297,30 @@ def test_env_none_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     assert build_config(env={}, overrides=BASE).batch_size == 4096
 
 
-def test_unknown_env_var_named_with_known_ones() -> None:
+def test_an_unknown_env_var_is_named_with_the_closest_names() -> None:
+    # Issue 22, 9e: the closest name(s), not all 35 of them.
+    for typo in ("SCORE_CATALOG_BATCHSIZE", "SCORE_CATALOG_BACH_SIZE"):
+        with pytest.raises(ConfigError) as excinfo:
+            build_config(env={typo: "10"}, overrides=BASE)
+        (problem,) = problems_of(excinfo)
+        assert (
+            problem
+            == f"unknown environment variable {typo}; did you mean SCORE_CATALOG_BATCH_SIZE?"
+        )
+    # Nothing close: every known name, so that the right one can be found.
     with pytest.raises(ConfigError) as excinfo:
-        build_config(env={"SCORE_CATALOG_BATCHSIZE": "10"}, overrides=BASE)
-    problems = problems_of(excinfo)
-    assert len(problems) == 1
-    assert "unknown environment variable SCORE_CATALOG_BATCHSIZE" in problems[0]
-    assert "SCORE_CATALOG_BATCH_SIZE" in problems[0]
-    assert "SCORE_CATALOG_TASK_RETRIES" in problems[0]
+        build_config(env={"SCORE_CATALOG_NOPE": "10"}, overrides=BASE)
+    (problem,) = problems_of(excinfo)
+    assert "did you mean" not in problem
+    assert "known ones:" in problem and "SCORE_CATALOG_TASK_RETRIES" in problem
+
+
+def test_an_unknown_job_key_gets_a_guess_too(tmp_path: Path) -> None:
+    job = write_job(tmp_path, 'input = "i"\noutput = "o"\nmodel = "m"\nid_colum = "x"\n')
+    with pytest.raises(ConfigError) as excinfo:
+        build_config(job, env={})
+    (problem,) = problems_of(excinfo)
+    assert problem.startswith("unknown key 'id_colum'; did you mean 'id_column'? known keys:")
 
 
 def test_env_type_errors_all_reported() -> None:
@@ -330,10 +347,34 @@ def test_problems_from_file_and_env_reported_together(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as excinfo:
         build_config(job, env={"SCORE_CATALOG_WORKERS": "many"})
     problems = problems_of(excinfo)
-    assert has_problem(problems, "unknown key 'batchsize'")
+    assert has_problem(problems, "unknown key 'batchsize'", f"(in {job})")
     assert "SCORE_CATALOG_WORKERS='many' is not an integer" in problems
-    assert excinfo.value.source == str(job)
-    assert f"invalid configuration in {job}" in str(excinfo.value)
+    # Issue 22, 9d: not "in job.toml" for a problem that came from the environment.
+    assert excinfo.value.source is None
+    assert "invalid configuration (2 problems)" in str(excinfo.value)
+
+
+def test_each_problem_names_its_real_source(tmp_path: Path) -> None:
+    """Issue 22, 9d: a flag's or a variable's mistake is not "in jobs/my_job.toml"."""
+    job = write_job(tmp_path, 'input = "i"\noutput = "o"\nmodel = "m"\n')
+    with pytest.raises(ConfigError) as excinfo:
+        build_config(job, env={"SCORE_CATALOG_WORKERS": "0"})
+    assert str(excinfo.value) == (
+        "invalid configuration: workers = 0 must be an integer >= 1 (from SCORE_CATALOG_WORKERS)"
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        build_config(job, env={}, overrides=from_flags({"batch_size": 0, "on_schema_error": "x"}))
+    assert problems_of(excinfo) == [
+        'batch_size = 0 must be an integer >= 1 or "auto" (from --batch-size)',
+        "errors.on_schema_error = 'x' must be 'fail' or 'skip_shard' (from --on-schema-error)",
+    ]
+    # All from the job file: said once, in the header, as before.
+    job.write_text('input = "i"\noutput = "o"\nmodel = "m"\nworkers = 0\n')
+    with pytest.raises(ConfigError) as excinfo:
+        build_config(job, env={})
+    assert str(excinfo.value) == (
+        f"invalid configuration in {job}: workers = 0 must be an integer >= 1"
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -155,6 +155,9 @@ def test_bundle_check_shows_inputs_and_a_dry_run(tmp_path: Path) -> None:
     assert "rejected: null in brand" in r.output and nulls > 0
 
     r = CliRunner().invoke(main, ["bundle", "check", str(tmp_path / "nothing")])
+    assert r.exit_code == 3 and f"model bundle {tmp_path / 'nothing'} does not exist" in r.output
+    (tmp_path / "empty").mkdir()  # a folder that exists without model.toml: said so
+    r = CliRunner().invoke(main, ["bundle", "check", str(tmp_path / "empty")])
     assert r.exit_code == 3 and "has no model.toml" in r.output
 
 

@@ -37,6 +37,10 @@ import json, os, socket, sys, types
 args = json.loads(sys.argv[1])
 if args.get("host"):
     socket.gethostname = lambda: args["host"]  # pretend to run on another machine
+if args.get("clock_ahead_s"):
+    import time
+    _real_time = time.time
+    time.time = lambda: _real_time() + args["clock_ahead_s"]  # that machine's clock is ahead
 pkg = types.ModuleType("pipeline")
 pkg.__path__ = [os.path.join(os.getcwd(), "pipeline")]
 sys.modules["pipeline"] = pkg
@@ -81,6 +85,7 @@ class Contender:
         heartbeat: float | None = None,
         options: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        clock_ahead_s: float = 0.0,
     ) -> None:
         args = {
             "root": root,
@@ -89,6 +94,7 @@ class Contender:
             "host": host,
             "heartbeat": heartbeat,
             "options": dict(options or {}),
+            "clock_ahead_s": clock_ahead_s,
         }
         self.run_id = run_id
         self.proc = subprocess.Popen(
@@ -398,3 +404,52 @@ def test_a_silent_remote_holder_is_superseded_and_fenced(
         assert read_lock(tmp_path)["token"] == lock.token
     finally:
         lock.release()
+
+
+def test_a_remote_holder_whose_clock_is_ahead_is_judged_by_the_storage_clock(
+    tmp_path: Path, contenders: Callable[..., Contender]
+) -> None:
+    """Issue 22, 9a: a heartbeat stamped days in the future (the holder's clock ahead) kept a
+    dead holder's lock for as long as the skew, and the refusal did not say why."""
+    root = storage.locate(str(tmp_path))
+    ahead = 10 * 86_400.0
+    holder, lock = superseded_holder(
+        str(tmp_path),
+        contenders,
+        lambda: RunLock.acquire(root, "successor", stale_after_s=STALE_S),
+        stale=STALE_S,
+        heartbeat=0.1,
+        clock_ahead_s=ahead,
+    )
+    try:
+        reason = str((lock.took_over or {}).get("reason"))
+        assert "no heartbeat from host elsewhere.example" in reason
+        assert "by the storage's clock" in reason
+        assert "by host elsewhere.example's clock" in reason
+        assert f"ahead of this host's ({socket.gethostname()}: " in reason
+        held = holder.check_and_release()  # fenced: it finds out at its next commit
+        assert held["held"] is False and "successor" in held["error"]
+    finally:
+        lock.release()
+
+
+def test_a_live_holder_whose_clock_is_ahead_is_refused_naming_both_clocks(
+    tmp_path: Path, contenders: Callable[..., Contender]
+) -> None:
+    root = storage.locate(str(tmp_path))
+    holder = contenders(
+        str(tmp_path), "ahead", host="elsewhere.example", stale=STALE_S, heartbeat=0.1,
+        clock_ahead_s=10 * 86_400.0,
+    )  # fmt: skip
+    assert race([holder])[0]["got"]
+    time.sleep(2 * STALE_S)  # beating all along: the storage sees fresh heartbeats
+    with pytest.raises(LockError) as e:
+        RunLock.acquire(root, "second", stale_after_s=STALE_S)
+    msg = " ".join(str(e.value).split())
+    assert "locked by run ahead" in msg
+    assert "Its holder's clock is ahead: its last heartbeat is stamped" in msg
+    assert "by host elsewhere.example's clock" in msg
+    assert f"ahead of this host's ({socket.gethostname()}: " in msg
+    assert "more than stale_lock_after_s (2s)" in msg and "looks alive" in msg
+    assert "Fix the clock on elsewhere.example (NTP)" in msg
+    assert holder.check_and_release()["held"] is True

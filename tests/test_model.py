@@ -575,9 +575,14 @@ def test_missing_model_toml(tmp_path: Path) -> None:
 
 
 def test_missing_bundle_directory(tmp_path: Path) -> None:
+    # Issue 22, 9f: a path that does not exist is not "a folder without model.toml".
+    (tmp_path / "catalog-ranker").mkdir()
     with pytest.raises(ModelError) as excinfo:
-        load_model(str(tmp_path / "nowhere"))
-    assert "has no model.toml" in str(excinfo.value)
+        load_model(str(tmp_path / "catalog-rankr"))
+    msg = str(excinfo.value)
+    assert f"model bundle {tmp_path / 'catalog-rankr'} does not exist" in msg
+    assert f"did you mean {tmp_path / 'catalog-ranker'}?" in msg
+    assert "has no model.toml" not in msg
 
 
 def test_missing_weights(tmp_path: Path) -> None:

@@ -2,8 +2,10 @@
 
 Real CLI runs on real Parquet shards: an id column missing from 12 shards is one line that
 names the columns those shards do have, whether the run stops (``fail``) or skips them
-(``skip_shard``); an int64 feature beyond 2**24 and a float64 feature float32 rounds are
-reported once per column, in the log and in ``_report.json``'s ``lossy_casts``.
+(``skip_shard``), and missing from every shard it is a configuration mistake (exit 2, "did you
+mean", never a suggestion to skip every shard); an int64 feature beyond 2**24 and a float64
+feature float32 rounds are reported once per column, in the log and in ``_report.json``'s
+``lossy_casts``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import EXIT_INPUT, EXIT_OK
+from pipeline.errors import EXIT_INPUT, EXIT_OK, EXIT_USAGE
 from tests.conftest import write_shards
 from tests.integration.helpers import cli, job_args, report
 
@@ -35,21 +37,54 @@ def renamed_ids(tmp_path: Path) -> Path:
     return cat
 
 
-def test_a_column_missing_from_every_shard_is_said_once_with_the_columns_there(
+def test_an_id_column_missing_from_every_shard_is_a_configuration_mistake(
     renamed_ids: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:
+    # Issue 22, 9c: a typo in the job, not shards to skip (skip_shard would skip all 12).
     r = cli("run", *job_args(renamed_ids, tmp_path / "o", bundle_dir), in_process=True)
-    assert r.returncode == EXIT_INPUT, r.output
-    problems = [line for line in r.output.splitlines() if line.startswith("  - ")]
-    assert len(problems) == 1, r.output  # not one line per shard
-    (line,) = problems
+    assert r.returncode == EXIT_USAGE, r.output
+    assert "skip_shard" not in r.output
+    (line,) = [ln for ln in r.output.splitlines() if "item_id" in ln]  # said once
     assert line.startswith(
-        f"  - id column 'item_id' is missing in {SHARDS} of {SHARDS} shards "
-        "(part-00000.parquet, part-00001.parquet, part-00002.parquet and 9 more); "
-        "the columns there: id, category, f0, f1,"
+        "error: invalid configuration: id_column = 'item_id' is not a column of any input "
+        f"shard ({SHARDS} read; their columns: id, category, f0, f1,"
     ), line
-    assert line.endswith("label (did you mean 'id'?)"), line
-    assert len(r.output.splitlines()) <= 3, r.output
+    assert "label); did you mean 'id'? Set id_column in the job file" in line, line
+    assert "SCORE_CATALOG_ID_COLUMN or --id-column" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_pass_through_column_missing_from_every_shard_names_its_key(
+    bundle_dir: Path, tmp_path: Path
+) -> None:
+    cat = tmp_path / "catalog"
+    write_shards(cat, [300, 300], row_group_rows=100)
+    args = job_args(cat, tmp_path / "o", bundle_dir)
+    for command in ("run", "plan"):
+        r = cli(command, *args, "--passthrough", "category,f_1", in_process=True)
+        assert r.returncode == EXIT_USAGE, r.output
+        assert "skip_shard" not in r.output
+        text = " ".join(r.output.split())
+        assert "passthrough names 'f_1', which is not a column of any input shard" in text
+        assert "did you mean 'f1'? Set passthrough in the job file" in text
+
+
+def test_a_model_input_missing_from_every_shard_does_not_suggest_skipping_them(
+    bundle_dir: Path, tmp_path: Path
+) -> None:
+    cat = tmp_path / "catalog"
+    for p in write_shards(cat, [300, 300], row_group_rows=100):
+        t = pq.read_table(p)
+        pq.write_table(t.drop_columns(["f7"]), p, row_group_size=100)
+    r = cli("run", *job_args(cat, tmp_path / "o", bundle_dir), in_process=True)
+    assert r.returncode == EXIT_INPUT, r.output
+    assert "2 of 2 shards do not fit model" in r.output
+    assert "Fix the input or the model bundle" in r.output and "skip_shard" not in r.output
+    # Where some shards fit, skipping the others is still offered.
+    write_shards(tmp_path / "good", [300], row_group_rows=100, start=10**6)
+    (cat / "zz.parquet").write_bytes((tmp_path / "good" / "part-00000.parquet").read_bytes())
+    r = cli("run", *job_args(cat, tmp_path / "o", bundle_dir), in_process=True)
+    assert r.returncode == EXIT_INPUT and "set errors.on_schema_error = 'skip_shard'" in r.output
 
 
 def test_skipping_those_shards_warns_once(
