@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -624,6 +625,32 @@ def _num(v: Any, fmt: str = ",.0f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+#: Beyond this many times the other run's value, ``report --vs`` prints a capped ratio.
+MAX_RATIO = 1_000_000
+
+
+def change(now: Any, then: Any, fmt: str = ",.0f", *, relative: bool = True) -> str:
+    """How ``now`` differs from ``then`` in the ``change`` column of ``report --vs``.
+
+    ``relative`` (counts, rates, durations, which are never negative): a percentage of ``then``
+    up to +999.9%, then a ratio (``12x``, at most ``>1,000,000x``); where ``then`` is 0 (no rows
+    rejected in the other run) the plain difference (``+250``): no percentage of nothing means
+    anything. Otherwise (score quantiles) the difference on the score's own scale
+    (``+0.0123``): a score's relative change is noise near 0, where a p05 of 2e-16 against 0.08
+    printed ``+402501073323306.0%``. ``-`` when either side is missing or not finite.
+    """
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (now, then)):
+        return "-"
+    if not relative or then <= 0 or now < 0:
+        return format(now - then, "+" + fmt)
+    ratio = now / then
+    if ratio > MAX_RATIO:
+        return f">{MAX_RATIO:,}x"
+    if ratio - 1 >= 10:  # +1000% and more reads better as "11x"
+        return f"{ratio:,.0f}x"
+    return f"{(ratio - 1) * 100:+.1f}%"
+
+
 def diff_table(current: dict[str, Any], other: dict[str, Any]) -> str:
     """Two runs side by side: counts, throughput, score quantiles and drift of ``current``."""
     a, b = current, other
@@ -632,11 +659,9 @@ def diff_table(current: dict[str, Any], other: dict[str, Any]) -> str:
         f"  {'':<22} {'this run':>22} {'other run':>22} {'change':>10}",
     ]
 
-    def row(label: str, x: Any, y: Any, fmt: str = ",.0f") -> None:
-        change = "-"
-        if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y:
-            change = f"{(x / y - 1) * 100:+.1f}%"
-        lines.append(f"  {label:<22} {_num(x, fmt):>22} {_num(y, fmt):>22} {change:>10}")
+    def row(label: str, x: Any, y: Any, fmt: str = ",.0f", *, relative: bool = True) -> None:
+        diff = change(x, y, fmt, relative=relative)
+        lines.append(f"  {label:<22} {_num(x, fmt):>22} {_num(y, fmt):>22} {diff:>10}")
 
     lines.append(f"  {'status':<22} {a.get('status', '-'):>22} {b.get('status', '-'):>22}")
     lines.append(
@@ -652,7 +677,7 @@ def diff_table(current: dict[str, Any], other: dict[str, Any]) -> str:
         qa = ((a.get("outputs") or {}).get(col) or {}).get("quantiles") or {}
         qb = ((b.get("outputs") or {}).get(col) or {}).get("quantiles") or {}
         for q in ("p05", "p50", "p95"):
-            row(f"{col} {q}", qa.get(q), qb.get(q), ".4f")
+            row(f"{col} {q}", qa.get(q), qb.get(q), ".4f", relative=False)
     d = drift_mod.compare(b, a, drift_mod.DriftThresholds())
     lines.append("")
     lines.append(f"  drift of this run against the other (default thresholds {d['thresholds']}):")
