@@ -492,9 +492,14 @@ def problem_line(d: Mapping[str, Any]) -> str:
     text = f"run {d.get('run_id')} {d.get('status')}"
     if why:
         text += ": " + "; ".join(why[:3]) + (f" (and {len(why) - 3} more)" if len(why) > 3 else "")
+    return f"{text} (report: {control_uri(d)}/{REPORT_NAME})"
+
+
+def control_uri(d: Mapping[str, Any]) -> str:
+    """The folder of a run's ``_report.json``, ``_report.html`` and manifest, from the output
+    its report names (:func:`pipeline.layout.beside`; the output itself at a bucket root)."""
     out = str(d.get("output"))
-    control = layout.beside(out, layout.CONTROL_DIR) or out
-    return f"{text} (report: {control}/{REPORT_NAME})"
+    return layout.beside(out, layout.CONTROL_DIR) or out
 
 
 def _grouped_errors(d: Mapping[str, Any], errors: list[dict[str, Any]]) -> list[str]:
@@ -530,11 +535,18 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
         f"  model     {d['model']['name']} v{d['model']['version']} ({d['model']['sha256'][:12]}) "
         f"on {d['device']}, batch {d['batch_size']}",
         f"  output    {d['output']}",
+        f"  report    {control_uri(d)}/{HTML_NAME}",
         f"  shards    {d['shards_total']} total: {d['shards_scored']} scored, "
         f"{d['shards_skipped']} skipped (already done), {d['shards_failed']} failed"
         + (f", {d['shards_not_scored']} not scored" if d.get("shards_not_scored") else ""),
         f"  rows      {_fmt_int(d['rows_in'])} in, {_fmt_int(d['rows_out'])} scored, "
         f"{_fmt_int(d['rows_rejected'])} rejected",
+    ]
+    if d.get("rows_rejected") and d.get("rejects"):
+        # Only where there are some: rejects are written for the shards that had any, so a
+        # clean night's folder does not exist, and its summary stays as short as before.
+        lines.append(f"  rejects   {d['rejects']}")
+    lines += [
         f"  speed     {d['rows_per_s']:,.0f} rows/s over {d['rows_processed']:,} rows scored in "
         f"{d['duration_s']:.1f}s",
     ]
