@@ -169,16 +169,49 @@ def output_options(f: F) -> F:
         click.option(
             "-q", "--quiet", is_flag=True, help="Errors only; no progress or shard lines."
         ),
+        click.option(
+            "--log-file",
+            metavar="PATH",
+            type=click.Path(dir_okay=False),
+            help="Also append every log line (INFO, or DEBUG with -v, whatever -q says) and the "
+            "summary to this local file.",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
     return f
 
 
+def progress_option(f: F) -> F:
+    """``run``'s progress lines where no bar is drawn (not a terminal, or JSON logs)."""
+    return click.option(
+        "--progress-interval",
+        metavar="S",
+        type=click.FloatRange(min=0),
+        default=60.0,
+        show_default=True,
+        help="Not on a terminal (cron) or with JSON logs: a progress line (rows, rows/s, ETA) "
+        "every S seconds; 0: none. Off with -q.",
+    )(f)
+
+
 def _console(opts: dict[str, Any]) -> logs.Console:
     """Take the output options out of ``opts`` and set up logging for them."""
     quiet, verbose = opts.pop("quiet"), opts.pop("verbose")
-    return logs.Console.setup(opts.pop("log_format"), -1 if quiet else verbose)
+    log_file = opts.pop("log_file")
+    if log_file is not None:
+        try:  # here, where it can be named: logging's own set-up hides the cause
+            with open(log_file, "a", encoding="utf-8"):
+                pass
+        except OSError as e:  # no such folder, no permission: before anything is done
+            raise click.BadParameter(
+                f"cannot append to {log_file} ({e.strerror or type(e).__name__}); give a file "
+                "in a folder that exists and that this user can write to",
+                param_hint="'--log-file'",
+            ) from e
+    console = logs.Console.setup(opts.pop("log_format"), -1 if quiet else verbose, log_file)
+    console.progress_every = float(opts.pop("progress_interval", 0.0))
+    return console
 
 
 def _fail(e: PipelineError, console: logs.Console) -> NoReturn:
@@ -254,6 +287,7 @@ def _exit(code: int) -> NoReturn:
 @click.argument("job", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @job_options
 @output_options
+@progress_option
 def run(job: Path | None, **opts: Any) -> None:
     """Score the input shards of JOB (a TOML job file) or of --input/--output/--model.
 
@@ -262,7 +296,8 @@ def run(job: Path | None, **opts: Any) -> None:
     rerunning a failed night resumes it. The summary goes to stdout, log lines to stderr,
     _report.json and _report.html beside the output (<output's parent>/_score_catalog/<output's
     name>/, with the manifest) and, on success, _SUCCESS into the output. On a terminal a
-    progress bar shows rows, shards, rows/s and ETA.
+    progress bar shows rows, shards, rows/s and ETA; elsewhere (cron) a progress line says the
+    same every --progress-interval seconds.
     """
     # Paused until the run starts scoring (on_start), or until the command fails before.
     with _StartupGC() as startup:
