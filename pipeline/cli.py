@@ -557,7 +557,7 @@ def entrypoint() -> None:
     except click.exceptions.Abort:
         logs.emit_error("aborted", EXIT_RUN_FAILED, fmt)
         sys.exit(EXIT_RUN_FAILED)
-    except KeyboardInterrupt:  # SIGINT before any handler of ours (python -m pipeline.cli)
+    except KeyboardInterrupt:  # raised by a library itself, not by a handler of ours
         stopped_while_starting(EarlyStop(signal.SIGINT), argv)
     except EarlyStop as e:
         stopped_while_starting(e, argv)
@@ -568,5 +568,5 @@ def entrypoint() -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-if __name__ == "__main__":  # pragma: no cover  (python -m pipeline is the way the tests use)
+if __name__ == "__main__":  # pragma: no cover  (python -m pipeline starts as the script does)
     entrypoint()
