@@ -38,6 +38,7 @@ from pipeline.errors import (
     StorageError,
 )
 from pipeline.interrupt import StopRequest
+from pipeline.launch import EarlyStop
 from pipeline.manifest import Manifest
 from pipeline.model import read_bundle
 from pipeline.reading import read_footer
@@ -226,6 +227,8 @@ def backfill(
         try:
             cfg = dataclasses.replace(config, date=day, force=force or config.force)
             entry.update(_partition(cfg, sha, force, on_shard, stop))
+        except EarlyStop as e:  # a signal before the day's run took its output: nothing written
+            entry.update(status=RunStatus.INTERRUPTED, exit_code=e.exit_code, message=str(e))
         except PipelineError as e:
             entry.update(status=PartitionStatus.ERROR, exit_code=e.exit_code, message=str(e))
         except Exception as e:  # one day's unexpected error must not cost the other days

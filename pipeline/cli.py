@@ -38,7 +38,8 @@ from pipeline.errors import (
     UsageError,
 )
 from pipeline.faults import checkpoint
-from pipeline.interrupt import EXIT_CODES, Aborted, StopRequest, handle_signals
+from pipeline.interrupt import EXIT_CODES, Aborted, StopRequest, handle_signals, settled
+from pipeline.launch import EarlyStop, route_early_signals, stopped_while_starting, wants_json
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -180,16 +181,49 @@ def output_options(f: F) -> F:
         click.option(
             "-q", "--quiet", is_flag=True, help="Errors only; no progress or shard lines."
         ),
+        click.option(
+            "--log-file",
+            metavar="PATH",
+            type=click.Path(dir_okay=False),
+            help="Also append every log line (INFO, or DEBUG with -v, whatever -q says) and the "
+            "summary to this local file.",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
     return f
 
 
+def progress_option(f: F) -> F:
+    """``run``'s progress lines where no bar is drawn (not a terminal, or JSON logs)."""
+    return click.option(
+        "--progress-interval",
+        metavar="S",
+        type=click.FloatRange(min=0),
+        default=60.0,
+        show_default=True,
+        help="Not on a terminal (cron) or with JSON logs: a progress line (rows, rows/s, ETA) "
+        "every S seconds; 0: none. Off with -q.",
+    )(f)
+
+
 def _console(opts: dict[str, Any]) -> logs.Console:
     """Take the output options out of ``opts`` and set up logging for them."""
     quiet, verbose = opts.pop("quiet"), opts.pop("verbose")
-    return logs.Console.setup(opts.pop("log_format"), -1 if quiet else verbose)
+    log_file = opts.pop("log_file")
+    if log_file is not None:
+        try:  # here, where it can be named: logging's own set-up hides the cause
+            with open(log_file, "a", encoding="utf-8"):
+                pass
+        except OSError as e:  # no such folder, no permission: before anything is done
+            raise click.BadParameter(
+                f"cannot append to {log_file} ({e.strerror or type(e).__name__}); give a file "
+                "in a folder that exists and that this user can write to",
+                param_hint="'--log-file'",
+            ) from e
+    console = logs.Console.setup(opts.pop("log_format"), -1 if quiet else verbose, log_file)
+    console.progress_every = float(opts.pop("progress_interval", 0.0))
+    return console
 
 
 def _fail(e: PipelineError, console: logs.Console) -> NoReturn:
@@ -292,6 +326,7 @@ def _failed_metrics(
 @click.argument("job", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @job_options
 @output_options
+@progress_option
 def run(job: Path | None, **opts: Any) -> None:
     """Score the input shards of JOB (a TOML job file) or of --input/--output/--model.
 
@@ -301,7 +336,8 @@ def run(job: Path | None, **opts: Any) -> None:
     _report.json and _report.html (with the manifest) to the output's control folder, beside
     the output template's fixed part (data/scored/run_date=X: data/_score_catalog/scored/
     run_date=X/), and, on success, _SUCCESS into the output. On a terminal a
-    progress bar shows rows, shards, rows/s and ETA.
+    progress bar shows rows, shards, rows/s and ETA; elsewhere (cron) a progress line says the
+    same every --progress-interval seconds.
     """
     # Paused until the run starts scoring (on_start), or until the command fails before.
     with _StartupGC() as startup:
@@ -338,12 +374,14 @@ def run(job: Path | None, **opts: Any) -> None:
             _aborted(e, console)
         except Exception as e:
             _crash(e, console)
-    console.summary(
-        {**report.data, "exit_code": report.exit_code},
-        summary_table(report),
-        problem_line(report.data, report.control),
-    )
-    _exit(report.exit_code)
+    with settled(report.status):  # a signal now changes nothing: the report is written
+        checkpoint("run-ended")  # the crash tests' place for a signal once the run has ended
+        console.summary(
+            {**report.data, "exit_code": report.exit_code},
+            summary_table(report),
+            problem_line(report.data, report.control),
+        )
+        _exit(report.exit_code)
 
 
 @main.command(context_settings=CONTEXT, epilog=DEMO_EXIT_CODES_HELP)
@@ -522,37 +560,18 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
         _fail(e, console)
     except Aborted as e:
         _aborted(e, console)
-    console.summary(
-        {**result.data, "exit_code": result.exit_code}, summary_table(result), problem_line(result)
-    )
-    _exit(result.exit_code)
+    with settled(str(result.data["status"])):
+        console.summary(
+            {**result.data, "exit_code": result.exit_code},
+            summary_table(result),
+            problem_line(result),
+        )
+        _exit(result.exit_code)
 
 
 main.add_command(bench)
 main.add_command(bundle)
 main.add_command(accept_drift)
-
-
-class _EarlyStop(BaseException):
-    """SIGTERM or SIGINT before a command routed signals to its run (while starting up). A
-    BaseException, like KeyboardInterrupt: no command's ``except Exception`` takes it for an
-    error of the run, and Click does not turn it into its own Abort (and a blank line)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _early_signal(signum: int, _frame: Any) -> None:
-    raise _EarlyStop(signum)
-
-
-def _wants_json(argv: list[str]) -> bool:
-    """Whether the command line asks for JSON logs: known before Click has parsed anything."""
-    return any(
-        a == "--log-format=json" or (a == "--log-format" and argv[i + 1 : i + 2] == ["json"])
-        for i, a in enumerate(argv)
-    )
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
@@ -585,22 +604,21 @@ def _usage_error_metrics(args: list[str], e: click.exceptions.UsageError) -> Non
 
 
 def entrypoint() -> None:
-    """The ``score-catalog`` console script.
+    """The command line, once :mod:`pipeline.launch` (the console script) has routed signals.
 
     Whatever stops the command outside its own error handling still ends in one line, in the
     log format asked for: a usage error Click found (exit 2), SIGINT or SIGTERM while the
-    command is still starting up, before its run routes them (130 / 143: nothing was
-    written), or an error no command mapped (exit 1).
+    command is still starting up, before its run routes them, or a run stopped before it took
+    its output (130 / 143: nothing was written), or an error no command mapped (exit 1).
     """
     argv = sys.argv[1:]
-    console = logs.Console("json" if _wants_json(argv) else "text", 0, logs.Terminal())
+    console = logs.Console("json" if wants_json(argv) else "text", 0, logs.Terminal())
     console.summarize_errors = bool(argv) and argv[0] in ("run", "backfill")
     fmt = console.fmt
-    # Until a run routes them to its StopRequest (handle_signals), and again after it.
-    signal.signal(signal.SIGTERM, _early_signal)
-    signal.signal(signal.SIGINT, _early_signal)
+    # Until a run routes them to its StopRequest (handle_signals); after it, see _settled.
+    route_early_signals()
     try:
-        code = main(obj=FAST_EXIT, standalone_mode=False)
+        code = main(obj=FAST_EXIT, standalone_mode=False, prog_name="score-catalog")
     except click.exceptions.UsageError as e:
         if fmt == "json":
             console.error(e.format_message(), e.exit_code)
@@ -612,11 +630,10 @@ def entrypoint() -> None:
     except click.exceptions.Abort:
         logs.emit_error("aborted", EXIT_RUN_FAILED, fmt)
         sys.exit(EXIT_RUN_FAILED)
-    except (KeyboardInterrupt, _EarlyStop) as e:
-        sig = signal.Signals(e.signum) if isinstance(e, _EarlyStop) else signal.SIGINT
-        code = EXIT_CODES[sig]
-        console.error(f"stopped by {sig.name} while starting; nothing was written", code)
-        sys.exit(code)
+    except KeyboardInterrupt:  # raised by a library itself, not by a handler of ours
+        stopped_while_starting(EarlyStop(signal.SIGINT), argv)
+    except EarlyStop as e:
+        stopped_while_starting(e, argv)
     except Exception as e:  # pragma: no cover  (commands map their errors themselves)
         logs.emit_error(f"unexpected error: {type(e).__name__}: {e}", EXIT_RUN_FAILED, fmt)
         logging.debug("traceback", exc_info=True)
@@ -624,5 +641,5 @@ def entrypoint() -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-if __name__ == "__main__":  # pragma: no cover
+if __name__ == "__main__":  # pragma: no cover  (python -m pipeline starts as the script does)
     entrypoint()

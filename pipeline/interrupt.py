@@ -152,3 +152,31 @@ def handle_signals(stop: StopRequest) -> Iterator[StopRequest]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def settled(outcome: str) -> Iterator[None]:
+    """While the CLI prints the outcome of a run that has ended (its report, metrics and exit
+    code written and in agreement): a signal is logged and changes none of them.
+
+    Without it a signal there would meet the start-up handler (:mod:`pipeline.launch`) and end
+    the process with "stopped while starting; nothing was written", exit 143, after a report
+    that says ``succeeded``. Main thread only, as :func:`handle_signals`.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        logger.warning(
+            "%s received after the run ended: its outcome stands (%s)",
+            signal.Signals(signum).name,
+            outcome,
+        )
+
+    previous = {s: signal.signal(s, on_signal) for s in EXIT_CODES}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

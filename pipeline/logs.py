@@ -51,8 +51,11 @@ __all__ = [
     "SUMMARY_FIELDS",
     "Console",
     "JsonFormatter",
+    "LogFile",
     "OneLineFilter",
     "Progress",
+    "ProgressLog",
+    "RowCounter",
     "RunContextFilter",
     "RunProgress",
     "Terminal",
@@ -69,6 +72,8 @@ __all__ = [
     "logging_config",
     "progress_enabled",
     "setup_logging",
+    "summary_text",
+    "to_log_file",
 ]
 
 FORMATS = ("text", "json")
@@ -88,6 +93,12 @@ EXTRA_FIELDS = (
     "run_id",
     "output",
     "exit_code",
+    # progress lines (ProgressLog)
+    "rows_total",
+    "percent",
+    "shards_done",
+    "shards_total",
+    "eta_s",
 )
 
 # Keys of the JSON summary line, taken from the report data where present.
@@ -280,6 +291,37 @@ class TerminalHandler(logging.StreamHandler):  # type: ignore[type-arg]
             bar.redraw()
 
 
+class LogFile(logging.FileHandler):
+    """``--log-file``: every log line at INFO (DEBUG with -v) whatever ``-q`` says, appended,
+    and the command's summary and final error exactly as it prints them (:func:`to_log_file`).
+
+    Cron mails what a job prints; with ``-q`` that is only errors, and this file keeps the
+    night's whole story. Dask's worker processes are forked from the driver and inherit it:
+    the file is opened for appending, so each record is one ``write`` at the end of the file.
+    """
+
+    def __init__(self, filename: str) -> None:
+        super().__init__(filename, mode="a", encoding="utf-8")
+
+    def write_text(self, text: str) -> None:
+        """Append ``text`` and a newline as they are (a summary table, a JSON line)."""
+        self.acquire()
+        try:
+            if self.stream is None:
+                self.stream = self._open()
+            self.stream.write(text + "\n")
+            self.flush()
+        finally:
+            self.release()
+
+
+def to_log_file(text: str) -> None:
+    """Append ``text`` to the ``--log-file``, if one is configured (else nothing)."""
+    for h in logging.getLogger().handlers:
+        if isinstance(h, LogFile):
+            h.write_text(text)
+
+
 def _level(verbosity: int) -> int:
     if verbosity < 0:
         return logging.ERROR
@@ -304,7 +346,9 @@ def _writes_own_lines(name: str) -> bool:
     )
 
 
-def logging_config(fmt: str, verbosity: int, terminal: Terminal) -> dict[str, Any]:
+def logging_config(
+    fmt: str, verbosity: int, terminal: Terminal, log_file: str | None = None
+) -> dict[str, Any]:
     """The :func:`logging.config.dictConfig` dictionary for the CLI's output on ``terminal``.
 
     The root logger gets one :class:`TerminalHandler` (text or JSON lines, at the verbosity's
@@ -315,10 +359,15 @@ def logging_config(fmt: str, verbosity: int, terminal: Terminal) -> dict[str, An
     mode, Dask's ``distributed.admin.log-format`` in text mode). Their own handler, not the
     root's, so that ``LocalCluster(silence_logs=...)``, which sets the level of the handlers of
     the ``distributed`` logger, cannot silence the application's own lines.
+
+    ``log_file``: a :class:`LogFile` handler too, in the same format, at INFO (DEBUG with -v)
+    whatever the terminal's level; the root logger's level is the lower of the two.
     """
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     level = _level(verbosity)
+    file_level = min(_level(max(verbosity, 0)), level)
+    lowest = file_level if log_file is not None else level
     line = "json" if fmt == "json" else "text"
     # The handler's level too: records propagating from loggers with their own level
     # (distributed's are INFO) skip the root logger's level.
@@ -338,9 +387,20 @@ def logging_config(fmt: str, verbosity: int, terminal: Terminal) -> dict[str, An
             "one_line": {"()": OneLineFilter, "keep": verbosity >= 2},
         },
         "handlers": {"terminal": handler},
-        "root": {"handlers": ["terminal"], "level": level},
-        "loggers": {name: {"level": max(level, logging.INFO)} for name in QUIET_LIBRARIES},
+        "root": {"handlers": ["terminal"], "level": lowest},
+        "loggers": {name: {"level": max(lowest, logging.INFO)} for name in QUIET_LIBRARIES},
     }
+    file_handlers = []
+    if log_file is not None:
+        config["handlers"]["file"] = {
+            **handler,
+            "()": LogFile,
+            "filename": log_file,
+            "level": file_level,
+        }
+        del config["handlers"]["file"]["terminal"]
+        config["root"]["handlers"].append("file")
+        file_handlers.append("file")
     own = [name for name in LIBRARY_LOGGERS if _writes_own_lines(name)]
     if own and fmt == "text":
         import dask  # imported already: it configured those loggers
@@ -350,11 +410,13 @@ def logging_config(fmt: str, verbosity: int, terminal: Terminal) -> dict[str, An
         }
     for name in own:
         config["handlers"][name] = {**handler, "formatter": "library" if line == "text" else line}
-        config["loggers"][name] = {"handlers": [name], "propagate": False}
+        config["loggers"][name] = {"handlers": [name, *file_handlers], "propagate": False}
     return config
 
 
-def setup_logging(fmt: str, verbosity: int, terminal: Terminal | None = None) -> Terminal:
+def setup_logging(
+    fmt: str, verbosity: int, terminal: Terminal | None = None, log_file: str | None = None
+) -> Terminal:
     """Configure logging to ``terminal`` (a new one on the current stderr if None); return it.
 
     ``fmt`` is "text" or "json"; ``verbosity`` -1 quiet (errors only), 0 info, 1 or more debug.
@@ -364,7 +426,7 @@ def setup_logging(fmt: str, verbosity: int, terminal: Terminal | None = None) ->
     Python prints them.
     """
     terminal = terminal if terminal is not None else Terminal()
-    config = logging_config(fmt, verbosity, terminal)
+    config = logging_config(fmt, verbosity, terminal, log_file)
     with terminal.lock:
         logging.config.dictConfig(config)
     logging.captureWarnings(fmt == "json")
@@ -493,6 +555,37 @@ def progress_enabled(fmt: str, verbosity: int, stream: Any) -> bool:
         return False
 
 
+class RowCounter:
+    """Rows and shards done so far, from reports of rows scored inside shards (``rows``) and
+    finished shards (``finish``): what the bar draws and the progress lines say."""
+
+    def __init__(self) -> None:
+        self.rows_done = 0
+        self.shards_done = 0
+        self._partial: dict[str, int] = {}  # rows counted so far of shards still being scored
+        self._finished: set[str] = set()  # shards counted by finish(): later reports are stale
+
+    def rows(self, rel_path: str, rows: int) -> int:
+        """``rows`` of shard ``rel_path`` are done so far; returns the rows newly counted."""
+        step = int(rows) - self._partial.get(rel_path, 0)
+        if step <= 0 or rel_path in self._finished:  # a retry reports from 0 again
+            return 0
+        self._partial[rel_path] = int(rows)
+        self.rows_done += step
+        return step
+
+    def finish(self, result: Any) -> int:
+        """Count one finished shard (any status) and its ``rows_in`` (None counts as 0), less
+        what :meth:`rows` counted of it already; returns the rows newly counted."""
+        rel_path = str(getattr(result, "rel_path", ""))
+        self._finished.add(rel_path)
+        counted = self._partial.pop(rel_path, 0)
+        step = max(0, int(getattr(result, "rows_in", None) or 0) - counted)
+        self.rows_done += step
+        self.shards_done += 1
+        return step
+
+
 class Progress:
     """A progress bar over the run's rows on a :class:`Terminal`, via click.progressbar.
 
@@ -525,13 +618,18 @@ class Progress:
         self.terminal = terminal if terminal is not None else Terminal(stream)
         self.stream: TextIO = stream if stream is not None else self.terminal.stream
         self.label = label
-        self.rows_done = 0
-        self.shards_done = 0
+        self.count = RowCounter()
         self._start = time.monotonic()
         self._bar: Any = None
         self._pid = os.getpid()
-        self._partial: dict[str, int] = {}  # rows counted so far of shards still being scored
-        self._finished: set[str] = set()  # shards counted by update(): later reports are stale
+
+    @property
+    def rows_done(self) -> int:
+        return self.count.rows_done
+
+    @property
+    def shards_done(self) -> int:
+        return self.count.shards_done
 
     # -- the bar's text --------------------------------------------------------------------
 
@@ -587,26 +685,17 @@ class Progress:
         if self._bar is None:
             return
         with self.terminal.lock:
-            step = int(rows) - self._partial.get(rel_path, 0)
-            if step <= 0 or rel_path in self._finished:  # a retry reports from 0 again
-                return
-            self._partial[rel_path] = int(rows)
-            self.rows_done += step
-            self._bar.update(step)
+            step = self.count.rows(rel_path, rows)
+            if step:
+                self._bar.update(step)
 
     def update(self, result: Any) -> None:
         """Count one finished shard (any status) and its ``rows_in`` (None counts as 0), less
         what :meth:`rows` counted of it already."""
         if self._bar is None:
             return
-        rows = int(getattr(result, "rows_in", None) or 0)
         with self.terminal.lock:
-            rel_path = str(getattr(result, "rel_path", ""))
-            self._finished.add(rel_path)
-            counted = self._partial.pop(rel_path, 0)
-            step = max(0, rows - counted)
-            self.rows_done += step
-            self.shards_done += 1
+            step = self.count.finish(result)
             self._bar.update(step)
             if step == 0:  # click only redraws on a change of the line; the counts changed
                 self._bar.render_progress()
@@ -634,6 +723,93 @@ class Progress:
         self.stream.flush()
 
 
+def _duration(seconds: float) -> str:
+    """``45s``, ``12m 05s``, ``3h 07m``: an ETA in a log line."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+class ProgressLog:
+    """Progress as a log line every ``interval_s`` seconds, where no bar is drawn (stderr is not
+    a terminal, as in cron's log, or the log is JSON).
+
+    Text: ``progress: 120,000/200,000 rows (60%), 3/8 shards, 41,250 rows/s, ETA 1m 56s``, at
+    INFO (so none with ``-q``). JSON: the same record with ``"event": "progress"`` and the fields
+    ``rows``, ``rows_total``, ``percent``, ``shards_done``, ``shards_total``, ``rows_per_s`` and
+    ``eta_s`` (null until a row is done). Rows move inside shards, from the workers' reports
+    (``rows``), as on the bar. A thread writes the lines, so a run that stalls keeps saying so.
+    """
+
+    def __init__(self, total_rows: int, total_shards: int, interval_s: float) -> None:
+        self.total_rows = max(0, int(total_rows))
+        self.total_shards = max(0, int(total_shards))
+        self.interval_s = interval_s
+        self.count = RowCounter()
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._start = time.monotonic()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> ProgressLog:
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="progress-log", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def rows(self, rel_path: str, rows: int) -> None:
+        with self._lock:
+            self.count.rows(rel_path, rows)
+
+    def update(self, result: Any) -> None:
+        with self._lock:
+            self.count.finish(result)
+
+    def _loop(self) -> None:
+        while not self._done.wait(self.interval_s):
+            try:
+                self.log_line()
+            except Exception:  # a progress line must never stop the run
+                logger.debug("progress line failed", exc_info=True)
+
+    def log_line(self) -> None:
+        """Log one progress line now."""
+        with self._lock:
+            rows, shards = self.count.rows_done, self.count.shards_done
+        elapsed = time.monotonic() - self._start
+        rate = rows / elapsed if elapsed > 0 else 0.0
+        eta = (self.total_rows - rows) / rate if rate > 0 else None
+        percent = 100.0 * rows / self.total_rows if self.total_rows else 100.0
+        logger.info(
+            "progress: %s/%s rows (%.0f%%), %d/%d shards, %s rows/s, ETA %s",
+            f"{rows:,}",
+            f"{self.total_rows:,}",
+            percent,
+            shards,
+            self.total_shards,
+            f"{rate:,.0f}",
+            "unknown" if eta is None else _duration(eta),
+            extra={
+                "event": "progress",
+                "rows": rows,
+                "rows_total": self.total_rows,
+                "percent": round(percent, 1),
+                "shards_done": shards,
+                "shards_total": self.total_shards,
+                "rows_per_s": rate,
+                "eta_s": eta,
+            },
+        )
+
+
 class RunProgress:
     """The ``on_start``/``on_shard`` callbacks of a run for the CLI: every finished shard is
     logged (:func:`log_shard`) and, where :func:`progress_enabled` allows, counted on a
@@ -644,25 +820,32 @@ class RunProgress:
     def __init__(self, console: Console) -> None:
         self.console = console
         self.bar: Progress | None = None
+        self.lines: ProgressLog | None = None
 
     def on_start(self, rows: int, shards: int) -> None:
-        """The run knows its size: open the bar (once)."""
-        if self.bar is not None:
+        """The run knows its size: open the bar (once), or where none can be drawn start the
+        progress lines (:class:`ProgressLog`), unless no handler takes INFO lines (``-q``)."""
+        if self.bar is not None or self.lines is not None:
             return
         c = self.console
         enabled = progress_enabled(c.fmt, c.verbosity, c.terminal.stream)
+        if not enabled and rows > 0 and c.progress_every > 0 and logger.isEnabledFor(logging.INFO):
+            self.lines = ProgressLog(rows, shards, c.progress_every).__enter__()
+            return
         self.bar = Progress(rows, shards, enabled=enabled, terminal=c.terminal).__enter__()
 
     def on_shard(self, result: ShardResult) -> None:
         """One shard finished (scored, skipped or failed)."""
         log_shard(result)
-        if self.bar is not None:
-            self.bar.update(result)
+        for shown in (self.bar, self.lines):
+            if shown is not None:
+                shown.update(result)
 
     def on_rows(self, rel_path: str, rows: int) -> None:
         """A shard still being scored has ``rows`` rows done: the bar and ETA move."""
-        if self.bar is not None:
-            self.bar.rows(rel_path, rows)
+        for shown in (self.bar, self.lines):
+            if shown is not None:
+                shown.rows(rel_path, rows)
 
     def __enter__(self) -> RunProgress:
         return self
@@ -676,6 +859,9 @@ class RunProgress:
         bar, self.bar = self.bar, None
         if bar is not None:
             bar.__exit__(exc_type, exc, tb)
+        lines, self.lines = self.lines, None
+        if lines is not None:
+            lines.__exit__(exc_type, exc, tb)
 
 
 # --------------------------------------------------------------------------------------------
@@ -687,13 +873,19 @@ def emit_summary(report_data: Mapping[str, Any], fmt: str, text: str) -> None:
     ``{"time", "level": "info", "event": "summary", ...}`` with the :data:`SUMMARY_FIELDS` that
     ``report_data`` has (pass ``{**report.data, "exit_code": report.exit_code}`` for the exit
     code)."""
+    shown = summary_text(report_data, fmt, text)
+    click.echo(shown)
+    to_log_file(shown)
+
+
+def summary_text(report_data: Mapping[str, Any], fmt: str, text: str) -> str:
+    """What :func:`emit_summary` prints: ``text``, or in JSON mode the summary's JSON line."""
     if fmt != "json":
-        click.echo(text)
-        return
+        return text
     obj: dict[str, Any] = {"time": _iso_utc(time.time()), "level": "info", "event": "summary"}
     obj.update((k, report_data[k]) for k in SUMMARY_FIELDS if k in report_data)
     obj.setdefault("run_id", None)  # a backfill's summary: its days' ids are in its partitions
-    click.echo(json_line(obj))
+    return json_line(obj)
 
 
 def emit_error(message: str, exit_code: int, fmt: str, terminal: Terminal | None = None) -> None:
@@ -707,17 +899,19 @@ def emit_error(message: str, exit_code: int, fmt: str, terminal: Terminal | None
         if bar is not None and bar.draws_on(sys.stderr):
             bar.clear_line()
         if fmt != "json":
-            click.echo(f"error: {message}", err=True)
-            return
-        obj = {
-            "time": _iso_utc(time.time()),
-            "level": "error",
-            "event": "error",
-            "message": str(message),
-            "exit_code": exit_code,
-            "run_id": current_run_id(),
-        }
-        click.echo(json_line(obj), err=True)
+            shown = f"error: {message}"
+        else:
+            obj = {
+                "time": _iso_utc(time.time()),
+                "level": "error",
+                "event": "error",
+                "message": str(message),
+                "exit_code": exit_code,
+                "run_id": current_run_id(),
+            }
+            shown = json_line(obj)
+        click.echo(shown, err=True)
+        to_log_file(shown)
 
 
 class Console:
@@ -736,11 +930,14 @@ class Console:
         # a fatal error then also ends stdout with a summary line, status failed (or
         # interrupted) and the exit code, so a reader of stdout always gets one.
         self.summarize_errors = False
+        # Seconds between progress lines where no bar is drawn (ProgressLog); 0: none.
+        self.progress_every = 0.0
 
     @classmethod
-    def setup(cls, fmt: str, verbosity: int) -> Console:
-        """Configure logging on a new :class:`Terminal` on stderr; the console for it."""
-        return cls(fmt, verbosity, setup_logging(fmt, verbosity))
+    def setup(cls, fmt: str, verbosity: int, log_file: str | None = None) -> Console:
+        """Configure logging on a new :class:`Terminal` on stderr (and ``log_file``, if
+        given: :class:`LogFile`); the console for it."""
+        return cls(fmt, verbosity, setup_logging(fmt, verbosity, log_file=log_file))
 
     def progress(self) -> RunProgress:
         """Callbacks for one run: shard lines, and the bar on a terminal."""
@@ -750,6 +947,7 @@ class Console:
         """See :func:`emit_summary`. Quiet (-q: errors only) prints no summary: a run that did
         not exit 0 gets one error line instead, ``problem`` (what went wrong, in a line)."""
         if self.verbosity < 0:
+            to_log_file(summary_text(report_data, self.fmt, text))  # the log keeps it
             code = int(report_data.get("exit_code") or 0)
             if code:
                 self.error(problem or str(report_data.get("status", "failed")), code)
@@ -771,3 +969,4 @@ class Console:
                 "error": str(message),
             }
             click.echo(json_line(obj))
+            to_log_file(json_line(obj))

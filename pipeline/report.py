@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -501,10 +502,17 @@ def problem_line(d: Mapping[str, Any], control: str | None = None) -> str:
     text = f"run {d.get('run_id')} {d.get('status')}"
     if why:
         text += ": " + "; ".join(why[:3]) + (f" (and {len(why) - 3} more)" if len(why) > 3 else "")
+    return f"{text} (report: {control_uri(d, control)}/{REPORT_NAME})"
+
+
+def control_uri(d: Mapping[str, Any], control: str | None = None) -> str:
+    """The folder of a run's ``_report.json``, ``_report.html`` and manifest: ``control`` (as
+    :attr:`RunReport.control`) when known, else where an output without placeholders keeps it
+    (:func:`pipeline.layout.beside`; the output itself at a bucket root)."""
     if control is None:
         out = str(d.get("output"))
         control = layout.beside(out, layout.CONTROL_DIR) or out
-    return f"{text} (report: {control.rstrip('/')}/{REPORT_NAME})"
+    return control.rstrip("/")
 
 
 def _grouped_errors(d: Mapping[str, Any], errors: list[dict[str, Any]]) -> list[str]:
@@ -540,11 +548,18 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
         f"  model     {d['model']['name']} v{d['model']['version']} ({d['model']['sha256'][:12]}) "
         f"on {d['device']}, batch {d['batch_size']}",
         f"  output    {d['output']}",
+        f"  report    {control_uri(d, report.control)}/{HTML_NAME}",
         f"  shards    {d['shards_total']} total: {d['shards_scored']} scored, "
         f"{d['shards_skipped']} skipped (already done), {d['shards_failed']} failed"
         + (f", {d['shards_not_scored']} not scored" if d.get("shards_not_scored") else ""),
         f"  rows      {_fmt_int(d['rows_in'])} in, {_fmt_int(d['rows_out'])} scored, "
         f"{_fmt_int(d['rows_rejected'])} rejected",
+    ]
+    if d.get("rows_rejected") and d.get("rejects"):
+        # Only where there are some: rejects are written for the shards that had any, so a
+        # clean night's folder does not exist, and its summary stays as short as before.
+        lines.append(f"  rejects   {d['rejects']}")
+    lines += [
         f"  speed     {d['rows_per_s']:,.0f} rows/s over {d['rows_processed']:,} rows scored in "
         f"{d['duration_s']:.1f}s",
     ]
@@ -642,6 +657,32 @@ def _num(v: Any, fmt: str = ",.0f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+#: Beyond this many times the other run's value, ``report --vs`` prints a capped ratio.
+MAX_RATIO = 1_000_000
+
+
+def change(now: Any, then: Any, fmt: str = ",.0f", *, relative: bool = True) -> str:
+    """How ``now`` differs from ``then`` in the ``change`` column of ``report --vs``.
+
+    ``relative`` (counts, rates, durations, which are never negative): a percentage of ``then``
+    up to +999.9%, then a ratio (``12x``, at most ``>1,000,000x``); where ``then`` is 0 (no rows
+    rejected in the other run) the plain difference (``+250``): no percentage of nothing means
+    anything. Otherwise (score quantiles) the difference on the score's own scale
+    (``+0.0123``): a score's relative change is noise near 0, where a p05 of 2e-16 against 0.08
+    printed ``+402501073323306.0%``. ``-`` when either side is missing or not finite.
+    """
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (now, then)):
+        return "-"
+    if not relative or then <= 0 or now < 0:
+        return format(now - then, "+" + fmt)
+    ratio = now / then
+    if ratio > MAX_RATIO:
+        return f">{MAX_RATIO:,}x"
+    if ratio - 1 >= 10:  # +1000% and more reads better as "11x"
+        return f"{ratio:,.0f}x"
+    return f"{(ratio - 1) * 100:+.1f}%"
+
+
 def diff_table(current: dict[str, Any], other: dict[str, Any]) -> str:
     """Two runs side by side: counts, throughput, score quantiles and drift of ``current``."""
     a, b = current, other
@@ -650,11 +691,9 @@ def diff_table(current: dict[str, Any], other: dict[str, Any]) -> str:
         f"  {'':<22} {'this run':>22} {'other run':>22} {'change':>10}",
     ]
 
-    def row(label: str, x: Any, y: Any, fmt: str = ",.0f") -> None:
-        change = "-"
-        if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y:
-            change = f"{(x / y - 1) * 100:+.1f}%"
-        lines.append(f"  {label:<22} {_num(x, fmt):>22} {_num(y, fmt):>22} {change:>10}")
+    def row(label: str, x: Any, y: Any, fmt: str = ",.0f", *, relative: bool = True) -> None:
+        diff = change(x, y, fmt, relative=relative)
+        lines.append(f"  {label:<22} {_num(x, fmt):>22} {_num(y, fmt):>22} {diff:>10}")
 
     lines.append(f"  {'status':<22} {a.get('status', '-'):>22} {b.get('status', '-'):>22}")
     lines.append(
@@ -670,7 +709,7 @@ def diff_table(current: dict[str, Any], other: dict[str, Any]) -> str:
         qa = ((a.get("outputs") or {}).get(col) or {}).get("quantiles") or {}
         qb = ((b.get("outputs") or {}).get(col) or {}).get("quantiles") or {}
         for q in ("p05", "p50", "p95"):
-            row(f"{col} {q}", qa.get(q), qb.get(q), ".4f")
+            row(f"{col} {q}", qa.get(q), qb.get(q), ".4f", relative=False)
     d = drift_mod.compare(b, a, drift_mod.DriftThresholds())
     lines.append("")
     lines.append(f"  drift of this run against the other (default thresholds {d['thresholds']}):")

@@ -33,6 +33,7 @@ from pipeline.config import JobConfig
 from pipeline.execution import cancelled, execute, interrupted
 from pipeline.faults import checkpoint
 from pipeline.interrupt import StopRequest
+from pipeline.launch import EarlyStop
 from pipeline.locking import LOCK_LOST_KIND, LockLostError, RunLock
 from pipeline.manifest import (
     FencedManifest,
@@ -164,6 +165,7 @@ class ScoringRun:
         storage.check_disjoint(
             input_uri, self.out_root, self.rej_root, options=opts, shards=self.shards
         )
+        self._stop_if_asked()
         self._by_path = {s.rel_path: s for s in self.shards}
         create = config.create_output_bucket
         self.buckets_to_create = [
@@ -193,6 +195,8 @@ class ScoringRun:
             widths = None if None in fixed else tuple(w for w in fixed if w is not None)
             batch = config.batch_size if isinstance(config.batch_size, int) else None
             self.session = DaskSession(self.plan, self._worker_spec(widths, batch))
+            checkpoint("cluster-started")
+            self._stop_if_asked()
         self.found: Inspection = inspect_shards(
             config, self.shards, bundle, self.sha, self.device, opts
         )
@@ -202,6 +206,8 @@ class ScoringRun:
         for warning in self.model_warnings:
             logger.warning("%s", warning)
         check_job_columns(config, self.found.infos)  # a typo is not a shard to skip
+        checkpoint("model-loaded")  # loaded in this process, dry-run checked
+        self._stop_if_asked()
         self.failed = apply_schema_policy(config, self.shards, self.found)
         self.execution: Execution = plan_execution(
             config, self.shards, self.failed, self.found, self.plan
@@ -212,6 +218,7 @@ class ScoringRun:
             # An existing cluster must answer before the run takes the output: an unreachable
             # scheduler fails here, with nothing written.
             self.session.client()
+        self._stop_if_asked()
 
     def lock(self) -> None:
         """Lock the output, clear what a crashed run left, and find what is already done."""
@@ -233,6 +240,7 @@ class ScoringRun:
             lock_token=self.lock_.token,
         )
         checkpoint("locked")
+        self._stop_if_asked()  # the lock is released on the way out (execute)
         layout.claim(self.places, self.lock_.assert_held)
         for root in (self.out_root, self.rej_root):
             for path in storage.remove_stale_temporaries(root):
@@ -310,6 +318,13 @@ class ScoringRun:
         return report
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _stop_if_asked(self) -> None:
+        """Stop here, before the run has changed its output, if a signal asked it to: the
+        previous run's ``_SUCCESS`` and report stay, and nothing of this run is written. (Once
+        the output is claimed a stop ends the run ``interrupted``, with its report.)"""
+        if self.stop.requested and self.stop.signum is not None:
+            raise EarlyStop(self.stop.signum)
 
     @property
     def model(self) -> LoadedModel:
@@ -457,8 +472,11 @@ def run(
     Any other error after planning is raised too, after a failed ``_report.json`` (where the
     output is writable) and the metrics. ``stop``, once requested (the CLI routes SIGTERM and
     SIGINT to it), ends the run early with status ``interrupted`` (see
-    :mod:`pipeline.interrupt`). ``run_id`` names the run (default: a new
-    :func:`~pipeline.preparation.new_run_id`); every log line of the run carries it.
+    :mod:`pipeline.interrupt`); requested before the run has taken its output (while it plans,
+    starts its cluster or loads the model), it raises :class:`~pipeline.launch.EarlyStop`
+    instead, with nothing written but the metrics (status ``interrupted``). ``run_id`` names
+    the run (default: a new :func:`~pipeline.preparation.new_run_id`); every log line of the
+    run carries it.
     """
     started_at = dt.datetime.now(dt.timezone.utc)
     t0 = time.perf_counter()

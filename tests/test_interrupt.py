@@ -21,8 +21,9 @@ from pipeline.interrupt import (
     handle_signals,
     interrupted_reason,
 )
+from pipeline.launch import EarlyStop
 from pipeline.report import RunReport
-from pipeline.statuses import FailureKind, RunStatus
+from pipeline.statuses import RunStatus
 from tests.integration.helpers import report_path
 
 
@@ -95,18 +96,26 @@ def test_the_help_lists_the_signal_exit_codes() -> None:
     assert "interrupted" in EXIT_CODES_HELP
 
 
-def test_a_stop_before_scoring_reports_every_shard_interrupted(
+def test_a_stop_before_the_run_takes_its_output_writes_nothing_but_the_metrics(
     tmp_path: Path, catalog: Path, bundle_dir: Path
 ) -> None:
-    """The library API: a stop already requested schedules nothing; the run says so."""
+    """The library API: a stop already requested when the run starts ends it before it takes
+    its output (it used to claim the output, withdrawing the last run's _SUCCESS, and report
+    every shard interrupted): EarlyStop, nothing written, the metrics say interrupted."""
     stop = StopRequest(grace_period_s=0)
     stop.request(signal.SIGTERM)
     out = tmp_path / "out"
-    config = JobConfig(input=str(catalog), output=str(out), model=str(bundle_dir), scheduler="sync")
-    report = run(config, stop=stop)
-    assert report.status == RunStatus.INTERRUPTED and report.exit_code == 143
-    assert report["failure_reasons"][0] == "interrupted by SIGTERM"
-    assert {s["kind"] for s in report["shards"]} == {FailureKind.INTERRUPTED}
-    assert report["rows_out"] == 0
-    assert report_path(out).exists() and not (out / "_SUCCESS").exists()
-    assert not (out / "_lock.json").exists()
+    metrics = tmp_path / "metrics.prom"
+    config = JobConfig(
+        input=str(catalog),
+        output=str(out),
+        model=str(bundle_dir),
+        scheduler="sync",
+        metrics_file=str(metrics),
+    )
+    with pytest.raises(EarlyStop) as stopped:
+        run(config, stop=stop)
+    assert stopped.value.exit_code == 143
+    assert str(stopped.value) == "stopped by SIGTERM while starting; nothing was written"
+    assert not out.exists() and not report_path(out).exists()
+    assert 'status="interrupted"} 1' in metrics.read_text()

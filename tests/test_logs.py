@@ -592,3 +592,62 @@ def test_library_tracebacks_are_one_line_unless_very_verbose(
         if folded:
             assert err.count("\n") == 1, err
             assert "Failed to communicate (OSError: Timed out trying to connect)" in err
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 22: progress lines where no bar is drawn, and --log-file
+
+
+def test_a_progress_line_counts_rows_inside_shards_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    logs.setup_logging("json", 0)
+    lines = logs.ProgressLog(60_000, 2, interval_s=3600)  # no line from its thread in this test
+    lines.rows("part-0.parquet", 12_288)
+    lines.rows("part-0.parquet", 8_192)  # a retry starting over: nothing new
+    lines.log_line()
+    lines.update(scored("part-0.parquet", rows_in=25_000))
+    lines.rows("part-0.parquet", 20_480)  # late: the shard is counted already
+    lines.log_line()
+    first, second = (r for r in json_lines(capsys.readouterr().err) if r["event"] == "progress")
+    assert (first["rows"], first["shards_done"], first["percent"]) == (12_288, 0, 20.5)
+    assert (second["rows"], second["shards_done"]) == (25_000, 1)
+    for rec in (first, second):
+        assert rec["rows_total"] == 60_000 and rec["shards_total"] == 2 and rec["level"] == "info"
+        assert rec["rows_per_s"] > 0 and rec["eta_s"] >= 0
+        assert rec["message"].startswith(f"progress: {rec['rows']:,}/60,000 rows (")
+
+
+def test_no_progress_lines_on_a_terminal_or_when_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    for stream, fmt, verbosity, lines in (
+        (FakeTTY(), "text", 0, False),  # the bar instead
+        (FakeTTY(), "json", 0, True),
+        (io.StringIO(), "text", 0, True),  # cron
+        (io.StringIO(), "text", -1, False),  # -q
+    ):
+        monkeypatch.setattr(sys, "stderr", stream)
+        console = logs.Console.setup(fmt, verbosity)
+        console.progress_every = 3600.0
+        with console.progress() as progress:
+            progress.on_start(1_000, 1)
+            assert (progress.lines is not None) is lines, (fmt, verbosity, stream)
+
+
+def test_a_log_file_takes_info_lines_whatever_quiet_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "night.log"
+    console = logs.Console.setup("text", -1, str(log))
+    logging.getLogger("pipeline").info("scored part-0.parquet")
+    logging.getLogger("pipeline").error("shard failed")
+    console.summary({"exit_code": 1, "status": "failed"}, "THE SUMMARY", "run x failed: why")
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logs.LogFile):
+            h.close()  # each line was flushed as it was written; this only closes the file
+    assert capsys.readouterr().err.splitlines() == [
+        next(ln for ln in log.read_text().splitlines() if "ERROR shard failed" in ln),
+        "error: run x failed: why",
+    ]
+    text = log.read_text()
+    assert "INFO scored part-0.parquet" in text
+    assert text.endswith("THE SUMMARY\nerror: run x failed: why\n")

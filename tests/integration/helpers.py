@@ -62,8 +62,9 @@ def cli_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def cli_argv(*args: str) -> list[str]:
-    """The command line of ``score-catalog ARGS`` (``python -m pipeline.cli``, this venv)."""
-    return [sys.executable, "-m", "pipeline.cli", *args]
+    """The command line of ``score-catalog ARGS``: ``python -m pipeline`` in this venv, which
+    starts as the console script does (pipeline.launch: signals handled from the first line)."""
+    return [sys.executable, "-m", "pipeline", *args]
 
 
 def cli(

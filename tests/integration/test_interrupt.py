@@ -356,3 +356,102 @@ def test_a_stop_while_the_report_is_written_interrupts(
     assert json.loads(report_path(out).read_text())["status"] == "interrupted"
     assert not (out / "_SUCCESS").exists()
     assert _metrics_status(metrics) == "interrupted"
+
+
+# ---------------------------------------------------------------------------------------------
+# A signal while the command starts up (issue 22, item 9): before the run has taken its output.
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file below ``root`` (output, control folder, rejects): size and mtime."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize(
+    ("point", "sig", "code"),
+    [
+        ("launch", "SIGTERM", 143),  # the command line not even imported yet (Click, config)
+        ("launch", "SIGINT", 130),
+        ("startup", "SIGTERM", 143),  # the job's config read; torch and Dask being imported
+        ("cluster-started", "SIGTERM", 143),  # the embedded cluster starting its workers
+        ("model-loaded", "SIGINT", 130),  # the model loaded and dry-run checked in the driver
+        ("locked", "SIGTERM", 143),  # the lock taken, the output not claimed yet
+    ],
+)
+def test_a_signal_while_starting_ends_in_one_line_and_leaves_the_last_run_in_place(
+    tmp_path: Path, catalog: Path, bundle_dir: Path, point: str, sig: str, code: int
+) -> None:
+    """Cron's timeout or Ctrl-C at any moment of start-up: the signal's exit code and one line
+    on stderr, never the default action (killed without a word) or a traceback; and the output
+    as the last run left it: its _SUCCESS and report kept, no lock, nothing of this run."""
+    scored = tmp_path / "scored"
+    out = scored / "out"
+    first = cli("run", *job_args(catalog, out, bundle_dir), "--scheduler", "sync", in_process=True)
+    assert first.returncode == 0, first.output
+    before = _snapshot(scored)
+    assert "out/_SUCCESS" in before
+
+    args = ["run", *job_args(catalog, out, bundle_dir), "--scheduler", "local", "--workers", "1"]
+    env = {"_SCORE_CATALOG_KILL_AT": f"{point}:1", "_SCORE_CATALOG_KILL_SIGNAL": sig}
+    stopped = cli(*args, "-q", env=env)
+    assert stopped.returncode == code, stopped.output
+    assert stopped.stderr.splitlines() == [
+        f"error: stopped by {sig} while starting; nothing was written"
+    ], stopped.stderr
+    assert stopped.stdout == ""
+    assert _snapshot(scored) == before
+
+
+def test_a_signal_after_the_run_ended_leaves_its_outcome(
+    tmp_path: Path, catalog: Path, bundle_dir: Path
+) -> None:
+    """The report is written and says succeeded: a SIGTERM while the summary is printed is
+    logged and changes neither the exit code nor the summary (it used to end "stopped while
+    starting; nothing was written", exit 143, after a succeeded report)."""
+    out = tmp_path / "out"
+    env = {"_SCORE_CATALOG_KILL_AT": "run-ended:1", "_SCORE_CATALOG_KILL_SIGNAL": "SIGTERM"}
+    done = cli("run", *job_args(catalog, out, bundle_dir), "--scheduler", "sync", env=env)
+    assert done.returncode == 0, done.output
+    assert done.report is not None and done.report["status"] == "succeeded"
+    assert (out / "_SUCCESS").exists()
+    assert "SIGTERM received after the run ended: its outcome stands (succeeded)" in done.stderr
+    assert "SUCCEEDED" in done.stdout and "stopped by" not in done.output
+
+
+def test_a_signal_before_a_backfill_day_takes_its_output_stops_the_backfill(
+    tmp_path: Path, bundle_dir: Path
+) -> None:
+    """SIGTERM while the second day's run loads its model: that day is interrupted with nothing
+    written, the third is not run, the summary says so, exit 143."""
+    days = ["2025-03-01", "2025-03-02", "2025-03-03"]
+    for k, day in enumerate(days):
+        write_shards(tmp_path / "archive" / f"dt={day}", [600, 400], start=10_000 * k, seed=k)
+    job = tmp_path / "rescore.toml"
+    job.write_text(
+        f'input = "{tmp_path}/archive/dt={{date}}"\noutput = "{tmp_path}/scored/dt={{date}}"\n'
+        f'model = "{bundle_dir}"\nscheduler = "sync"\n[monitoring]\ndrift = false\n'
+    )
+    env = {"_SCORE_CATALOG_KILL_AT": "model-loaded:2", "_SCORE_CATALOG_KILL_SIGNAL": "SIGTERM"}
+    r = cli("backfill", str(job), "--from", days[0], "--to", days[-1], env=env)
+    assert r.returncode == 143, r.output
+    summary = json.loads(
+        (
+            tmp_path
+            / "_score_catalog"
+            / "scored"
+            / "_backfills"
+            / "rescore"
+            / f"{days[0]}_{days[-1]}.json"
+        ).read_text()
+    )
+    parts = {p["date"]: p for p in summary["partitions"]}
+    assert parts[days[0]]["status"] == "succeeded"
+    assert parts[days[1]]["status"] == "interrupted"
+    assert parts[days[1]]["message"] == "stopped by SIGTERM while starting; nothing was written"
+    assert summary["not_run"] == [days[2]] and summary["status"] == "interrupted"
+    assert not (tmp_path / "scored" / f"dt={days[1]}").exists()
+    assert "Traceback" not in r.stderr, r.stderr

@@ -231,6 +231,55 @@ def test_plan_says_what_a_resume_would_skip(
     assert plan["rows_to_score"] == 900
 
 
+def test_report_vs_shows_sane_changes_against_a_base_near_zero(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """The case that printed ``+402501073323306.0%``: the other run's scores sat near 0 (a model
+    whose positive class was all but impossible) and it rejected nothing. Score quantiles now
+    change by their difference, and rejected rows by their count against none."""
+    import torch
+
+    from pipeline.demo import export_bundle
+    from tests.conftest import demo_toml, make_model
+
+    silent = make_model()
+    with torch.no_grad():  # softmax[:, 1] = e^-60 / (1 + e^-60), about 1e-26, for every row
+        silent.net[-1].weight.zero_()
+        silent.net[-1].bias.copy_(torch.tensor([30.0, -30.0]))
+    silent_bundle = export_bundle(silent, tmp_path / "silent", demo_toml(), n_in=16)
+    root = tmp_path / "scored"
+    assert _run(catalog, root, silent_bundle, "2026-11-01").returncode == 0
+    with_nulls = tmp_path / "nulls"
+    with_nulls.mkdir()
+    for p in sorted(catalog.glob("*.parquet")):
+        t = pq.read_table(p)
+        if p.name == "part-00000.parquet":  # 25 rows with a null feature: rejected
+            i = t.schema.get_field_index("f2")
+            values = t.column("f2").to_pylist()
+            values[:25] = [None] * 25
+            t = t.set_column(i, "f2", pa.array(values, pa.float32()))
+        pq.write_table(t, with_nulls / p.name, row_group_size=1000)
+    _run(with_nulls, root, bundle_dir, "2026-11-02")  # drift against the silent model: exit 4
+    now, then = report(root / "2026-11-02"), report(root / "2026-11-01")
+    assert now["rows_rejected"] == 25 and then["rows_rejected"] == 0
+    assert 0 < then["outputs"]["score"]["quantiles"]["p05"] < 1e-20
+
+    both = cli("report", str(root / "2026-11-02"), "--vs", str(root / "2026-11-01"))
+    assert both.returncode == 0, both.stderr
+    rows = {
+        line[:25].strip(): line[25:].split()
+        for line in both.stdout.splitlines()
+        if line.startswith("  ") and len(line) > 25
+    }
+    for q in ("p05", "p50", "p95"):
+        x, y = (r["outputs"]["score"]["quantiles"][q] for r in (now, then))
+        assert rows[f"score {q}"] == [f"{x:.4f}", f"{y:.4f}", f"{x - y:+.4f}"], both.stdout
+    assert rows["rows_rejected"] == ["25", "0", "+25"], both.stdout
+    assert rows["rows_in"] == ["7,300", "7,300", "+0.0%"], both.stdout
+    assert rows["rows_out"] == ["7,275", "7,300", "-0.3%"], both.stdout
+    assert "%" not in "".join(rows[f"score {q}"][2] for q in ("p05", "p50", "p95"))
+
+
 def test_report_command_summary_and_side_by_side(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:

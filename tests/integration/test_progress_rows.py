@@ -9,6 +9,7 @@ pseudo-terminal, where the bar must show rows done while no shard is finished ye
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -126,3 +127,49 @@ def test_the_cli_bar_moves_inside_one_shard_on_a_terminal(
     assert "200,000/200,000 rows  1/1 shards" in text
     percents = {int(p) for p in re.findall(r"\]\s+(\d+)%", text)}
     assert any(0 < p < 100 for p in percents), text
+
+
+_LINE = re.compile(
+    r"INFO progress: ([\d,]+)/200,000 rows \((\d+)%\), (\d)/1 shards, ([\d,]+) rows/s, "
+    r"ETA (\S+(?: \S+)?)$"
+)
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(
+    one_big_shard: Path, wide_bundle: Path, tmp_path: Path
+) -> None:
+    """Issue 22: cron's log showed nothing between "loaded model" and the summary. Where no bar
+    can be drawn, a line every --progress-interval seconds: rows done inside the shard, rate,
+    ETA; in JSON mode a record with those fields; none with -q."""
+    args = ["run", *job_args(one_big_shard, tmp_path / "out", wide_bundle)]
+    args += ["--scheduler", "local", "--workers", "1", "--batch-size", "1024", "--force"]
+    args += ["--progress-interval", "0.5"]
+
+    def run_cli(*extra: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            cli_argv(*args, *extra), env=cli_env(), capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        return done
+
+    text = run_cli().stderr
+    found = [m for ln in text.splitlines() if (m := _LINE.search(ln))]
+    inside = [m for m in found if m.group(3) == "0" and int(m.group(1).replace(",", "")) > 0]
+    assert inside, text  # rows moved while the one shard was still being scored
+    assert all(int(m.group(4).replace(",", "")) > 0 and m.group(5) != "unknown" for m in inside)
+    assert "\r" not in text and "\x1b" not in text  # lines, not a bar
+
+    records = [json.loads(ln) for ln in run_cli("--log-format", "json").stderr.splitlines()]
+    progress = [r for r in records if r["event"] == "progress"]
+    moving = [r for r in progress if r["shards_done"] == 0 and 0 < r["rows"] < ROWS]
+    assert moving, progress
+    for r in moving:
+        assert r["rows_total"] == ROWS and r["shards_total"] == 1 and r["level"] == "info"
+        assert (
+            r["rows_per_s"] > 0
+            and r["eta_s"] >= 0
+            and r["percent"] == round(100 * r["rows"] / ROWS, 1)
+        )
+
+    quiet = run_cli("-q")
+    assert quiet.stderr == "" and quiet.stdout == ""

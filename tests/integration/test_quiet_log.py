@@ -15,15 +15,18 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import write_shards
+from tests.conftest import REPO, write_shards
 from tests.integration.helpers import cli_argv, cli_env, job_args, report, temporaries
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -228,3 +231,116 @@ def test_usage_and_config_errors_are_json_with_a_summary_line(tmp_path: Path) ->
         assert err["event"] == "error" and err["exit_code"] == code
         summaries = [json.loads(ln) for ln in done.stdout.splitlines()]
         assert [s["status"] for s in summaries] == ["failed"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's cron line, run as cron runs it (issue 22, item 9)
+
+
+def _readme_cron_command() -> str:
+    """The command of the README's crontab line (after its five time fields)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Running from cron", 1)[1].split("```cron", 1)[1].split("```", 1)[0]
+    (line,) = [ln for ln in block.splitlines() if ln.strip() and not ln.startswith("#")]
+    return line.split(None, 5)[5]
+
+
+def test_the_readme_cron_line_mails_only_errors_and_logs_the_whole_night(
+    tmp_path: Path, bundle_dir: Path
+) -> None:
+    """The line used to run `make score-catalog` (reinstalling dev tools and rebuilding the demo
+    catalog at 02:15) with `>> log 2>&1`, so that `-q` could never decide what cron mails. As
+    written now, with its paths moved under tmp_path: a clean night prints nothing (no mail)
+    and logs everything; a failed night prints one error line and logs the summary too."""
+    command = _readme_cron_command()
+    assert "make" not in command.split() and "score-catalog run jobs/" in command, command
+    # cron's own rule: an unescaped % ends the command (the rest is its stdin); \% is a %.
+    assert "%" not in command.replace("\\%", ""), command
+    command = command.replace("\\%", "%")
+    home, logs, textfile = tmp_path / "srv", tmp_path / "log", tmp_path / "textfile"
+    for old, new in (
+        ("/srv/score-catalog", home),
+        ("/var/log/score-catalog", logs),
+        ("/var/lib/node_exporter/textfile", textfile),
+    ):
+        assert old in command, command
+        command = command.replace(old, str(new))
+    logs.mkdir()
+    textfile.mkdir()
+    tool = home / ".venv" / "bin" / "score-catalog"  # the installed console script, stood in for
+    tool.parent.mkdir(parents=True)
+    tool.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pipeline "$@"\n')
+    tool.chmod(0o755)
+    write_shards(home / "data" / "catalog", [1_500, 1_000], row_group_rows=500)
+    (home / "jobs").mkdir()
+    (home / "jobs" / "score_catalog.toml").write_text(
+        'input = "data/catalog"\noutput = "data/scored/run_date={date}"\n'
+        f'model = "{bundle_dir}"\nscheduler = "sync"\n[monitoring]\ndrift = false\n'
+    )
+
+    def night() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["/bin/sh", "-c", command], env=cli_env(), capture_output=True, text=True, timeout=300
+        )
+
+    clean = night()
+    assert clean.returncode == 0, clean.stderr
+    assert clean.stdout == "" and clean.stderr == ""  # nothing to mail
+    (log,) = logs.iterdir()
+    text = log.read_text()
+    assert "INFO scored part-00000.parquet: 1,500 rows" in text
+    assert ": SUCCEEDED\n" in text and "  report    " in text  # the summary, as printed
+    assert 'status="succeeded"} 1' in (textfile / "score_catalog.prom").read_text()
+
+    shard = home / "data" / "catalog" / "part-00001.parquet"
+    t = pq.read_table(shard)
+    i = t.schema.get_field_index("f2")
+    nulls = pa.array([None] * 100 + t.column("f2").to_pylist()[100:], pa.float32())
+    pq.write_table(t.set_column(i, "f2", nulls), shard, row_group_size=500)  # 4% rejected
+    bad = night()
+    assert bad.returncode == 1, bad.stderr
+    assert bad.stdout == ""
+    (mailed,) = bad.stderr.splitlines()  # the mail: one line, what went wrong and where
+    assert mailed.startswith("error: run ") and "rejected fraction" in mailed
+    assert "(report: " in mailed
+    text = log.read_text()  # appended: both nights, the failed one's summary and its line
+    assert text.count(": SUCCEEDED\n") == 1 and ": FAILED\n" in text
+    assert text.endswith(mailed + "\n")
+
+
+def test_a_json_log_file_is_json_to_its_last_line_and_a_bad_path_is_a_usage_error(
+    tmp_path: Path, bundle_dir: Path
+) -> None:
+    write_shards(tmp_path / "in", [800, 700], row_group_rows=300)
+    args = ["run", *job_args(tmp_path / "in", tmp_path / "out", bundle_dir), "--scheduler", "sync"]
+    log = tmp_path / "night.log"
+    done = subprocess.run(
+        cli_argv(*args, "-q", "--log-format", "json", "--log-file", str(log)),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "" and done.stderr == ""
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    run_id = report(tmp_path / "out")["run_id"]
+    assert [r["shard"] for r in records if r["event"] == "shard_scored"] == [
+        "part-00000.parquet",
+        "part-00001.parquet",
+    ]
+    assert records[-1]["event"] == "summary" and records[-1]["status"] == "succeeded"
+    assert all(r["run_id"] == run_id for r in records)
+
+    nowhere = tmp_path / "no-such-folder" / "night.log"
+    bad = subprocess.run(
+        cli_argv(*args, "--log-file", str(nowhere)),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2, bad.stderr
+    assert "--log-file" in bad.stderr and str(nowhere) in bad.stderr
+    assert "No such file or directory" in bad.stderr
+    assert not (tmp_path / "out2").exists()

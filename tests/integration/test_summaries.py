@@ -155,3 +155,41 @@ def test_drift_with_rejects_within_budget_is_a_warning_and_exit_4(
     assert rep["status"] == "succeeded_with_warnings"
     assert moved.returncode == EXIT_DRIFT == RunReport(rep).exit_code, moved.output
     assert (root / "2026-11-02" / "_SUCCESS").exists()
+
+
+def _line(stdout: str, label: str) -> str | None:
+    """The value of the summary's ``label`` line (``  report    VALUE``), or None."""
+    found = [ln[12:] for ln in stdout.splitlines() if ln.startswith(f"  {label:<9} ")]
+    assert len(found) <= 1, stdout
+    return found[0] if found else None
+
+
+def test_the_summary_names_the_html_page_and_where_the_rejects_are(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 22: the summary named neither. The page is named always (every run that prints a
+    summary wrote it); the rejects only when there are some (a clean night writes none, and
+    its summary names no folder that does not exist)."""
+    clean = _run(catalog, tmp_path / "clean", bundle_dir)
+    assert clean.returncode == EXIT_OK, clean.output
+    page = _line(clean.stdout, "report")
+    assert page == str(report_path(tmp_path / "clean").with_name("_report.html"))
+    assert Path(page).is_file() and "<html" in Path(page).read_text().lower()
+    assert _line(clean.stdout, "rejects") is None
+
+    _null_features(catalog / "part-00001.parquet", 20)  # within the 1% budget
+    out = tmp_path / "some"
+    r = _run(catalog, out, bundle_dir)
+    assert r.returncode == EXIT_OK, r.output
+    rep = report(out)
+    assert rep["rows_rejected"] == 20
+    where = _line(r.stdout, "rejects")
+    assert where == rep["rejects"]
+    rejected = pq.read_table(where)  # the folder the summary names holds exactly those rows
+    assert rejected.num_rows == 20 and "reject_reason" in rejected.column_names
+    assert Path(_line(r.stdout, "report") or "").is_file()
+
+    # The same lines when the summary is read back.
+    again = cli("report", str(out), in_process=True)
+    assert _line(again.stdout, "report") == _line(r.stdout, "report")
+    assert _line(again.stdout, "rejects") == where
