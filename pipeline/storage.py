@@ -385,17 +385,16 @@ def _retry(loc: Location, fn: Callable[[], T], what: str) -> T:
 
 
 def _retry_write(loc: Location, fn: Callable[[], T], what: str) -> T:
-    """:func:`_retry` for a write: a storage failure no retry fixes (a full or read-only disk,
-    a permission refused) becomes a :class:`StorageError` naming ``loc`` and the cause (the
-    ``OSError`` of a full disk names no path)."""
+    """:func:`_retry` for a write: an error no retry fixes (a full or read-only disk, a
+    permission refused, a file where a folder should be) becomes a :class:`StorageError` naming
+    ``loc`` and the cause (the ``OSError`` of a full disk names no path)."""
     try:
         return _retry(loc, fn, what)
-    except StorageError:
-        raise
-    except OSError as e:
-        if not is_storage_failure(e):
+    except Exception as e:
+        failure = write_failure(loc, e, what)
+        if failure is None:
             raise
-        raise StorageError(f"{what} {loc.uri} failed: {cause_of(e)}", uri=loc.uri) from e
+        raise failure from e
 
 
 # --------------------------------------------------------------------------- listing input
@@ -831,7 +830,7 @@ def _is_arrow_error(e: BaseException) -> bool:
     return type(e).__module__.split(".")[0] == "pyarrow"
 
 
-def write_failure(loc: Location, e: BaseException) -> StorageError | None:
+def write_failure(loc: Location, e: BaseException, what: str = "writing") -> StorageError | None:
     """The :class:`StorageError` naming ``loc`` and the cause for ``e``, an error raised while
     writing ``loc``, when it is one no retry fixes: a full or read-only disk, a permission
     refused, a folder or bucket gone. None for a transient error (the caller writes the whole
@@ -839,7 +838,7 @@ def write_failure(loc: Location, e: BaseException) -> StorageError | None:
     if isinstance(e, StorageError) or (is_transient(e) and not _is_arrow_error(e)):
         return None
     if (isinstance(e, OSError) and not _is_arrow_error(e)) or is_backend_failure(e):
-        return StorageError(f"writing {loc.uri} failed: {cause_of(e)}", uri=loc.uri)
+        return StorageError(f"{what} {loc.uri} failed: {cause_of(e)}", uri=loc.uri)
     return None
 
 
