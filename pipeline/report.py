@@ -345,8 +345,8 @@ def _judge(
     fraction = counts["rejected_fraction"]
     reasons = []
     if fatal is not None and fatal.kind == FailureKind.STORAGE:
-        # The path and the cause, in the one line cron mails (the shard is in `errors`).
-        reasons.append(f"storage failure: {_without_shard(fatal)}")
+        # The shard, the path and the cause, in the one line cron mails.
+        reasons.append(f"storage failure: {fatal.message}")
     elif fatal is not None:
         reasons.append(f"fatal error in {fatal.input} ({fatal.kind})")
     if n_failed > budget.max_failed_shards:
@@ -365,13 +365,6 @@ def _judge(
     if n_failed or counts["rows_rejected"]:
         return RunStatus.SUCCEEDED_WITH_ERRORS, reasons
     return RunStatus.SUCCEEDED, reasons
-
-
-def _without_shard(r: ShardResult) -> str:
-    """``r``'s message without its leading ``shard <input>: ``."""
-    message = r.message or ""
-    prefix = f"shard {r.input}: "
-    return message[len(prefix) :] if message.startswith(prefix) else message
 
 
 def build_report(

@@ -410,9 +410,9 @@ class ScoringRun:
             return None
         if not storage.is_storage_failure(e):
             return None
-        first = (fatal.message or "").removeprefix(f"shard {fatal.input}: ")
         return StorageError(
-            f"storage failure: {first} (finishing the run failed too: {finish.describe(e)})",
+            f"storage failure: {fatal.message} (finishing the run failed too: "
+            f"{finish.describe(e)})",
             uri=getattr(e, "uri", None),
         )
 
@@ -462,7 +462,9 @@ def run(
             summary = finish.failed_summary(config, started_at, duration, e, status)
         finish.publish_metrics(config, summary)
         logs.bind_run_id(outer_run_id)
+        storage.RETRY_CLOCK.reset()  # the caller's own storage calls are retried as before
         raise
     finish.publish_metrics(config, report.data)
     logs.bind_run_id(outer_run_id)
+    storage.RETRY_CLOCK.reset()
     return report

@@ -426,7 +426,8 @@ def _storage_failure(
     if delay < 0:
         why = storage.gave_up(attempt, elapsed, out.retry_deadline_s)
         return f"shard {task.input_uri}: storage failed {why}: {storage.cause_of(e)}"
-    logger.warning(
+    logger.log(  # the first try that failed; the later ones at DEBUG, as storage.with_retries
+        logging.WARNING if attempt == 1 else logging.DEBUG,
         "shard %s: storage error (%s); scoring it again in %.1fs",
         task.rel_path,
         storage.cause_of(e),
