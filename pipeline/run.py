@@ -105,6 +105,7 @@ class ScoringRun:
         self.run_id = run_id or new_run_id()
         logs.bind_run_id(self.run_id)  # every log line from here on, workers' included
         storage.RETRY_CLOCK.reset()  # one retry deadline per run (storage.RetryClock)
+        storage.RETRY_CLOCK.working_for(self.run_id)
         opts = config.storage
         self.out_root = storage.locate(config.output_uri(self.run_id), opts)
         self.rej_root = storage.locate(config.rejects_uri(self.run_id), opts)

@@ -362,6 +362,7 @@ def score_shard(spec: WorkerSpec, task: ShardTask) -> ShardResult:
     t0 = time.perf_counter()
     started = time.time()
     _set_threads(spec)
+    storage.RETRY_CLOCK.working_for(spec.lock_run_id)
     failing_since: float | None = None  # when the first try that failed on storage began
     for attempt in itertools.count(1):
         try:

@@ -257,6 +257,7 @@ class RetryClock:
         self._lock = threading.Lock()
         self._since: dict[str, float] = {}
         self._expired = False
+        self._run = ""
 
     def failed(self, store: str, now: float) -> float:
         """A call on ``store`` failed at ``now`` (monotonic): when its outage began."""
@@ -281,6 +282,14 @@ class RetryClock:
         with self._lock:
             self._since.clear()
             self._expired = False
+
+    def working_for(self, run_id: str) -> None:
+        """:meth:`reset` if this process last worked for another run: a worker of an existing
+        cluster outlives runs, and an outage it saw last night must not fail tonight's first
+        retry."""
+        if run_id != self._run:
+            self.reset()
+            self._run = run_id
 
 
 #: The clock of this process (see :class:`RetryClock`).

@@ -136,6 +136,23 @@ def test_a_store_failing_past_the_deadline_fails_later_calls_at_once(
     assert third.calls == 3
 
 
+def test_a_worker_that_outlives_a_run_forgets_its_outages(clock: storage.RetryClock) -> None:
+    """A worker of an existing cluster serves many runs: an outage it saw in the last run (the
+    store never answered it again) must not make the next run's first failure final."""
+    clock.working_for("run-1")
+    with pytest.raises(StorageError):
+        storage.with_retries(
+            Flaky(10**9, TimeoutError()), what="a", base_delay=0.01, deadline_s=0.05, store="s"
+        )
+    time.sleep(0.05)
+    clock.working_for("run-1")  # the same run: the store is still failing
+    with pytest.raises(StorageError):
+        storage.with_retries(Flaky(1, TimeoutError()), what="b", deadline_s=0.05, store="s")
+    clock.working_for("run-2")
+    fn = Flaky(1, TimeoutError())
+    assert storage.with_retries(fn, what="c", base_delay=0.001, deadline_s=0.05, store="s") == "ok"
+
+
 def test_after_the_run_failed_on_storage_calls_are_not_retried(clock: storage.RetryClock) -> None:
     clock.expire()
     fn = Flaky(1, ConnectionResetError("reset"))
