@@ -293,3 +293,34 @@ def test_a_short_outage_is_retried_and_the_run_succeeds(tmp_path: Path, bundle_d
             check_report(rep)
             assert rep["status"] == "succeeded", rep["failure_reasons"]
             assert rep["rows_out"] == 8 * 20_000
+
+
+def test_a_lock_heartbeat_that_cannot_be_written_fails_the_run_at_its_next_commit(
+    tmp_path: Path,
+) -> None:
+    """The heartbeat's folder turns read-only (or refuses writes): the next ``assert_held``
+    (before each commit) raises a StorageError naming the heartbeat file, once; a beat missed
+    for a reason a retry may fix stays a warning."""
+    from pipeline import storage
+    from pipeline.errors import StorageError
+    from pipeline.locking import RunLock
+
+    with breakable_folder(tmp_path / "scored") as break_it:
+        root = storage.locate(str(tmp_path / "scored"))
+        lock = RunLock.acquire(root, "run-1", stale_after_s=3600, heartbeat_s=0.05)
+        lock.assert_held()
+        cause = break_it()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                lock.assert_held()
+            except StorageError as e:
+                failure = e
+                break
+            assert time.monotonic() < deadline, "the heartbeat's failure never reached the run"
+            time.sleep(0.05)
+        assert "_lock.heartbeat-" in str(failure) and cause in str(failure), failure
+        assert failure.uri is not None and "_lock.heartbeat-" in failure.uri
+        lock.assert_held()  # raised once: the failed report may still be written elsewhere
+        with pytest.raises(StorageError):
+            lock.release()  # deleting the lock on a read-only folder fails too, naming it
