@@ -112,7 +112,13 @@ class ModelError(PipelineError):
 
 
 class StorageError(PipelineError):
-    """Reading or writing storage failed (permissions, missing bucket, network)."""
+    """Reading or writing storage failed (permissions, missing bucket, network, a full or
+    read-only disk). ``uri`` names the location when it is known: a run's report lists it with
+    the failure kind ``storage``."""
+
+    def __init__(self, message: str, *, uri: str | None = None) -> None:
+        super().__init__(message)
+        self.uri = uri
 
 
 class RegistryError(StorageError):

@@ -372,13 +372,22 @@ def report_failure(run: ScoringRun, e: Exception) -> dict[str, Any] | None:
     """
     if run.lock_ is None or isinstance(e, LockLostError):
         return None
-    why = f"unexpected error: {describe(e)}"
+    on_storage = storage.is_storage_failure(e)
+    why = describe(e) if on_storage else f"unexpected error: {describe(e)}"
+    if on_storage and not why.startswith("storage failure: "):
+        why = f"storage failure: {why}"
     data: dict[str, Any] | None = None
     try:
         ordered = [_unfinished(run, s, why) for s in run.shards]
         data = build_report(run_facts(run), ordered, None, time.perf_counter() - run.t0)
         data["status"] = RunStatus.FAILED
         data["failure_reasons"] = [why, *data["failure_reasons"]]
+        if on_storage:
+            # The failure kind `storage` for programs, where no shard's result carries it
+            # (writing the manifest, the report, the lock): `shard` names the location.
+            where = getattr(e, "uri", None) or getattr(e, "filename", None) or run.out_root.uri
+            entry = {"shard": str(where), "kind": FailureKind.STORAGE, "message": describe(e)}
+            data["errors"] = [entry, *data["errors"]]
         # Nothing was reconciled (the run stopped before); what was cleared before scoring is.
         data["removed_outputs"] = [r.public() for r in run.cleared]
         for key in ("foreign_removed", "foreign_kept"):

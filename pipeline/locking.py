@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline import storage
-from pipeline.errors import LockError
+from pipeline.errors import LockError, StorageError
 from pipeline.storage import Location
 
 logger = logging.getLogger(__name__)
@@ -365,6 +365,9 @@ class RunLock:
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
+    # Set when the heartbeat cannot be written for a reason no retry fixes (a full or
+    # read-only disk, a permission refused): the next assert_held raises it.
+    _failure: StorageError | None = field(default=None, repr=False)
 
     @property
     def run_id(self) -> str:
@@ -466,6 +469,14 @@ class RunLock:
                     hb, {"run_id": self.run_id, "token": self.token, "heartbeat_ts": time.time()}
                 )
             except Exception as e:
+                if storage.is_permanent_storage_failure(e):
+                    # Its storage is full, read-only or refused: the run cannot go on there.
+                    self._failure = StorageError(
+                        f"cannot refresh the lock heartbeat {hb.uri}: {storage.cause_of(e)}",
+                        uri=hb.uri,
+                    )
+                    logger.warning("%s", self._failure)
+                    return
                 # A missed beat is not fatal: the lock is stale only after stale_after_s.
                 logger.warning("could not refresh the lock heartbeat %s: %s", hb.uri, e)
 
@@ -476,8 +487,13 @@ class RunLock:
     def assert_held(self) -> None:
         """Raise :class:`LockLostError` unless this process still holds the lock.
 
-        Call before each commit (shard rename, manifest save, report, ``_SUCCESS``).
+        Call before each commit (shard rename, manifest save, report, ``_SUCCESS``). Once the
+        heartbeat's storage failed, the next call raises that
+        :class:`~pipeline.errors.StorageError` (once: the failed report may still be written).
         """
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
         other = self._other_holder()
         if other is not None:
             raise LockLostError(f"run {self.run_id} lost the lock {self.loc.uri}: {other}")

@@ -50,6 +50,7 @@ __all__ = [
     "FORMATS",
     "SUMMARY_FIELDS",
     "Console",
+    "DaskTaskFilter",
     "JsonFormatter",
     "LogFile",
     "OneLineFilter",
@@ -143,6 +144,7 @@ logger = logging.getLogger("pipeline")
 # Failure kinds of shards never scored because the run stopped (statuses.FailureKind values;
 # plain strings here: this module imports nothing of the pipeline at import time).
 NOT_SCORED = frozenset({"interrupted", "cancelled"})
+STORAGE = "storage"
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,6 +248,43 @@ class OneLineFilter(logging.Filter):
         record.exc_info = None
         record.exc_text = None
         return True
+
+
+class DaskTaskFilter(logging.Filter):
+    """Dask's failed tasks as one WARNING line, not a traceback per try.
+
+    A Dask worker logs every try of a task that raised at ERROR ("Compute Failed" from
+    ``distributed.worker``, with the task and its whole traceback in the message, so
+    :class:`OneLineFilter` cannot fold it): a shard retried three times printed three tracebacks
+    (20-39 lines) even with -q. The driver reports how each shard ended; a try that raised is a
+    one-line warning naming the task and the exception, dropped below the handler's ``level``
+    (-q). With -vv (``keep``) the record stays whole, traceback included, at DEBUG.
+    """
+
+    def __init__(self, level: int = logging.INFO, keep: bool = False) -> None:
+        super().__init__()
+        self.level = level
+        self.keep = keep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("distributed"):
+            return True
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if not msg.startswith(("Compute Failed", "Exception during execution of task")):
+            return True
+        if self.keep:
+            level = logging.DEBUG
+        else:
+            level = logging.WARNING
+            args = record.args if isinstance(record.args, tuple) else ()
+            if msg.startswith("Compute Failed") and len(args) >= 4:
+                record.msg = (
+                    "Dask task %s raised %s (tried again up to errors.task_retries times; the "
+                    "run reports the shard if every try fails)"
+                )
+                record.args = (args[0], args[3])
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        return level >= self.level
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,7 +415,7 @@ def logging_config(
         "terminal": terminal,
         "formatter": line,
         "level": level,
-        "filters": ["run", "one_line"],
+        "filters": ["run", "dask_tasks", "one_line"],
     }
     config: dict[str, Any] = {
         "version": 1,
@@ -385,6 +424,7 @@ def logging_config(
         "filters": {
             "run": {"()": RunContextFilter},
             "one_line": {"()": OneLineFilter, "keep": verbosity >= 2},
+            "dask_tasks": {"()": DaskTaskFilter, "level": level, "keep": verbosity >= 2},
         },
         "handlers": {"terminal": handler},
         "root": {"handlers": ["terminal"], "level": lowest},
@@ -462,7 +502,8 @@ def log_shard(result: ShardResult) -> None:
     """Log one finished shard.
 
     scored: INFO ``shard_scored`` with shard, rows (scored), rows_in, rows_rejected, rows_per_s,
-    duration_s, status. failed: ERROR ``shard_failed`` with kind and the message. skipped: DEBUG
+    duration_s, status. failed: ERROR ``shard_failed`` with kind and the message (WARNING for
+    kind ``storage``: the run's own error line follows and names it). skipped: DEBUG
     ``shard_skipped``; not scored because the run stopped (kind ``interrupted`` or
     ``cancelled``): DEBUG ``shard_not_scored``. While a :class:`Progress` bar is drawn and the
     run is not verbose (-v),
@@ -503,7 +544,10 @@ def log_shard(result: ShardResult) -> None:
             extra={"event": "shard_not_scored", **common, "kind": result.kind},
         )
     else:
-        logger.error(
+        # A storage failure stops the run, and the run's own error line names it (one line
+        # under -q, not two): the shard's line is a warning.
+        logger.log(
+            logging.WARNING if result.kind == STORAGE else logging.ERROR,
             "%s %s: [%s] %s",
             result.status,
             result.rel_path,

@@ -336,6 +336,10 @@ def _counts(shards: list[ShardResult]) -> dict[str, Any]:
         "shards_not_scored": sum(
             r.status == ShardStatus.FAILED and r.kind in NOT_SCORED_KINDS for r in shards
         ),
+        # Not a report key: failed shards whose storage failed, not their data (not budgeted).
+        "storage_failures": sum(
+            r.status == ShardStatus.FAILED and r.kind == FailureKind.STORAGE for r in shards
+        ),
     }
 
 
@@ -343,11 +347,15 @@ def _judge(
     budget: ErrorPolicy, counts: dict[str, Any], accounting_ok: bool, fatal: ShardResult | None
 ) -> tuple[RunStatus, list[str]]:
     """The run's status against its error budget, and the reasons when it failed."""
-    # Shards the run never got to are not failures of the data: the budget ignores them.
-    n_failed = counts["shards_failed"]
+    # Shards the run never got to, and shards whose storage failed (which stops the run), are
+    # not failures of the data: the budget ignores them.
+    n_failed = counts["shards_failed"] - counts["storage_failures"]
     fraction = counts["rejected_fraction"]
     reasons = []
-    if fatal is not None:
+    if fatal is not None and fatal.kind == FailureKind.STORAGE:
+        # The shard, the path and the cause, in the one line cron mails.
+        reasons.append(f"storage failure: {fatal.message}")
+    elif fatal is not None:
         reasons.append(f"fatal error in {fatal.input} ({fatal.kind})")
     if n_failed > budget.max_failed_shards:
         reasons.append(

@@ -30,6 +30,7 @@ import pyarrow as pa
 from pipeline import finish, layout, logs, nesting, oov, registry, storage
 from pipeline.cluster import DaskSession, Plan, thread_plan
 from pipeline.config import JobConfig
+from pipeline.errors import StorageError
 from pipeline.execution import cancelled, execute, interrupted
 from pipeline.faults import checkpoint
 from pipeline.interrupt import StopRequest
@@ -68,7 +69,7 @@ from pipeline.reconcile import (
 )
 from pipeline.report import RunReport
 from pipeline.scoring import OVERLAP_DEPTH, ShardResult, ShardTask, WorkerSpec
-from pipeline.statuses import FATAL_KINDS, RunStatus, ShardStatus
+from pipeline.statuses import FATAL_KINDS, FailureKind, RunStatus, ShardStatus
 from pipeline.storage import SUCCESS_NAME as SUCCESS_NAME  # public: pipeline.run.SUCCESS_NAME
 from pipeline.storage import ShardRef
 
@@ -109,6 +110,8 @@ class ScoringRun:
         self.t0 = time.perf_counter()
         self.run_id = run_id or new_run_id()
         logs.bind_run_id(self.run_id)  # every log line from here on, workers' included
+        storage.RETRY_CLOCK.reset()  # one retry deadline per run (storage.RetryClock)
+        storage.RETRY_CLOCK.working_for(self.run_id)
         opts = config.storage
         # Manifest, report, HTML page, run index and default rejects: outside the template's
         # fixed part, which readers query as one dataset (pipeline.layout).
@@ -148,8 +151,11 @@ class ScoringRun:
                 self.score()
                 return self.finish()
             except Exception as e:
+                first = self._storage_failure_before(e)
                 if self.failure_data is None:  # else finish already rewrote its report as failed
-                    self._report_failure(e)
+                    self._report_failure(first or e)
+                if first is not None:
+                    raise first from e
                 raise
         raise AssertionError("unreachable")  # pragma: no cover  (ExitStack never swallows)
 
@@ -405,6 +411,10 @@ class ScoringRun:
             self.manifest.forget(task.rel_path)
             if result.kind in FATAL_KINDS:
                 self.fatal = result
+            if result.kind == FailureKind.STORAGE:
+                # The run stops here; what it still writes (manifest, report, lock) takes one
+                # attempt each instead of waiting out another retry deadline on a dead store.
+                storage.RETRY_CLOCK.expire()
             return
         s = self._by_path[task.rel_path]
         expect = self._expect(s)
@@ -444,6 +454,21 @@ class ScoringRun:
     def _close_session(self) -> None:
         if self.session is not None:
             finish.log_cleanup_error(self.session.close, "closing the Dask cluster")
+
+    def _storage_failure_before(self, e: Exception) -> StorageError | None:
+        """When a shard's storage failure stopped the run and finishing it then failed on
+        storage too (the store is dead: the report cannot be written either), one error that
+        names the first failure, the cause, before the one that ended the run."""
+        fatal = self.fatal
+        if fatal is None or fatal.kind != FailureKind.STORAGE:
+            return None
+        if not storage.is_storage_failure(e):
+            return None
+        return StorageError(
+            f"storage failure: {fatal.message} (finishing the run failed too: "
+            f"{finish.describe(e)})",
+            uri=getattr(e, "uri", None),
+        )
 
     def _report_failure(self, e: Exception) -> None:
         self.failure_data = finish.report_failure(self, e)
@@ -494,7 +519,9 @@ def run(
             summary = finish.failed_summary(config.name, started_at, duration, e, status)
         finish.publish_metrics(config, summary)
         logs.bind_run_id(outer_run_id)
+        storage.RETRY_CLOCK.reset()  # the caller's own storage calls are retried as before
         raise
     finish.publish_metrics(config, report.data)
     logs.bind_run_id(outer_run_id)
+    storage.RETRY_CLOCK.reset()
     return report

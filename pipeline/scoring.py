@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import time
@@ -348,36 +349,92 @@ def _not_started(task: ShardTask) -> ShardResult:
 
 
 def score_shard(spec: WorkerSpec, task: ShardTask) -> ShardResult:
-    """Score one shard and commit its output (and rejects) atomically."""
+    """Score one shard and commit its output (and rejects) atomically.
+
+    A transient storage error (a connection reset, a 503 mid-upload) scores the shard again
+    after a back-off, until the store has failed for ``retry_deadline_s`` in this process
+    (:class:`~pipeline.storage.RetryClock`); the staged commit makes that harmless. A storage
+    failure (:func:`~pipeline.storage.is_storage_failure`: a full or read-only disk, a
+    permission refused, a store still gone at the deadline) is the result ``storage``, which
+    stops the run: not an exception, so that Dask does not run the task again against the same
+    disk. Any other exception propagates, and Dask retries the task (``task_retries``).
+    """
     t0 = time.perf_counter()
     started = time.time()
     _set_threads(spec)
-    try:
-        result = _score(spec, task, t0)
+    storage.RETRY_CLOCK.working_for(spec.lock_run_id)
+    failing_since: float | None = None  # when the first try that failed on storage began
+    for attempt in itertools.count(1):
+        try:
+            result = _score(spec, task, t0)
+        except ShardError as e:
+            rows = None if e.kind == FailureKind.UNREADABLE else task.num_rows
+            return _failed(task, e.kind, str(e), t0, rows)
+        except LockLostError as e:
+            # A result, not an exception: Dask must not retry a task of a run that lost its
+            # lock (each retry would fail the same way). The driver stops the run on this kind.
+            return _failed(task, LOCK_LOST_KIND, str(e), t0)
+        except Exception as e:
+            failing_since = time.monotonic() if failing_since is None else failing_since
+            failure = _storage_failure(spec, task, e, attempt, failing_since)
+            if failure is None:
+                raise
+            if isinstance(failure, str):
+                return _failed(task, FailureKind.STORAGE, failure, t0)
+            time.sleep(failure)
+            continue
+        if failing_since is not None:  # the store answers again
+            out = storage.locate(task.output_uri, spec.storage_options)
+            storage.RETRY_CLOCK.succeeded(storage.store_key(out.fs))
         result.started_at, result.finished_at = started, time.time()
         return result
-    except ShardError as e:
-        return ShardResult(
-            task.rel_path,
-            task.input_uri,
-            ShardStatus.FAILED,
-            rows_in=None if e.kind == FailureKind.UNREADABLE else task.num_rows,
-            kind=e.kind,
-            message=str(e),
-            duration_s=time.perf_counter() - t0,
-        )
-    except LockLostError as e:
-        # A result, not an exception: Dask must not retry a task of a run that lost its lock
-        # (each retry would fail the same way). The driver stops the run on this kind.
-        return ShardResult(
-            task.rel_path,
-            task.input_uri,
-            ShardStatus.FAILED,
-            rows_in=task.num_rows,
-            kind=LOCK_LOST_KIND,
-            message=str(e),
-            duration_s=time.perf_counter() - t0,
-        )
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _failed(
+    task: ShardTask, kind: str, message: str, t0: float, rows_in: int | None = -1
+) -> ShardResult:
+    """The result of ``task`` failed for ``kind`` (``rows_in`` defaults to the footer's)."""
+    return ShardResult(
+        task.rel_path,
+        task.input_uri,
+        ShardStatus.FAILED,
+        rows_in=task.num_rows if rows_in == -1 else rows_in,
+        kind=kind,
+        message=message,
+        duration_s=time.perf_counter() - t0,
+    )
+
+
+def _storage_failure(
+    spec: WorkerSpec, task: ShardTask, e: Exception, attempt: int, since: float
+) -> str | float | None:
+    """What to do about ``e``, raised scoring ``task`` on its ``attempt``-th try (the first
+    failed try began at ``since``, monotonic): the message of a storage failure (the shard
+    fails as ``storage``), seconds to wait before scoring it again (a transient storage error
+    within the deadline), or None (not the storage's: raise it)."""
+    if storage.is_storage_failure(e):
+        return f"shard {task.input_uri}: {storage.cause_of(e)}"
+    if not storage.is_transient(e) or type(e).__module__.split(".")[0] == "pyarrow":
+        return None
+    out = storage.locate(task.output_uri, spec.storage_options)
+    delay, elapsed = storage.next_delay(
+        store=storage.store_key(out.fs),
+        start=since,
+        attempt=attempt,
+        deadline=out.retry_deadline_s,
+    )
+    if delay < 0:
+        why = storage.gave_up(attempt, elapsed, out.retry_deadline_s)
+        return f"shard {task.input_uri}: storage failed {why}: {storage.cause_of(e)}"
+    logger.log(  # the first try that failed; the later ones at DEBUG, as storage.with_retries
+        logging.WARNING if attempt == 1 else logging.DEBUG,
+        "shard %s: storage error (%s); scoring it again in %.1fs",
+        task.rel_path,
+        storage.cause_of(e),
+        delay,
+    )
+    return delay
 
 
 class _Shard:

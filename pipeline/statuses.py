@@ -51,6 +51,10 @@ class FailureKind(_StrEnum):
     INVALID_ROWS = "invalid_rows"  # on_invalid_rows = "fail" met a bad row (fatal)
     MODEL = "model"  # the model failed on every row it was given (fatal)
     ERROR = "error"  # the task crashed on every retry
+    # The storage failed, not the data: a full or read-only disk, a permission refused, a store
+    # still unreachable at the retry deadline (fatal: every shard after it would fail the same
+    # way, so the run stops instead of counting them against the error budget).
+    STORAGE = "storage"
     CANCELLED = "cancelled"  # not scored: the run stopped at a fatal error
     INTERRUPTED = "interrupted"  # not scored: the run was stopped by SIGTERM or SIGINT
     ACCOUNTING = "accounting"  # rows in != rows scored + rows rejected
@@ -70,4 +74,4 @@ FAILED_PARTITION_STATUSES = frozenset(
 )
 
 #: Failure kinds that stop the run whatever the error budget.
-FATAL_KINDS = frozenset({FailureKind.INVALID_ROWS, FailureKind.MODEL})
+FATAL_KINDS = frozenset({FailureKind.INVALID_ROWS, FailureKind.MODEL, FailureKind.STORAGE})

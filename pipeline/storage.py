@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import posixpath
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -195,6 +196,137 @@ def is_transient(e: BaseException) -> bool:
     return False
 
 
+# errno values of storage failures no retry fixes: a full disk or quota, a read-only
+# filesystem, no permission, a file over the filesystem's size limit.
+_STORAGE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+)
+
+
+def is_storage_failure(e: BaseException) -> bool:
+    """True for an error of the storage itself that no retry fixes, and that is no fault of the
+    data: a full disk or quota, a read-only filesystem, a permission refused (``ENOSPC``,
+    ``EDQUOT``, ``EROFS``, ``EACCES``, ``EPERM``, ``EFBIG``), or a :class:`StorageError` (a
+    store that stayed unreachable past the retry deadline, a write this module failed).
+
+    A shard whose bytes are corrupt is not one: decoding errors are the data's
+    (``pipeline.reading``). A run stops at a storage failure instead of counting shards
+    against the error budget: every shard after it would fail the same way.
+    """
+    if isinstance(e, StorageError):
+        return True
+    return isinstance(e, OSError) and (isinstance(e, PermissionError) or e.errno in _STORAGE_ERRNOS)
+
+
+def is_permanent_storage_failure(e: BaseException) -> bool:
+    """:func:`is_storage_failure` of the disk or the permissions (not a store that stopped
+    answering): ``e`` or the error it wraps."""
+    for err in (e, e.__cause__):
+        if isinstance(err, OSError) and (
+            isinstance(err, PermissionError) or err.errno in _STORAGE_ERRNOS
+        ):
+            return True
+    return False
+
+
+def cause_of(e: BaseException) -> str:
+    """``e`` as ``Type: message`` (first line), for messages that name a path and a cause."""
+    if isinstance(e, StorageError):
+        return str(e)
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+class RetryClock:
+    """When each store began failing in this process: one retry deadline across calls.
+
+    With a deadline per call, a dead server cost every call the whole deadline in turn: with S3
+    killed mid-run, a run took 218 s to give up (measured: the shard, the manifest, the report,
+    the lock, each 60 s). Here a store's outage starts at the first transient failure of any
+    call on it and ends when a call on it succeeds; a failing call gives up once the outage, or
+    the call itself, is older than the deadline. So a dead store fails the run about
+    ``retry_deadline_s`` after it died, and later calls fail at their first attempt.
+
+    Each process keeps its own clock (a Dask worker cannot see the driver's). The driver stops
+    the run at the first storage failure a worker reports and then calls :meth:`expire`: from
+    then on a call that fails in the driver gives up at once (its report, manifest and lock
+    release on a dead store take one attempt each, not another deadline). :meth:`reset` at the
+    start of each run.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: dict[str, float] = {}
+        self._expired = False
+        self._run = ""
+
+    def failed(self, store: str, now: float) -> float:
+        """A call on ``store`` failed at ``now`` (monotonic): when its outage began."""
+        with self._lock:
+            if self._expired:
+                return -math.inf
+            return self._since.setdefault(store, now)
+
+    def succeeded(self, store: str) -> None:
+        """A call on ``store`` succeeded: it is not failing (any more)."""
+        if store in self._since:
+            with self._lock:
+                self._since.pop(store, None)
+
+    def expire(self) -> None:
+        """The run failed on storage: failing calls in this process give up at once."""
+        with self._lock:
+            self._expired = True
+
+    def reset(self) -> None:
+        """A new run: no store is failing, and failing calls are retried again."""
+        with self._lock:
+            self._since.clear()
+            self._expired = False
+
+    def working_for(self, run_id: str) -> None:
+        """:meth:`reset` if this process last worked for another run: a worker of an existing
+        cluster outlives runs, and an outage it saw last night must not fail tonight's first
+        retry."""
+        if run_id != self._run:
+            self.reset()
+            self._run = run_id
+
+
+#: The clock of this process (see :class:`RetryClock`).
+RETRY_CLOCK = RetryClock()
+
+
+def store_key(fs: Any) -> str:
+    """What identifies a store for :data:`RETRY_CLOCK`: the filesystem's fsspec token (the
+    same protocol and options give the same one in every process)."""
+    token = getattr(fs, "_fs_token", None)
+    return str(token) if token else f"{type(fs).__name__}-{id(fs)}"
+
+
+def next_delay(
+    *, store: str | None, start: float, attempt: int, deadline: float, base_delay: float = 0.2
+) -> tuple[float, float]:
+    """After the ``attempt``-th transient failure of a call that began at ``start`` (monotonic):
+    (seconds to sleep before the next try, or -1 to give up; seconds the failure has lasted,
+    the store's outage when ``store`` is given, else the call's)."""
+    now = time.monotonic()
+    since = start if store is None else min(start, RETRY_CLOCK.failed(store, now))
+    elapsed = now - since
+    delay = min(base_delay * 2 ** (attempt - 1), _MAX_DELAY_S)
+    return (-1.0 if elapsed + delay > deadline else delay), elapsed
+
+
+def gave_up(attempt: int, elapsed: float, deadline: float) -> str:
+    """Why retrying stopped, for messages: ``after 12 attempt(s) over 58.1s (retries stop ...)``."""
+    if math.isinf(elapsed):
+        return "(not retried: the run has already failed on storage)"
+    return (
+        f"after {attempt} attempt(s) over {elapsed:.1f}s (retries stop after {deadline:g}s; set "
+        f"[storage] {RETRY_DEADLINE_OPTION} to change that)"
+    )
+
+
 def with_retries(
     fn: Callable[[], T],
     *,
@@ -202,14 +334,18 @@ def with_retries(
     attempts: int | None = None,
     base_delay: float = 0.2,
     deadline_s: float | None = None,
+    store: str | None = None,
+    uri: str | None = None,
 ) -> T:
     """Call ``fn``, retrying transient storage errors with exponential backoff.
 
-    Gives up with a :class:`StorageError` (``what`` should name the URI) once the next sleep
-    would pass ``deadline_s`` seconds since the first try (default
-    :data:`DEFAULT_RETRY_DEADLINE_S`) or after ``attempts`` tries when given. Missing files,
-    existing files (an exclusive create that lost), permission errors and anything that is not a
-    storage failure are raised at once, unchanged.
+    Gives up with a :class:`StorageError` (``what`` should name the URI; ``uri`` goes into it)
+    once the next sleep would pass ``deadline_s`` seconds (default
+    :data:`DEFAULT_RETRY_DEADLINE_S`) since the first try or, for a ``store``
+    (:func:`store_key`), since that store began failing in this process (:class:`RetryClock`);
+    or after ``attempts`` tries when given. Missing files, existing files (an exclusive create
+    that lost), permission errors and anything that is not a storage failure are raised at once,
+    unchanged.
     """
     deadline = DEFAULT_RETRY_DEADLINE_S if deadline_s is None else deadline_s
     start = time.monotonic()
@@ -217,26 +353,58 @@ def with_retries(
     while True:
         attempt += 1
         try:
-            return fn()
+            result = fn()
         except Exception as e:
             if not is_transient(e):
                 if is_missing_credentials(e):
                     raise credentials_error(what, e) from e
                 raise
-            elapsed = time.monotonic() - start
-            delay = min(base_delay * 2 ** (attempt - 1), _MAX_DELAY_S)
-            if (attempts is not None and attempt >= attempts) or elapsed + delay > deadline:
+            delay, elapsed = next_delay(
+                store=store, start=start, attempt=attempt, deadline=deadline, base_delay=base_delay
+            )
+            if (attempts is not None and attempt >= attempts) or delay < 0:
                 raise StorageError(
-                    f"{what} failed after {attempt} attempt(s) over {elapsed:.1f}s (retries "
-                    f"stop after {deadline:g}s; set [storage] {RETRY_DEADLINE_OPTION} to change "
-                    f"that): {type(e).__name__}: {e}"
+                    f"{what} failed {gave_up(attempt, elapsed, deadline)}: {type(e).__name__}: {e}",
+                    uri=uri,
                 ) from e
-            logger.warning("%s failed (%s); retry %d in %.1fs", what, e, attempt, delay)
+            # One line per call that starts failing; its later retries at DEBUG (a dead store
+            # would otherwise log a line every few seconds for each call waiting on it).
+            logger.log(
+                logging.WARNING if attempt == 1 else logging.DEBUG,
+                "%s failed (%s); retry %d in %.1fs",
+                what,
+                e,
+                attempt,
+                delay,
+            )
             time.sleep(delay)
+        else:
+            if store is not None:
+                RETRY_CLOCK.succeeded(store)
+            return result
 
 
 def _retry(loc: Location, fn: Callable[[], T], what: str) -> T:
-    return with_retries(fn, what=f"{what} {loc.uri}", deadline_s=loc.retry_deadline_s)
+    return with_retries(
+        fn,
+        what=f"{what} {loc.uri}",
+        deadline_s=loc.retry_deadline_s,
+        store=store_key(loc.fs),
+        uri=loc.uri,
+    )
+
+
+def _retry_write(loc: Location, fn: Callable[[], T], what: str) -> T:
+    """:func:`_retry` for a write: an error no retry fixes (a full or read-only disk, a
+    permission refused, a file where a folder should be) becomes a :class:`StorageError` naming
+    ``loc`` and the cause (the ``OSError`` of a full disk names no path)."""
+    try:
+        return _retry(loc, fn, what)
+    except Exception as e:
+        failure = write_failure(loc, e, what)
+        if failure is None:
+            raise
+        raise failure from e
 
 
 # --------------------------------------------------------------------------- listing input
@@ -690,7 +858,7 @@ def tmp_name(final_path: str, tag: str = "") -> str:
 
 def makedirs(loc: Location) -> None:
     """Create the folder ``loc`` and its parents (nothing to do on object stores)."""
-    _retry(loc, lambda: loc.fs.makedirs(loc.path, exist_ok=True), "creating")
+    _retry_write(loc, lambda: loc.fs.makedirs(loc.path, exist_ok=True), "creating")
 
 
 @contextlib.contextmanager
@@ -740,6 +908,36 @@ def staged_open(
         f.close()
 
 
+def _is_arrow_error(e: BaseException) -> bool:
+    """An error pyarrow raised about the data it encodes or decodes (some are ``OSError``)."""
+    return type(e).__module__.split(".")[0] == "pyarrow"
+
+
+def write_failure(loc: Location, e: BaseException, what: str = "writing") -> StorageError | None:
+    """The :class:`StorageError` naming ``loc`` and the cause for ``e``, an error raised while
+    writing ``loc``, when it is one no retry fixes: a full or read-only disk, a permission
+    refused, a folder or bucket gone. None for a transient error (the caller writes the whole
+    file again), for a :class:`StorageError` already, and for anything not of the storage."""
+    if isinstance(e, StorageError) or (is_transient(e) and not _is_arrow_error(e)):
+        return None
+    if (isinstance(e, OSError) and not _is_arrow_error(e)) or is_backend_failure(e):
+        return StorageError(f"{what} {loc.uri} failed: {cause_of(e)}", uri=loc.uri)
+    return None
+
+
+@contextlib.contextmanager
+def writing(loc: Location) -> Iterator[None]:
+    """Raise :func:`write_failure`'s error instead of the one the block raised, where it has one
+    (streamed writes: a ``ParquetWriter`` on :func:`staged_open`)."""
+    try:
+        yield
+    except Exception as e:
+        failure = write_failure(loc, e)
+        if failure is None:
+            raise
+        raise failure from e
+
+
 def _discard(f: Any) -> None:
     """Abandon an object-store upload: abort its multipart upload, never complete it."""
     with contextlib.suppress(Exception):
@@ -755,7 +953,7 @@ def write_bytes(loc: Location, data: bytes, *, point: str = "") -> None:
         with staged_open(loc, point=point) as f:
             f.write(data)
 
-    _retry(loc, _write, "writing")
+    _retry_write(loc, _write, "writing")
 
 
 def jsonable(value: Any) -> Any:
@@ -871,18 +1069,25 @@ def exclusive_create(loc: Location, data: bytes) -> bool:
     if not data:
         raise ValueError("exclusive_create needs non-empty data")
     if loc.is_local:
-        return _retry(loc, lambda: _create_local(loc.path, data), "creating")
-    return _retry(loc, lambda: _create_remote(loc, data), "creating")
+        return _retry_write(loc, lambda: _create_local(loc.path, data), "creating")
+    return _retry_write(loc, lambda: _create_remote(loc, data), "creating")
 
 
 def remove(loc: Location) -> None:
     """Delete ``loc`` if it exists."""
 
     def _rm() -> None:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             loc.fs.rm_file(loc.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            # A read-only disk refuses to delete even a file that is not there (EROFS, not
+            # ENOENT): nothing to delete is no failure.
+            if not is_storage_failure(e) or loc.fs.exists(loc.path):
+                raise
 
-    _retry(loc, _rm, "deleting")
+    _retry_write(loc, _rm, "deleting")
 
 
 def remove_tree(loc: Location) -> None:
@@ -892,7 +1097,7 @@ def remove_tree(loc: Location) -> None:
         with contextlib.suppress(FileNotFoundError):
             loc.fs.rm(loc.path, recursive=True)
 
-    _retry(loc, _rm, "deleting")
+    _retry_write(loc, _rm, "deleting")
 
 
 def remove_empty_folders(loc: Location) -> None:

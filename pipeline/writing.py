@@ -30,7 +30,12 @@ DEFAULT_ROW_GROUP_ROWS = 65_536
 
 
 class StagedParquetWriter:
-    """Write a Parquet file that appears under its final name only on :meth:`commit`."""
+    """Write a Parquet file that appears under its final name only on :meth:`commit`.
+
+    An error of the storage that no retry fixes (a full or read-only disk, a permission
+    refused, a bucket gone) is raised as a :class:`~pipeline.errors.StorageError` naming the
+    file: ``OSError: [Errno 28] No space left on device`` alone names no path.
+    """
 
     def __init__(
         self,
@@ -47,10 +52,11 @@ class StagedParquetWriter:
         self.row_group_rows = row_group_rows
         self.rows = 0
         self._stack = contextlib.ExitStack()
-        self._file: Any = self._stack.enter_context(
-            storage.staged_open(loc, point=point, before_publish=before_publish, tag=tag)
-        )
-        self._writer = pq.ParquetWriter(self._file, schema, compression="zstd")
+        with storage.writing(loc):
+            self._file: Any = self._stack.enter_context(
+                storage.staged_open(loc, point=point, before_publish=before_publish, tag=tag)
+            )
+            self._writer = pq.ParquetWriter(self._file, schema, compression="zstd")
         self._buffer: list[pa.RecordBatch] = []
         self._buffered = 0
 
@@ -66,21 +72,29 @@ class StagedParquetWriter:
     def _flush(self) -> None:
         if self._buffer:
             table = pa.Table.from_batches(self._buffer, schema=self.schema)
-            self._writer.write_table(table, row_group_size=self.row_group_rows)
+            with storage.writing(self.loc):
+                self._writer.write_table(table, row_group_size=self.row_group_rows)
             self._buffer.clear()
             self._buffered = 0
 
     def commit(self) -> None:
         """Finish the file and publish it under its final name."""
         self._flush()
-        self._writer.close()
-        self._stack.close()
+        with storage.writing(self.loc):
+            self._writer.close()
+            self._stack.close()
 
     def abort(self) -> None:
-        """Drop everything written; the final name is left untouched."""
+        """Drop everything written; the final name is left untouched.
+
+        Never raises: closing the staged file can fail again (a full disk refuses the buffered
+        bytes), and the error that made the caller abort is the one to report. The staged file
+        is removed all the same (``storage.staged_open``'s ``finally``).
+        """
         with contextlib.suppress(Exception):
             self._writer.close()
-        self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
+        with contextlib.suppress(Exception):
+            self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
 
 
 def output_schema(

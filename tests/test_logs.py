@@ -651,3 +651,73 @@ def test_a_log_file_takes_info_lines_whatever_quiet_says(
     text = log.read_text()
     assert "INFO scored part-0.parquet" in text
     assert text.endswith("THE SUMMARY\nerror: run x failed: why\n")
+
+
+# A Dask task that raised: a warning line, not a traceback (real embedded cluster)
+
+_FAILING_TASK = textwrap.dedent(
+    """
+    import sys
+    from pipeline import logs
+    from pipeline.cluster import DaskSession, Plan
+
+    logs.setup_logging(sys.argv[1], int(sys.argv[2]))
+    session = DaskSession(Plan("local", 1, 1, 1, 1), None)
+
+    def boom() -> None:
+        raise OSError(5, "the disk went away")
+
+    future = session.client().submit(boom, retries=2, pure=False)
+    try:
+        future.result()
+    except OSError:
+        pass
+    session.close()
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "verbosity", "lines"), [("text", -1, 0), ("text", 0, 3), ("json", 0, 3)]
+)
+def test_a_dask_task_that_raised_is_one_warning_line_per_try(
+    fmt: str, verbosity: int, lines: int, tmp_path: Path
+) -> None:
+    """distributed.worker logs each try of a failing task at ERROR as "Compute Failed" with its
+    traceback inside the message (3 tracebacks for a task tried 3 times, under -q too): here one
+    warning line per try naming the task and the exception, none under -q, all JSON in JSON
+    mode. The worker is a real process of an embedded cluster, forked as in a run."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", _FAILING_TASK, fmt, str(verbosity)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    err = done.stderr
+    assert "Traceback" not in err and "Compute Failed" not in err, err
+    tries = [ln for ln in err.splitlines() if "the disk went away" in ln]
+    assert len(tries) == lines, err
+    for line in tries:
+        if fmt == "json":
+            rec = json.loads(line)
+            assert (rec["level"], rec["logger"]) == ("warning", "distributed.worker"), rec
+        else:
+            assert " WARNING " in line and "raised" in line, line
+
+
+def test_a_dask_task_traceback_is_kept_at_debug_with_vv(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", _FAILING_TASK, "text", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "DEBUG Compute Failed" in done.stderr and "the disk went away" in done.stderr

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +101,110 @@ def test_s3_locations_have_no_retry_layer_underneath() -> None:
     mine = storage.locate("s3://bucket/x", {**opts, "config_kwargs": {"retries": {"mode": "a"}}})
     assert mine.fs.config_kwargs["retries"] == {"mode": "a"}
     assert storage.locate("/tmp").retry_deadline_s == storage.DEFAULT_RETRY_DEADLINE_S
+
+
+# --------------------------------------------------------------------------- one deadline per run
+
+
+@pytest.fixture
+def clock() -> Iterator[storage.RetryClock]:
+    storage.RETRY_CLOCK.reset()
+    yield storage.RETRY_CLOCK
+    storage.RETRY_CLOCK.reset()
+
+
+def test_a_store_failing_past_the_deadline_fails_later_calls_at_once(
+    clock: storage.RetryClock,
+) -> None:
+    """The deadline counts from the store's first failure, not per call: with a dead server,
+    each call used to wait the whole deadline again (218 s for a run with a 60 s deadline)."""
+    first = Flaky(10**9, ConnectionRefusedError("refused"))
+    with pytest.raises(StorageError, match="attempt"):
+        storage.with_retries(first, what="a", base_delay=0.01, deadline_s=0.2, store="s3-x")
+    assert first.calls > 1
+    time.sleep(0.2)  # the first call gave up early, before a back-off would pass the deadline
+    second = Flaky(10**9, ConnectionRefusedError("refused"))
+    with pytest.raises(StorageError):
+        storage.with_retries(second, what="b", base_delay=0.01, deadline_s=0.2, store="s3-x")
+    assert second.calls == 1  # the store has been failing for longer than the deadline
+    # Another store is not failing; and a call that succeeds ends this store's outage.
+    other = Flaky(2, ConnectionRefusedError("refused"))
+    assert storage.with_retries(other, what="c", base_delay=0.01, store="gs-y") == "ok"
+    assert storage.with_retries(lambda: "up", what="d", store="s3-x") == "up"
+    third = Flaky(2, ConnectionRefusedError("refused"))
+    assert storage.with_retries(third, what="e", base_delay=0.01, store="s3-x") == "ok"
+    assert third.calls == 3
+
+
+def test_a_worker_that_outlives_a_run_forgets_its_outages(clock: storage.RetryClock) -> None:
+    """A worker of an existing cluster serves many runs: an outage it saw in the last run (the
+    store never answered it again) must not make the next run's first failure final."""
+    clock.working_for("run-1")
+    with pytest.raises(StorageError):
+        storage.with_retries(
+            Flaky(10**9, TimeoutError()), what="a", base_delay=0.01, deadline_s=0.05, store="s"
+        )
+    time.sleep(0.05)
+    clock.working_for("run-1")  # the same run: the store is still failing
+    with pytest.raises(StorageError):
+        storage.with_retries(Flaky(1, TimeoutError()), what="b", deadline_s=0.05, store="s")
+    clock.working_for("run-2")
+    fn = Flaky(1, TimeoutError())
+    assert storage.with_retries(fn, what="c", base_delay=0.001, deadline_s=0.05, store="s") == "ok"
+
+
+def test_after_the_run_failed_on_storage_calls_are_not_retried(clock: storage.RetryClock) -> None:
+    clock.expire()
+    fn = Flaky(1, ConnectionResetError("reset"))
+    with pytest.raises(StorageError, match="the run has already failed on storage"):
+        storage.with_retries(fn, what="writing s3://b/_report.json", store="s3-x")
+    assert fn.calls == 1
+    assert storage.with_retries(lambda: "ok", what="f", store="s3-x") == "ok"  # one that works
+    clock.reset()
+    assert storage.with_retries(Flaky(1, TimeoutError()), what="g", base_delay=0.001) == "ok"
+
+
+@pytest.mark.parametrize(
+    ("error", "storage_failure"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), True),
+        (OSError(errno.EDQUOT, "Disk quota exceeded"), True),
+        (OSError(errno.EROFS, "Read-only file system"), True),
+        (PermissionError(errno.EACCES, "Permission denied"), True),
+        (StorageError("reading s3://b/k failed after 12 attempt(s)"), True),
+        (ConnectionResetError("reset"), False),  # transient: retried first
+        (FileNotFoundError("gone"), False),  # a shard deleted: the data's
+        (ValueError("a bug"), False),
+    ],
+)
+def test_storage_failures_are_told_from_other_errors(
+    error: BaseException, storage_failure: bool
+) -> None:
+    assert storage.is_storage_failure(error) is storage_failure
+
+
+def test_a_corrupt_shard_is_not_a_storage_failure(tmp_path: Path) -> None:
+    bad = tmp_path / "part-0.parquet"
+    bad.write_bytes(b"PAR1" + b"\0" * 100 + b"PAR1")
+    with pytest.raises(Exception) as e:
+        pq.read_table(bad)
+    assert not storage.is_storage_failure(e.value)
+    assert storage.write_failure(storage.locate(str(bad)), e.value) is None
+
+
+def test_a_write_that_cannot_be_done_names_the_path_and_the_cause(tmp_path: Path) -> None:
+    """The OSError of a full disk names no path; the StorageError says what was being written."""
+    loc = storage.locate(str(tmp_path / "out" / "part-0.parquet"))
+    failure = storage.write_failure(loc, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    assert isinstance(failure, StorageError) and failure.uri == loc.uri
+    assert loc.uri in str(failure) and os.strerror(errno.ENOSPC) in str(failure)
+    assert storage.write_failure(loc, ConnectionResetError("reset")) is None  # written again
+    # A real one: a file where the folder should be.
+    (tmp_path / "blocked").write_text("a file")
+    target = storage.locate(str(tmp_path / "blocked" / "_report.json"))
+    with pytest.raises(StorageError) as info:
+        storage.write_json(target, {"a": 1})
+    assert target.uri in str(info.value) and info.value.uri == target.uri
 
 
 # --------------------------------------------------------------------------- reads and creates
