@@ -35,7 +35,7 @@ from pipeline import drift as drift_mod
 from pipeline import runindex
 from pipeline.config import JobConfig
 from pipeline.errors import UsageError
-from pipeline.manifest import Manifest, fingerprint_hash
+from pipeline.manifest import MANIFEST_NAME, Manifest, fingerprint_hash
 
 logger = logging.getLogger(__name__)
 
@@ -274,14 +274,19 @@ def accept(
     ``uri``, where it was recorded). The output itself is not touched: the next run over the
     same dataset reports the acceptance and ends ``succeeded``.
     """
-    from pipeline import storage
+    from pipeline import layout, storage
 
     if not reason.strip():
         raise UsageError(
             "--reason must say why the drift is accepted (it is kept in the run index)"
         )
     out = storage.locate(output, options)
-    kept = Manifest.load(out).verdict
+    # The template is not known here: the manifest is found where ``report OUT`` finds reports
+    # (the control area beside the template's root, or an older layout's place).
+    found = layout.find(out, MANIFEST_NAME)
+    kept = (
+        Manifest.load(layout.sibling(out, found.uri.rsplit("/", 1)[0])).verdict if found else None
+    )
     if not kept or kept.get("version") != RECORD_VERSION or not isinstance(kept.get("drift"), dict):
         raise UsageError(
             f"no drift verdict for {out.uri}: give the output folder of a run that finished "

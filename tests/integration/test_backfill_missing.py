@@ -42,7 +42,7 @@ def archive(tmp_path: Path) -> Path:
 
 
 def _summary(tmp_path: Path, start: str, end: str) -> dict[str, Any]:
-    path = tmp_path / "scored" / "_backfills" / "rescore" / f"{start}_{end}.json"
+    path = tmp_path / "_score_catalog" / "scored" / "_backfills" / "rescore" / f"{start}_{end}.json"
     return json.loads(path.read_text())
 
 

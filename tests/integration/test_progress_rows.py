@@ -74,7 +74,8 @@ def test_rows_are_reported_while_one_big_shard_is_scored(
     assert len(rows) >= 2, (took, events)
     assert len(rows) <= took / PROGRESS_INTERVAL_S + 1, (took, events)
     assert rows == sorted(rows) and len(set(rows)) == len(rows)  # moving forward
-    assert rows[0] > 0 and rows[-1] < ROWS
+    # Inside the shard (the last report may come after its last batch: all of its rows).
+    assert 0 < rows[0] < ROWS and rows[-1] <= ROWS
     assert all(n % 1024 == 0 for n in rows)  # whole batches
 
 
