@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml
 # The demo catalog (generated, not committed) and the demo bundle (committed; retrained if absent).
 data: data/catalog/.done
 
-data/catalog/.done: $(VENV)/.installed pipeline/demo.py
+data/catalog/.done: $(VENV)/.installed pipeline/cli/demo.py
 	$(BIN)/score-catalog demo --catalog data/catalog --model-dir data/models/catalog-ranker
 	touch $@
 
@@ -93,6 +93,7 @@ lint: install
 	$(BIN)/ruff check pipeline tests bench
 	$(BIN)/ruff format --check pipeline tests bench
 	$(BIN)/mypy --strict pipeline
+	$(BIN)/lint-imports
 
 format: install
 	$(BIN)/ruff format pipeline tests bench

@@ -4,7 +4,7 @@ the time goes. Run it on a machine with a CUDA device; it refuses to run without
 1. Scores a demo catalog on the CPU in fp32 (the reference), then on CUDA in fp32 (strict),
    fp32 with TF32, bf16 and fp16, each through ``pipeline.run``; every CUDA output must match
    the reference within that precision's tolerance (max |score diff|, share of labels differing).
-2. Times the model alone per batch size and precision (``pipeline.tuning.bench_batch_sizes``).
+2. Times the model alone per batch size and precision (``pipeline.model.tuning.bench_batch_sizes``).
 3. Splits one pass over pinned batches into host-to-device copy, compute and device-to-host
    copy with CUDA events.
 Prints a Markdown report (paste it into BENCHMARKS.md) and writes it to --out if given.
@@ -59,10 +59,10 @@ def main() -> int:
         print("gpu-check: no CUDA device on this machine; nothing was run.", file=sys.stderr)
         return 2
     from pipeline import ErrorPolicy, JobConfig, run
-    from pipeline.demo import write_catalog
-    from pipeline.model import forward, load_model
-    from pipeline.precision import ExecutionOptions, prepare
-    from pipeline.tuning import bench_batch_sizes
+    from pipeline.cli.demo import write_catalog
+    from pipeline.model.bundle import forward, load_model
+    from pipeline.model.precision import ExecutionOptions, prepare
+    from pipeline.model.tuning import bench_batch_sizes
 
     lines = [
         "## GPU check (`make gpu-check`)",

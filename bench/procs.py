@@ -160,5 +160,5 @@ def run_measured(
 
 def report_file(output: Path) -> Path:
     """The ``_report.json`` of a run into ``output``: in its control folder, beside it
-    (``pipeline.layout``)."""
+    (``pipeline.io.layout``)."""
     return output.parent / "_score_catalog" / output.name / "_report.json"

@@ -1,8 +1,8 @@
 """Where a worker's time goes, per batch: ``python -m bench.profile_worker [--shard P --model M]``.
 
 Scores one real shard in this process through the workers' own code
-(:func:`pipeline.scoring.score_shard`), one torch thread as a worker of the 2-core plan has, and
-times every stage of the batch loop with ``perf_counter`` around the functions that do it:
+(:func:`pipeline.worker.shard.score_shard`), one torch thread as a worker of the 2-core plan has,
+and times every stage of the batch loop with ``perf_counter`` around the functions that do it:
 
 - decode: Parquet pages to Arrow record batches (``ShardBatches._pieces``);
 - features + tensors: Arrow columns to the model's tensors, lossy-cast and null checks
@@ -93,7 +93,10 @@ class Timers:
 @contextlib.contextmanager
 def instrumented(timers: Timers) -> Iterator[None]:
     """Wrap the stage functions where the worker's code looks them up; undone on exit."""
-    from pipeline import batching, engine, scoring, stats, writing
+    from pipeline.model import engine
+    from pipeline.worker import batching, stats
+    from pipeline.worker import shard as scoring
+    from pipeline.worker import sink as writing
 
     patches: list[tuple[Any, str, Any]] = []
 
@@ -128,8 +131,8 @@ def _spec_and_task(shard: Path, model_dir: Path, batch: int, overlap: int, tmp: 
     import pyarrow.parquet as pq
     import torch
 
-    from pipeline.model import load_model, read_bundle
-    from pipeline.scoring import ShardTask, WorkerSpec
+    from pipeline.model.bundle import load_model, read_bundle
+    from pipeline.worker.shard import ShardTask, WorkerSpec
 
     spec, _, sha = read_bundle(str(model_dir))
     widths = tuple(i.fixed_width() for i in spec.inputs)
@@ -162,7 +165,7 @@ def _spec_and_task(shard: Path, model_dir: Path, batch: int, overlap: int, tmp: 
 def profile(shard: Path, model_dir: Path, batch: int, rounds: int) -> dict[str, Any]:
     """Per-stage seconds (medians over ``rounds``) of one shard, overlap off; and the shard's
     wall time with overlap on and off, alternating."""
-    from pipeline.scoring import OVERLAP_DEPTH, score_shard
+    from pipeline.worker.shard import OVERLAP_DEPTH, score_shard
 
     result: dict[str, Any] = {"shard": str(shard), "batch_size": batch, "rounds": rounds}
     with tempfile.TemporaryDirectory(prefix="profile-worker-") as tmp:
@@ -202,15 +205,15 @@ def profile(shard: Path, model_dir: Path, batch: int, rounds: int) -> dict[str, 
 def call_overhead(model_dir: Path, calls: int = 3000, rounds: int = 5) -> dict[str, float]:
     """Microseconds per call at batch 1, one torch thread, best of ``rounds`` (alternating):
     the eager demo MLP with the bundle's weights, the module ``ExportedProgram.module()``
-    returns, and :func:`pipeline.model.forward` on the loaded bundle (what a run and
+    returns, and :func:`pipeline.model.bundle.forward` on the loaded bundle (what a run and
     ``score-catalog bench`` call); and ``score-catalog bench --batch-sizes 1``'s own ms per
     sample, from its table (its loop adds the copy to the device and the timing)."""
     import subprocess
 
     import torch
 
-    from pipeline.demo import DemoMLP
-    from pipeline.model import forward, load_model, read_bundle
+    from pipeline.cli.demo import DemoMLP
+    from pipeline.model.bundle import forward, load_model, read_bundle
 
     torch.set_num_threads(1)
     _, _, sha = read_bundle(str(model_dir))
@@ -262,7 +265,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
     lines = [
         f"One shard, `{_short(res['shard'])}` ({res['rows']:,} rows, {res['batches']} "
         f"batches of {res['batch_size']:,}) "
-        "scored in one process through `pipeline.scoring.score_shard`, one torch thread, "
+        "scored in one process through `pipeline.worker.shard.score_shard`, one torch thread, "
         f"overlap off, each stage timed with `perf_counter` (median of {res['rounds']} rounds; "
         "`python -m bench.profile_worker`).",
         "",
@@ -295,7 +298,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
             f"| eager `DemoMLP` with the bundle's weights | {e:.1f} | 1.00x |",
             f"| `ExportedProgram.module()` as torch returns it | {calls['exported_module']:.1f} "
             f"| {calls['exported_module'] / e:.2f}x |",
-            f"| `pipeline.model.forward` (the program's graph, called directly) | "
+            f"| `pipeline.model.bundle.forward` (the program's graph, called directly) | "
             f"{calls['pipeline_forward']:.1f} | {calls['pipeline_forward'] / e:.2f}x |",
             f"| `score-catalog bench --batch-sizes 1` (ms/sample column) | "
             f"{calls['score_catalog_bench']:.1f} | {calls['score_catalog_bench'] / e:.2f}x |",

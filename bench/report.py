@@ -81,7 +81,7 @@ def machine_facts(repo: Path) -> dict[str, str]:
         "transparent huge pages": _thp(),
         "program cache": "the CLI's runs reuse the bundle it cached in an earlier run (the "
         "warm-up run for W1, round 1 for W2), as every night after a model's first does; the "
-        "`-cold` comparators empty it before every run (pipeline.programcache)",
+        "`-cold` comparators empty it before every run (pipeline.model.programcache)",
     }
 
 

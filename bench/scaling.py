@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     root = Path(a.root)
     sys.path.insert(0, str(REPO))
-    from pipeline.demo import write_catalog
+    from pipeline.cli.demo import write_catalog
 
     w1 = root / "w1"
     if not (w1 / ".done").exists():

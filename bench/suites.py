@@ -497,7 +497,7 @@ def w1(runner: Runner, data: Data, sizes: Sizes, cores: int) -> WorkloadResult:
         [
             f"{rows:,} rows: `item_id`, `category`, 16 float32 features (+ `label`), "
             f"{sizes.w1_shards} shards, row groups of 65,536, zstd "
-            "(`pipeline.demo.write_catalog`).",
+            "(`pipeline.cli.demo.write_catalog`).",
             "Model: the demo 16-256-128-2 MLP (committed weights, torch.export), outputs "
             '`score = "softmax:1"` only, no pass-through.',
         ],
@@ -582,7 +582,7 @@ def _cli_auto(runner: Runner, data: Data, sizes: Sizes) -> Comparator:
 
 def _cli_cold(runner: Runner, data: Data, sizes: Sizes) -> Comparator:
     """The CLI with an empty cache folder in every run: the bundle is loaded by torch.export
-    each time (pipeline.programcache), as on a model's first night. The other CLI runs reuse
+    each time (pipeline.model.programcache), as on a model's first night. The other CLI runs reuse
     the program the warm-up run cached, as every later night does."""
     return _cli_own_cache(
         runner,

@@ -1,6 +1,6 @@
 """The benchmark's workloads: sizes, deterministic data under ``.bench/data``, model bundles.
 
-Everything is generated from fixed seeds with the demo's own generator (``pipeline.demo``), so
+Everything is generated from fixed seeds with the demo's own generator (``pipeline.cli.demo``), so
 two runs of the bench score the same bytes. Generated data is cached: a folder is rebuilt only
 when the parameters recorded in its ``_bench.json`` differ from what is asked for.
 """
@@ -129,7 +129,7 @@ class FeatureSpec:
 
 def w1_features() -> FeatureSpec:
     """W1/W3: ``item_id`` + 16 float32 columns, output ``score``."""
-    from pipeline.demo import FEATURES
+    from pipeline.cli.demo import FEATURES
 
     return FeatureSpec("item_id", tuple(FEATURES), None, len(FEATURES), "score")
 
@@ -154,8 +154,9 @@ def _stamp(path: Path, params: dict[str, Any]) -> None:
 
 
 def catalog(path: Path, *, rows: int, shards: int) -> Path:
-    """The demo catalog schema (W1, W3, the 1,000-row job), via ``pipeline.demo.write_catalog``."""
-    from pipeline.demo import write_catalog
+    """The demo catalog schema (W1, W3, the 1,000-row job), via
+    ``pipeline.cli.demo.write_catalog``."""
+    from pipeline.cli.demo import write_catalog
 
     params = {"kind": "catalog", "rows": rows, "shards": shards, "rg": ROW_GROUP_ROWS, "seed": SEED}
     if not _fresh(path, params):
@@ -202,7 +203,7 @@ def w1_bundle(path: Path, repo: Path) -> Path:
     The committed bundle's weights are reused when present; otherwise a seeded, untrained
     DemoMLP is exported (throughput does not depend on the weights' values).
     """
-    from pipeline.demo import FEATURES
+    from pipeline.cli.demo import FEATURES
 
     committed = repo / "data" / "models" / "catalog-mlp" / "model.pt2"
     source = "committed" if committed.exists() else "seeded"
@@ -220,7 +221,7 @@ def w1_bundle(path: Path, repo: Path) -> Path:
     else:
         import torch
 
-        from pipeline.demo import DemoMLP, export_bundle
+        from pipeline.cli.demo import DemoMLP, export_bundle
 
         torch.manual_seed(SEED)
         export_bundle(DemoMLP(), path, W1_TOML.format(columns=columns), n_in=len(FEATURES))
@@ -235,7 +236,7 @@ def w2_bundle(path: Path) -> Path:
         return path
     import torch
 
-    from pipeline.demo import DemoMLP, export_bundle
+    from pipeline.cli.demo import DemoMLP, export_bundle
 
     shutil.rmtree(path, ignore_errors=True)
     torch.manual_seed(SEED)

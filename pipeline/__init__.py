@@ -15,30 +15,28 @@ line's ``--help`` do not pay for torch and Dask.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 # Each public name, and the module that defines it.
 _EXPORTS = {
-    "BackfillReport": "pipeline.backfill",
-    "backfill": "pipeline.backfill",
-    "ErrorPolicy": "pipeline.config",
-    "JobConfig": "pipeline.config",
-    "Monitoring": "pipeline.config",
-    "build_config": "pipeline.config",
-    "ConfigError": "pipeline.errors",
-    "InputError": "pipeline.errors",
-    "LockError": "pipeline.errors",
-    "ModelError": "pipeline.errors",
-    "PipelineError": "pipeline.errors",
-    "RegistryError": "pipeline.errors",
-    "SchemaError": "pipeline.errors",
-    "StorageError": "pipeline.errors",
-    "save_bundle": "pipeline.export",
-    "plan_job": "pipeline.planning",
-    "RunReport": "pipeline.report",
-    "run": "pipeline.run",
+    "BackfillReport": "pipeline.driver.backfill",
+    "backfill": "pipeline.driver.backfill",
+    "ErrorPolicy": "pipeline.core.config",
+    "JobConfig": "pipeline.core.config",
+    "Monitoring": "pipeline.core.config",
+    "build_config": "pipeline.core.config",
+    "ConfigError": "pipeline.core.errors",
+    "InputError": "pipeline.core.errors",
+    "LockError": "pipeline.core.errors",
+    "ModelError": "pipeline.core.errors",
+    "PipelineError": "pipeline.core.errors",
+    "RegistryError": "pipeline.core.errors",
+    "SchemaError": "pipeline.core.errors",
+    "StorageError": "pipeline.core.errors",
+    "save_bundle": "pipeline.model.export",
+    "plan_job": "pipeline.driver.planning",
+    "RunReport": "pipeline.report.build",
+    "run": "pipeline.driver.run",
 }
 
 __all__ = [
@@ -63,9 +61,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from pipeline.backfill import BackfillReport, backfill
-    from pipeline.config import ErrorPolicy, JobConfig, Monitoring, build_config
-    from pipeline.errors import (
+    from pipeline.core.config import ErrorPolicy, JobConfig, Monitoring, build_config
+    from pipeline.core.errors import (
         ConfigError,
         InputError,
         LockError,
@@ -75,29 +72,11 @@ if TYPE_CHECKING:
         SchemaError,
         StorageError,
     )
-    from pipeline.export import save_bundle
-    from pipeline.planning import plan_job
-    from pipeline.report import RunReport
-    from pipeline.run import run
-
-
-class _Package(types.ModuleType):
-    """This package, whose ``run`` and ``backfill`` are functions of submodules of the same
-    names. Importing a submodule makes the import system set the package attribute of its
-    name to the module (``pipeline.run`` = ``pipeline/run.py``), after which ``from pipeline
-    import run`` would return the module, not the function; the function is kept instead."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if (
-            isinstance(value, types.ModuleType)
-            and value.__name__ == f"{__name__}.{name}"
-            and _EXPORTS.get(name) == value.__name__
-        ):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+    from pipeline.driver.backfill import BackfillReport, backfill
+    from pipeline.driver.planning import plan_job
+    from pipeline.driver.run import run
+    from pipeline.model.export import save_bundle
+    from pipeline.report.build import RunReport
 
 
 def __getattr__(name: str) -> Any:

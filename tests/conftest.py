@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.demo import FEATURES, DemoMLP, export_bundle, make_rows
+from pipeline.cli.demo import FEATURES, DemoMLP, export_bundle, make_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 for _var in [v for v in os.environ if v.startswith("SCORE_CATALOG_")]:
     del os.environ[_var]
 
-# The caches under XDG_CACHE_HOME (chosen batch sizes, loaded programs: pipeline.programcache)
+# The caches under XDG_CACHE_HOME (chosen batch sizes, loaded programs: pipeline.model.programcache)
 # are the session's own, for the CLI processes the tests start too: what a developer's runs
 # left there never changes what a test sees, and the tests leave nothing in their home.
 _CACHE_HOME = tempfile.mkdtemp(prefix="score-catalog-tests-cache-")

@@ -15,10 +15,10 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pipeline.batching import Batch, ShardBatches, make_loader
-from pipeline.demo import FEATURES, make_rows
-from pipeline.model import BundleSpec, load_model, parse_bundle_toml
-from pipeline.reading import check_schema
+from pipeline.cli.demo import FEATURES, make_rows
+from pipeline.model.bundle import BundleSpec, load_model, parse_bundle_toml
+from pipeline.model.features import check_schema
+from pipeline.worker.batching import Batch, ShardBatches, make_loader
 from tests.conftest import demo_toml
 
 META = ("item_id", "category")

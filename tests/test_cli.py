@@ -16,9 +16,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from pipeline import config
-from pipeline.cli import main, run
-from pipeline.errors import EXIT_USAGE
+from pipeline.cli.commands import main, run
+from pipeline.core import config
+from pipeline.core.errors import EXIT_USAGE
 
 # Settings only a job file or the environment can set (no flag), on purpose.
 NO_FLAG = {
@@ -230,7 +230,7 @@ def test_create_output_bucket_is_a_flag_and_a_job_key(tmp_path: Path) -> None:
 def test_the_collector_is_paused_while_starting_then_frozen_and_back_on() -> None:
     import gc
 
-    from pipeline.cli import _StartupGC
+    from pipeline.cli.commands import _StartupGC
 
     assert gc.isenabled()
     frozen = gc.get_freeze_count()

@@ -1,4 +1,5 @@
-"""Tests for pipeline.cluster's thread plan: how the cores are split, and the overlap rule."""
+"""Tests for pipeline.driver.cluster's thread plan: how the cores are split, and the overlap
+rule."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.cluster import thread_plan
-from pipeline.config import build_config
-from pipeline.hugepages import ENV as HUGE_PAGES
+from pipeline.core.config import build_config
+from pipeline.core.hugepages import ENV as HUGE_PAGES
+from pipeline.driver.cluster import thread_plan
 
 BASE: dict[str, Any] = {"input": "in", "output": "out", "model": "model"}
 

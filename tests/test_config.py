@@ -1,4 +1,5 @@
-"""Tests for pipeline.config: layering, validation (all problems at once), templating, redaction."""
+"""Tests for pipeline.core.config: layering, validation (all problems at once), templating,
+redaction."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import (
+from pipeline.core.config import (
     ENV_PREFIX,
     SECTIONS,
     SETTINGS,
@@ -26,7 +27,7 @@ from pipeline.config import (
     from_flags,
     metrics_destination,
 )
-from pipeline.errors import EXIT_USAGE, ConfigError
+from pipeline.core.errors import EXIT_USAGE, ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_FILES = sorted((REPO / "jobs").glob("*.toml"))

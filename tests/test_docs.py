@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from pipeline.cli.commands import main
 from tests.conftest import REPO
 
 README = REPO / "README.md"

@@ -12,17 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.drift import (
-    PSI_EPSILON,
-    SKETCH_POINTS,
-    DriftThresholds,
-    compare,
-    histogram,
-    ks,
-    psi,
-    sketch,
-)
-from pipeline.reportschema import report_schema
+from pipeline.report.drift import PSI_EPSILON, DriftThresholds, compare, ks, psi
+from pipeline.report.schema import report_schema
+from pipeline.worker.sketch import SKETCH_POINTS, histogram, sketch
 
 N = 50_000
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.demo import FEATURES, export_bundle, make_rows
-from pipeline.engine import SMALL_BATCH, ModelFailedEverywhere, Scored, output_columns, score
-from pipeline.model import LoadedModel, OutputSpec, load_model
+from pipeline.cli.demo import FEATURES, export_bundle, make_rows
+from pipeline.model.bundle import LoadedModel, OutputSpec, load_model
+from pipeline.model.engine import SMALL_BATCH, ModelFailedEverywhere, Scored, output_columns, score
 from tests.conftest import demo_toml, make_model, reference_scores
 
 BAD_F0 = 5000.0  # feature 0 above 1000 makes RaisesOnHugeF0 index out of its embedding table

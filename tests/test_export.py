@@ -11,8 +11,8 @@ import torch
 from click.testing import CliRunner
 
 from pipeline import ModelError, save_bundle
-from pipeline.cli import main
-from pipeline.model import forward, load_model
+from pipeline.cli.commands import main
+from pipeline.model.bundle import forward, load_model
 from tests.catalog_models import (
     BRANDS,
     EMB_DIM,
@@ -291,7 +291,7 @@ def test_an_example_the_model_scores_nan_for_some_rows_is_saved(tmp_path: Path) 
 
 
 def test_nan_on_one_side_only_is_an_infinite_difference() -> None:
-    from pipeline.export import _max_difference
+    from pipeline.model.export import _max_difference
 
     nan, inf = float("nan"), float("inf")
     same = torch.tensor([1.0, nan, inf, -inf])

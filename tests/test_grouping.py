@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.execution import MIN_TASKS_PER_SLOT, group_tasks
-from pipeline.scoring import ShardTask, pin_device
+from pipeline.driver.dispatch import MIN_TASKS_PER_SLOT, group_tasks
+from pipeline.worker.shard import ShardTask, pin_device
 
 
 def _task(i: int, rows: int) -> ShardTask:

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.html_report import SHARD_TABLE_CAP, render_html
-from pipeline.reportschema import SCHEMA_VERSION, validate_report
-from pipeline.statuses import RunStatus
+from pipeline.core.statuses import RunStatus
+from pipeline.report.html import SHARD_TABLE_CAP, render_html
+from pipeline.report.schema import SCHEMA_VERSION, validate_report
 
 SECTIONS = (
     "status",
@@ -501,7 +501,7 @@ def test_a_discrete_output_is_a_bar_chart_of_counts() -> None:
     ],
 )
 def test_numbers_are_plain_decimals(value: float | None, text: str) -> None:
-    from pipeline.html_report import _g
+    from pipeline.report.html import _g
 
     assert _g(value) == text
 

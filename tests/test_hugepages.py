@@ -32,7 +32,9 @@ def _python(code: str, **env: str) -> str:
 
 
 def test_asked_for_before_torch_is_imported_torch_takes_it() -> None:
-    code = f"from pipeline import hugepages; print(hugepages.ask_before_torch()); {PAGE_ALIGNED}"
+    code = (
+        f"from pipeline.core import hugepages; print(hugepages.ask_before_torch()); {PAGE_ALIGNED}"
+    )
     assert _python(code).splitlines() == ["True", "True"]
 
 
@@ -43,7 +45,7 @@ def test_without_it_torch_keeps_its_64_byte_alignment() -> None:
 
 def test_a_user_s_zero_is_kept() -> None:
     code = (
-        "import os; from pipeline import hugepages; print(hugepages.ask_before_torch()); "
+        "import os; from pipeline.core import hugepages; print(hugepages.ask_before_torch()); "
         f"print(os.environ['THP_MEM_ALLOC_ENABLE']); {PAGE_ALIGNED}"
     )
     assert _python(code, THP_MEM_ALLOC_ENABLE="0").splitlines() == ["False", "0", "False"]
@@ -52,8 +54,8 @@ def test_a_user_s_zero_is_kept() -> None:
 def test_after_torch_is_imported_nothing_is_set() -> None:
     # Too late to take effect: setting it then would only mislead child processes and logs.
     code = (
-        "import os, torch; from pipeline import hugepages; print(hugepages.ask_before_torch()); "
-        "print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"
+        "import os, torch; from pipeline.core import hugepages; "
+        "print(hugepages.ask_before_torch()); print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"
     )
     assert _python(code).splitlines() == ["False", "None"]
 
@@ -61,7 +63,7 @@ def test_after_torch_is_imported_nothing_is_set() -> None:
 def test_the_command_line_asks_before_any_command_imports_torch() -> None:
     # `run --help` runs the group's callback and then stops: torch is never imported.
     code = (
-        "import atexit, os, sys; from pipeline.cli import main; "
+        "import atexit, os, sys; from pipeline.cli.commands import main; "
         "atexit.register(lambda: print(os.environ.get('THP_MEM_ALLOC_ENABLE'), "
         "'torch' in sys.modules)); sys.argv = ['score-catalog', 'run', '--help']; main()"
     )

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import ModelError
-from pipeline.inputs import (
+from pipeline.core.errors import ModelError
+from pipeline.model.bundle import parse_bundle_toml
+from pipeline.model.inputs import (
     InputSpec,
     build,
     data_width,
@@ -18,7 +19,6 @@ from pipeline.inputs import (
     schema_problems,
     to_tensor,
 )
-from pipeline.model import parse_bundle_toml
 
 # The issue's model.toml, as written there.
 RANKER_TOML = """\
@@ -346,6 +346,6 @@ def test_fill_values_the_input_cannot_hold_are_refused(
     ],
 )
 def test_reasons_are_counted_by_cause_without_the_value(reason: str, cause: str) -> None:
-    from pipeline.inputs import cause_of
+    from pipeline.model.inputs import cause_of
 
     assert cause_of(reason) == cause

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pipeline import JobConfig, run
-from pipeline.errors import EXIT_CODES_HELP
-from pipeline.interrupt import (
+from pipeline.core.errors import EXIT_CODES_HELP
+from pipeline.core.interrupt import (
     EXIT_CODES,
     REPEAT_WINDOW_S,
     Aborted,
@@ -21,9 +21,9 @@ from pipeline.interrupt import (
     handle_signals,
     interrupted_reason,
 )
-from pipeline.launch import EarlyStop
-from pipeline.report import RunReport
-from pipeline.statuses import RunStatus
+from pipeline.core.signals import EarlyStop
+from pipeline.core.statuses import RunStatus
+from pipeline.report.build import RunReport
 from tests.integration.helpers import report_path
 
 

@@ -1,4 +1,4 @@
-"""pipeline.layout: where the control files, run index and rejects of an output live, finding
+"""pipeline.io.layout: where the control files, run index and rejects of an output live, finding
 them, and moving what older versions kept elsewhere."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import layout, storage
+from pipeline.core import templates
+from pipeline.io import layout, storage
 
 
 @pytest.mark.parametrize(
@@ -28,7 +29,7 @@ from pipeline import layout, storage
     ],
 )
 def test_beside(uri: str, expected: str | None) -> None:
-    assert layout.beside(uri, layout.CONTROL_DIR) == expected
+    assert templates.beside(uri, templates.CONTROL_DIR) == expected
 
 
 @pytest.mark.parametrize(
@@ -58,7 +59,7 @@ def test_beside(uri: str, expected: str | None) -> None:
 def test_control_folder_is_outside_the_template_root(
     template: str, output: str, control: str
 ) -> None:
-    assert layout.control_uri(template, output) == control
+    assert templates.control_uri(template, output) == control
 
 
 def test_places_of_a_dated_output_on_disk_and_on_an_object_store(tmp_path: Path) -> None:
@@ -224,10 +225,10 @@ def test_rejects_the_oldest_layout_kept_inside_the_output_move_out(tmp_path: Pat
 def test_the_other_outputs_of_a_template_are_told_by_name(
     template: str, names: list[str], others: list[str]
 ) -> None:
-    pattern = layout._single_segment_pattern(template, layout.fixed_part(template)[0])
+    pattern = templates.single_segment_pattern(template, templates.fixed_part(template)[0])
     assert pattern is not None
     assert all(pattern.fullmatch(n) for n in names)
     assert not any(pattern.fullmatch(n) for n in others)
     # Outputs deeper below the root ({date}/part) are moved by their own runs only.
-    assert layout._single_segment_pattern("data/s/{date}/part", "data/s") is None
-    assert layout._single_segment_pattern("data/s", "data/s") is None
+    assert templates.single_segment_pattern("data/s/{date}/part", "data/s") is None
+    assert templates.single_segment_pattern("data/s", "data/s") is None

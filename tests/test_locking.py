@@ -1,7 +1,7 @@
 """The run lock with real processes contending for it: exclusive create, liveness, fencing.
 
 Every contender is a separate Python process (:class:`Contender`) that imports only
-``pipeline.locking`` and its storage seam, waits for a "go" line, takes the lock, and later
+``pipeline.io.locking`` and its storage seam, waits for a "go" line, takes the lock, and later
 checks whether it still holds it and releases it. The S3 variants of these tests are in
 ``tests/integration/test_s3_lock.py`` and reuse the helpers here.
 """
@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from pipeline import storage
-from pipeline.errors import LockError
-from pipeline.locking import LOCK_NAME, LockLostError, RunLock, assert_holder, process_start
+from pipeline.core.errors import LockError
+from pipeline.io import storage
+from pipeline.io.locking import LOCK_NAME, LockLostError, RunLock, assert_holder, process_start
 
 REPO = Path(__file__).resolve().parents[1]
 # stale_after_s for the heartbeat tests: 20 missed beats of 0.1 s, so a busy machine that delays
@@ -44,9 +44,9 @@ if args.get("clock_ahead_s"):
 pkg = types.ModuleType("pipeline")
 pkg.__path__ = [os.path.join(os.getcwd(), "pipeline")]
 sys.modules["pipeline"] = pkg
-from pipeline import storage
-from pipeline.errors import LockError
-from pipeline.locking import LockLostError, RunLock
+from pipeline.io import storage
+from pipeline.core.errors import LockError
+from pipeline.io.locking import LockLostError, RunLock
 
 def say(**kw):
     print(json.dumps(kw), flush=True)

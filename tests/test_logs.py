@@ -1,4 +1,4 @@
-"""pipeline.logs: text/JSON log lines on stderr, shard lines, the progress bar, the summary."""
+"""pipeline.cli.logs: text/JSON log lines on stderr, shard lines, the progress bar, the summary."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from pipeline import logs
-from pipeline.scoring import ShardResult
+from pipeline.cli import logs
+from pipeline.core import runcontext
+from pipeline.worker.shard import ShardResult
 
 TIME_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 LIB_LOGGERS = ("distributed", "distributed.worker", "distributed.client", "bokeh", "tornado")
@@ -487,11 +488,11 @@ def test_configure_dask_logging_sets_levels_only() -> None:
     dask_logger.setLevel(logging.INFO)
     marker = logging.NullHandler()
     dask_logger.addHandler(marker)
-    logs.configure_dask_logging(debug=False)
+    runcontext.configure_dask_logging(debug=False)
     assert dask_logger.level == logging.WARNING
     assert marker in dask_logger.handlers  # incremental: handlers stay
     dask_logger.setLevel(logging.INFO)
-    logs.configure_dask_logging(debug=True)
+    runcontext.configure_dask_logging(debug=True)
     assert dask_logger.level == logging.INFO  # debugging: Dask's own INFO stays
 
 
@@ -561,17 +562,17 @@ def test_run_progress_passes_row_reports_to_the_bar(monkeypatch: pytest.MonkeyPa
 
 def test_every_line_carries_the_bound_run_id(capsys: pytest.CaptureFixture[str]) -> None:
     logs.setup_logging("json", 0)
-    logs.bind_run_id(None)
+    runcontext.bind_run_id(None)
     try:
         logging.getLogger("pipeline").info("before the run")
-        logs.bind_run_id("20261201T101010Z-abcdef")
+        runcontext.bind_run_id("20261201T101010Z-abcdef")
         logging.getLogger("pipeline").info("during it")
         logging.getLogger("distributed.scheduler").warning("dask says")
         logs.log_shard(scored())
         logging.getLogger("pipeline").info("own id", extra={"run_id": "other"})
         logs.emit_error("boom", 1, "json")
     finally:
-        logs.bind_run_id(None)
+        runcontext.bind_run_id(None)
     recs = json_lines(capsys.readouterr().err)
     rid = "20261201T101010Z-abcdef"
     assert [r["run_id"] for r in recs] == [None, rid, rid, rid, "other", rid]
@@ -658,8 +659,8 @@ def test_a_log_file_takes_info_lines_whatever_quiet_says(
 _FAILING_TASK = textwrap.dedent(
     """
     import sys
-    from pipeline import logs
-    from pipeline.cluster import DaskSession, Plan
+    from pipeline.cli import logs
+    from pipeline.driver.cluster import DaskSession, Plan
 
     logs.setup_logging(sys.argv[1], int(sys.argv[2]))
     session = DaskSession(Plan("local", 1, 1, 1, 1), None)

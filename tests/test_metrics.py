@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.errors import StorageError
-from pipeline.metrics import (
+from pipeline.core.errors import StorageError
+from pipeline.core.statuses import RunStatus
+from pipeline.report.metrics import (
     LAST_SUCCESS,
     STATUSES,
     previous_success_timestamp,
@@ -27,7 +28,6 @@ from pipeline.metrics import (
     registry_for,
     write_metrics_file,
 )
-from pipeline.statuses import RunStatus
 from tests.conftest import REPO
 
 JOB = "nightly-catalog"

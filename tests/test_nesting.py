@@ -1,4 +1,4 @@
-"""pipeline.nesting: an output that contains, lies inside, or is the template root of another
+"""pipeline.io.nesting: an output that contains, lies inside, or is the template root of another
 output of this tool is refused, and the check reads only what it must."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import nesting, storage
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
+from pipeline.io import nesting, storage
 
 
 def _output(folder: Path, *, mark: str = "_SCORE_CATALOG") -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline.overlap import WriteBehind, read_ahead
+from pipeline.worker.overlap import WriteBehind, read_ahead
 
 
 def test_read_ahead_keeps_order_and_is_bounded() -> None:

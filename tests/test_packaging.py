@@ -63,4 +63,4 @@ def test_the_metadata_builds_without_a_warning(tmp_path: Path) -> None:
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
     entry_points = (dist_info / "entry_points.txt").read_text(encoding="utf-8")
     # The console script enters through the launcher that routes signals first.
-    assert "score-catalog = pipeline.launch:main" in entry_points.splitlines()
+    assert "score-catalog = pipeline.cli.launch:main" in entry_points.splitlines()

@@ -11,11 +11,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline.batching import Batch, to_device_ahead
-from pipeline.cli import main
-from pipeline.errors import ConfigError, ModelError
-from pipeline.model import forward, load_model
-from pipeline.precision import (
+from pipeline.cli.commands import main
+from pipeline.core.errors import ConfigError, ModelError
+from pipeline.model.bundle import forward, load_model
+from pipeline.model.precision import (
     DEFAULT_TOLERANCE,
     ExecutionOptions,
     check_parity,
@@ -23,6 +22,7 @@ from pipeline.precision import (
     parity,
     prepare,
 )
+from pipeline.worker.batching import Batch, to_device_ahead
 from tests.integration.helpers import data_files, job_args, report
 
 
@@ -113,7 +113,7 @@ def test_to_device_ahead_passes_cpu_batches_through() -> None:
     import numpy as np
     import pyarrow as pa
 
-    from pipeline.reading import Features
+    from pipeline.model.features import Features
 
     batches = [
         Batch(
@@ -135,7 +135,7 @@ def test_to_device_ahead_copies_in_order_on_cuda() -> None:  # pragma: no cover 
     import numpy as np
     import pyarrow as pa
 
-    from pipeline.reading import Features
+    from pipeline.model.features import Features
 
     dev = torch.device("cuda")
     batches = [

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.config import JobConfig
-from pipeline.errors import ConfigError
-from pipeline.model import parse_bundle_toml
-from pipeline.preparation import _sweep_rows, run_settings
+from pipeline.core.config import JobConfig
+from pipeline.core.errors import ConfigError
+from pipeline.driver.preparation import _sweep_rows, run_settings
+from pipeline.model.bundle import parse_bundle_toml
 
 TOML = """
 name = "m"

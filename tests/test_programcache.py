@@ -1,4 +1,5 @@
-"""Tests for pipeline.programcache: a bundle loaded a second time, from the cache, computes what
+"""Tests for pipeline.model.programcache: a bundle loaded a second time, from the cache, computes
+what
 the first load did, and a cache that is not trustworthy or not intact is never used."""
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline import programcache
-from pipeline.demo import export_bundle
-from pipeline.export import save_bundle
-from pipeline.model import LoadedModel, check_batch_size, forget, forward, load_model
-from pipeline.precision import ExecutionOptions, prepare
+from pipeline.cli.demo import export_bundle
+from pipeline.model import programcache
+from pipeline.model.bundle import LoadedModel, check_batch_size, forget, forward, load_model
+from pipeline.model.export import save_bundle
+from pipeline.model.precision import ExecutionOptions, prepare
 from tests.catalog_models import (
     RANKER_INPUTS,
     CountsCalls,
@@ -226,10 +227,10 @@ def test_a_warm_load_imports_nothing_of_torch_export(bundle_dir: Path, tmp_path:
     uri = str(shutil.copytree(bundle_dir, tmp_path / "b"))
     load_model(uri)  # fills the cache (this test's own, through XDG_CACHE_HOME)
     code = (
-        "import sys, json; from pipeline import programcache; from pipeline.model import "
-        f"load_model; m = load_model({uri!r}); print(json.dumps([programcache.facts_of(m.module)"
-        " is not None, 'torch._dynamo' in sys.modules, 'torch._export.serde.serialize' in "
-        "sys.modules]))"
+        "import sys, json; from pipeline.model import programcache; "
+        f"from pipeline.model.bundle import load_model; m = load_model({uri!r}); "
+        "print(json.dumps([programcache.facts_of(m.module) is not None, "
+        "'torch._dynamo' in sys.modules, 'torch._export.serde.serialize' in sys.modules]))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -313,7 +314,7 @@ def test_a_load_from_the_cache_says_so_in_the_log(
     bundle_dir: Path, tmp_path: Path, own_cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     uri, _ = _warm_entry(bundle_dir, tmp_path, own_cache)
-    with caplog.at_level("INFO", logger="pipeline.model"):
+    with caplog.at_level("INFO", logger="pipeline.model.bundle"):
         load_model(uri)
     assert "from the program cache" in caplog.text
 

@@ -9,10 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.demo import FEATURES, make_rows
-from pipeline.errors import ShardError
-from pipeline.model import BundleSpec, parse_bundle_toml
-from pipeline.reading import ShardInfo, check_schema, data_widths, open_parquet, read_footer
+from pipeline.cli.demo import FEATURES, make_rows
+from pipeline.core.errors import ShardError
+from pipeline.io.parquet import ShardInfo, open_parquet, read_footer
+from pipeline.model.bundle import BundleSpec, parse_bundle_toml
+from pipeline.model.features import check_schema, data_widths
 from tests.conftest import demo_toml, write_shards
 
 SHARD = "s3://bucket/catalog/part-00007.parquet"
@@ -283,7 +284,7 @@ def test_duplicated_feature_column_is_reported_not_raised(tmp_path: Path) -> Non
 def test_lossy_cast_finds_the_first_changed_value(
     values: list[Any], type_: pa.DataType, change: tuple[float, float] | None
 ) -> None:
-    from pipeline.reading import lossy_cast
+    from pipeline.model.features import lossy_cast
 
     found = lossy_cast(pa.array(values, type_))
     if change is None:
@@ -294,7 +295,7 @@ def test_lossy_cast_finds_the_first_changed_value(
 
 
 def test_lossy_casts_of_a_batch_check_features_only_and_skip_known_ones() -> None:
-    from pipeline.reading import lossy_casts
+    from pipeline.model.features import lossy_casts
 
     rb = pa.record_batch(
         {

@@ -1,4 +1,5 @@
-"""pipeline.reconcile on real Parquet files: who wrote a file, what goes, what the check finds."""
+"""pipeline.driver.reconcile on real Parquet files: who wrote a file, what goes, what the check
+finds."""
 
 from __future__ import annotations
 
@@ -9,26 +10,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import storage
-from pipeline.config import build_config, default_rejects
-from pipeline.errors import ConfigError, StorageError
-from pipeline.reading import read_footer
-from pipeline.reconcile import (
-    Expected,
+from pipeline.core.config import build_config, default_rejects
+from pipeline.core.errors import ConfigError, StorageError
+from pipeline.core.statuses import FailureKind, ShardStatus
+from pipeline.driver.reconcile import Expected, reconcile, verify, wanted
+from pipeline.io import storage
+from pipeline.io.layout import footer_metadata, rejects_metadata
+from pipeline.io.ownership import (
     check_output_owner,
     check_rejects_location,
-    footer_metadata,
     is_data,
-    reconcile,
-    rejects_metadata,
     remove_foreign,
-    verify,
-    wanted,
     written_by_us,
 )
-from pipeline.scoring import ShardResult
-from pipeline.statuses import FailureKind, ShardStatus
-from pipeline.writing import output_schema, rejects_schema
+from pipeline.io.parquet import read_footer
+from pipeline.worker.shard import ShardResult
+from pipeline.worker.sink import output_schema, rejects_schema
 
 SHA = "a" * 64
 SETTINGS = "0123456789abcdef"

@@ -1,5 +1,5 @@
-"""``pipeline.registry`` without a server: URI parsing, what a run needs before it asks one, and
-what a registered version changes in a run's settings. The server side (register, resolve,
+"""``pipeline.model.registry`` without a server: URI parsing, what a run needs before it asks one,
+and what a registered version changes in a run's settings. The server side (register, resolve,
 download, cache, errors from a real ``mlflow server``) is ``tests/integration/test_registry.py``.
 """
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import registry
-from pipeline.config import JobConfig
-from pipeline.errors import ConfigError
-from pipeline.model import parse_bundle_toml
-from pipeline.preparation import run_settings
-from pipeline.report import RunReport, summary_table
+from pipeline.core.config import JobConfig
+from pipeline.core.errors import ConfigError
+from pipeline.driver.preparation import run_settings
+from pipeline.model import registry
+from pipeline.model.bundle import parse_bundle_toml
+from pipeline.report.build import RunReport, summary_table
 from tests.conftest import demo_toml
 
 

@@ -1,10 +1,10 @@
-"""pipeline.report's text helpers: the ``change`` column of ``report --vs``."""
+"""pipeline.report.build's text helpers: the ``change`` column of ``report --vs``."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.report import MAX_RATIO, change
+from pipeline.report.build import MAX_RATIO, change
 
 
 @pytest.mark.parametrize(

@@ -26,10 +26,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import pipeline
-from pipeline.config import PRECISIONS, ErrorPolicy, JobConfig
-from pipeline.demo import make_rows
-from pipeline.model import FORMATS
-from pipeline.reportschema import (
+from pipeline.cli.demo import make_rows
+from pipeline.core.config import PRECISIONS, ErrorPolicy, JobConfig
+from pipeline.core.statuses import FailureKind, RunStatus, ShardStatus
+from pipeline.model.bundle import FORMATS
+from pipeline.report.schema import (
     SCHEMA_OBJECTS,
     SCHEMA_VERSION,
     ReportData,
@@ -37,7 +38,6 @@ from pipeline.reportschema import (
     report_schema,
     validate_report,
 )
-from pipeline.statuses import FailureKind, RunStatus, ShardStatus
 from tests.conftest import REPO, write_shards
 from tests.integration.helpers import report_path
 
@@ -319,8 +319,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, bundle_dir: Path) -> dict[str
     out = root / "scored" / "takeover"
     dead = (
         "import os, sys\n"
-        "from pipeline import storage\n"
-        "from pipeline.locking import RunLock\n"
+        "from pipeline.io import storage\n"
+        "from pipeline.io.locking import RunLock\n"
         "RunLock.acquire(storage.locate(sys.argv[1]), 'dead-run', stale_after_s=3600)\n"
         "os._exit(0)  # no release: the lock stays behind, its holder gone\n"
     )

@@ -12,9 +12,9 @@ from typing import Any
 import fsspec
 import pytest
 
-from pipeline import storage
-from pipeline.errors import ConfigError
-from pipeline.runindex import (
+from pipeline.core.errors import ConfigError
+from pipeline.io import storage
+from pipeline.io.runindex import (
     acceptance,
     index_root,
     previous_success,
@@ -173,7 +173,7 @@ def test_damaged_entries_are_skipped_with_a_warning(
     # Hidden staging files and non-JSON files are not entries at all.
     storage.write_bytes(d.child(".20260304T020000Z-x.json.tmp-123"), b"{")
     storage.write_bytes(d.child("README"), b"not an entry")
-    with caplog.at_level(logging.WARNING, logger="pipeline.runindex"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.io.runindex"):
         found = previous_success(root, {}, JOB)
     assert found == good
     warned = "\n".join(r.getMessage() for r in caplog.records)

@@ -13,14 +13,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import storage
-from pipeline.demo import FEATURES
-from pipeline.errors import ShardError
-from pipeline.reconcile import rejects_metadata
-from pipeline.scoring import ShardTask, WorkerSpec, score_shard, score_shards
-from pipeline.stats import ShardStats
-from pipeline.statuses import FailureKind, ShardStatus
-from pipeline.writing import ShardSink, SinkRun, rejects_schema
+from pipeline.cli.demo import FEATURES
+from pipeline.core.errors import ShardError
+from pipeline.core.statuses import FailureKind, ShardStatus
+from pipeline.io import storage
+from pipeline.io.layout import rejects_metadata
+from pipeline.worker.shard import ShardTask, WorkerSpec, score_shard, score_shards
+from pipeline.worker.sink import ShardSink, SinkRun, rejects_schema
+from pipeline.worker.stats import ShardStats
 from tests.conftest import reference_scores, write_shards
 
 
@@ -37,7 +37,7 @@ def _spec(bundle: Path, **kw: object) -> WorkerSpec:
         torch_threads=1,
     )
     fields.update(kw)
-    from pipeline.model import read_bundle
+    from pipeline.model.bundle import read_bundle
 
     fields["model_sha256"] = read_bundle(str(bundle))[2]
     return WorkerSpec(**fields)  # type: ignore[arg-type]
@@ -206,7 +206,7 @@ def test_shard_stats_sample_every_step_th_row_across_batches() -> None:
 
 def test_row_reports_are_rate_limited_per_process() -> None:
     """Thousands of tiny batches send nothing; a steady stream one report per interval."""
-    from pipeline.scoring import PROGRESS_INTERVAL_S, RowProgress, listen_locally
+    from pipeline.worker.shard import PROGRESS_INTERVAL_S, RowProgress, listen_locally
 
     got: list[tuple[str, int, float]] = []
     topic = "test-progress-rate"
@@ -230,7 +230,7 @@ def test_row_reports_are_rate_limited_per_process() -> None:
 
 
 def test_row_feed_drops_reports_of_finished_shards() -> None:
-    from pipeline.execution import RowFeed
+    from pipeline.driver.dispatch import RowFeed
 
     seen: list[tuple[str, int]] = []
     feed = RowFeed(lambda rel, n: seen.append((rel, n)))

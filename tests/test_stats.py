@@ -13,11 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import drift, storage
-from pipeline.report import output_summary
-from pipeline.scoring import ShardResult
-from pipeline.stats import ColumnStats, DuplicateIds, ShardStats
-from pipeline.statuses import ShardStatus
+from pipeline.core.statuses import ShardStatus
+from pipeline.io import storage
+from pipeline.report import drift
+from pipeline.report.build import output_summary
+from pipeline.worker import sketch
+from pipeline.worker.shard import ShardResult
+from pipeline.worker.stats import ColumnStats, DuplicateIds, ShardStats
 
 
 def _strict(text: str) -> Any:
@@ -54,7 +56,7 @@ def test_summary_keeps_exact_totals_and_a_compact_sketch() -> None:
     assert col["count"] == len(v)
     assert col["sum"] == pytest.approx(float(v.astype(float).sum()), rel=1e-6)
     assert col["min"] == float(v.min()) and col["max"] == float(v.max())
-    assert len(col["sketch"]) == drift.SKETCH_POINTS
+    assert len(col["sketch"]) == sketch.SKETCH_POINTS
     assert col["sketch"][0] == col["min"] and col["sketch"][-1] == col["max"]
     assert np.all(np.diff(col["sketch"]) >= 0)
     # The manifest is rewritten after every shard: one column costs about 2 kB (101 floats),
@@ -70,9 +72,9 @@ def test_a_summary_stands_in_for_the_shard_within_sketch_resolution() -> None:
     assert (c.count, c.min, c.max) == (len(v), float(v.min()), float(v.max()))
     sample, weights = c.weighted_sample(back.sample_weight)
     assert weights.sum() == pytest.approx(len(v))
-    exact = drift.sketch(v)
-    assert drift.ks(exact, drift.sketch(sample, weights)) < 0.02
-    assert drift.psi(exact, drift.sketch(sample, weights)) < 0.01
+    exact = sketch.sketch(v)
+    assert drift.ks(exact, sketch.sketch(sample, weights)) < 0.02
+    assert drift.psi(exact, sketch.sketch(sample, weights)) < 0.01
 
 
 def test_the_report_over_scored_and_skipped_shards_matches_all_scored() -> None:

@@ -17,9 +17,9 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import storage
-from pipeline.errors import ConfigError, InputError, StorageError
-from pipeline.manifest import MANIFEST_NAME
+from pipeline.core.errors import ConfigError, InputError, StorageError
+from pipeline.io import ownership, storage
+from pipeline.io.manifest import MANIFEST_NAME
 from tests.conftest import write_shards
 
 
@@ -336,37 +336,37 @@ def test_listing_a_missing_input_is_an_input_error(tmp_path: Path) -> None:
 
 
 def test_classify_output_states(tmp_path: Path, mem_root: str) -> None:
-    assert storage.classify_output(storage.locate(str(tmp_path / "none"))).kind == "absent"
+    assert ownership.classify_output(storage.locate(str(tmp_path / "none"))).kind == "absent"
     (tmp_path / "empty").mkdir()
-    assert storage.classify_output(storage.locate(str(tmp_path / "empty"))).kind == "empty"
+    assert ownership.classify_output(storage.locate(str(tmp_path / "empty"))).kind == "empty"
 
     ours = tmp_path / "ours"
     write_shards(ours, [100], row_group_rows=50)
     (ours / MANIFEST_NAME).write_text("{}")
-    assert storage.classify_output(storage.locate(str(ours))).kind == "ours"
+    assert ownership.classify_output(storage.locate(str(ours))).kind == "ours"
     marked = tmp_path / "marked"  # the layout with the manifest beside the output
     write_shards(marked, [100], row_group_rows=50)
     (marked / "_SCORE_CATALOG").write_bytes(b"")
-    assert storage.classify_output(storage.locate(str(marked))).kind == "ours"
+    assert ownership.classify_output(storage.locate(str(marked))).kind == "ours"
 
     control = tmp_path / "control"
     (control / "_rejects").mkdir(parents=True)
     for name in ("_lock.json", "_SUCCESS", "_report.json", ".part.parquet.tmp-0123456789ab"):
         (control / name).write_text("x")
-    state = storage.classify_output(storage.locate(str(control)))
+    state = ownership.classify_output(storage.locate(str(control)))
     assert state.kind == "ours" and state.foreign == ()
 
     foreign = tmp_path / "foreign"
     write_shards(foreign, [10] * 12, row_group_rows=5)
     (foreign / "_SUCCESS").write_text("")
     (foreign / "notes.txt").write_text("someone else's")
-    state = storage.classify_output(storage.locate(str(foreign)))
+    state = ownership.classify_output(storage.locate(str(foreign)))
     assert state.kind == "foreign" and state.foreign_count == 13
     assert len(state.foreign) == 10 and state.foreign[0] == "notes.txt"
     assert "_SUCCESS" not in state.foreign
 
     storage.write_json(storage.locate(mem_root).child("data.json"), {})
-    mem = storage.classify_output(storage.locate(mem_root))
+    mem = ownership.classify_output(storage.locate(mem_root))
     assert mem.kind == "foreign" and mem.foreign == ("data.json",)
 
 
@@ -375,7 +375,7 @@ def test_classify_output_refuses_a_file_or_a_path_under_one(tmp_path: Path) -> N
     target.write_bytes(b"not a folder")
     for path in (target, target / "out"):
         with pytest.raises(StorageError, match=r"is a file .*not a folder"):
-            storage.classify_output(storage.locate(str(path)))
+            ownership.classify_output(storage.locate(str(path)))
     assert target.read_bytes() == b"not a folder"
 
 

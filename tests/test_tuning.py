@@ -1,4 +1,4 @@
-"""Tests for pipeline.tuning (batch-size sweeps, auto choice, cache) and the bench command.
+"""Tests for pipeline.model.tuning (batch-size sweeps, auto choice, cache) and the bench command.
 
 No mocks: the models are real bundles, and where a test needs throughput it can predict, the
 model is a plain function that sleeps a controlled time per call.
@@ -19,11 +19,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline import tuning
-from pipeline.cli_bench import bench
-from pipeline.errors import EXIT_INPUT, EXIT_USAGE
-from pipeline.model import LoadedModel, forward, load_model
-from pipeline.tuning import (
+from pipeline.cli.bench import bench
+from pipeline.core.errors import EXIT_INPUT, EXIT_USAGE
+from pipeline.model import tuning
+from pipeline.model.bundle import LoadedModel, forward, load_model
+from pipeline.model.tuning import (
     CPU_BYTES_PER_INPUT_BYTE,
     BatchSizeCache,
     BenchRow,
@@ -367,7 +367,7 @@ def test_corrupt_cache_is_ignored_with_a_warning(
     path = tmp_path / "batch_sizes.json"
     path.write_text(content)
     cache = BatchSizeCache(path)
-    with caplog.at_level(logging.WARNING, logger="pipeline.tuning"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.model.tuning"):
         assert cache.get("k") is None
     assert any(r.levelno == logging.WARNING and str(path) in r.getMessage() for r in caplog.records)
     # The next put replaces the corrupt file with a good one.
@@ -382,7 +382,7 @@ def test_unusable_cache_entry_is_ignored_with_a_warning(
     path = tmp_path / "batch_sizes.json"
     path.write_text(json.dumps({"k": bad, "good": {"batch_size": 64}}))
     cache = BatchSizeCache(path)
-    with caplog.at_level(logging.WARNING, logger="pipeline.tuning"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.model.tuning"):
         assert cache.get("k") is None
     assert "ignoring batch-size cache entry 'k'" in caplog.text
     assert cache.get("good") == 64

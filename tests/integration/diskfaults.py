@@ -9,7 +9,7 @@ Nothing is mocked: the CLI under test gets the kernel's own errors.
   ignores file modes, so ``chmod`` would not stop it); as any other user, ``chmod a-w``
   (``EACCES``).
 
-The stopped-process helpers pause a run at a named point (``pipeline.faults`` with
+The stopped-process helpers pause a run at a named point (``pipeline.core.faults`` with
 ``_SCORE_CATALOG_KILL_SIGNAL=SIGSTOP``), so that a test breaks the storage at a precise moment
 of the run and then lets it go on.
 """
@@ -96,7 +96,7 @@ def breakable_folder(path: Path) -> Iterator[Callable[[], str]]:
 
 def pause_env(point: str, flag: Path) -> dict[str, str]:
     """The environment that makes the first process of a run to reach ``point`` stop itself
-    there (SIGSTOP), creating ``flag`` first (:mod:`pipeline.faults`)."""
+    there (SIGSTOP), creating ``flag`` first (:mod:`pipeline.core.faults`)."""
     return {"_SCORE_CATALOG_KILL_AT": f"{point}:1:{flag}", "_SCORE_CATALOG_KILL_SIGNAL": "SIGSTOP"}
 
 

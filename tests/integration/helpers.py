@@ -3,7 +3,7 @@
 :func:`cli` is the one way the integration tests run ``score-catalog``: a real process by
 default, or in this process (Click's ``CliRunner``) where a suite makes dozens of calls and only
 the exit code and the output matter. Either way it returns a :class:`CliResult` and checks every
-``_report.json`` the run wrote against the report schema, once ``pipeline.reportschema`` exists.
+``_report.json`` the run wrote against the report schema, once ``pipeline.report.schema`` exists.
 :func:`start_cli` starts the same command in the background, for tests that kill it part-way.
 """
 
@@ -63,7 +63,7 @@ def cli_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def cli_argv(*args: str) -> list[str]:
     """The command line of ``score-catalog ARGS``: ``python -m pipeline`` in this venv, which
-    starts as the console script does (pipeline.launch: signals handled from the first line)."""
+    starts as the console script does (pipeline.cli.launch: signals handled from the first line)."""
     return [sys.executable, "-m", "pipeline", *args]
 
 
@@ -123,7 +123,7 @@ def start_cli(
 def _invoke(args: Sequence[str], env: Mapping[str, str] | None) -> tuple[int, str, str]:
     from click.testing import CliRunner
 
-    from pipeline.cli import main
+    from pipeline.cli.commands import main
 
     if env and KILL_AT in env:
         raise ValueError(f"{KILL_AT} would kill the test process: run with in_process=False")
@@ -181,19 +181,19 @@ def job_args(inp: Path | str, out: Path | str, model: Path | str, *extra: str) -
 
 
 def check_report(rep: Mapping[str, Any], where: str = "_report.json") -> None:
-    """Fail unless ``rep`` passes ``pipeline.reportschema.validate_report``.
+    """Fail unless ``rep`` passes ``pipeline.report.schema.validate_report``.
 
     Until that module exists this checks nothing; once it exists the check is strict: a report
     it refuses, or a module without ``validate_report``, fails the test.
     """
     try:
-        schema = importlib.import_module("pipeline.reportschema")
+        schema = importlib.import_module("pipeline.report.schema")
     except ModuleNotFoundError as e:
-        if e.name == "pipeline.reportschema":
+        if e.name == "pipeline.report.schema":
             return
         raise
     validate = getattr(schema, "validate_report", None)
-    assert callable(validate), "pipeline.reportschema has no validate_report(report)"
+    assert callable(validate), "pipeline.report.schema has no validate_report(report)"
     try:
         problems = validate(rep)
     except Exception as e:  # any refusal, whatever its type, fails the test
@@ -205,12 +205,12 @@ def check_report(rep: Mapping[str, Any], where: str = "_report.json") -> None:
 
 
 def control_of(out: Path) -> Path:
-    """The control folder of output ``out`` (``pipeline.layout``), where its ``_report.json``,
+    """The control folder of output ``out`` (``pipeline.io.layout``), where its ``_report.json``,
     ``_report.html`` and ``_manifest.json`` are: beside the fixed part of its output template,
     ``<root's parent>/_score_catalog/<root's name>/<out below the root>``. The root is not known
     from ``out`` alone: this is the first folder from ``out`` up whose control folder holds
     one of those files, else ``out``'s own (an output without placeholders is its root)."""
-    from pipeline import layout, storage
+    from pipeline.io import layout, storage
 
     for place in layout.candidates(storage.locate(str(out)))[:-1]:
         if any((Path(place.path) / name).is_file() for name in _CONTROL_FILES):

@@ -35,7 +35,7 @@ def archive(tmp_path: Path, bundle_dir: Path) -> Path:
 
 def _summary(tmp_path: Path, start: str, end: str) -> dict[str, Any]:
     """The backfill's summary file for START..END."""
-    # In the control area beside the output template's fixed part (pipeline.layout).
+    # In the control area beside the output template's fixed part (pipeline.io.layout).
     path = tmp_path / "_score_catalog" / "scored" / "_backfills" / "rescore" / f"{start}_{end}.json"
     return json.loads(path.read_text())
 

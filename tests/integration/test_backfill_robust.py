@@ -19,10 +19,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.backfill import backfill
-from pipeline.config import ErrorPolicy, JobConfig
-from pipeline.demo import make_rows
-from pipeline.errors import ConfigError
+from pipeline.cli.demo import make_rows
+from pipeline.core.config import ErrorPolicy, JobConfig
+from pipeline.core.errors import ConfigError
+from pipeline.driver.backfill import backfill
 from tests.conftest import write_shards
 from tests.integration.helpers import cli, data_files, rejects_of, report
 
@@ -73,7 +73,7 @@ def _job(tmp_path: Path, bundle: Path, rejects: str | None) -> Path:
 
 
 def _summary(tmp_path: Path) -> dict[str, Any]:
-    # In the control area beside the output template's fixed part (pipeline.layout).
+    # In the control area beside the output template's fixed part (pipeline.io.layout).
     area = tmp_path / "_score_catalog" / "scored"
     path = area / "_backfills" / "nightly" / f"{DAYS[0]}_{DAYS[-1]}.json"
     summary: dict[str, Any] = json.loads(path.read_text())

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.demo import FEATURES
+from pipeline.cli.demo import FEATURES
 from tests.conftest import write_shards
 from tests.integration import servers
 from tests.integration.helpers import (

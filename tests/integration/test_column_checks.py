@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import EXIT_INPUT, EXIT_OK, EXIT_USAGE
+from pipeline.core.errors import EXIT_INPUT, EXIT_OK, EXIT_USAGE
 from tests.conftest import write_shards
 from tests.integration.helpers import cli, job_args, report
 

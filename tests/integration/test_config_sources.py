@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import EXIT_INPUT, EXIT_USAGE
+from pipeline.core.errors import EXIT_INPUT, EXIT_USAGE
 from tests.integration.helpers import cli
 
 pytestmark = pytest.mark.integration

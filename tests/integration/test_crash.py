@@ -61,7 +61,7 @@ POINTS = [
     "output-committed:1",
     "output-committed:3",
     # The first shard's entry is saved at once and the rest by the end at the latest; saves in
-    # between are spaced by time (at most 10% of the run: pipeline.manifest), so a third save
+    # between are spaced by time (at most 10% of the run: pipeline.io.manifest), so a third save
     # depends on how fast the shards went and is not a point every run reaches.
     "manifest-rename:1",
     "manifest-rename:2",

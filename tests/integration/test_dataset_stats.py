@@ -13,8 +13,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import drift
-from pipeline.demo import FEATURES, make_rows
+from pipeline.cli.demo import FEATURES, make_rows
+from pipeline.report import drift
+from pipeline.worker import sketch
 from tests.integration.helpers import CliResult, cli, job_args, manifest_path, report
 
 pytestmark = pytest.mark.integration
@@ -90,7 +91,7 @@ def test_resume_and_noop_rerun_report_the_whole_output(bundle_dir: Path, tmp_pat
 
     # The rescored shard alone is far from the whole: a report over it only would have alerted.
     alone = pq.read_table(root / "2026-11-01" / "part-00002.parquet").column("score")
-    assert drift.psi(rep1["outputs"]["score"]["sketch"], drift.sketch(alone.to_numpy())) > 0.25
+    assert drift.psi(rep1["outputs"]["score"]["sketch"], sketch.sketch(alone.to_numpy())) > 0.25
 
     # Equal, within the sketches' resolution, to a clean full run of the same (changed) data.
     clean = _run(inp, root, bundle_dir, "2026-11-02")
@@ -118,7 +119,7 @@ def test_manifest_entries_without_statistics_are_named(bundle_dir: Path, tmp_pat
     manifest = json.loads(path.read_text())
     entry = manifest["shards"]["part-00000.parquet"]
     assert set(entry["outputs"]) == {"score", "label"}
-    assert len(entry["outputs"]["score"]["sketch"]) == drift.SKETCH_POINTS
+    assert len(entry["outputs"]["score"]["sketch"]) == sketch.SKETCH_POINTS
     del entry["outputs"]  # as an older version wrote it
     path.write_text(json.dumps(manifest))
     r = _run(inp, root, bundle_dir, "2026-11-01")

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import ErrorPolicy, JobConfig, run
-from pipeline.demo import FEATURES
+from pipeline.cli.demo import FEATURES
 from tests.conftest import demo_toml, write_shards
 from tests.integration.helpers import (
     CliResult,

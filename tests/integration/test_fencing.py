@@ -24,9 +24,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import JobConfig, run, storage
-from pipeline.locking import LOCK_NAME, LockLostError, RunLock
-from pipeline.scoring import ShardResult
+from pipeline import JobConfig, run
+from pipeline.io import storage
+from pipeline.io.locking import LOCK_NAME, LockLostError, RunLock
+from pipeline.worker.shard import ShardResult
 from tests.conftest import write_shards
 from tests.integration.helpers import (
     cli,

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.html_report import render_html
+from pipeline.report.html import render_html
 from tests.integration.helpers import cli, control_of, job_args, report
 from tests.test_html_report import full_report
 

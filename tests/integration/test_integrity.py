@@ -22,7 +22,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.reconcile import MODEL_SHA_KEY, SETTINGS_KEY, WRITER, WRITER_KEY
+from pipeline.io.layout import MODEL_SHA_KEY, SETTINGS_KEY, WRITER, WRITER_KEY
 from tests.conftest import demo_toml, write_shards
 from tests.integration.helpers import (
     KILL_AT,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import EXIT_INPUT, EXIT_RUN_FAILED, EXIT_USAGE
+from pipeline.core.errors import EXIT_INPUT, EXIT_RUN_FAILED, EXIT_USAGE
 from tests.integration.helpers import CliResult, cli, cli_argv, job_args
 from tests.integration.servers import MotoServer, aws_env, free_port
 

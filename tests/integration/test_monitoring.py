@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.demo import FEATURES
+from pipeline.cli.demo import FEATURES
 from tests.conftest import write_shards
 from tests.integration.helpers import CliResult, cli, control_of, job_args, report
 
@@ -239,7 +239,7 @@ def test_report_vs_shows_sane_changes_against_a_base_near_zero(
     change by their difference, and rejected rows by their count against none."""
     import torch
 
-    from pipeline.demo import export_bundle
+    from pipeline.cli.demo import export_bundle
     from tests.conftest import demo_toml, make_model
 
     silent = make_model()

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.demo import export_bundle
+from pipeline.cli.demo import export_bundle
 from tests.conftest import demo_toml
 from tests.integration.helpers import (
     CliResult,

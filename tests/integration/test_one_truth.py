@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline import runindex
-from pipeline.report import exit_code_for
+from pipeline.io import runindex
+from pipeline.report.build import exit_code_for
 from tests.integration.helpers import cli, control_of, job_args, report_path
 
 pytestmark = pytest.mark.integration

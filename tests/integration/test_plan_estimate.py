@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import planning
-from pipeline.cluster import Plan
-from pipeline.config import JobConfig
+from pipeline.core.config import JobConfig
+from pipeline.driver import planning
+from pipeline.driver.cluster import Plan
 from tests.integration.helpers import cli, job_args
 
 pytestmark = pytest.mark.integration

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from pipeline import JobConfig, run
-from pipeline.demo import export_bundle
-from pipeline.scoring import PROGRESS_INTERVAL_S
+from pipeline.cli.demo import export_bundle
+from pipeline.worker.shard import PROGRESS_INTERVAL_S
 from tests.conftest import demo_toml, make_model, write_shards
 from tests.integration.helpers import cli_argv, cli_env, job_args
 

@@ -143,7 +143,7 @@ def _log_in_worker() -> int:
     """In a worker: one line from the pipeline, and one Dask error with a traceback."""
     import logging
 
-    logging.getLogger("pipeline.scoring").warning("hello from a worker")
+    logging.getLogger("pipeline.worker.shard").warning("hello from a worker")
     try:
         raise OSError("Timed out during handshake")
     except OSError:
@@ -158,19 +158,20 @@ def test_worker_lines_are_json_with_the_run_id_and_tracebacks_fold(
 ) -> None:
     """The embedded cluster's workers are forked from the driver: they write to its stderr
     with its handler, so their lines are JSON and carry the run id bound before the fork."""
-    from pipeline import logs
-    from pipeline.cluster import DaskSession, Plan
+    from pipeline.cli import logs
+    from pipeline.core import runcontext
+    from pipeline.driver.cluster import DaskSession, Plan
 
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
     logs.setup_logging("json", 0)
-    logs.bind_run_id("20261201T000000Z-feed01")
+    runcontext.bind_run_id("20261201T000000Z-feed01")
     session = DaskSession(Plan("local", 1, 1, 1, 1), None)
     try:
         pids = session.client().run(_log_in_worker)
     finally:
         session.close()
-        logs.bind_run_id(None)
+        runcontext.bind_run_id(None)
         logging.captureWarnings(False)
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
@@ -180,7 +181,7 @@ def test_worker_lines_are_json_with_the_run_id_and_tracebacks_fold(
     lines = _json_lines(err)
     assert all(rec["run_id"] == "20261201T000000Z-feed01" for rec in lines), err
     assert [rec["logger"] for rec in lines if rec["message"] == "hello from a worker"] == [
-        "pipeline.scoring"
+        "pipeline.worker.shard"
     ]
     (beat,) = [rec for rec in lines if rec["logger"] == "distributed.worker"]
     assert beat["message"] == (

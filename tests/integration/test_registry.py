@@ -1,12 +1,12 @@
 """Models from an MLflow model registry, against a real ``mlflow server`` on 127.0.0.1.
 
-``score-catalog bundle register`` logs a bundle folder as a run's artifacts and registers it as
-a model version; ``run --model models:/NAME/VERSION`` and ``models:/NAME@ALIAS`` resolve it
-through the server, download it into a cache keyed by the version and score it. Everything goes
-through the real CLI (one run as a separate process on the embedded Dask cluster, the rest in
-this process to keep the suite short) and the real server over HTTP: SQLite backend store, and
-artifacts proxied by the server from a local folder. The one stand-in is the worker of another
-machine, which here is a :class:`~pipeline.scoring.WorkerSpec` whose driver-side copy is absent.
+``score-catalog bundle register`` logs a bundle folder as a run's artifacts and registers it as a
+model version; ``run --model models:/NAME/VERSION`` and ``models:/NAME@ALIAS`` resolve it through
+the server, download it into a cache keyed by the version and score it. Everything goes through the
+real CLI (one run as a separate process on the embedded Dask cluster, the rest in this process to
+keep the suite short) and the real server over HTTP: SQLite backend store, and artifacts proxied by
+the server from a local folder. The one stand-in is the worker of another machine, which here is a
+:class:`~pipeline.worker.shard.WorkerSpec` whose driver-side copy is absent.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.demo import export_bundle
-from pipeline.model import read_bundle
-from pipeline.registry import MARKER, SHA_TAG
-from pipeline.scoring import WorkerSpec, warm_worker
+from pipeline.cli.demo import export_bundle
+from pipeline.model.bundle import read_bundle
+from pipeline.model.registry import MARKER, SHA_TAG
+from pipeline.worker.shard import WorkerSpec, warm_worker
 from tests.conftest import demo_toml, make_model, reference_scores, write_shards
 from tests.integration.helpers import CliResult, cli, job_args, report_path
 from tests.integration.servers import MlflowServer, free_port

@@ -19,7 +19,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.demo import FEATURES, make_rows
+from pipeline.cli.demo import FEATURES, make_rows
 from tests.conftest import reference_scores, write_shards
 from tests.integration.helpers import CliResult, check_report, cli, job_args
 from tests.integration.servers import S3Bucket, free_port
@@ -96,7 +96,7 @@ def test_cli_scores_an_s3_catalog_into_s3(
     fs, b = s3_bucket.fs, s3_bucket.name
     rel = sorted(p[len(f"{b}/scored/") :] for p in fs.find(f"{b}/scored/"))
     assert {"_SUCCESS", "_SCORE_CATALOG"} <= set(rel), rel
-    # The report and manifest are beside the output, in its control folder (pipeline.layout).
+    # The report and manifest are beside the output, in its control folder (pipeline.io.layout).
     control = sorted(fs.find(f"{b}/_score_catalog/scored/"))
     assert {p.rsplit("/", 1)[1] for p in control} >= {"_manifest.json", "_report.json"}, control
     # Everything else in the output root is hidden from dataset readers (_ or . in its path).
@@ -359,7 +359,7 @@ def test_unreachable_endpoint_is_a_storage_error_naming_the_uri(
 def test_an_aborted_staged_write_publishes_nothing(s3_bucket: S3Bucket, size: int) -> None:
     """A write that fails (or whose fence refuses) must not complete the upload: fsspec's
     ``with fs.open(...)`` would close the file, and so publish the partial object."""
-    from pipeline import storage
+    from pipeline.io import storage
 
     loc = storage.locate(s3_bucket.uri("out/part-0.parquet"), s3_bucket.storage_options)
 

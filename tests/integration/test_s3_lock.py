@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from pipeline import storage
-from pipeline.errors import LockError
-from pipeline.locking import LOCK_NAME, RunLock, assert_holder
+from pipeline.core.errors import LockError
+from pipeline.io import storage
+from pipeline.io.locking import LOCK_NAME, RunLock, assert_holder
 from tests.integration.servers import S3Bucket, aws_env
 from tests.test_locking import STALE_S, Contender, race, superseded_holder
 

@@ -301,9 +301,9 @@ def test_a_lock_heartbeat_that_cannot_be_written_fails_the_run_at_its_next_commi
     """The heartbeat's folder turns read-only (or refuses writes): the next ``assert_held``
     (before each commit) raises a StorageError naming the heartbeat file, once; a beat missed
     for a reason a retry may fix stays a warning."""
-    from pipeline import storage
-    from pipeline.errors import StorageError
-    from pipeline.locking import RunLock
+    from pipeline.core.errors import StorageError
+    from pipeline.io import storage
+    from pipeline.io.locking import RunLock
 
     with breakable_folder(tmp_path / "scored") as break_it:
         root = storage.locate(str(tmp_path / "scored"))

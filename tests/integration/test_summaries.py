@@ -16,10 +16,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.demo import FEATURES
-from pipeline.errors import EXIT_CODES_HELP, EXIT_DRIFT, EXIT_OK, EXIT_RUN_FAILED
-from pipeline.report import EXIT_CODE_BY_STATUS, RunReport
-from pipeline.statuses import RunStatus
+from pipeline.cli.demo import FEATURES
+from pipeline.core.errors import EXIT_CODES_HELP, EXIT_DRIFT, EXIT_OK, EXIT_RUN_FAILED
+from pipeline.core.statuses import RunStatus
+from pipeline.report.build import EXIT_CODE_BY_STATUS, RunReport
 from tests.integration.helpers import CliResult, cli, job_args, report, report_path
 
 pytestmark = pytest.mark.integration

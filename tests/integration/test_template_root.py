@@ -3,7 +3,7 @@
 With default settings, readers of an output template's fixed part (``scored`` for
 ``scored/run_date={date}``) see every date at once. They used to count the rejects kept under
 it as scores (DuckDB's ``'**/*.parquet'``, Dask) and fail on the reports and run index there
-(Polars). Now everything that is not scores lives beside the root (``pipeline.layout``), each
+(Polars). Now everything that is not scores lives beside the root (``pipeline.io.layout``), each
 reader returns exactly the sum of ``rows_out`` over the dates with only the output columns and
 the partition key, and an output laid out by the previous version is moved on its next run,
 resume and drift included.

@@ -13,7 +13,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import EXIT_INPUT, EXIT_OK
+from pipeline.core.errors import EXIT_INPUT, EXIT_OK
 from tests.conftest import write_shards
 from tests.integration.helpers import cli, data_files, job_args, rejects_of
 

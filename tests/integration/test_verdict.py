@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline import runindex
-from pipeline.demo import FEATURES
+from pipeline.cli.demo import FEATURES
+from pipeline.io import runindex
 from tests.integration.helpers import CliResult, cli, control_of, job_args, report
 
 pytestmark = pytest.mark.integration

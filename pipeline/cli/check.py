@@ -1,0 +1,50 @@
+"""``score-catalog bundle check``: what a bundle takes and gives, and a dry run on a few rows.
+
+Part of the ``bundle`` group (``pipeline.cli.bundle``), thin over
+:func:`pipeline.worker.bundlecheck.check_bundle`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from pipeline.core.errors import PipelineError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+EXIT_CODES_HELP = (
+    "Exit codes: 0 the bundle loads and scored the rows (rows a run would reject are listed); "
+    "1 storage could not be read; 2 usage or configuration error; 3 the bundle does not load, "
+    "or the --input shard does not fit its inputs."
+)
+
+
+@click.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("path")
+@click.option(
+    "--input",
+    "input_uri",
+    help="Score the first rows of this input's first shard (a folder, glob or file) instead "
+    "of random rows, through the same reading path as a run.",
+)
+@click.option("--rows", default=8, show_default=True, type=click.IntRange(min=1, max=100_000))
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto.")
+def check(path: str, input_uri: str | None, rows: int, device: str) -> None:
+    """Load the bundle PATH as a run would and print its inputs, outputs and a dry run.
+
+    Shows each input (its columns, dtype, shape, vocabulary and null policy), the order in
+    which they are passed to the program, each output column with its type, and the outputs
+    on a few rows: random values each input can hold, or with --input real rows, where rows a
+    run would reject are listed with their reasons.
+    """
+    from pipeline.cli import logs
+    from pipeline.worker.bundlecheck import check_bundle, check_text
+
+    logs.Console.setup("text", 0)
+    try:
+        result = check_bundle(path, input_uri=input_uri, rows=rows, device=device)
+    except PipelineError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    click.echo(check_text(result))

@@ -1,0 +1,150 @@
+"""One exception hierarchy for the whole pipeline.
+
+Every error carries what went wrong, where (URI, shard, row group, column) and what to do about
+it, and an ``exit_code`` that the CLI returns unchanged. The codes are part of the public
+contract (cron mails them, dashboards alert on them), so they are defined here and nowhere else.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_RUN_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INPUT = 3
+EXIT_DRIFT = 4
+EXIT_SIGTERM = 143  # the shell's 128 + signal number (pipeline.core.interrupt.EXIT_CODES)
+EXIT_SIGINT = 130
+
+# Each command's --help ends with its own exit codes (run's is the full table of the README).
+EXIT_CODES_HELP = (
+    "Exit codes: 0 success (status succeeded or succeeded_with_errors within the error budget); "
+    "1 run failed (shards failed or rows rejected beyond the error budget, the lock held by "
+    "another run or lost, or any other error during the run); "
+    "2 usage or configuration error; "
+    "3 input, schema or model error found before any row was scored; "
+    "4 scored and committed, but the score distribution drifted from the previous successful "
+    "run beyond [monitoring] thresholds (status succeeded_with_warnings, whatever the rejects); "
+    "a rerun over the same data says so again until `score-catalog accept-drift OUTPUT` "
+    "accepts it; "
+    "143 or 130 stopped by SIGTERM or SIGINT (status interrupted; committed shards are kept and "
+    "a rerun resumes)."
+)
+
+
+PLAN_EXIT_CODES_HELP = (
+    "Exit codes: 0 every shard would be scored; 2 usage or configuration error; 3 a shard would "
+    "fail (unreadable, or its columns do not fit the model), or an input or model error."
+)
+ACCEPT_EXIT_CODES_HELP = (
+    "Exit codes: 0 the acceptance was recorded in the run index; 1 the storage could not be "
+    "read or written; 2 usage error, no drift verdict at OUTPUT, or no drift alert to accept."
+)
+REPORT_EXIT_CODES_HELP = (
+    "Exit codes: 0 the summary was printed (whatever the run's status); 1 the storage could not "
+    "be read; 2 usage error, or no run report at RUN_URI."
+)
+DEMO_EXIT_CODES_HELP = (
+    "Exit codes: 0 the catalog (and bundle) were written; 1 any error while writing them; "
+    "2 usage error."
+)
+BACKFILL_EXIT_CODES_HELP = (
+    "Exit codes: the worst of the days': 143 or 130 a day was stopped by SIGTERM or SIGINT (the "
+    "days after it are not run); 1 a day failed, or had no input (missing) without "
+    "--allow-missing-partitions; 4 a day's scores drifted; 0 every day succeeded, was skipped "
+    "(already done) or was missing with --allow-missing-partitions. 2 usage or configuration "
+    "error, 3 model error or no day in the range has input, before any day runs."
+)
+
+
+class PipelineError(Exception):
+    """Base class: every error the pipeline raises on purpose."""
+
+    exit_code = EXIT_RUN_FAILED
+
+
+class ConfigError(PipelineError):
+    """The job file, environment or flags are wrong. Carries every problem found at once."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, problems: list[str] | str, source: str | None = None) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        if len(self.problems) == 1:
+            msg = f"invalid configuration{where}: {self.problems[0]}"
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            msg = f"invalid configuration{where} ({len(self.problems)} problems):\n{lines}"
+        super().__init__(msg)
+
+
+class UsageError(PipelineError):
+    """A command was pointed at something it cannot use (a run with no report, a file where a
+    folder is expected); the message says what to give instead. Exit 2, like a bad flag."""
+
+    exit_code = EXIT_USAGE
+
+
+class InputError(PipelineError):
+    """The input cannot be scored as configured (no shards, bad schema); found before scoring."""
+
+    exit_code = EXIT_INPUT
+
+
+class MissingInputError(InputError):
+    """The input (a folder, a file, or the folder a glob starts from) does not exist; ``uri``
+    is the location that was looked for."""
+
+    def __init__(self, message: str, *, uri: str) -> None:
+        self.uri = uri
+        super().__init__(message)
+
+
+class SchemaError(InputError):
+    """A readable shard's columns do not match what the model needs."""
+
+
+class ModelError(PipelineError):
+    """The model bundle cannot be loaded or does not fit its declared input/output spec."""
+
+    exit_code = EXIT_INPUT
+
+
+class StorageError(PipelineError):
+    """Reading or writing storage failed (permissions, missing bucket, network, a full or
+    read-only disk). ``uri`` names the location when it is known: a run's report lists it with
+    the failure kind ``storage``."""
+
+    def __init__(self, message: str, *, uri: str | None = None) -> None:
+        super().__init__(message)
+        self.uri = uri
+
+
+class RegistryError(StorageError):
+    """The model registry (an MLflow tracking server) could not be reached or refused a request;
+    a rerun once it answers goes on. An unknown model, version or alias is a :class:`ModelError`."""
+
+
+class ClusterError(PipelineError):
+    """The Dask cluster could not be started or reached (a scheduler address nothing answers)."""
+
+
+class LockError(PipelineError):
+    """Another run holds the lock on this output."""
+
+
+class ShardError(PipelineError):
+    """One shard failed while being scored; the run goes on within the error budget.
+
+    ``kind`` is one of ``unreadable``, ``schema``, ``invalid_rows``, ``model``, ``error``.
+    """
+
+    def __init__(self, message: str, *, shard: str, kind: str) -> None:
+        self.shard = shard
+        self.kind = kind
+        super().__init__(message)
+
+
+class RunFailed(PipelineError):
+    """The run finished but failed (beyond the error budget); the report has the details."""

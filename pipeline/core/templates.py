@@ -1,0 +1,137 @@
+"""Output templates as text: the fixed part (root) of a template, what lies beside it, and the
+two folders the tool keeps beside every root (the control area and the default rejects).
+
+Pure string functions, no storage: the job configuration validates a template with them
+(``pipeline.core.config``: a root without a parent needs ``rejects``), and
+:mod:`pipeline.io.layout` turns them into places on storage. Why the control files live beside
+the root and not inside it is in :mod:`pipeline.io.layout`'s docstring.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+
+from pipeline.core.errors import ConfigError
+
+#: The folder, beside a template's root, that holds its control files (the control area).
+CONTROL_DIR = "_score_catalog"
+#: The folder, beside a template's root, that holds its default rejects.
+REJECTS_DIR = "_rejects"
+
+
+def beside(uri: str, folder: str) -> str | None:
+    """``<parent of uri>/<folder>/<uri's name>``, or None when ``uri`` has no parent.
+
+    ``data/scored/x`` gives ``data/scored/<folder>/x`` and ``s3://b/scored/x`` gives
+    ``s3://b/scored/<folder>/x``. A bucket root (``s3://b``), the filesystem root and ``.``
+    have no parent.
+    """
+    proto, sep, rest = uri.rpartition("://")
+    path = rest.rstrip("/")
+    if not path or (sep and "/" not in path):
+        return None  # "/" or "", or a bucket root
+    parent, slash, name = path.rpartition("/")
+    if name in (".", ".."):
+        return None
+    return f"{proto}{sep}{parent}{slash}{folder}/{name}"
+
+
+def fixed_part(template: str) -> tuple[str, bool]:
+    """The template's root, and whether it has a placeholder at all.
+
+    The root is the text before the first placeholder, cut back to the last ``/``:
+    ``data/scored/{date}`` gives ``data/scored``, ``s3://b/scored/dt={date}/x`` gives
+    ``s3://b/scored``, ``{date}/scored`` gives ``.`` and ``/{date}`` gives ``/``. A template
+    without placeholders is its own root. A placeholder in the bucket or host part of a URI
+    leaves no fixed root: that is a :class:`ConfigError`.
+    """
+    literal: list[str] = []
+    has_field = False
+    try:
+        for text, field_name, _spec, _conv in string.Formatter().parse(template):
+            literal.append(text)
+            if field_name is not None:
+                has_field = True
+                break
+    except ValueError as e:
+        raise ConfigError(f"output = {template!r} is not a valid template: {e}") from e
+    prefix = "".join(literal)
+    if not has_field:
+        return prefix.rstrip("/") or prefix, False
+    proto_end = prefix.find("://")
+    cut = prefix.rfind("/")
+    if proto_end >= 0 and cut <= proto_end + 2:
+        raise ConfigError(
+            f"output = {template!r}: a placeholder in the bucket or host leaves no fixed "
+            "location for the run index; put placeholders in the path only"
+        )
+    if cut < 0:
+        return ".", True  # "{date}/scored": relative to the working directory
+    return prefix[:cut] or "/", True
+
+
+def below(root: str, output: str) -> str:
+    """``output``'s path below ``root`` (its template's fixed part): ``""`` for the root."""
+    out = output.rstrip("/")
+    if root == ".":
+        return out.removeprefix("./").strip("/") if out not in ("", ".") else ""
+    base = root.rstrip("/")
+    if out == base:
+        return ""
+    if not out.startswith(base + "/"):
+        raise ValueError(f"{output!r} is not below {root!r}")
+    return out[len(base) + 1 :].strip("/")
+
+
+def _join(base: str, rest: str) -> str:
+    return f"{base.rstrip('/')}/{rest}" if rest else base
+
+
+def control_area(root: str) -> str:
+    """Where the control files of everything under ``root`` live: ``<parent>/_score_catalog/
+    <name>``, or the root itself when it has no parent."""
+    return beside(root, CONTROL_DIR) or root
+
+
+def index_root(template: str) -> str:
+    """The folder holding the run index (``_runs/``) and backfill summaries (``_backfills/``)
+    of the jobs writing under ``template``: its root's control area."""
+    return control_area(fixed_part(template)[0])
+
+
+def control_uri(template: str, output: str) -> str:
+    """The control folder of ``output`` (``template`` filled in)."""
+    root, _ = fixed_part(template)
+    rest = below(root, output)
+    area = beside(root, CONTROL_DIR)
+    if area is not None:
+        return _join(area, rest)
+    if not rest:
+        return output  # the output is a root without a parent: its files stay inside it
+    return _join(CONTROL_DIR if root == "." else _join(root, CONTROL_DIR), rest)
+
+
+def default_rejects(template: str, output: str) -> str | None:
+    """``<root's parent>/_rejects/<root's name>/<output below the root>``, or None when the
+    root has no parent (then the job must set ``rejects``)."""
+    root, _ = fixed_part(template)
+    area = beside(root, REJECTS_DIR)
+    return None if area is None else _join(area, below(root, output))
+
+
+def single_segment_pattern(template: str, root: str) -> re.Pattern[str] | None:
+    """A regex for the names of the outputs of ``template`` when they are single folders right
+    below its root (``run_date=[^/]+`` for ``data/scored/run_date={date}``); None otherwise."""
+    literal: list[str] = []
+    fields = 0
+    for text, field_name, _spec, _conv in string.Formatter().parse(template.rstrip("/")):
+        literal.append(text)
+        if field_name is not None:
+            literal.append("\x00")  # a placeholder: no "/" in what it expands to
+            fields += 1
+    skip = 0 if root == "." else len(root.rstrip("/")) + 1
+    rest = "".join(literal)[skip:]
+    if not fields or "/" in rest:
+        return None
+    return re.compile("[^/]+".join(re.escape(part) for part in rest.split("\x00")))

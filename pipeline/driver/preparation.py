@@ -1,0 +1,687 @@
+"""What a run (and ``score-catalog plan``) learns before anything is scored or written.
+
+Footers and schemas against the model's dry run, the settings that decide resume, a sample of
+real rows, and how the model will run: precision, the parity check against fp32, the batch size.
+A problem found here fails the run up front (exit 2 or 3), never after hours of scoring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import logging
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from pipeline.core.config import JobConfig, setting
+from pipeline.core.errors import ConfigError, MissingInputError, ModelError, SchemaError, ShardError
+from pipeline.core.statuses import FailureKind, ShardStatus
+from pipeline.driver.cluster import Plan
+from pipeline.io import storage
+from pipeline.io.manifest import settings_hash
+from pipeline.io.parquet import ShardInfo, read_footer
+from pipeline.io.storage import ShardRef
+from pipeline.model.bundle import (
+    BundleSpec,
+    Inputs,
+    LoadedModel,
+    check_batch_size,
+    load_model,
+    rows_of,
+)
+from pipeline.model.features import check_schema, data_widths
+from pipeline.model.precision import (
+    DEFAULT_TOLERANCE,
+    PARITY_ROWS,
+    ExecutionOptions,
+    check_parity,
+    parity,
+    prepare,
+)
+from pipeline.worker.batching import ShardBatches
+from pipeline.worker.shard import ShardResult
+from pipeline.worker.sink import MODEL_VERSION_COLUMN
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_ROWS = 65_536  # real rows read up front for the parity check (and plan's calibration)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The settings that change output rows; a change rescores every shard on resume."""
+
+    values: dict[str, Any]
+    hash: str
+
+
+def run_settings(
+    config: JobConfig, spec: BundleSpec, *, model_version: str | None = None
+) -> Settings:
+    """The settings of ``config`` with model ``spec`` that decide what a row's output is.
+
+    ``model_version`` is the output's ``model_version`` value for a model from a registry
+    (``models:/NAME/VERSION``): moving an alias to another version rescores every shard even
+    when the new version's bundle has the same bytes. Absent otherwise, so that the hash of a
+    plain bundle's settings stays what earlier versions of this tool wrote.
+
+    Refuses (:class:`ConfigError`) output columns that would share a name: a Parquet file with
+    two ``score`` columns is refused by pyarrow and Polars and read as the wrong one by DuckDB.
+    """
+    check_output_columns(config, spec)
+    values = {
+        "inputs": list(spec.input_columns),
+        "outputs": [[o.name, o.describe()] for o in spec.outputs],
+        "id_column": config.id_column,
+        "passthrough": list(config.passthrough),
+        "precision": config.precision,
+    }
+    if model_version is not None:
+        values["model_version"] = model_version
+    return Settings(values, settings_hash(values))
+
+
+def check_output_columns(config: JobConfig, spec: BundleSpec) -> None:
+    """Every output column (id, pass-through, model outputs, model_version) named once."""
+    sources = [("id_column", config.id_column)]
+    sources += [("passthrough", c) for c in config.passthrough]
+    sources += [(f"outputs in {spec.uri}/model.toml", o.name) for o in spec.outputs]
+    sources.append(("the column score-catalog adds", MODEL_VERSION_COLUMN))
+    seen: dict[str, str] = {}
+    problems = []
+    for where, name in sources:
+        if name in seen:
+            problems.append(
+                f"output column {name!r} comes twice ({seen[name]}, and {where}): rename the "
+                "output in model.toml or drop the pass-through column"
+            )
+        else:
+            seen[name] = where
+    if problems:
+        raise ConfigError(problems)
+
+
+def list_input(config: JobConfig) -> list[ShardRef]:
+    """The input shards of ``config`` (:func:`pipeline.io.storage.list_shards`). A templated input
+    whose day does not exist says which day, and where that day came from, and lists the
+    partitions that do exist instead of guessing another date."""
+    try:
+        return storage.list_shards(config.input_uri(), config.storage)
+    except MissingInputError as e:
+        if "{date}" not in config.input:
+            raise
+        raise MissingInputError(missing_partition_message(config), uri=e.uri) from None
+
+
+def missing_partition_message(config: JobConfig) -> str:
+    """``input X does not exist``, for an input templated with ``{date}``: the template, the
+    date and its source, and what the nearest existing folder holds."""
+    uri = config.input_uri()
+    day = config.run_date
+    source = "from --date" if config.date else "today in UTC: no --date was given"
+    loc = storage.locate(uri, config.storage)
+    return (
+        f"input {uri} does not exist: no partition for {day} ({source}; input = "
+        f"{config.input!r}){storage.missing_hint(loc, literal=day)}"
+    )
+
+
+class Inspection(NamedTuple):
+    """What the footers and the model's dry run say, before anything is scored or written."""
+
+    infos: dict[str, ShardInfo]
+    failed: dict[str, ShardResult]  # unreadable shards
+    schema_problems: dict[str, list[str]]
+    widths: tuple[int, ...]  # values per row of each model input
+    model: LoadedModel
+
+
+def _input_widths(
+    spec: BundleSpec, infos: dict[str, ShardInfo]
+) -> tuple[tuple[int | None, ...], dict[str, list[int]]]:
+    """What the footers give each input ``model.toml`` leaves open: the one width every shard
+    that says anything agrees on, else None; and, by input name, the widths shards disagree
+    on (for the message when the program does not record one either)."""
+    found = [data_widths(info.schema, spec) for info in infos.values()]
+    widths: list[int | None] = []
+    conflicts: dict[str, list[int]] = {}
+    for k, inp in enumerate(spec.inputs):
+        seen = sorted({v for w in found if (v := w[k]) is not None})
+        widths.append(seen[0] if len(seen) == 1 else None)
+        if len(seen) > 1:
+            conflicts[inp.name] = seen
+    return tuple(widths), conflicts
+
+
+def _load_for_data(
+    config: JobConfig, spec: BundleSpec, infos: dict[str, ShardInfo], device: torch.device, sha: str
+) -> LoadedModel:
+    """The model, with the widths model.toml leaves open taken from the program or the data."""
+    given, conflicts = _input_widths(spec, infos)
+    try:
+        return load_model(
+            config.model, device, widths=given, options=config.storage, expected_sha256=sha
+        )
+    except ModelError as e:
+        if not conflicts:
+            raise
+        name, seen = next(iter(conflicts.items()))
+        inp = next(i for i in spec.inputs if i.name == name)
+        key = "inputs.dim" if inp.legacy else f"inputs.{name}.dim"
+        raise ModelError(
+            f"model bundle {config.model}: {inp.describe()} has no {key} and the data does not "
+            f"give one fixed list size (found {seen}); set {key} in model.toml"
+        ) from e
+
+
+def inspect_shards(
+    config: JobConfig,
+    shards: list[ShardRef],
+    spec: BundleSpec,
+    sha: str,
+    device: torch.device,
+    opts: Any,
+) -> Inspection:
+    """Read every footer, find the feature width, load the model and check each schema."""
+    uris = {s.rel_path: s.uri for s in shards}
+    infos: dict[str, ShardInfo] = {}
+    failed: dict[str, ShardResult] = {}
+    for s in shards:
+        try:
+            infos[s.rel_path] = read_footer(s.uri, opts)
+        except ShardError as e:
+            failed[s.rel_path] = ShardResult(
+                s.rel_path,
+                s.uri,
+                ShardStatus.FAILED,
+                rows_in=None,
+                kind=FailureKind.UNREADABLE,
+                message=str(e),
+            )
+    model = _load_for_data(config, spec, infos, device, sha)
+    widths = model.widths
+    schema_problems: dict[str, list[str]] = {}
+    for rel, info in infos.items():
+        probs = check_schema(
+            info.schema,
+            spec,
+            widths=widths,
+            id_column=config.id_column,
+            passthrough=config.passthrough,
+            shard=uris[rel],
+        )
+        if probs:
+            schema_problems[rel] = probs
+    return Inspection(infos, failed, schema_problems, widths, model)
+
+
+def meta_fields(
+    config: JobConfig, infos: Mapping[str, ShardInfo], failed: Mapping[str, ShardResult]
+) -> dict[str, pa.Field]:
+    """One type per id and pass-through column across the run's output files.
+
+    Readers of a whole output (Polars, Dask, Spark) refuse a dataset whose files disagree on a
+    column's type, and input shards often do: one dictionary-encoded, the next plain, or int32
+    here and int64 there. So dictionary columns are written decoded, and types that still differ
+    are promoted to one that holds them all (Arrow's permissive unification: int32 + int64 ->
+    int64, string + large_string -> large_string). Types no promotion joins (an id that is an
+    integer in one shard and a string in another) keep each shard's own, with a warning.
+    """
+    out: dict[str, pa.Field] = {}
+    names = list(dict.fromkeys((config.id_column, *config.passthrough)))
+    usable = {rel: i for rel, i in infos.items() if rel not in failed}
+    for name in names:
+        found = {
+            rel: i.schema.field(name)
+            for rel, i in usable.items()
+            if i.schema.names.count(name) == 1
+        }
+        if not found:
+            continue
+        plain = [
+            f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f
+            for f in found.values()
+        ]
+        plain = _common_time_zone(name, dict(zip(found, plain, strict=True)), config.input_uri())
+        try:
+            unified = pa.unify_schemas(
+                [pa.schema([f]) for f in plain], promote_options="permissive"
+            )
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            logger.warning(
+                "column %s has types that cannot be joined across shards (%s): each output "
+                "file keeps its shard's own; readers of the whole output may refuse it",
+                name,
+                ", ".join(sorted({str(f.type) for f in plain})),
+            )
+            logger.debug("unify_schemas: %s", e)
+            continue
+        out[name] = unified.field(name)
+    return out
+
+
+def _common_time_zone(name: str, fields: dict[str, pa.Field], input_uri: str) -> list[pa.Field]:
+    """Timestamp fields of one column, ready to be unified: time zones that differ between
+    shards become UTC (a zoned timestamp is an instant, stored as UTC whatever its zone, so
+    this changes no value), which Arrow's unification would refuse. A column with a time zone
+    in one shard and none in another is a :class:`SchemaError` naming both: a timestamp
+    without one is a wall-clock time, and which instant it means is not in the data."""
+    stamps = {rel: f for rel, f in fields.items() if pa.types.is_timestamp(f.type)}
+    if len(stamps) < len(fields):  # not all timestamps: unification decides (and warns)
+        return list(fields.values())
+    zoned = {rel: f for rel, f in stamps.items() if f.type.tz is not None}
+    naive = {rel: f for rel, f in stamps.items() if f.type.tz is None}
+    if zoned and naive:
+        (a, fa), (b, fb) = next(iter(zoned.items())), next(iter(naive.items()))
+        raise SchemaError(
+            f"column {name!r} of input {input_uri} is a timestamp with time zone "
+            f"{fa.type.tz} ({fa.type}) in shard {a} but a timestamp without a time zone "
+            f"({fb.type}) in shard {b} ({len(zoned)} shard(s) with a zone, {len(naive)} "
+            "without): which "
+            "instant a timestamp without a zone means is not in the data, so the output could "
+            "not give the column one type. Rewrite the shards with one kind (pyarrow: "
+            "pc.assume_timezone), or leave the column out of passthrough"
+        )
+    if len({f.type.tz for f in zoned.values()}) > 1:
+        return [f.with_type(pa.timestamp(f.type.unit, "UTC")) for f in fields.values()]
+    return list(fields.values())
+
+
+MAX_NAMED_SHARDS = 3  # shards named in a grouped schema problem before "and N more"
+MAX_NAMED_COLUMNS = 40  # a shard's columns listed in a message before "... (N in all)"
+_MISSING = re.compile(r"column '(?P<col>[^']+)' is missing$")
+
+
+def schema_problem_lines(
+    shards: list[ShardRef], problems: Mapping[str, list[str]], infos: Mapping[str, ShardInfo]
+) -> list[str]:
+    """Schema problems, each said once however many shards share it: "id column 'item_id' is
+    missing in 300 of 300 shards (part-00000.parquet, ... and 297 more)". A missing column
+    also names the columns the first such shard does have (and the closest one, if any)."""
+    uris = {s.rel_path: s.uri for s in shards}
+    grouped: dict[str, list[str]] = {}
+    for rel, probs in problems.items():
+        for p in probs:
+            grouped.setdefault(p.removeprefix(f"shard {uris[rel]}: "), []).append(rel)
+    lines = []
+    for text, rels in grouped.items():
+        named = ", ".join(rels[:MAX_NAMED_SHARDS])
+        more = f" and {len(rels) - MAX_NAMED_SHARDS} more" if len(rels) > MAX_NAMED_SHARDS else ""
+        where = (
+            f"{uris[rels[0]]}"
+            if len(shards) == 1
+            else (f"{len(rels)} of {len(shards)} shards ({named}{more})")
+        )
+        line = f"{text} in {where}"
+        m = _MISSING.search(text)
+        if m and rels[0] in infos:
+            names = infos[rels[0]].schema.names
+            close = _closest(m.group("col"), names)
+            line += f"; the columns there: {', '.join(names)}"
+            line += f" (did you mean {close[0]!r}?)" if close else ""
+        lines.append(line)
+    return lines
+
+
+def _closest(column: str, names: list[str]) -> list[str]:
+    """The name most like ``column`` (a typo, or one containing the other: id / item_id)."""
+    found = difflib.get_close_matches(column, names, n=1)
+    low = column.lower()
+    return found or [n for n in names if len(n) > 1 and (n.lower() in low or low in n.lower())][:1]
+
+
+def check_job_columns(config: JobConfig, infos: Mapping[str, ShardInfo]) -> None:
+    """Refuse (:class:`ConfigError`, exit 2) an id or pass-through column that no readable
+    shard has: a mistake in the job (a typo), not shards to skip (``skip_shard`` would skip
+    every one of them). Each is named with its key and the closest column the shards have."""
+    if not infos:
+        return
+    columns = list(dict.fromkeys(n for info in infos.values() for n in info.schema.names))
+    have = set(columns)
+    wanted = [("id_column", config.id_column), *(("passthrough", c) for c in config.passthrough)]
+    problems = []
+    for key, col in wanted:
+        if col in have:
+            continue
+        s = setting(key)
+        close = _closest(col, columns)
+        what = f"id_column = {col!r}" if key == "id_column" else f"passthrough names {col!r}, which"
+        shown = ", ".join(columns[:MAX_NAMED_COLUMNS])
+        if len(columns) > MAX_NAMED_COLUMNS:
+            shown += f", ... ({len(columns)} in all)"
+        problems.append(
+            f"{what} is not a column of any input shard ({len(infos)} read; their columns: "
+            f"{shown})"
+            + (f"; did you mean {close[0]!r}?" if close else ".")
+            + f" Set {key} in the job file, {s.env} or {s.flag}"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def apply_schema_policy(
+    config: JobConfig, shards: list[ShardRef], found: Inspection
+) -> dict[str, ShardResult]:
+    """Unreadable and schema-failed shards by path; raises if a schema problem fails the run.
+
+    Each problem is said once however many shards it affects (:func:`schema_problem_lines`):
+    in the error, or, with ``on_schema_error = "skip_shard"``, in one warning.
+    """
+    spec = found.model.spec
+    problems = found.schema_problems
+    lines = schema_problem_lines(shards, problems, found.infos)
+    what = (
+        f"{len(problems)} of {len(shards)} shards do not fit model "
+        f"{spec.name} v{spec.version} ({spec.describe_inputs()})"
+    )
+    if problems and config.errors.on_schema_error == "fail":
+        readable = len(shards) - len(found.failed)
+        # skip_shard scores the rest; where no shard fits, there is no rest to score.
+        fix = (
+            "Fix the input or the model bundle"
+            if len(problems) >= readable
+            else "Fix the input, or set errors.on_schema_error = 'skip_shard' to score the rest"
+        )
+        raise SchemaError(
+            f"{what}; nothing was scored. {fix}:\n" + "\n".join(f"  - {p}" for p in lines)
+        )
+    if problems:
+        logger.warning(
+            "%s; they are skipped (errors.on_schema_error = 'skip_shard'):\n%s",
+            what,
+            "\n".join(f"  - {p}" for p in lines),
+        )
+    uris = {s.rel_path: s.uri for s in shards}
+    failed = dict(found.failed)
+    for rel, probs in problems.items():
+        failed[rel] = ShardResult(
+            rel,
+            uris[rel],
+            ShardStatus.FAILED,
+            rows_in=found.infos[rel].num_rows,
+            kind=FailureKind.SCHEMA,
+            message="; ".join(probs),
+        )
+    return failed
+
+
+def sample_rows(config: JobConfig, model: LoadedModel, shard: ShardRef) -> Inputs:
+    """Up to SAMPLE_ROWS valid rows of the model's inputs from the start of ``shard``."""
+    data = ShardBatches(
+        shard.uri,
+        model.spec,
+        widths=model.widths,
+        meta_columns=(config.id_column,),
+        batch_size=SAMPLE_ROWS,
+        storage_options=config.storage,
+    )
+    for batch in data:
+        valid = torch.from_numpy(batch.features.valid)
+        return tuple(t[valid].clone() for t in batch.tensors)
+    return model.example(0, device="cpu")
+
+
+class Execution(NamedTuple):
+    """How the model runs: the batch size, and the ``execution`` section of the report."""
+
+    batch_size: int
+    report: dict[str, Any]
+
+
+def plan_execution(
+    config: JobConfig,
+    shards: list[ShardRef],
+    failed: Mapping[str, ShardResult],
+    found: Inspection,
+    plan: Plan,
+) -> Execution:
+    """:func:`prepare_execution` with the options of ``config``, sampling real rows from the
+    first shard that is neither failed nor empty."""
+    opts = ExecutionOptions(config.precision, config.compile, config.strict_fp32)
+    sample_from = next(
+        (s for s in shards if s.rel_path not in failed and found.infos[s.rel_path].num_rows),
+        None,
+    )
+    rows = sum(found.infos[s.rel_path].num_rows for s in shards if s.rel_path not in failed)
+    return prepare_execution(config, found.model, opts, sample_from, plan, job_rows=rows)
+
+
+def prepare_execution(
+    config: JobConfig,
+    model: LoadedModel,
+    opts: ExecutionOptions,
+    sample_from: ShardRef | None,
+    plan: Plan,
+    *,
+    job_rows: int = 0,
+) -> Execution:
+    """Set the model up as configured, check it against fp32 on real rows, pick the batch size.
+
+    Runs in the driver before anything is written, so a precision that is too far from fp32
+    fails the run up front (exit 3), never after hours of scoring. ``job_rows`` (the rows the
+    run will score) sizes the ``batch_size = "auto"`` sweep.
+    """
+    prepared, compile_s = prepare(model, opts)
+    execution: dict[str, Any] = {
+        "precision": opts.precision,
+        "compile": opts.compile,
+        "compile_s": compile_s,
+        "tf32": model.device.type == "cuda" and not opts.strict_fp32,
+        "overlap": plan.overlap,
+        "parity": None,
+        "batch_size_auto": None,
+    }
+    needs_parity = opts.precision != "fp32" or model.device.type != "cpu" or opts.compile
+    if needs_parity:
+        # (batch_size = "auto" reads its own sample: the raw rows, for the whole pipeline.)
+        x = sample_rows(config, model, sample_from) if sample_from else None
+        execution["parity"] = _parity(config, prepared, opts, x)
+    if config.batch_size != "auto":
+        check_batch_size(model, int(config.batch_size))
+        return Execution(int(config.batch_size), execution)
+    chosen, execution["batch_size_auto"] = _auto_batch_size(
+        config, prepared, sample_from, plan, job_rows
+    )
+    return Execution(chosen, execution)
+
+
+def _parity(
+    config: JobConfig,
+    prepared: LoadedModel,
+    opts: ExecutionOptions,
+    x: Inputs | None,
+) -> dict[str, Any]:
+    tol = config.parity_tolerance
+    tol = DEFAULT_TOLERANCE[opts.precision] if tol is None else tol
+    if x is None or not rows_of(x):
+        return {"rows": 0, "tolerance": tol, "columns": {}, "note": "no rows"}
+    reference = load_model(config.model, "cpu", widths=prepared.widths, options=config.storage)
+    rows = tuple(t[:PARITY_ROWS] for t in x)
+    cols = parity(reference, prepared, rows)
+    found = {
+        "rows": rows_of(rows),
+        "tolerance": tol,
+        "columns": cols,
+        "reference": "fp32 on the CPU",
+    }
+    check_parity(cols, opts.precision, tol, f"model bundle {config.model}")
+    return found
+
+
+#: Rows of the first shard the ``batch_size = "auto"`` sweep scores at each size (sizes up to
+#: it: 1,024 to 16,384), the time it may take on a cold cache (a round of every size takes
+#: about 0.15 s here, so two or three rounds: under 10% of a 2M-row nightly job, 4.3 s), and
+#: the size it keeps unless another is measurably faster.
+AUTO_SAMPLE_ROWS = 16_384
+AUTO_BUDGET_S = 0.3
+#: A slow model's sweep may take this share of the job's estimated scoring time instead (the
+#: estimate: one probe batch's seconds per row x the job's rows / workers). A sweep that cannot
+#: fit a round of every size over twice the default's rows in its budget is not run: a
+#: 2048-wide MLP at 10k rows/s took 8-12 s, a third of a 200k-row job, and chose no better.
+AUTO_JOB_SHARE = 0.05
+DEFAULT_BATCH_SIZE = 4096
+
+
+def _auto_batch_size(
+    config: JobConfig,
+    prepared: LoadedModel,
+    sample_from: ShardRef | None,
+    plan: Plan,
+    job_rows: int,
+) -> tuple[int, dict[str, Any]]:
+    """``batch_size = "auto"``: the size the whole pipeline scores fastest at, measured on
+    real rows (:func:`pipeline.model.tuning.choose_by_rate` on :func:`pipeline_step`), cached per
+    model, device, precision and thread count. The sweep's rows and time are sized by a probe
+    batch so that it costs at most :data:`AUTO_BUDGET_S` or :data:`AUTO_JOB_SHARE` of the
+    job's ``job_rows`` (:func:`_sweep_rows`)."""
+    from pipeline.model import tuning
+
+    key = (
+        tuning.cache_key(prepared.sha256, prepared.device, config.precision, plan.torch_threads)
+        + "|pipeline"
+    )
+    cache = tuning.BatchSizeCache(tuning.default_cache_path())
+    cached = cache.get(key)
+    if cached is not None:
+        return cached, {"cached": True, "key": key, "batch_size": cached}
+    # Never past what the program was exported for (model.check_batch_size).
+    limit = prepared.max_batch
+    default = DEFAULT_BATCH_SIZE if limit is None else min(DEFAULT_BATCH_SIZE, limit)
+    sizes = [b for b in tuning.PIPELINE_SIZES if limit is None or b <= limit]
+    if sample_from is None:
+        logger.info("batch size auto: no readable rows to measure; using %d", default)
+        return default, {"cached": False, "key": key, "batch_size": default}
+    before = torch.get_num_threads()
+    try:
+        with pipeline_step(config, prepared, sample_from, plan) as (step, rows):
+            t0 = time.perf_counter()
+            probe = min(rows, default)
+            per_row = step(default, probe) / probe
+            workers = plan.workers or 1
+            budget = max(AUTO_BUDGET_S, AUTO_JOB_SHARE * per_row * job_rows / workers)
+            n = _sweep_rows(rows, per_row, budget, len(sizes), default)
+            if n is None:
+                logger.info(
+                    "batch size auto: a sweep would take more than %.1fs (%.0f rows/s on a "
+                    "probe batch); using %d, not cached",
+                    budget,
+                    1 / per_row,
+                    default,
+                )
+                chosen = default
+                sweep: list[tuning.BenchRow] = []
+                facts: dict[str, Any] = {}
+            else:
+                chosen, sweep, facts = tuning.choose_by_rate(
+                    lambda b: step(b, n),
+                    [b for b in sizes if b <= n],
+                    rows=n,
+                    default=default,
+                    budget_s=budget - (time.perf_counter() - t0),
+                )
+            facts["sweep_s"] = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(before)  # the sweep ran as the workers will (plan.torch_threads)
+    if len(sweep) > 1:
+        cache.put(key, chosen, sweep)
+    elif n is not None:
+        # A first shard smaller than every other size: nothing was compared, and a later run
+        # over bigger shards must measure instead of reusing this.
+        logger.info(
+            "batch size auto: the sample (%d rows) fits no size but %d; using it, not cached",
+            rows,
+            chosen,
+        )
+    return chosen, {
+        "cached": False,
+        "key": key,
+        "batch_size": chosen,
+        "basis": "pipeline",
+        **({"noise": facts["noise"]} if "noise" in facts else {}),
+        "sweep_s": facts["sweep_s"],
+        "sweep": [dataclasses.asdict(r) for r in sweep],
+    }
+
+
+def _sweep_rows(
+    rows: int, per_row: float, budget_s: float, n_sizes: int, default: int
+) -> int | None:
+    """Rows per pass such that a round of all ``n_sizes`` sizes fits ``budget_s`` at
+    ``per_row`` seconds a row (at most the sample's ``rows``); None when that leaves fewer
+    than twice the default's rows, too few to tell sizes apart."""
+    n = min(rows, int(budget_s / (max(n_sizes, 1) * max(per_row, 1e-12))))
+    return n if n >= min(rows, 2 * default) else None
+
+
+@contextlib.contextmanager
+def pipeline_step(
+    config: JobConfig, model: LoadedModel, shard: ShardRef, plan: Plan
+) -> Iterator[tuple[Callable[[int, int], float], int]]:
+    """``step(batch, rows)``: score a local copy of the first ``rows`` (up to
+    :data:`AUTO_SAMPLE_ROWS`) rows of ``shard`` through the workers' own code
+    (:func:`pipeline.worker.shard.score_shard`: read, features, model, output columns, statistics,
+    write, commit, with the run's precision, overlap and thread count) into a scratch folder,
+    and return its seconds; and the sample's rows."""
+    from pipeline.io.parquet import open_parquet
+    from pipeline.worker.shard import OVERLAP_DEPTH, ShardTask, WorkerSpec, score_shard
+
+    meta_cols = (config.id_column, *config.passthrough)
+    columns = list(dict.fromkeys([*meta_cols, *model.spec.input_columns]))
+    with open_parquet(shard.uri, config.storage) as pf:
+        pieces, have = [], 0
+        for rb in pf.iter_batches(batch_size=8192, columns=columns, use_threads=False):
+            pieces.append(rb)
+            have += rb.num_rows
+            if have >= AUTO_SAMPLE_ROWS:
+                break
+    table = pa.Table.from_batches(pieces).slice(0, AUTO_SAMPLE_ROWS)
+    with tempfile.TemporaryDirectory(prefix="score-catalog-auto-") as tmp:
+        samples: dict[int, str] = {}
+
+        def sample_of(rows: int) -> str:
+            if rows not in samples:
+                samples[rows] = os.path.join(tmp, f"sample-{rows}.parquet")
+                pq.write_table(table.slice(0, rows), samples[rows], row_group_size=8192)
+            return samples[rows]
+
+        spec = WorkerSpec.for_job(
+            config,
+            model.sha256,
+            str(model.device),
+            model.widths,
+            None,
+            overlap_depth=OVERLAP_DEPTH if plan.overlap else 0,
+            torch_threads=plan.torch_threads,
+        )
+        spec = dataclasses.replace(spec, storage_options={})
+        meta = pa.schema([table.schema.field(c) for c in meta_cols]).serialize().to_pybytes()
+
+        def step(batch: int, rows: int) -> float:
+            rows = min(rows, table.num_rows)
+            task = ShardTask(
+                "sample.parquet",
+                sample_of(rows),
+                os.path.join(tmp, f"out-{batch}.parquet"),
+                os.path.join(tmp, f"rejects-{batch}.parquet"),
+                rows,
+                meta,
+            )
+            t0 = time.perf_counter()
+            result = score_shard(dataclasses.replace(spec, batch_size=batch), task)
+            seconds = time.perf_counter() - t0
+            if result.status != ShardStatus.SCORED:
+                raise ModelError(
+                    f"batch size auto: the sample could not be scored: {result.message}"
+                )
+            return seconds
+
+        yield step, table.num_rows

@@ -1,0 +1,198 @@
+"""A small index of finished runs, so a run can find the previous successful run of its job.
+
+The index lives in ``<root>/_runs/<job>/<run_id>.json``, where ``<root>`` is the control area
+beside the output template's fixed part (:func:`index_root`), outside the dataset readers
+query: one small JSON file per run, written atomically, so concurrent runs of the same job for
+different dates never write the same object and need no lock, and a half-written entry is
+never seen. All I/O goes through :mod:`pipeline.io.storage`, so
+the index works wherever the output does (local disk, ``s3://``, ``memory://``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from pipeline.core import templates
+from pipeline.core.errors import PipelineError
+from pipeline.core.statuses import RunStatus
+from pipeline.io import storage
+from pipeline.io.layout import RUN_INDEX_DIR
+
+logger = logging.getLogger(__name__)
+
+INDEX_DIR = RUN_INDEX_DIR
+SUCCESS_STATUSES = frozenset(
+    {RunStatus.SUCCEEDED, RunStatus.SUCCEEDED_WITH_ERRORS, RunStatus.SUCCEEDED_WITH_WARNINGS}
+)
+REQUIRED_KEYS = ("run_id", "job", "status", "started_at", "finished_at", "output", "report")
+#: Drift acceptances (``score-catalog accept-drift``), below the job's folder of the index.
+ACCEPTED_DIR = "_accepted"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def index_root(output_template: str) -> str:
+    """The folder that holds the run index of the jobs writing under ``output_template``.
+
+    That is the control area of the template's fixed part (:func:`pipeline.io.layout.index_root`),
+    outside it so that readers of the whole dataset see only scores: ``data/scored/{date}``
+    and ``data/scored`` both give ``data/_score_catalog/scored``, and ``s3://b/scored/dt={date}/x``
+    gives ``s3://b/_score_catalog/scored``. A fixed part without a parent (``s3://b/{date}``,
+    ``{date}/x``) keeps it inside: ``s3://b``, ``.``. The index is then ``<root>/_runs/<job>/``,
+    shared by every run of the job whatever its date. A placeholder in the bucket or host
+    part of a URI leaves no fixed root: that is a :class:`ConfigError`.
+    """
+    return templates.index_root(output_template)
+
+
+def safe_name(name: str) -> str:
+    """``name`` with every character outside ``[A-Za-z0-9._-]`` replaced by ``_``.
+
+    Job names are free text in job files; this keeps them one path segment on every filesystem.
+    Names that would be hidden or special (``.``, ``..``, empty) get a leading ``_``.
+    """
+    safe = _UNSAFE.sub("_", name)
+    if safe in ("", ".", ".."):
+        safe = "_" + safe
+    return safe
+
+
+def _job_dir(root: str, options: Mapping[str, Any] | None, job: str) -> storage.Location:
+    return storage.locate(root, options).child(f"{INDEX_DIR}/{safe_name(job)}")
+
+
+def record(root: str, options: Mapping[str, Any] | None, job: str, entry: dict[str, Any]) -> str:
+    """Write ``entry`` as ``<root>/_runs/<job>/<run_id>.json``, atomically; returns its URI.
+
+    ``entry`` must hold at least ``run_id``, ``job``, ``status``, ``started_at``,
+    ``finished_at`` (ISO-8601 with timezone), ``output`` (the run's output URI) and ``report``
+    (the URI of its ``_report.json``); ``rows_out`` is expected too. Writing the same run twice
+    replaces its entry.
+    """
+    missing = [k for k in REQUIRED_KEYS if k not in entry]
+    if missing:
+        raise ValueError(f"run index entry lacks {', '.join(missing)}")
+    loc = _job_dir(root, options, job).child(f"{safe_name(str(entry['run_id']))}.json")
+    storage.write_json(loc, entry, point="runindex-rename")
+    return loc.uri
+
+
+def remove(root: str, options: Mapping[str, Any] | None, job: str, run_id: str) -> None:
+    """Delete the entry of run ``run_id`` (one that could not be rewritten after it failed)."""
+    storage.remove(_job_dir(root, options, job).child(f"{safe_name(run_id)}.json"))
+
+
+def _parse_time(value: Any) -> dt.datetime:
+    if not isinstance(value, str):
+        raise ValueError(f"finished_at is {value!r}, not an ISO-8601 string")
+    # Python 3.10's fromisoformat does not take a trailing Z.
+    t = dt.datetime.fromisoformat(value[:-1] + "+00:00" if value.endswith("Z") else value)
+    # A time without an offset is taken as UTC, which is what every run writes.
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
+
+
+def previous_success(
+    root: str,
+    options: Mapping[str, Any] | None,
+    job: str,
+    *,
+    exclude_run_id: str | None = None,
+    scored_only: bool = False,
+    skip: Callable[[dict[str, Any]], bool] | None = None,
+) -> dict[str, Any] | None:
+    """The newest (by ``finished_at``) successful entry of ``job`` in the index, or None.
+
+    ``scored_only`` skips runs that scored no rows themselves (a resume that found every shard
+    done): they have no score distribution to compare with. ``skip`` skips every entry for
+    which it returns True (the drift baseline skips the current dataset: pipeline.report.verdict).
+
+    Successful means a status in :data:`SUCCESS_STATUSES`. ``exclude_run_id`` skips one run
+    (the current one, if it was already recorded). Entries that cannot be read or parsed are
+    skipped with a warning naming the file: a damaged entry must never stop a run. Entries of a
+    different job whose name sanitizes to the same directory are skipped too. A missing index
+    gives None.
+    """
+    best: tuple[dt.datetime, dict[str, Any]] | None = None
+    for uri, entry in _entries(_job_dir(root, options, job), "run index entry"):
+        try:
+            finished = _parse_time(entry.get("finished_at"))
+        except (ValueError, TypeError) as err:
+            logger.warning("skipping unreadable run index entry %s: %s", uri, err)
+            continue
+        if entry.get("job", job) != job or entry.get("status") not in SUCCESS_STATUSES:
+            continue
+        if exclude_run_id is not None and entry.get("run_id") == exclude_run_id:
+            continue
+        if scored_only and entry.get("rows_processed", 1) == 0:
+            continue
+        if skip is not None and skip(entry):
+            continue
+        if best is None or finished > best[0]:
+            best = (finished, entry)
+    return best[1] if best else None
+
+
+def _entries(d: storage.Location, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(uri, document)`` of each ``*.json`` file directly in ``d``; none if ``d`` is missing.
+
+    A file that cannot be read or is not a JSON object is skipped with a warning naming it
+    (``what`` says what it should have been): a damaged entry must never stop a run.
+    """
+    try:
+        found = [e for e in storage.ls(d) if e.name.endswith(".json")]
+    except FileNotFoundError:
+        return
+    found = [e for e in found if not e.name.startswith(".")]
+    # One bulk fetch: object stores serve these concurrently, instead of one round trip each.
+    blobs = storage.read_many(found)
+    for e in found:
+        raw = blobs[e.uri]
+        try:
+            if isinstance(raw, BaseException):
+                raise raw
+            doc = json.loads(raw)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+        except FileNotFoundError:
+            # Listed, then gone: pruned by someone else meanwhile; nothing to warn about.
+            continue
+        except (OSError, ValueError, TypeError, PipelineError) as err:
+            logger.warning("skipping unreadable %s %s: %s", what, e.uri, err)
+            continue
+        yield e.uri, doc
+
+
+def record_acceptance(
+    root: str, options: Mapping[str, Any] | None, job: str, entry: dict[str, Any]
+) -> str:
+    """Write a drift acceptance as ``<root>/_runs/<job>/_accepted/<at>-<dataset>.json``.
+
+    ``entry`` holds at least ``dataset``, ``baseline`` (the run the drift was measured
+    against), ``by``, ``at`` and ``reason``. One file each, never rewritten: the index keeps
+    who accepted what, when and why. Returns its URI.
+    """
+    stamp = re.sub(r"[^0-9A-Za-z]", "", str(entry["at"]))
+    name = f"{stamp}-{safe_name(str(entry['dataset']))}.json"
+    loc = _job_dir(root, options, job).child(f"{ACCEPTED_DIR}/{name}")
+    storage.write_json(loc, entry, point="acceptance-rename")
+    return loc.uri
+
+
+def acceptance(
+    root: str, options: Mapping[str, Any] | None, job: str, dataset: str, baseline: Any
+) -> dict[str, Any] | None:
+    """The newest acceptance of the drift of ``dataset`` against run ``baseline``, or None.
+
+    Unreadable entries are skipped with a warning, like run entries.
+    """
+    best: dict[str, Any] | None = None
+    for _uri, found in _entries(_job_dir(root, options, job).child(ACCEPTED_DIR), "acceptance"):
+        if found.get("dataset") != dataset or found.get("baseline") != baseline:
+            continue
+        if best is None or str(found.get("at")) > str(best.get("at")):
+            best = found
+    return best

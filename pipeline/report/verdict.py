@@ -1,0 +1,316 @@
+"""A drift verdict belongs to the dataset, not to the run that happened to write it last.
+
+The dataset is what an output holds: the scored shards its manifest lists, each scored from one
+version of its input shard with one model and one set of settings. :func:`dataset_id` names that
+content with a short hash. The first run that leaves an output holding a given dataset compares
+its score distributions with the previous *different* dataset of the job (:func:`judge`) and
+keeps the outcome with the manifest (its ``verdict`` key): the comparison, who made it and when.
+A later run that leaves the dataset unchanged (a rerun that finds every shard done, a resume
+after an interrupted commit) reports that same verdict, with the same warnings, status and exit
+code, instead of comparing the dataset with itself or saying it scored nothing. A run that
+changes the dataset (one shard rescored) judges the whole dataset again: the report's
+``outputs`` cover every shard in the output, the skipped ones from their manifest sketches.
+
+A drift alert stays until the dataset changes or someone accepts it: ``score-catalog
+accept-drift OUTPUT --reason TEXT`` records who, when and why in the run index
+(``<index>/_runs/<job>/_accepted/``, :func:`pipeline.io.runindex.record_acceptance`); the next run
+over the same dataset then ends ``succeeded`` (exit 0) and its report says the drift was
+accepted, by whom, when and why.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import hashlib
+import json
+import logging
+import socket
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.core.config import JobConfig
+from pipeline.core.errors import UsageError
+from pipeline.io import runindex
+from pipeline.io.manifest import MANIFEST_NAME, Manifest, fingerprint_hash
+from pipeline.report import drift as drift_mod
+
+logger = logging.getLogger(__name__)
+
+#: The version of the record kept in the manifest's ``verdict`` key.
+RECORD_VERSION = 1
+
+
+def dataset_id(output: str, shards: Mapping[str, Mapping[str, Any]]) -> str:
+    """A short hash naming an output and its content: per shard in it (its manifest entry), the
+    input version it was scored from, the model, the settings and the rows written. Two runs
+    that leave the same entries in the same output have the same dataset, whichever of them
+    scored which shard; two days scored from identical input are two datasets."""
+    items: list[Any] = [output]
+    items += [
+        [
+            rel,
+            fingerprint_hash(dict(e.get("fingerprint") or {})),
+            e.get("model_sha256"),
+            e.get("settings_hash"),
+            e.get("rows_scored"),
+            e.get("rows_rejected"),
+        ]
+        for rel, e in sorted(shards.items())
+    ]
+    return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Judgement:
+    """What :func:`judge` found: the report's ``drift`` and ``verdict`` sections, the record to
+    keep with the manifest, the warnings, and whether an alert is open (not accepted)."""
+
+    drift: dict[str, Any] | None = None
+    verdict: dict[str, Any] | None = None
+    record: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+    alert_open: bool = False
+
+
+def thresholds_of(config: JobConfig) -> dict[str, float]:
+    m = config.monitoring
+    return {"psi": m.psi_threshold, "ks": m.ks_threshold, "rows_change": m.rows_change_threshold}
+
+
+def has_placeholder(template: str) -> bool:
+    """Whether an output template names a placeholder (``{date}``, ``{run_id}``)."""
+    try:
+        return any(f is not None for _, f, _, _ in string.Formatter().parse(template))
+    except ValueError:
+        return False
+
+
+def _reusable(
+    kept: Mapping[str, Any] | None, dataset: str, config: JobConfig
+) -> dict[str, Any] | None:
+    """The kept drift section if ``kept`` judged this very dataset with today's thresholds."""
+    if not kept or kept.get("version") != RECORD_VERSION or kept.get("dataset") != dataset:
+        return None
+    if kept.get("job") != config.name or not kept.get("complete", True):
+        return None  # another job's, or judged while the run index could not be read
+    drift = kept.get("drift")
+    if not isinstance(drift, dict):
+        return None
+    if drift.get("baseline") is not None and drift.get("thresholds") != thresholds_of(config):
+        return None  # thresholds changed since: judge again
+    return drift
+
+
+def _baseline(
+    config: JobConfig, data: Mapping[str, Any], dataset: str, index_root: str
+) -> dict[str, Any] | None:
+    """The previous *different* dataset of the job: the newest successful run that scored rows
+    (a rerun that scored nothing has no sample of its own), whose dataset is not this one. With
+    a template (``{date}``), earlier versions of this same partition are not baselines either:
+    a day is compared with the days before it, as its first run was."""
+    output = data["output"]
+    templated = has_placeholder(config.output)
+
+    def skip(entry: dict[str, Any]) -> bool:
+        if entry.get("dataset") == dataset:
+            return True
+        same_output = entry.get("output") == output
+        if templated and same_output:
+            return True
+        # An entry from before datasets were recorded, of this output, while this run scored
+        # nothing: most likely this very dataset.
+        return "dataset" not in entry and same_output and not data["rows_processed"]
+
+    return runindex.previous_success(
+        index_root,
+        config.storage,
+        config.name,
+        exclude_run_id=data["run_id"],
+        scored_only=True,
+        skip=skip,
+    )
+
+
+def _compare(
+    config: JobConfig, data: Mapping[str, Any], dataset: str, index_root: str
+) -> tuple[dict[str, Any], bool]:
+    """The drift section against the baseline, and whether the index could be read."""
+    try:
+        baseline = _baseline(config, data, dataset, index_root)
+    except Exception as e:  # drift is a check on top of a finished run: never fail it
+        logger.warning("could not read the run index at %s: %s", index_root, e)
+        return {"baseline": None, "note": f"run index unreadable: {e}"}, False
+    if baseline is None:
+        note = (
+            f"no previous successful run of job {config.name!r} over a different dataset in "
+            f"{index_root}/{runindex.INDEX_DIR}"
+        )
+        return {"baseline": None, "note": note}, True
+    th = thresholds_of(config)
+    thresholds = drift_mod.DriftThresholds(
+        psi=th["psi"], ks=th["ks"], rows_change=th["rows_change"]
+    )
+    return dict(drift_mod.compare(baseline, data, thresholds)), True
+
+
+def judge(
+    config: JobConfig, data: Mapping[str, Any], manifest: Manifest, index_root: str
+) -> Judgement:
+    """The drift verdict on the dataset the output now holds (``manifest.shards``).
+
+    Kept from the manifest when it judged this same dataset (with the same thresholds), else
+    compared afresh with the previous different dataset of the job. An alert is open unless the
+    run index records its acceptance (:func:`accept`).
+    """
+    if not config.monitoring.drift:
+        return Judgement()
+    dataset = dataset_id(str(data["output"]), manifest.shards)
+    kept = _reusable(manifest.verdict, dataset, config)
+    complete = True
+    if kept is not None:
+        assert manifest.verdict is not None
+        drift = kept
+        judged_by = str(manifest.verdict.get("run_id"))
+        judged_at = str(manifest.verdict.get("judged_at"))
+    else:
+        drift, complete = _compare(config, data, dataset, index_root)
+        judged_by, judged_at = str(data["run_id"]), str(data["finished_at"])
+    record = {
+        "version": RECORD_VERSION,
+        "dataset": dataset,
+        "run_id": judged_by,
+        "judged_at": judged_at,
+        "job": config.name,
+        "index": index_root,
+        "drift": drift,
+        "complete": complete,
+    }
+    found = Judgement(drift=drift, record=record)
+    accepted = None
+    if drift.get("alert"):
+        accepted = _accepted(config, index_root, dataset, drift)
+        found.alert_open = accepted is None
+    found.verdict = {
+        "dataset": dataset,
+        "judged_by": judged_by,
+        "judged_at": judged_at,
+        "reused": kept is not None,
+        "accepted": accepted,
+    }
+    found.warnings = _warnings(drift, accepted)
+    if kept is not None and drift.get("alert"):
+        logger.warning(
+            "the dataset is unchanged since run %s judged it: its drift verdict stands", judged_by
+        )
+    return found
+
+
+def _accepted(
+    config: JobConfig, index_root: str, dataset: str, drift: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """``{by, at, reason}`` of the acceptance of this alert in the run index, or None."""
+    baseline = (drift.get("baseline") or {}).get("run_id")
+    try:
+        entry = runindex.acceptance(index_root, config.storage, config.name, dataset, baseline)
+    except Exception as e:  # an unreadable index: the alert stays open
+        logger.warning("could not read drift acceptances in the run index at %s: %s", index_root, e)
+        return None
+    if entry is None:
+        return None
+    return {
+        "by": str(entry.get("by")),
+        "at": str(entry.get("at")),
+        "reason": str(entry.get("reason")),
+    }
+
+
+def _warnings(drift: Mapping[str, Any], accepted: Mapping[str, Any] | None) -> list[str]:
+    """The report's drift warnings: each reason, or one line saying the drift was accepted."""
+    reasons = [str(r) for r in drift.get("reasons") or []]
+    if not reasons:
+        return []
+    if accepted is None:
+        return [f"drift: {r}" for r in reasons]
+    return [
+        f"drift accepted by {accepted['by']} at {accepted['at']}: {accepted['reason']!r} "
+        f"({'; '.join(reasons)})"
+    ]
+
+
+def open_alert(config: JobConfig, report: Mapping[str, Any]) -> bool:
+    """Whether a finished run's report (of a day a backfill skips as done) ended on a drift
+    alert that nobody has accepted since: that day's verdict still stands (exit 4)."""
+    if report.get("status") != "succeeded_with_warnings":
+        return False
+    verdict, drift = report.get("verdict"), report.get("drift")
+    if not isinstance(verdict, Mapping) or not isinstance(drift, Mapping):
+        return True  # written before verdicts were kept: its status is all there is
+    index_root = runindex.index_root(config.output)
+    return _accepted(config, index_root, str(verdict.get("dataset")), drift) is None
+
+
+# -- score-catalog accept-drift ----------------------------------------------------------------
+
+
+def default_actor() -> str:
+    """``user@host`` of whoever runs the command."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # no login name (a container without /etc/passwd entry)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def accept(
+    output: str, reason: str, *, by: str | None = None, options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Record in the run index that the drift alert of the dataset ``output`` holds is accepted.
+
+    Reads the verdict kept with the output's manifest; refuses (:class:`UsageError`, exit 2) an
+    output without one, or whose verdict has no alert. Returns the acceptance entry (with
+    ``uri``, where it was recorded). The output itself is not touched: the next run over the
+    same dataset reports the acceptance and ends ``succeeded``.
+    """
+    from pipeline.io import layout, storage
+
+    if not reason.strip():
+        raise UsageError(
+            "--reason must say why the drift is accepted (it is kept in the run index)"
+        )
+    out = storage.locate(output, options)
+    # The template is not known here: the manifest is found where ``report OUT`` finds reports
+    # (the control area beside the template's root, or an older layout's place).
+    found = layout.find(out, MANIFEST_NAME)
+    kept = (
+        Manifest.load(layout.sibling(out, found.uri.rsplit("/", 1)[0])).verdict if found else None
+    )
+    if not kept or kept.get("version") != RECORD_VERSION or not isinstance(kept.get("drift"), dict):
+        raise UsageError(
+            f"no drift verdict for {out.uri}: give the output folder of a run that finished "
+            "(a run of this version keeps its verdict with the manifest)"
+        )
+    drift = kept["drift"]
+    if not drift.get("alert"):
+        raise UsageError(
+            f"the dataset in {out.uri} has no drift alert to accept (judged by run "
+            f"{kept.get('run_id')})"
+        )
+    entry = {
+        "event": "drift_accepted",
+        "job": kept.get("job"),
+        "output": out.uri,
+        "dataset": kept.get("dataset"),
+        "baseline": (drift.get("baseline") or {}).get("run_id"),
+        "judged_by": kept.get("run_id"),
+        "reasons": list(drift.get("reasons") or []),
+        "by": by or default_actor(),
+        "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "reason": reason.strip(),
+    }
+    entry["uri"] = runindex.record_acceptance(
+        str(kept.get("index")), options, str(kept.get("job")), entry
+    )
+    return entry

@@ -1,0 +1,727 @@
+"""Score one shard end to end inside a worker: read -> batch -> model -> write -> commit.
+
+:func:`score_shards` is the Dask task: a :class:`WorkerSpec` (the same for every shard, sent to
+each worker once) and a few small :class:`ShardTask` objects. It returns a :class:`ShardResult`
+for every outcome it understands (a failed shard is a result, not an exception, so Dask does not
+retry bad data); anything else propagates so that Dask retries the task, which the per-shard
+commit makes idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline.core.errors import ShardError
+from pipeline.core.faults import checkpoint
+from pipeline.core.statuses import FailureKind, ShardStatus
+from pipeline.io import storage
+from pipeline.io.layout import footer_metadata, rejects_metadata
+from pipeline.io.locking import LOCK_LOST_KIND, LockLostError, assert_holder
+from pipeline.model.bundle import Inputs, LoadedModel, load_model
+from pipeline.model.engine import SMALL_BATCH, ModelFailedEverywhere, Scored, output_columns, score
+from pipeline.model.precision import ExecutionOptions, prepare
+from pipeline.worker.batching import Batch, ShardBatches, make_loader, to_device_ahead
+from pipeline.worker.overlap import read_ahead
+from pipeline.worker.sink import ShardSink, SinkRun, output_schema
+from pipeline.worker.stats import DuplicateIds, ShardStats
+
+if TYPE_CHECKING:
+    from pipeline.core.config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+#: Rows of a shard a model that has scored none of them may fail on, every one, before the
+#: shard is failed as a broken model (each is bisected out and rejected meanwhile; a broken
+#: model costs at most this many single-row calls per shard, and the run stops at its first).
+UNPROVEN_ROWS = 16_384
+
+#: Batches in flight on each side of the model (read ahead, write behind) when overlap is on:
+#: memory stays a few batches.
+OVERLAP_DEPTH = 2
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every shard of a run is scored with: sent to each worker once, not with every task."""
+
+    model_uri: str
+    model_sha256: str
+    device: str
+    # Values per row of each model input (0: a (batch,) input); None only while warming, before
+    # the data gave the width of an input that model.toml leaves open.
+    widths: tuple[int, ...] | None
+    id_column: str
+    passthrough: tuple[str, ...]
+    batch_size: int | None  # None only while warming a run whose batch size is still "auto"
+    on_invalid_rows: str
+    torch_threads: int | None  # None: derive from the Dask worker's thread count
+    precision: str = "fp32"
+    compile: bool = False
+    strict_fp32: bool = False
+    overlap_depth: int = 0  # batches read ahead / written behind in background threads
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    # On an existing cluster: torch threads for a worker on each host, so that all the worker
+    # threads of one machine together use its cores once (see cluster.torch_threads_by_host).
+    torch_threads_by_host: Mapping[str, int] = field(default_factory=dict)
+    # Hash of the settings that change output rows (preparation.run_settings); written with the
+    # model's SHA-256 into every output file's footer (reconcile.footer_metadata).
+    settings_hash: str = ""
+    # The run lock's fence (pipeline.io.locking): right before committing, each shard checks that
+    # run ``lock_run_id`` still holds the lock of ``lock_root`` with ``lock_token``. Empty while
+    # warming the workers (before the lock is taken): nothing is committed then.
+    lock_root: str = ""
+    lock_run_id: str = ""
+    lock_token: str = ""
+    # On a cluster, names of two flags the driver raises on every worker (raise_flag) when a signal
+    # stops the run: once ``stop_event`` is raised no new shard starts; once ``abandon_event`` is
+    # (the grace period is over) no shard commits (see pipeline.driver.dispatch).
+    stop_event: str = ""
+    abandon_event: str = ""
+    # A model from a registry (pipeline.model.registry): the output's model_version value (empty:
+    # the bundle's own version), and the pinned models:/NAME/VERSION with its tracking server, from
+    # which a worker on another machine, which does not see the driver's downloaded copy at
+    # ``model_uri``, downloads the same version into its own cache.
+    model_version: str = ""
+    registry_uri: str = ""
+    tracking_uri: str = ""
+    # Where workers report the rows of the shard they are scoring, as they go (RowProgress):
+    # a Dask event topic the driver subscribes to, or a listener in this process. Empty: none.
+    progress_topic: str = ""
+
+    def fence(self) -> None:
+        """Raise :class:`~pipeline.io.locking.LockLostError` unless this run still holds its lock
+        (and has not given up on the shards still in flight)."""
+        if _event_set(self.abandon_event):
+            raise LockLostError(
+                f"run {self.lock_run_id} stopped before this shard could commit (interrupted)"
+            )
+        if self.lock_token:
+            assert_holder(self.lock_root, self.lock_run_id, self.lock_token, self.storage_options)
+
+    @classmethod
+    def for_job(
+        cls,
+        config: JobConfig,
+        model_sha256: str,
+        device: str,
+        widths: tuple[int, ...] | None,
+        batch_size: int | None,
+        *,
+        overlap_depth: int,
+        torch_threads: int | None,
+        settings_hash: str = "",
+    ) -> WorkerSpec:
+        """The spec of a run of ``config`` (``torch_threads_by_host`` is added on a cluster)."""
+        return cls(
+            model_uri=config.model,
+            model_sha256=model_sha256,
+            device=device,
+            widths=widths,
+            id_column=config.id_column,
+            passthrough=config.passthrough,
+            batch_size=batch_size,
+            on_invalid_rows=config.errors.on_invalid_rows,
+            torch_threads=torch_threads,
+            precision=config.precision,
+            compile=config.compile,
+            strict_fp32=config.strict_fp32,
+            overlap_depth=overlap_depth,
+            storage_options=dict(config.storage),
+            settings_hash=settings_hash,
+        )
+
+    @property
+    def execution(self) -> ExecutionOptions:
+        """Precision, compile and TF32 settings as :func:`pipeline.model.precision.prepare` takes
+        them."""
+        return ExecutionOptions(self.precision, self.compile, self.strict_fp32)
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """What differs between shards: where one shard is read from and written to; small."""
+
+    rel_path: str
+    input_uri: str
+    output_uri: str
+    rejects_uri: str
+    num_rows: int
+    meta_schema: bytes  # Arrow IPC schema of the id + pass-through columns, from the footer
+    # Hash of the input's fingerprint (manifest.fingerprint_hash), written with ``rel_path``
+    # into the output's footer: the file names the version of the shard it was scored from.
+    input_fingerprint: str = ""
+
+
+@dataclass
+class ShardResult:
+    """What happened to one shard; becomes a manifest entry and a line of the report."""
+
+    rel_path: str
+    input: str
+    status: str  # a ShardStatus: scored, skipped, failed
+    output: str | None = None
+    rejects: str | None = None
+    rows_in: int | None = None
+    rows_out: int = 0
+    rows_rejected: int = 0
+    duration_s: float = 0.0
+    rows_per_s: float = 0.0
+    kind: str | None = None  # a FailureKind, for failures
+    message: str | None = None
+    oom_splits: int = 0
+    duplicate_ids: int = 0  # rows whose id appeared earlier in the same shard
+    null_ids: int = 0  # rows whose id is null
+    # Score statistics, model latencies and reject reasons; empty unless the shard was scored.
+    stats: ShardStats = field(default_factory=ShardStats)
+    rejects_by_reason: dict[str, int] = field(default_factory=dict)
+    started_at: float | None = None  # wall clock (epoch seconds) of the worker's start ...
+    finished_at: float | None = None  # ... and finish on this shard; None when not scored
+
+    @classmethod
+    def failed(
+        cls, rel_path: str, input_uri: str, rows_in: int | None, kind: str, message: str
+    ) -> ShardResult:
+        """A shard that failed, or was never scored, for ``kind``; ``message`` says why."""
+        return cls(
+            rel_path, input_uri, ShardStatus.FAILED, rows_in=rows_in, kind=kind, message=message
+        )
+
+    @classmethod
+    def skipped(cls, rel_path: str, input_uri: str, entry: Mapping[str, Any]) -> ShardResult:
+        """A shard an earlier run scored with this model and settings (its manifest ``entry``),
+        with the score statistics and reject reasons that run kept there, so that the report
+        describes the whole output (entries from before they were kept have none)."""
+        return cls(
+            rel_path,
+            input_uri,
+            ShardStatus.SKIPPED,
+            output=entry["output"],
+            rejects=entry.get("rejects"),
+            rows_in=entry["rows_in"],
+            rows_out=entry["rows_scored"],
+            rows_rejected=entry["rows_rejected"],
+            stats=ShardStats.from_summary(entry.get("outputs"), entry["rows_scored"]),
+            rejects_by_reason=dict(entry.get("rejects_by_reason") or {}),
+            # Entries written before these were kept count none.
+            duplicate_ids=int(entry.get("duplicate_ids") or 0),
+            null_ids=int(entry.get("null_ids") or 0),
+        )
+
+    def public(self) -> dict[str, Any]:
+        """The per-shard entry of ``_report.json`` (timings are made relative by the report)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stats"}
+
+
+def _set_threads(spec: WorkerSpec) -> int:
+    n = spec.torch_threads
+    if n is None:
+        try:
+            from distributed import get_worker
+
+            worker = get_worker()
+            worker_threads = worker.state.nthreads
+            host = urlsplit(worker.address).hostname
+            n = spec.torch_threads_by_host.get(host or "")
+        except (ImportError, ValueError):
+            worker_threads = 1
+    if n is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - macOS
+            cores = os.cpu_count() or 1
+        n = max(1, cores // max(1, worker_threads))
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+def pin_device(device: str, worker_name: object, device_count: int) -> str:
+    """The CUDA device for this worker: one worker per GPU.
+
+    An unindexed ``cuda`` on a worker that sees several GPUs (an embedded cluster on a multi-GPU
+    machine, whose workers are named 0, 1, ...) maps worker i to ``cuda:i % count``. Workers
+    started one per GPU (dask-cuda, or CUDA_VISIBLE_DEVICES per worker) see one device, so
+    ``cuda`` is theirs already.
+    """
+    if device != "cuda" or device_count <= 1:
+        return device
+    try:
+        index = int(str(worker_name))
+    except ValueError:
+        return device
+    return f"cuda:{index % device_count}"
+
+
+def _worker_device(device: str) -> str:
+    if device != "cuda":
+        return device
+    try:
+        from distributed import get_worker
+
+        name: object = get_worker().name
+    except (ImportError, ValueError):
+        return device
+    return pin_device(device, name, torch.cuda.device_count())
+
+
+def _load(spec: WorkerSpec, warm_rows: int) -> LoadedModel:
+    """The spec's model in this process, prepared (cached: loaded once per worker)."""
+    model = load_model(
+        _bundle_uri(spec),
+        _worker_device(spec.device),
+        widths=spec.widths,
+        options=spec.storage_options,
+        expected_sha256=spec.model_sha256,
+    )
+    prepared, _ = prepare(model, spec.execution, warm_rows=warm_rows)
+    return prepared
+
+
+def _bundle_uri(spec: WorkerSpec) -> str:
+    """Where this worker reads the bundle: the run's location, or for a registry model whose
+    downloaded copy this machine does not see, its own download of the same pinned version."""
+    if not spec.registry_uri or os.path.isdir(spec.model_uri):
+        return spec.model_uri
+    return _fetched(spec.registry_uri, spec.tracking_uri)
+
+
+@functools.lru_cache(maxsize=8)
+def _fetched(registry_uri: str, tracking_uri: str) -> str:
+    """A pinned version's local folder, asked for once per worker process: a registered version
+    never changes, and every shard would otherwise ask the server and hash the bundle again."""
+    from pipeline.model.registry import fetch_pinned
+
+    return fetch_pinned(registry_uri, tracking_uri)
+
+
+def warm_worker(spec: WorkerSpec) -> None:
+    """Load (and prepare) the model in this worker before its first task: once per process."""
+    _set_threads(spec)
+    _load(spec, spec.batch_size or 2)
+
+
+def score_shards(spec: WorkerSpec, tasks: list[ShardTask]) -> list[ShardResult]:
+    """Score a group of small shards in one Dask task, one after another.
+
+    Each shard still commits on its own; if one raises (a crash Dask should retry), the whole
+    group is retried and its already committed shards are scored and replaced again, which the
+    per-shard commit makes harmless. Once the run is stopping (``spec.stop_event``), the shards
+    not started yet are returned unscored, as ``interrupted``.
+    """
+    return [_not_started(t) if _event_set(spec.stop_event) else score_shard(spec, t) for t in tasks]
+
+
+# Flags the driver raised in this worker process (raise_flag). A plain set read before each
+# shard and commit: a Dask Event would cost a scheduler round trip each time instead.
+_RAISED: set[str] = set()
+
+
+def raise_flag(name: str) -> None:
+    """Raise the flag ``name`` in this process (the driver runs it on every worker)."""
+    _RAISED.add(name)
+
+
+def _event_set(name: str) -> bool:
+    """Whether the flag ``name`` was raised here (False for no name: not on a cluster)."""
+    return bool(name) and name in _RAISED
+
+
+def _not_started(task: ShardTask) -> ShardResult:
+    return ShardResult.failed(
+        task.rel_path,
+        task.input_uri,
+        task.num_rows,
+        FailureKind.INTERRUPTED,
+        "not scored: the run was interrupted",
+    )
+
+
+def score_shard(spec: WorkerSpec, task: ShardTask) -> ShardResult:
+    """Score one shard and commit its output (and rejects) atomically.
+
+    A transient storage error (a connection reset, a 503 mid-upload) scores the shard again
+    after a back-off, until the store has failed for ``retry_deadline_s`` in this process
+    (:class:`~pipeline.io.storage.RetryClock`); the staged commit makes that harmless. A storage
+    failure (:func:`~pipeline.io.storage.is_storage_failure`: a full or read-only disk, a
+    permission refused, a store still gone at the deadline) is the result ``storage``, which
+    stops the run: not an exception, so that Dask does not run the task again against the same
+    disk. Any other exception propagates, and Dask retries the task (``task_retries``).
+    """
+    t0 = time.perf_counter()
+    started = time.time()
+    _set_threads(spec)
+    storage.RETRY_CLOCK.working_for(spec.lock_run_id)
+    failing_since: float | None = None  # when the first try that failed on storage began
+    for attempt in itertools.count(1):
+        try:
+            result = _score(spec, task, t0)
+        except ShardError as e:
+            rows = None if e.kind == FailureKind.UNREADABLE else task.num_rows
+            return _failed(task, e.kind, str(e), t0, rows)
+        except LockLostError as e:
+            # A result, not an exception: Dask must not retry a task of a run that lost its
+            # lock (each retry would fail the same way). The driver stops the run on this kind.
+            return _failed(task, LOCK_LOST_KIND, str(e), t0)
+        except Exception as e:
+            failing_since = time.monotonic() if failing_since is None else failing_since
+            failure = _storage_failure(spec, task, e, attempt, failing_since)
+            if failure is None:
+                raise
+            if isinstance(failure, str):
+                return _failed(task, FailureKind.STORAGE, failure, t0)
+            time.sleep(failure)
+            continue
+        if failing_since is not None:  # the store answers again
+            out = storage.locate(task.output_uri, spec.storage_options)
+            storage.RETRY_CLOCK.succeeded(storage.store_key(out.fs))
+        result.started_at, result.finished_at = started, time.time()
+        return result
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _failed(
+    task: ShardTask, kind: str, message: str, t0: float, rows_in: int | None = -1
+) -> ShardResult:
+    """The result of ``task`` failed for ``kind`` (``rows_in`` defaults to the footer's)."""
+    return ShardResult(
+        task.rel_path,
+        task.input_uri,
+        ShardStatus.FAILED,
+        rows_in=task.num_rows if rows_in == -1 else rows_in,
+        kind=kind,
+        message=message,
+        duration_s=time.perf_counter() - t0,
+    )
+
+
+def _storage_failure(
+    spec: WorkerSpec, task: ShardTask, e: Exception, attempt: int, since: float
+) -> str | float | None:
+    """What to do about ``e``, raised scoring ``task`` on its ``attempt``-th try (the first
+    failed try began at ``since``, monotonic): the message of a storage failure (the shard
+    fails as ``storage``), seconds to wait before scoring it again (a transient storage error
+    within the deadline), or None (not the storage's: raise it)."""
+    if storage.is_storage_failure(e):
+        return f"shard {task.input_uri}: {storage.cause_of(e)}"
+    if not storage.is_transient(e) or type(e).__module__.split(".")[0] == "pyarrow":
+        return None
+    out = storage.locate(task.output_uri, spec.storage_options)
+    delay, elapsed = storage.next_delay(
+        store=storage.store_key(out.fs),
+        start=since,
+        attempt=attempt,
+        deadline=out.retry_deadline_s,
+    )
+    if delay < 0:
+        why = storage.gave_up(attempt, elapsed, out.retry_deadline_s)
+        return f"shard {task.input_uri}: storage failed {why}: {storage.cause_of(e)}"
+    logger.log(  # the first try that failed; the later ones at DEBUG, as storage.with_retries
+        logging.WARNING if attempt == 1 else logging.DEBUG,
+        "shard %s: storage error (%s); scoring it again in %.1fs",
+        task.rel_path,
+        storage.cause_of(e),
+        delay,
+    )
+    return delay
+
+
+class _Shard:
+    """One shard being scored: its model, schemas and the statistics kept along the way."""
+
+    def __init__(self, spec: WorkerSpec, task: ShardTask) -> None:
+        if spec.batch_size is None or spec.widths is None:
+            raise ValueError("a WorkerSpec for scoring needs its batch_size and input widths")
+        self.spec = spec
+        self.task = task
+        self.model = _load(spec, spec.batch_size)
+        outputs = self.model.spec.outputs
+        self.out_fields = [(o.name, o.arrow_type(self.model.out_width)) for o in outputs]
+        # Output and rejects schemas keep the id/pass-through types this shard's footer
+        # declares; the driver read the footer already and sends those fields along.
+        self.meta_schema = pa.ipc.read_schema(pa.py_buffer(task.meta_schema))
+        footer = footer_metadata(
+            spec.model_sha256, spec.settings_hash, task.rel_path, task.input_fingerprint
+        )
+        self.rejects_meta = rejects_metadata(task.output_uri, task.rel_path, task.input_fingerprint)
+        self.out_schema = output_schema(self.meta_schema, self.out_fields, footer)
+        self.numeric = [
+            i for i, (_, t) in enumerate(self.out_fields) if not pa.types.is_fixed_size_list(t)
+        ]
+        self.stats = ShardStats.for_outputs(
+            [self.out_fields[i][0] for i in self.numeric], task.num_rows
+        )
+        self.ids = DuplicateIds()
+        self.rows_in = 0
+        self.dataset: ShardBatches | None = None
+        # Whether the model has scored a row of this shard: from then on a batch it fails on
+        # entirely is bad rows, not a broken model (engine.score's ``proven``). Before that,
+        # the first UNPROVEN_ROWS rows may all fail and still be taken for bad rows: a shard
+        # sorted so that its bad rows come first must not look like a broken model.
+        self.proven = False
+        self.failed_unproven = 0
+
+    def batches(self) -> Iterator[Batch]:
+        """The shard's batches, read ahead and moved to the model's device ahead of use."""
+        spec, task = self.spec, self.task
+        assert spec.batch_size is not None
+        dataset = ShardBatches(
+            task.input_uri,
+            self.model.spec,
+            widths=self.model.widths,
+            meta_columns=(spec.id_column, *spec.passthrough),
+            batch_size=spec.batch_size,
+            storage_options=spec.storage_options,
+        )
+        local = storage.locate(task.input_uri, spec.storage_options).is_local
+        self.dataset = dataset  # its lossy casts go into the result
+        loader = make_loader(dataset, pin_memory=self.model.device.type == "cuda")
+        batches = _guard_reads(iter(loader), task.input_uri, local)
+        return to_device_ahead(read_ahead(batches, spec.overlap_depth), self.model.device)
+
+    def score_batch(self, batch: Batch, sink: ShardSink) -> None:
+        """Score one batch, write its rows and rejects, and keep its statistics."""
+        if batch.meta.schema != self.meta_schema:  # one type per column across the output
+            batch.meta = batch.meta.cast(self.meta_schema)  # (pipeline.run.meta_fields)
+        self.rows_in += batch.num_rows
+        self.ids.add(batch.meta.column(0))
+        x, reasons = self._valid_rows(batch)
+        scored = self._run_model(batch, x)
+        checkpoint("batch-scored")
+        self.stats.add_model_call(scored.seconds, scored.oom_splits)
+        keep = batch.features.valid.copy()
+        if scored.errors:
+            valid_idx = np.flatnonzero(batch.features.valid)
+            for j, msg in scored.errors.items():
+                reasons[int(valid_idx[j])] = msg
+            keep[valid_idx[~scored.ok]] = False
+        cols = output_columns(scored.outputs, self.model.spec.outputs)
+        meta = batch.meta if keep.all() else batch.meta.filter(pa.array(keep))
+        m = meta.num_rows
+        version = self.spec.model_version or self.model.spec.version
+        version_col = pa.repeat(pa.scalar(version, pa.string()), m)
+        arrays = [*meta.columns, *cols, version_col]
+        sink.write_output(pa.RecordBatch.from_arrays(arrays, schema=self.out_schema))
+        checkpoint("batch-written")
+        self.stats.add_scores({self.out_fields[i][0]: cols[i] for i in self.numeric}, m)
+        if reasons:
+            order = sorted(reasons)
+            rmeta = batch.meta.take(pa.array(order))
+            reason_col = pa.array([reasons[i] for i in order], pa.string())
+            sink.write_rejects(
+                pa.RecordBatch.from_arrays([*rmeta.columns, reason_col], schema=sink.rejects_schema)
+            )
+            self.stats.count_rejects(reasons)
+
+    def _valid_rows(self, batch: Batch) -> tuple[Inputs, dict[int, str]]:
+        """The batch's valid input rows, and the reason for each invalid one (by row index)."""
+        valid = batch.features.valid
+        xs = batch.tensors if batch.device_tensors is None else batch.device_tensors
+        if valid.all():
+            return xs, {}
+        invalid_idx = np.flatnonzero(~valid)
+        if self.spec.on_invalid_rows == "fail":
+            i = int(invalid_idx[0])
+            reason = (batch.features.reasons or ["invalid value"])[0]
+            raise ShardError(
+                f"shard {self.task.input_uri}: row group {int(batch.row_groups[i])}, row "
+                f"{batch.start + i}, {self.spec.id_column} = "
+                f"{batch.meta.column(0)[i].as_py()!r}: {reason} "
+                "(errors.on_invalid_rows = 'fail')",
+                shard=self.task.input_uri,
+                kind=FailureKind.INVALID_ROWS,
+            )
+        reasons = dict(zip(invalid_idx.tolist(), batch.features.reasons or [], strict=True))
+        mask = torch.from_numpy(valid)
+        if batch.device_tensors is not None:
+            mask = mask.to(self.model.device, non_blocking=True)
+        return tuple(t[mask] for t in xs), reasons
+
+    def _run_model(self, batch: Batch, x: Inputs) -> Scored:
+        try:
+            grace = self.failed_unproven < UNPROVEN_ROWS
+            scored = score(self.model, x, proven=self.proven or grace)
+        except ModelFailedEverywhere as e:
+            raise ShardError(
+                f"shard {self.task.input_uri}, rows {batch.start}-"
+                f"{batch.start + batch.num_rows - 1}: {e}. "
+                f"Check the model bundle {self.spec.model_uri} against this data.",
+                shard=self.task.input_uri,
+                kind=FailureKind.MODEL,
+            ) from e
+        # Proven once the model ran on a row without raising (a non-finite output is that
+        # row's reject, not a sign of a broken model: engine.py).
+        self.proven = self.proven or scored.raised < len(scored.ok)
+        if not self.proven:
+            self.failed_unproven += scored.raised
+        return scored
+
+    def check_complete(self) -> None:
+        """Every row the footer promised was read (else the file changed under the run), and
+        the model scored at least one of them: a model that raised on every one of more than
+        :data:`~pipeline.model.engine.SMALL_BATCH` rows is broken, whatever order they came in."""
+        if not self.proven and self.failed_unproven > SMALL_BATCH:
+            raise ShardError(
+                f"shard {self.task.input_uri}: the model failed on every one of its "
+                f"{self.failed_unproven:,} rows. Check the model bundle {self.spec.model_uri} "
+                "against this data.",
+                shard=self.task.input_uri,
+                kind=FailureKind.MODEL,
+            )
+        if self.rows_in != self.task.num_rows:
+            raise ShardError(
+                f"shard {self.task.input_uri}: read {self.rows_in} rows but its footer says "
+                f"{self.task.num_rows}; the file changed while it was being scored",
+                shard=self.task.input_uri,
+                kind=FailureKind.UNREADABLE,
+            )
+
+    def result(self, rows_rejected: int, duration: float) -> ShardResult:
+        """The scored shard's result, statistics included."""
+        task, stats = self.task, self.stats
+        stats.finish()
+        stats.lossy_casts = dict(self.dataset.lossy) if self.dataset is not None else {}
+        return ShardResult(
+            task.rel_path,
+            task.input_uri,
+            ShardStatus.SCORED,
+            output=task.output_uri,
+            rejects=task.rejects_uri if rows_rejected else None,
+            rows_in=self.rows_in,
+            rows_out=stats.rows_out,
+            rows_rejected=rows_rejected,
+            duration_s=duration,
+            rows_per_s=self.rows_in / duration if duration > 0 else 0.0,
+            oom_splits=stats.oom_splits,
+            duplicate_ids=self.ids.count(),
+            null_ids=self.ids.nulls,
+            stats=stats,
+            rejects_by_reason=stats.rejects_by_reason,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Progress by rows, from inside a shard
+
+#: A worker reports rows scored at most this often (per process and run), so that a progress
+#: bar moves inside a big shard while thousands of tiny batches cost no message each.
+PROGRESS_INTERVAL_S = 0.5
+
+# Listeners of a topic in this process (the sync and threads schedulers): topic -> (pid, call).
+# The pid: a worker process forked while a listener was registered must not call the driver's.
+_LISTENERS: dict[str, tuple[int, Callable[[str, int], None]]] = {}
+# When each topic was last reported from this process (monotonic seconds).
+_LAST_SENT: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def listen_locally(topic: str, on_rows: Callable[[str, int], None]) -> Iterator[None]:
+    """Deliver ``topic``'s reports made in this process to ``on_rows(rel_path, rows)`` while
+    the block runs (shards scored in this process: ``sync`` and ``threads``)."""
+    _LISTENERS[topic] = (os.getpid(), on_rows)
+    try:
+        yield
+    finally:
+        _LISTENERS.pop(topic, None)
+
+
+def _send_rows(topic: str, rel_path: str, rows: int) -> None:
+    """Report ``rows`` of ``rel_path`` scored so far: to a listener in this process, else as a
+    Dask event on the worker (:meth:`distributed.Worker.log_event`), which the driver's client
+    receives through ``subscribe_topic``. Best effort: progress never fails a shard."""
+    listener = _LISTENERS.get(topic)
+    if listener is not None and listener[0] == os.getpid():
+        listener[1](rel_path, rows)
+        return
+    try:
+        from distributed import get_worker
+
+        get_worker().log_event(topic, [rel_path, rows])
+    except (ImportError, ValueError):  # not in a Dask worker, or no listener: nobody asked
+        pass
+
+
+class RowProgress:
+    """Rows of one shard scored so far, reported at most every :data:`PROGRESS_INTERVAL_S`
+    (across the shards this process scores for the run: tiny shards send nothing; the
+    shard's result says it is done)."""
+
+    def __init__(self, topic: str, rel_path: str) -> None:
+        self.topic = topic
+        self.rel_path = rel_path
+        self.rows = 0
+
+    def add(self, rows: int) -> None:
+        self.rows += rows
+        if not self.topic:
+            return
+        now = time.monotonic()
+        last = _LAST_SENT.setdefault(self.topic, now)
+        if now - last >= PROGRESS_INTERVAL_S:
+            _LAST_SENT[self.topic] = now
+            _send_rows(self.topic, self.rel_path, self.rows)
+
+
+def _score(spec: WorkerSpec, task: ShardTask, t0: float) -> ShardResult:
+    shard = _Shard(spec, task)
+    progress = RowProgress(spec.progress_topic, task.rel_path)
+    opts = spec.storage_options
+    out_loc = storage.locate(task.output_uri, opts)
+    rej_loc = storage.locate(task.rejects_uri, opts)
+    depth = spec.overlap_depth
+    with ShardSink(
+        out_loc,
+        rej_loc,
+        shard.meta_schema,
+        shard.out_schema,
+        depth=depth,
+        fence=spec.fence,
+        run=SinkRun(shard.rejects_meta, opts, spec.lock_run_id),
+    ) as sink:
+        for batch in shard.batches():
+            checkpoint("batch-read")
+            shard.score_batch(batch, sink)
+            progress.add(batch.num_rows)
+        shard.check_complete()
+        sink.commit()
+    return shard.result(sink.rows_rejected, time.perf_counter() - t0)
+
+
+def _guard_reads(it: Iterator[Batch], uri: str, local: bool) -> Iterator[Batch]:
+    """Turn decoding errors into an ``unreadable`` shard; write errors are not caught here.
+
+    On object stores an I/O error mid-read is more likely a network fault than a corrupt file,
+    so it propagates and the task is retried instead.
+    """
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except OSError as e:
+            if not local and not isinstance(e, pa.ArrowException):
+                raise
+            raise ShardError(
+                f"shard {uri} could not be decoded (corrupt or truncated data): {e}",
+                shard=uri,
+                kind="unreadable",
+            ) from e
+        except (pa.ArrowException, EOFError) as e:
+            raise ShardError(
+                f"shard {uri} could not be decoded (corrupt or truncated data): {e}",
+                shard=uri,
+                kind="unreadable",
+            ) from e
+        yield batch
