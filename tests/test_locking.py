@@ -23,7 +23,8 @@ import pytest
 
 from pipeline.core.errors import LockError
 from pipeline.io import storage
-from pipeline.io.locking import LOCK_NAME, LockLostError, RunLock, assert_holder, process_start
+from pipeline.io.layout import LOCK_NAME
+from pipeline.io.locking import LockLostError, RunLock, assert_holder, process_start
 
 REPO = Path(__file__).resolve().parents[1]
 # stale_after_s for the heartbeat tests: 20 missed beats of 0.1 s, so a busy machine that delays

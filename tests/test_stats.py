@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.core import jsontext
 from pipeline.core.statuses import ShardStatus
-from pipeline.io import storage
 from pipeline.report import drift
 from pipeline.report.build import output_summary
 from pipeline.worker import sketch
@@ -61,12 +61,12 @@ def test_summary_keeps_exact_totals_and_a_compact_sketch() -> None:
     assert np.all(np.diff(col["sketch"]) >= 0)
     # The manifest is rewritten after every shard: one column costs about 2 kB (101 floats),
     # not its 10,000 samples.
-    assert len(storage.to_json(summary, compact=True)) < 2500
+    assert len(jsontext.to_json(summary, compact=True)) < 2500
 
 
 def test_a_summary_stands_in_for_the_shard_within_sketch_resolution() -> None:
     v = _values(80_000, 2)
-    text = storage.to_json(_scored(v).summary(), compact=True)  # through the manifest's JSON
+    text = jsontext.to_json(_scored(v).summary(), compact=True)  # through the manifest's JSON
     back = ShardStats.from_summary(_strict(text), len(v))
     c = back.columns["s"]
     assert (c.count, c.min, c.max) == (len(v), float(v.min()), float(v.max()))
@@ -83,7 +83,7 @@ def test_the_report_over_scored_and_skipped_shards_matches_all_scored() -> None:
     skipped = [
         _result(
             f"p{k}",
-            ShardStats.from_summary(_strict(storage.to_json(_scored(v).summary())), len(v)),
+            ShardStats.from_summary(_strict(jsontext.to_json(_scored(v).summary())), len(v)),
             ShardStatus.SKIPPED,
         )
         for k, v in enumerate(parts[:3])
@@ -108,7 +108,7 @@ def test_a_column_without_rows() -> None:
     stats = ShardStats.for_outputs(["s"], 0)
     summary = stats.summary()
     assert summary == {"s": {"count": 0, "sum": 0.0, "min": None, "max": None, "sketch": []}}
-    back = ShardStats.from_summary(_strict(storage.to_json(summary)), 0)
+    back = ShardStats.from_summary(_strict(jsontext.to_json(summary)), 0)
     c = back.columns["s"]
     assert c.count == 0 and c.min == math.inf and c.max == -math.inf
     assert len(c.weighted_sample(1.0)[0]) == 0
@@ -140,7 +140,7 @@ def test_to_json_writes_null_for_non_finite_numbers() -> None:
         (1, 2): "tuple key",
     }
     for compact in (False, True):
-        text = storage.to_json(doc, compact=compact)
+        text = jsontext.to_json(doc, compact=compact)
         assert "NaN" not in text and "Infinity" not in text
         assert _strict(text) == {
             "mean": None,
@@ -150,18 +150,18 @@ def test_to_json_writes_null_for_non_finite_numbers() -> None:
             "n": 7,
             "(1, 2)": "tuple key",
         }
-    assert "\n" not in storage.to_json(doc, compact=True)
+    assert "\n" not in jsontext.to_json(doc, compact=True)
 
 
 def test_to_json_of_a_finite_document_is_plain_json() -> None:
     doc = {"a": [1, 2.5, None, True, "x"], "b": {"c": np.float32(0.5), "d": np.int64(3)}}
-    assert _strict(storage.to_json(doc)) == {
+    assert _strict(jsontext.to_json(doc)) == {
         "a": [1, 2.5, None, True, "x"],
         "b": {"c": 0.5, "d": 3},
     }
     plain = {"a": [1, 2.5, None], "b": "é"}
-    assert storage.to_json(plain) == json.dumps(plain, indent=2)
-    assert storage.to_json(plain, compact=True) == json.dumps(plain, separators=(",", ":"))
+    assert jsontext.to_json(plain) == json.dumps(plain, indent=2)
+    assert jsontext.to_json(plain, compact=True) == json.dumps(plain, separators=(",", ":"))
 
 
 def _labels(n: int, seed: int, p: float) -> np.ndarray:
@@ -195,7 +195,7 @@ def test_a_skipped_discrete_shard_stays_discrete() -> None:
     # Read back from its manifest sketch, a 0/1 shard must not come back with values like 0.4
     # (linear between the sketch's last 0 and first 1): the resumed report keeps its bars.
     v = _labels(60_000, 6, 0.37)
-    text = storage.to_json(_scored(v).summary(), compact=True)
+    text = jsontext.to_json(_scored(v).summary(), compact=True)
     back = ShardStats.from_summary(_strict(text), len(v))
     sample, _ = back.columns["s"].weighted_sample(back.sample_weight)
     assert set(np.unique(sample)) == {0.0, 1.0}

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.core.errors import ConfigError, InputError, StorageError
-from pipeline.io import ownership, storage
-from pipeline.io.manifest import MANIFEST_NAME
+from pipeline.io import listing, ownership, retries, storage
+from pipeline.io.layout import MANIFEST_NAME
 from tests.conftest import write_shards
 
 
@@ -50,14 +50,14 @@ class Flaky:
 
 def test_transient_errors_are_retried_until_success() -> None:
     fn = Flaky(2, OSError(errno.EBUSY, "SlowDown"))
-    assert storage.with_retries(fn, what="reading s3://b/k", base_delay=0.001) == "ok"
+    assert retries.with_retries(fn, what="reading s3://b/k", base_delay=0.001) == "ok"
     assert fn.calls == 3
 
 
 def test_retries_stop_at_the_deadline_with_the_uri_in_the_message() -> None:
     fn = Flaky(10**9, TimeoutError("read timed out"))
     with pytest.raises(StorageError) as e:
-        storage.with_retries(fn, what="reading s3://b/key", base_delay=0.001, deadline_s=0.05)
+        retries.with_retries(fn, what="reading s3://b/key", base_delay=0.001, deadline_s=0.05)
     msg = str(e.value)
     assert "reading s3://b/key" in msg and "read timed out" in msg and "0.05s" in msg
     assert storage.RETRY_DEADLINE_OPTION in msg
@@ -78,14 +78,14 @@ def test_retries_stop_at_the_deadline_with_the_uri_in_the_message() -> None:
 def test_permanent_errors_are_raised_at_once(error: BaseException) -> None:
     fn = Flaky(1, error)
     with pytest.raises(type(error)):
-        storage.with_retries(fn, what="x", base_delay=0.001)
+        retries.with_retries(fn, what="x", base_delay=0.001)
     assert fn.calls == 1
 
 
 def test_attempts_still_bound_the_retries() -> None:
     fn = Flaky(10, ConnectionResetError("reset"))
     with pytest.raises(StorageError, match="after 3 attempt"):
-        storage.with_retries(fn, what="x", attempts=3, base_delay=0.001)
+        retries.with_retries(fn, what="x", attempts=3, base_delay=0.001)
     assert fn.calls == 3
 
 
@@ -107,61 +107,61 @@ def test_s3_locations_have_no_retry_layer_underneath() -> None:
 
 
 @pytest.fixture
-def clock() -> Iterator[storage.RetryClock]:
-    storage.RETRY_CLOCK.reset()
-    yield storage.RETRY_CLOCK
-    storage.RETRY_CLOCK.reset()
+def clock() -> Iterator[retries.RetryClock]:
+    retries.RETRY_CLOCK.reset()
+    yield retries.RETRY_CLOCK
+    retries.RETRY_CLOCK.reset()
 
 
 def test_a_store_failing_past_the_deadline_fails_later_calls_at_once(
-    clock: storage.RetryClock,
+    clock: retries.RetryClock,
 ) -> None:
     """The deadline counts from the store's first failure, not per call: with a dead server,
     each call used to wait the whole deadline again (218 s for a run with a 60 s deadline)."""
     first = Flaky(10**9, ConnectionRefusedError("refused"))
     with pytest.raises(StorageError, match="attempt"):
-        storage.with_retries(first, what="a", base_delay=0.01, deadline_s=0.2, store="s3-x")
+        retries.with_retries(first, what="a", base_delay=0.01, deadline_s=0.2, store="s3-x")
     assert first.calls > 1
     time.sleep(0.2)  # the first call gave up early, before a back-off would pass the deadline
     second = Flaky(10**9, ConnectionRefusedError("refused"))
     with pytest.raises(StorageError):
-        storage.with_retries(second, what="b", base_delay=0.01, deadline_s=0.2, store="s3-x")
+        retries.with_retries(second, what="b", base_delay=0.01, deadline_s=0.2, store="s3-x")
     assert second.calls == 1  # the store has been failing for longer than the deadline
     # Another store is not failing; and a call that succeeds ends this store's outage.
     other = Flaky(2, ConnectionRefusedError("refused"))
-    assert storage.with_retries(other, what="c", base_delay=0.01, store="gs-y") == "ok"
-    assert storage.with_retries(lambda: "up", what="d", store="s3-x") == "up"
+    assert retries.with_retries(other, what="c", base_delay=0.01, store="gs-y") == "ok"
+    assert retries.with_retries(lambda: "up", what="d", store="s3-x") == "up"
     third = Flaky(2, ConnectionRefusedError("refused"))
-    assert storage.with_retries(third, what="e", base_delay=0.01, store="s3-x") == "ok"
+    assert retries.with_retries(third, what="e", base_delay=0.01, store="s3-x") == "ok"
     assert third.calls == 3
 
 
-def test_a_worker_that_outlives_a_run_forgets_its_outages(clock: storage.RetryClock) -> None:
+def test_a_worker_that_outlives_a_run_forgets_its_outages(clock: retries.RetryClock) -> None:
     """A worker of an existing cluster serves many runs: an outage it saw in the last run (the
     store never answered it again) must not make the next run's first failure final."""
     clock.working_for("run-1")
     with pytest.raises(StorageError):
-        storage.with_retries(
+        retries.with_retries(
             Flaky(10**9, TimeoutError()), what="a", base_delay=0.01, deadline_s=0.05, store="s"
         )
     time.sleep(0.05)
     clock.working_for("run-1")  # the same run: the store is still failing
     with pytest.raises(StorageError):
-        storage.with_retries(Flaky(1, TimeoutError()), what="b", deadline_s=0.05, store="s")
+        retries.with_retries(Flaky(1, TimeoutError()), what="b", deadline_s=0.05, store="s")
     clock.working_for("run-2")
     fn = Flaky(1, TimeoutError())
-    assert storage.with_retries(fn, what="c", base_delay=0.001, deadline_s=0.05, store="s") == "ok"
+    assert retries.with_retries(fn, what="c", base_delay=0.001, deadline_s=0.05, store="s") == "ok"
 
 
-def test_after_the_run_failed_on_storage_calls_are_not_retried(clock: storage.RetryClock) -> None:
+def test_after_the_run_failed_on_storage_calls_are_not_retried(clock: retries.RetryClock) -> None:
     clock.expire()
     fn = Flaky(1, ConnectionResetError("reset"))
     with pytest.raises(StorageError, match="the run has already failed on storage"):
-        storage.with_retries(fn, what="writing s3://b/_report.json", store="s3-x")
+        retries.with_retries(fn, what="writing s3://b/_report.json", store="s3-x")
     assert fn.calls == 1
-    assert storage.with_retries(lambda: "ok", what="f", store="s3-x") == "ok"  # one that works
+    assert retries.with_retries(lambda: "ok", what="f", store="s3-x") == "ok"  # one that works
     clock.reset()
-    assert storage.with_retries(Flaky(1, TimeoutError()), what="g", base_delay=0.001) == "ok"
+    assert retries.with_retries(Flaky(1, TimeoutError()), what="g", base_delay=0.001) == "ok"
 
 
 @pytest.mark.parametrize(
@@ -180,7 +180,7 @@ def test_after_the_run_failed_on_storage_calls_are_not_retried(clock: storage.Re
 def test_storage_failures_are_told_from_other_errors(
     error: BaseException, storage_failure: bool
 ) -> None:
-    assert storage.is_storage_failure(error) is storage_failure
+    assert retries.is_storage_failure(error) is storage_failure
 
 
 def test_a_corrupt_shard_is_not_a_storage_failure(tmp_path: Path) -> None:
@@ -188,7 +188,7 @@ def test_a_corrupt_shard_is_not_a_storage_failure(tmp_path: Path) -> None:
     bad.write_bytes(b"PAR1" + b"\0" * 100 + b"PAR1")
     with pytest.raises(Exception) as e:
         pq.read_table(bad)
-    assert not storage.is_storage_failure(e.value)
+    assert not retries.is_storage_failure(e.value)
     assert storage.write_failure(storage.locate(str(bad)), e.value) is None
 
 
@@ -276,7 +276,7 @@ def test_output_symlinked_into_the_input_is_refused(tmp_path: Path) -> None:
     rej = out.child("_rejects")
     assert storage.real_path(out).path == str(tmp_path / "in" / "scored")
     with pytest.raises(ConfigError) as e:
-        storage.check_disjoint(str(tmp_path / "in"), out, rej)
+        listing.check_disjoint(str(tmp_path / "in"), out, rej)
     assert str(tmp_path / "out") in str(e.value) and str(tmp_path / "in") in str(e.value)
 
 
@@ -285,21 +285,21 @@ def test_a_glob_that_can_match_the_output_is_refused(tmp_path: Path) -> None:
     out = storage.locate(str(tmp_path / "data" / "scored"))
     rej = storage.locate(str(tmp_path / "rejects"))
     with pytest.raises(ConfigError, match="glob can match"):
-        storage.check_disjoint(str(tmp_path / "data" / "*" / "*.parquet"), out, rej)
+        listing.check_disjoint(str(tmp_path / "data" / "*" / "*.parquet"), out, rej)
     # A glob that cannot reach the output is fine, even next to it.
-    storage.check_disjoint(str(tmp_path / "data" / "in" / "*.parquet"), out, rej)
-    storage.check_disjoint(str(tmp_path / "data" / "i*"), out, rej)
+    listing.check_disjoint(str(tmp_path / "data" / "in" / "*.parquet"), out, rej)
+    listing.check_disjoint(str(tmp_path / "data" / "i*"), out, rej)
 
 
 def test_input_inside_the_output_and_separate_trees(tmp_path: Path) -> None:
     write_shards(tmp_path / "out" / "in", [300], row_group_rows=100)
     out = storage.locate(str(tmp_path / "out"))
     with pytest.raises(ConfigError, match="output"):
-        storage.check_disjoint(str(tmp_path / "out" / "in"), out, out.child("_rejects"))
+        listing.check_disjoint(str(tmp_path / "out" / "in"), out, out.child("_rejects"))
     other = storage.locate(str(tmp_path / "elsewhere"))
     with pytest.raises(ConfigError, match="rejects"):
-        storage.check_disjoint(str(tmp_path / "out" / "in"), other, out)
-    storage.check_disjoint(str(tmp_path / "out" / "in"), other, other.child("_rejects"))
+        listing.check_disjoint(str(tmp_path / "out" / "in"), other, out)
+    listing.check_disjoint(str(tmp_path / "out" / "in"), other, other.child("_rejects"))
 
 
 def test_a_shard_symlinked_from_the_output_is_refused(tmp_path: Path) -> None:
@@ -309,27 +309,27 @@ def test_a_shard_symlinked_from_the_output_is_refused(tmp_path: Path) -> None:
     (tmp_path / "in" / "sneaky.parquet").symlink_to(tmp_path / "out" / "part-00000.parquet")
     out = storage.locate(str(tmp_path / "out"))
     rej = out.child("_rejects")
-    storage.check_disjoint(str(tmp_path / "in"), out, rej)  # the trees themselves are apart
-    shards = storage.list_shards(str(tmp_path / "in"))
+    listing.check_disjoint(str(tmp_path / "in"), out, rej)  # the trees themselves are apart
+    shards = listing.list_shards(str(tmp_path / "in"))
     assert [s.rel_path for s in shards] == ["part-00000.parquet", "sneaky.parquet"]
     with pytest.raises(ConfigError, match=r"sneaky\.parquet") as e:
-        storage.check_disjoint(str(tmp_path / "in"), out, rej, shards=shards)
+        listing.check_disjoint(str(tmp_path / "in"), out, rej, shards=shards)
     assert str(tmp_path / "out") in str(e.value)
     with pytest.raises(ConfigError, match="would read its own output"):
-        storage.list_shards(str(tmp_path / "in"), exclude=[out, rej])
+        listing.list_shards(str(tmp_path / "in"), exclude=[out, rej])
     (tmp_path / "in" / "sneaky.parquet").unlink()
-    assert len(storage.list_shards(str(tmp_path / "in"), exclude=[out, rej])) == 1
+    assert len(listing.list_shards(str(tmp_path / "in"), exclude=[out, rej])) == 1
 
 
 def test_different_filesystems_never_overlap(tmp_path: Path, mem_root: str) -> None:
     write_shards(tmp_path / "in", [100], row_group_rows=50)
     out = storage.locate(f"{mem_root}{tmp_path}/in/out")
-    storage.check_disjoint(str(tmp_path / "in"), out, out.child("_rejects"))
+    listing.check_disjoint(str(tmp_path / "in"), out, out.child("_rejects"))
 
 
 def test_listing_a_missing_input_is_an_input_error(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="does not exist"):
-        storage.list_shards(str(tmp_path / "nothing"))
+        listing.list_shards(str(tmp_path / "nothing"))
 
 
 # --------------------------------------------------------------------------- ownership
@@ -385,4 +385,4 @@ def test_rejects_overlapping_the_output_is_refused(tmp_path: Path, rejects: str)
     out = storage.locate(str(tmp_path / "out"))
     rej = storage.locate(str(tmp_path / rejects))
     with pytest.raises(ConfigError, match="overlaps the output"):
-        storage.check_disjoint(str(tmp_path / "in"), out, rej)
+        listing.check_disjoint(str(tmp_path / "in"), out, rej)

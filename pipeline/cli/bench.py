@@ -63,8 +63,8 @@ def _rows_from_input(
     """(loaded model, ``rows`` valid input rows of the first shard, where they came from)."""
     import torch
 
+    from pipeline.io.listing import list_shards
     from pipeline.io.parquet import read_footer
-    from pipeline.io.storage import list_shards
     from pipeline.model.bundle import load_model, read_bundle
     from pipeline.model.features import check_schema, data_widths
     from pipeline.worker.batching import ShardBatches

@@ -452,8 +452,8 @@ def plan(job: Path | None, as_json: bool, **opts: Any) -> None:
     real rows at the configured batch size to estimate the scoring time. Exits 3 when a shard
     would fail (unreadable, or its columns do not fit the model), naming it.
     """
+    from pipeline.core.jsontext import to_json
     from pipeline.driver.planning import plan_job, plan_table
-    from pipeline.io.storage import to_json
 
     console = _console(opts)
     try:
@@ -489,8 +489,8 @@ def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_j
     the output template's fixed part) or the report file; any fsspec URI works (s3://...).
     """
     from pipeline.core.errors import ConfigError
+    from pipeline.core.jsontext import to_json
     from pipeline.core.storage_options import unknown_options
-    from pipeline.io.storage import to_json
     from pipeline.report.build import RunReport, diff_table, load_report, summary_table
 
     console = logs.Console.setup("text", -1)

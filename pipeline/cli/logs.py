@@ -163,7 +163,7 @@ def json_line(obj: Mapping[str, Any]) -> str:
     """One line of ASCII JSON: control characters and non-ASCII escaped, never a raw newline;
     strict JSON like every document the tool writes (NaN/inf become null: ``NaN`` is not JSON)."""
     # Downward and lazily: this module imports nothing heavy at the top.
-    from pipeline.io.storage import to_json
+    from pipeline.core.jsontext import to_json
 
     return to_json(obj, compact=True)
 

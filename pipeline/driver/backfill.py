@@ -40,7 +40,7 @@ from pipeline.core.interrupt import StopRequest
 from pipeline.core.signals import EarlyStop
 from pipeline.core.statuses import FAILED_PARTITION_STATUSES, PartitionStatus, RunStatus
 from pipeline.driver.run import run
-from pipeline.io import layout, runindex, storage
+from pipeline.io import layout, listing, runindex, storage
 from pipeline.io.layout import REPORT_NAME, SUCCESS_NAME
 from pipeline.io.manifest import Manifest
 from pipeline.io.parquet import read_footer
@@ -125,14 +125,14 @@ def _check_some_input(config: JobConfig, days: list[str]) -> None:
     the input template, not a gap in the archive. Stops at the first day that has input, so a
     normal backfill pays one existence check here."""
     for day in days:
-        if storage.input_exists(storage.locate(config.input.format(date=day), config.storage)):
+        if listing.input_exists(storage.locate(config.input.format(date=day), config.storage)):
             return
     first = storage.locate(config.input.format(date=days[0]), config.storage)
     others = f", nor does the input of the other {len(days) - 1} days" if len(days) > 1 else ""
     raise InputError(
         f"no day from {days[0]} to {days[-1]} has input: input = {config.input!r} gives "
         f"{first.uri} for {days[0]}, which does not exist{others}; nothing was scored or "
-        f"written. Check the input template{storage.missing_hint(first, literal=days[0])}"
+        f"written. Check the input template{listing.missing_hint(first, literal=days[0])}"
     )
 
 
@@ -165,7 +165,7 @@ def _input_unchanged(config: JobConfig, where: layout.Places) -> bool:
     rewritten in place with its size and mtime kept (``cp -p``, ``rsync -a``) is caught by its
     footer, as ``run`` catches it."""
     try:
-        shards = storage.list_shards(config.input_uri(), config.storage)
+        shards = listing.list_shards(config.input_uri(), config.storage)
         done = Manifest.load(where.control, where.old_controls).shards
     except PipelineError:
         return False
@@ -264,7 +264,7 @@ def _partition(
 ) -> dict[str, Any]:
     """One day: missing, skipped (done earlier with this bundle), or run; its summary entry."""
     inp = storage.locate(cfg.input_uri(), cfg.storage)
-    if not storage.input_exists(inp):
+    if not listing.input_exists(inp):
         return {"status": PartitionStatus.MISSING, "message": f"input {inp.uri} does not exist"}
     done = None if force else _finished(cfg, sha)
     if done is not None:

@@ -22,10 +22,11 @@ from pipeline.core.faults import checkpoint
 from pipeline.core.statuses import SUCCESS_STATUSES, FailureKind, RunStatus
 from pipeline.driver.dispatch import not_scored
 from pipeline.driver.reconcile import Reconciliation, Wanted, reconcile, verify, wanted
-from pipeline.io import runindex, storage
+from pipeline.io import retries, runindex, storage
 from pipeline.io.layout import HTML_NAME, REPORT_NAME, SUCCESS_NAME
+from pipeline.io.listing import ShardRef
 from pipeline.io.locking import LockLostError
-from pipeline.io.storage import Location, ShardRef
+from pipeline.io.storage import Location
 from pipeline.report import verdict as verdict_mod
 from pipeline.report.build import RunFacts, RunReport, build_report, model_section
 from pipeline.report.html import render_html
@@ -373,7 +374,7 @@ def report_failure(run: ScoringRun, e: Exception) -> dict[str, Any] | None:
     """
     if run.lock_ is None or isinstance(e, LockLostError):
         return None
-    on_storage = storage.is_storage_failure(e)
+    on_storage = retries.is_storage_failure(e)
     why = describe(e) if on_storage else f"unexpected error: {describe(e)}"
     if on_storage and not why.startswith("storage failure: "):
         why = f"storage failure: {why}"

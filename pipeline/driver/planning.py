@@ -31,10 +31,11 @@ from pipeline.driver.preparation import (
     sample_rows,
 )
 from pipeline.driver.reconcile import Expected, file_problems
-from pipeline.io import layout, nesting, storage
+from pipeline.io import layout, nesting, ownership, storage
+from pipeline.io.listing import ShardRef
 from pipeline.io.manifest import Manifest, expectation, fingerprint_hash
 from pipeline.io.parquet import ShardInfo
-from pipeline.io.storage import Location, ShardRef
+from pipeline.io.storage import Location
 from pipeline.model import oov, registry
 from pipeline.model.bundle import forward, read_bundle, resolve_device, rows_of
 from pipeline.model.precision import ExecutionOptions, prepare
@@ -57,7 +58,7 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     shards = list_input(config)
     # What a run would refuse before writing (a missing bucket, an output under a file, an
     # output that contains or lies inside another).
-    storage.check_write_target(out_root, "output", create_bucket=config.create_output_bucket)
+    ownership.check_write_target(out_root, "output", create_bucket=config.create_output_bucket)
     nesting.check(out_root)
     device = resolve_device(config.device)
     spec, _, sha = read_bundle(config.model, opts)

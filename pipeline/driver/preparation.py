@@ -26,10 +26,10 @@ from pipeline.core.config import JobConfig, setting
 from pipeline.core.errors import ConfigError, MissingInputError, ModelError, SchemaError, ShardError
 from pipeline.core.statuses import FailureKind, ShardStatus
 from pipeline.driver.cluster import Plan
-from pipeline.io import storage
+from pipeline.io import listing, storage
+from pipeline.io.listing import ShardRef
 from pipeline.io.manifest import settings_hash
 from pipeline.io.parquet import ShardInfo, read_footer
-from pipeline.io.storage import ShardRef
 from pipeline.model.bundle import (
     BundleSpec,
     Inputs,
@@ -111,11 +111,11 @@ def check_output_columns(config: JobConfig, spec: BundleSpec) -> None:
 
 
 def list_input(config: JobConfig) -> list[ShardRef]:
-    """The input shards of ``config`` (:func:`pipeline.io.storage.list_shards`). A templated input
+    """The input shards of ``config`` (:func:`pipeline.io.listing.list_shards`). A templated input
     whose day does not exist says which day, and where that day came from, and lists the
     partitions that do exist instead of guessing another date."""
     try:
-        return storage.list_shards(config.input_uri(), config.storage)
+        return listing.list_shards(config.input_uri(), config.storage)
     except MissingInputError as e:
         if "{date}" not in config.input:
             raise
@@ -131,7 +131,7 @@ def missing_partition_message(config: JobConfig) -> str:
     loc = storage.locate(uri, config.storage)
     return (
         f"input {uri} does not exist: no partition for {day} ({source}; input = "
-        f"{config.input!r}){storage.missing_hint(loc, literal=day)}"
+        f"{config.input!r}){listing.missing_hint(loc, literal=day)}"
     )
 
 

@@ -50,22 +50,17 @@ from pipeline.driver.preparation import (
     run_settings,
 )
 from pipeline.driver.reconcile import Expected, Removal, clear_the_way, file_problems
-from pipeline.io import layout, nesting, storage
+from pipeline.io import layout, listing, nesting, ownership, retries, storage
 from pipeline.io.layout import SUCCESS_NAME as SUCCESS_NAME  # public: pipeline.run.SUCCESS_NAME
+from pipeline.io.listing import ShardRef
 from pipeline.io.locking import LOCK_LOST_KIND, LockLostError, RunLock
-from pipeline.io.manifest import (
-    FencedManifest,
-    Manifest,
-    expectation,
-    fingerprint_hash,
-)
+from pipeline.io.manifest import FencedManifest, Manifest, expectation, fingerprint_hash
 from pipeline.io.ownership import (
     ForeignFiles,
     check_output_owner,
     check_rejects_location,
     remove_foreign,
 )
-from pipeline.io.storage import ShardRef
 from pipeline.model import oov, registry
 from pipeline.model.bundle import LoadedModel, read_bundle, resolve_device
 from pipeline.report.build import RunReport
@@ -130,8 +125,8 @@ class ScoringRun:
         self.t0 = time.perf_counter()
         self.run_id = run_id or runcontext.new_run_id()
         runcontext.bind_run_id(self.run_id)  # every log line from here on, workers' included
-        storage.RETRY_CLOCK.reset()  # one retry deadline per run (storage.RetryClock)
-        storage.RETRY_CLOCK.working_for(self.run_id)
+        retries.RETRY_CLOCK.reset()  # one retry deadline per run (retries.RetryClock)
+        retries.RETRY_CLOCK.working_for(self.run_id)
         opts = config.storage
         # Manifest, report, HTML page, run index and default rejects: outside the template's
         # fixed part, which readers query as one dataset (pipeline.io.layout).
@@ -188,7 +183,7 @@ class ScoringRun:
         config, opts = self.config, self.config.storage
         input_uri = config.input_uri()
         self.shards: list[ShardRef] = list_input(config)
-        storage.check_disjoint(
+        listing.check_disjoint(
             input_uri, self.out_root, self.rej_root, options=opts, shards=self.shards
         )
         self._stop_if_asked()
@@ -197,7 +192,7 @@ class ScoringRun:
         self.buckets_to_create = [
             bucket
             for loc, what in ((self.out_root, "output"), (self.rej_root, "rejects"))
-            if (bucket := storage.check_write_target(loc, what, create_bucket=create))
+            if (bucket := ownership.check_write_target(loc, what, create_bucket=create))
         ]
         # Outputs never nest: one that contains, lies inside or is the template root of
         # another output of this tool is refused before the model is even loaded.
@@ -269,7 +264,7 @@ class ScoringRun:
         self._stop_if_asked()  # the lock is released on the way out (execute)
         layout.claim(self.places, self.lock_.assert_held)
         for root in (self.out_root, self.rej_root):
-            for path in storage.remove_stale_temporaries(root):
+            for path in storage.remove_temporaries(root):
                 logger.info("removed a temporary file left by an interrupted run: %s", path)
         loaded = Manifest.load(self.control, self.places.old_controls)
         self.manifest = FencedManifest(
@@ -434,7 +429,7 @@ class ScoringRun:
             if result.kind == FailureKind.STORAGE:
                 # The run stops here; what it still writes (manifest, report, lock) takes one
                 # attempt each instead of waiting out another retry deadline on a dead store.
-                storage.RETRY_CLOCK.expire()
+                retries.RETRY_CLOCK.expire()
             return
         s = self._by_path[task.rel_path]
         expect = self._expect(s)
@@ -482,7 +477,7 @@ class ScoringRun:
         fatal = self.fatal
         if fatal is None or fatal.kind != FailureKind.STORAGE:
             return None
-        if not storage.is_storage_failure(e):
+        if not retries.is_storage_failure(e):
             return None
         return StorageError(
             f"storage failure: {fatal.message} (finishing the run failed too: "
@@ -539,9 +534,9 @@ def run(
             summary = finish.failed_summary(config.name, started_at, duration, e, status)
         finish.publish_metrics(config, summary)
         runcontext.bind_run_id(outer_run_id)
-        storage.RETRY_CLOCK.reset()  # the caller's own storage calls are retried as before
+        retries.RETRY_CLOCK.reset()  # the caller's own storage calls are retried as before
         raise
     finish.publish_metrics(config, report.data)
     runcontext.bind_run_id(outer_run_id)
-    storage.RETRY_CLOCK.reset()
+    retries.RETRY_CLOCK.reset()
     return report

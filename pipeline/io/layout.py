@@ -257,15 +257,9 @@ def candidates(out: Location) -> list[Location]:
         if uri is None:
             continue
         rest = below(top.path, out.path)
-        area = sibling(top, uri)
+        area = storage.sibling(top, uri)
         found.append(area.child(rest) if rest else area)
     return [*found, out]
-
-
-def sibling(loc: Location, uri: str) -> Location:
-    """A Location for ``uri`` on ``loc``'s storage (same options, same client)."""
-    path = loc.fs._strip_protocol(uri)
-    return Location(loc.fs, path, path if loc.is_local else uri, loc.retry_deadline_s)
 
 
 def find(out: Location, name: str) -> Location | None:

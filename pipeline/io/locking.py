@@ -47,14 +47,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.core.errors import LockError, StorageError
-from pipeline.io import storage
+from pipeline.io import retries, storage
+from pipeline.io.layout import HEARTBEAT_PREFIX, LOCK_NAME, TAKEOVER_PREFIX
 from pipeline.io.storage import Location
 
 logger = logging.getLogger(__name__)
 
-LOCK_NAME = "_lock.json"
-HEARTBEAT_PREFIX = "_lock.heartbeat-"
-TAKEOVER_PREFIX = "_lock.takeover-"
 # A takeover claim older than this belongs to a contender that died mid-takeover (which takes
 # milliseconds); the next contender then claims the next generation instead.
 TAKEOVER_GRACE_S = 30.0
@@ -469,10 +467,10 @@ class RunLock:
                     hb, {"run_id": self.run_id, "token": self.token, "heartbeat_ts": time.time()}
                 )
             except Exception as e:
-                if storage.is_permanent_storage_failure(e):
+                if retries.is_permanent_storage_failure(e):
                     # Its storage is full, read-only or refused: the run cannot go on there.
                     self._failure = StorageError(
-                        f"cannot refresh the lock heartbeat {hb.uri}: {storage.cause_of(e)}",
+                        f"cannot refresh the lock heartbeat {hb.uri}: {retries.cause_of(e)}",
                         uri=hb.uri,
                     )
                     logger.warning("%s", self._failure)

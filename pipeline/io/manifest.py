@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.core.errors import StorageError
 from pipeline.io import storage
-from pipeline.io.storage import Location, ShardRef
+from pipeline.io.layout import MANIFEST_NAME
+from pipeline.io.listing import ShardRef
+from pipeline.io.storage import Location
 
-if TYPE_CHECKING:  # storage reads MANIFEST_NAME from here: keep torch out of this import
+if TYPE_CHECKING:
     from pipeline.io.parquet import ShardInfo
 
-MANIFEST_NAME = "_manifest.json"
 SCHEMA_VERSION = 1
 SAVE_BUDGET = 0.1  # share of the driver's time that manifest saves may take
 

@@ -27,7 +27,7 @@ from typing import Any
 from pipeline.core import templates
 from pipeline.core.errors import ConfigError
 from pipeline.io import layout, storage
-from pipeline.io.manifest import MANIFEST_NAME
+from pipeline.io.layout import MANIFEST_NAME
 from pipeline.io.storage import Location
 
 #: Names whose presence in a folder says an output of this tool is (or was) there.
@@ -99,7 +99,7 @@ def _index_dirs(out: Location, files: list[str]) -> list[Location]:
     dirs = []
     area = templates.beside(out.uri, layout.CONTROL_DIR)
     if area is not None:
-        dirs.append(layout.sibling(out, area).child(layout.RUN_INDEX_DIR))
+        dirs.append(storage.sibling(out, area).child(layout.RUN_INDEX_DIR))
     if any(rel.startswith(layout.RUN_INDEX_DIR + "/") for rel in files):
         dirs.append(out.child(layout.RUN_INDEX_DIR))
     return dirs

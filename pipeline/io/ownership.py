@@ -1,5 +1,6 @@
-"""What is ours: which folders and files this tool wrote, told from their names and from the
-key-value metadata in their Parquet footers (:mod:`pipeline.io.layout` names both).
+"""What is ours, and where a run may write: which folders and files this tool wrote, told from
+their names and from the key-value metadata in their Parquet footers (:mod:`pipeline.io.layout`
+names both), and locations that cannot hold a folder (:func:`check_write_target`).
 
 Before a run takes an output, :func:`check_output_owner` refuses a folder holding what this tool
 did not write and :func:`check_rejects_location` a rejects folder holding another output's
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pipeline.core.errors import ConfigError, ShardError
+from pipeline.core.errors import ConfigError, ShardError, StorageError
 from pipeline.io import layout, storage
 from pipeline.io.layout import OUTPUT_KEY, WRITER, WRITER_KEY, is_visible, owner_key, visible_files
 from pipeline.io.parquet import read_footer
@@ -87,9 +88,9 @@ def classify_output(
     except FileNotFoundError:
         return OutputState("absent")
     except NotADirectoryError as e:
-        raise storage.not_a_folder("output", root, root.path) from e
+        raise not_a_folder("output", root, root.path) from e
     if not entries and root.is_local and storage.is_file(root):
-        raise storage.not_a_folder("output", root, root.path)
+        raise not_a_folder("output", root, root.path)
     if not entries:
         return OutputState("absent" if not storage.exists(root) else "empty")
     names = [e.name for e in entries]
@@ -193,7 +194,7 @@ def check_rejects_location(
     """
     blocker = storage.file_in_the_way(rej_root)
     if blocker is not None:
-        raise storage.not_a_folder("rejects", rej_root, blocker)
+        raise not_a_folder("rejects", rej_root, blocker)
     names = visible_files(rej_root)
     if rel_paths is not None:
         names = sorted(set(names) & set(rel_paths))
@@ -264,3 +265,36 @@ def remove_foreign(
         else:
             found.kept.append(loc.uri)
     return found
+
+
+# --------------------------------------------------------------------------- where a run may write
+
+
+def not_a_folder(what: str, loc: Location, blocker: str) -> StorageError:
+    """The error for a ``what`` (output, rejects) location that a file keeps from being a folder."""
+    return StorageError(
+        f"{what} {loc.uri} is a file or lies under one ({blocker}), not a folder: nothing was "
+        f"written. Point {what} at a folder (it is created if absent)."
+    )
+
+
+def check_write_target(loc: Location, what: str, *, create_bucket: bool) -> Location | None:
+    """Refuse, before anything is written, a ``what`` (``output``, ``rejects``) location that
+    cannot hold a folder: a local path that is a file or lies under one, or an object-store
+    path whose bucket does not exist (unless ``create_bucket``: then that bucket is returned,
+    for the caller to create with :func:`pipeline.io.storage.create_bucket` once it writes)."""
+    if loc.is_local:
+        blocker = storage.file_in_the_way(loc)
+        if blocker is not None:
+            raise not_a_folder(what, loc, blocker)
+        return None
+    bucket = storage.bucket_of(loc)
+    if bucket is None or storage.bucket_exists(bucket):
+        return None
+    if create_bucket:
+        return bucket
+    raise ConfigError(
+        f"{what} {loc.uri}: bucket {bucket.path!r} does not exist at {bucket.uri}. Check the "
+        "name (and the endpoint in [storage]), create the bucket, or set "
+        "create_output_bucket = true (--create-output-bucket) to let the run create it"
+    )

@@ -21,7 +21,7 @@ from pipeline.core import templates
 from pipeline.core.errors import PipelineError
 from pipeline.core.statuses import RunStatus
 from pipeline.io import storage
-from pipeline.io.layout import RUN_INDEX_DIR
+from pipeline.io.layout import ACCEPTED_DIR, RUN_INDEX_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,6 @@ SUCCESS_STATUSES = frozenset(
 )
 REQUIRED_KEYS = ("run_id", "job", "status", "started_at", "finished_at", "output", "report")
 #: Drift acceptances (``score-catalog accept-drift``), below the job's folder of the index.
-ACCEPTED_DIR = "_accepted"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 

@@ -30,7 +30,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.core.errors import ConfigError, ModelError
-from pipeline.io import storage
+from pipeline.io import listing, storage
 from pipeline.model import programcache
 from pipeline.model.inputs import DTYPES, InputSpec, example_tensor, parse_inputs, parse_vocabulary
 
@@ -258,7 +258,7 @@ def read_bundle(
         if not storage.exists(root):
             # A typo in the path, not a folder that lacks its model.toml: say which.
             raise ModelError(
-                f"model bundle {uri} does not exist{storage.missing_hint(root)} (a bundle is a "
+                f"model bundle {uri} does not exist{listing.missing_hint(root)} (a bundle is a "
                 "directory holding model.toml and one weights file)"
             ) from None
         raise ModelError(

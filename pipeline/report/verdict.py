@@ -34,7 +34,8 @@ from typing import Any
 from pipeline.core.config import JobConfig
 from pipeline.core.errors import UsageError
 from pipeline.io import runindex
-from pipeline.io.manifest import MANIFEST_NAME, Manifest, fingerprint_hash
+from pipeline.io.layout import MANIFEST_NAME
+from pipeline.io.manifest import Manifest, fingerprint_hash
 from pipeline.report import drift as drift_mod
 
 logger = logging.getLogger(__name__)
@@ -285,7 +286,7 @@ def accept(
     # (the control area beside the template's root, or an older layout's place).
     found = layout.find(out, MANIFEST_NAME)
     kept = (
-        Manifest.load(layout.sibling(out, found.uri.rsplit("/", 1)[0])).verdict if found else None
+        Manifest.load(storage.sibling(out, found.uri.rsplit("/", 1)[0])).verdict if found else None
     )
     if not kept or kept.get("version") != RECORD_VERSION or not isinstance(kept.get("drift"), dict):
         raise UsageError(

@@ -63,8 +63,8 @@ def check_bundle(
 def _from_input(
     uri: str, input_uri: str, rows: int, device: str, options: Mapping[str, Any] | None
 ) -> BundleCheck:
+    from pipeline.io.listing import list_shards
     from pipeline.io.parquet import read_footer
-    from pipeline.io.storage import list_shards
     from pipeline.model.features import check_schema, data_widths
     from pipeline.worker.batching import ShardBatches
 

@@ -27,7 +27,7 @@ import torch
 from pipeline.core.errors import ShardError
 from pipeline.core.faults import checkpoint
 from pipeline.core.statuses import FailureKind, ShardStatus
-from pipeline.io import storage
+from pipeline.io import retries, storage
 from pipeline.io.layout import footer_metadata, rejects_metadata
 from pipeline.io.locking import LOCK_LOST_KIND, LockLostError, assert_holder
 from pipeline.model.bundle import Inputs, LoadedModel, load_model
@@ -354,8 +354,8 @@ def score_shard(spec: WorkerSpec, task: ShardTask) -> ShardResult:
 
     A transient storage error (a connection reset, a 503 mid-upload) scores the shard again
     after a back-off, until the store has failed for ``retry_deadline_s`` in this process
-    (:class:`~pipeline.io.storage.RetryClock`); the staged commit makes that harmless. A storage
-    failure (:func:`~pipeline.io.storage.is_storage_failure`: a full or read-only disk, a
+    (:class:`~pipeline.io.retries.RetryClock`); the staged commit makes that harmless. A storage
+    failure (:func:`~pipeline.io.retries.is_storage_failure`: a full or read-only disk, a
     permission refused, a store still gone at the deadline) is the result ``storage``, which
     stops the run: not an exception, so that Dask does not run the task again against the same
     disk. Any other exception propagates, and Dask retries the task (``task_retries``).
@@ -363,7 +363,7 @@ def score_shard(spec: WorkerSpec, task: ShardTask) -> ShardResult:
     t0 = time.perf_counter()
     started = time.time()
     _set_threads(spec)
-    storage.RETRY_CLOCK.working_for(spec.lock_run_id)
+    retries.RETRY_CLOCK.working_for(spec.lock_run_id)
     failing_since: float | None = None  # when the first try that failed on storage began
     for attempt in itertools.count(1):
         try:
@@ -386,7 +386,7 @@ def score_shard(spec: WorkerSpec, task: ShardTask) -> ShardResult:
             continue
         if failing_since is not None:  # the store answers again
             out = storage.locate(task.output_uri, spec.storage_options)
-            storage.RETRY_CLOCK.succeeded(storage.store_key(out.fs))
+            retries.RETRY_CLOCK.succeeded(retries.store_key(out.fs))
         result.started_at, result.finished_at = started, time.time()
         return result
     raise AssertionError("unreachable")  # pragma: no cover
@@ -414,25 +414,25 @@ def _storage_failure(
     failed try began at ``since``, monotonic): the message of a storage failure (the shard
     fails as ``storage``), seconds to wait before scoring it again (a transient storage error
     within the deadline), or None (not the storage's: raise it)."""
-    if storage.is_storage_failure(e):
-        return f"shard {task.input_uri}: {storage.cause_of(e)}"
-    if not storage.is_transient(e) or type(e).__module__.split(".")[0] == "pyarrow":
+    if retries.is_storage_failure(e):
+        return f"shard {task.input_uri}: {retries.cause_of(e)}"
+    if not retries.is_transient(e) or type(e).__module__.split(".")[0] == "pyarrow":
         return None
     out = storage.locate(task.output_uri, spec.storage_options)
-    delay, elapsed = storage.next_delay(
-        store=storage.store_key(out.fs),
+    delay, elapsed = retries.next_delay(
+        store=retries.store_key(out.fs),
         start=since,
         attempt=attempt,
         deadline=out.retry_deadline_s,
     )
     if delay < 0:
-        why = storage.gave_up(attempt, elapsed, out.retry_deadline_s)
-        return f"shard {task.input_uri}: storage failed {why}: {storage.cause_of(e)}"
-    logger.log(  # the first try that failed; the later ones at DEBUG, as storage.with_retries
+        why = retries.gave_up(attempt, elapsed, out.retry_deadline_s)
+        return f"shard {task.input_uri}: storage failed {why}: {retries.cause_of(e)}"
+    logger.log(  # the first try that failed; the later ones at DEBUG, as retries.with_retries
         logging.WARNING if attempt == 1 else logging.DEBUG,
         "shard %s: storage error (%s); scoring it again in %.1fs",
         task.rel_path,
-        storage.cause_of(e),
+        retries.cause_of(e),
         delay,
     )
     return delay

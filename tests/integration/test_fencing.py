@@ -26,7 +26,8 @@ import pytest
 
 from pipeline import JobConfig, run
 from pipeline.io import storage
-from pipeline.io.locking import LOCK_NAME, LockLostError, RunLock
+from pipeline.io.layout import LOCK_NAME
+from pipeline.io.locking import LockLostError, RunLock
 from pipeline.worker.shard import ShardResult
 from tests.conftest import write_shards
 from tests.integration.helpers import (

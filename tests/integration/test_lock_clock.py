@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.errors import EXIT_OK, EXIT_RUN_FAILED
-from pipeline.io.locking import HEARTBEAT_PREFIX, LOCK_NAME
+from pipeline.io.layout import HEARTBEAT_PREFIX, LOCK_NAME
 from tests.integration.helpers import cli
 
 pytestmark = pytest.mark.integration

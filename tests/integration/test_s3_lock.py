@@ -15,7 +15,8 @@ import pytest
 
 from pipeline.core.errors import LockError
 from pipeline.io import storage
-from pipeline.io.locking import LOCK_NAME, RunLock, assert_holder
+from pipeline.io.layout import LOCK_NAME
+from pipeline.io.locking import RunLock, assert_holder
 from tests.integration.servers import S3Bucket, aws_env
 from tests.test_locking import STALE_S, Contender, race, superseded_holder
 
