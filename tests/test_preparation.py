@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from pipeline.core.config import JobConfig
 from pipeline.core.errors import ConfigError
-from pipeline.driver.preparation import _sweep_rows, run_settings
+from pipeline.driver.execution import _sweep_rows
+from pipeline.driver.inspect import run_settings
 from pipeline.model.bundle import parse_bundle_toml
 
 TOML = """

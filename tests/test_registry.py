@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.core.config import JobConfig
 from pipeline.core.errors import ConfigError
-from pipeline.driver.preparation import run_settings
+from pipeline.driver.inspect import run_settings
 from pipeline.model import registry
 from pipeline.model.bundle import parse_bundle_toml
 from pipeline.report.build import RunReport, summary_table

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from pipeline.cli import logs
-from pipeline.core.errors import ACCEPT_EXIT_CODES_HELP, EXIT_RUN_FAILED, PipelineError
+from pipeline.core.errors import ACCEPT_EXIT_CODES_HELP, EXIT_RUN_FAILED, PipelineError, describe
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -50,7 +50,6 @@ def accept_drift(output: str, reason: str, by: str | None, storage: dict[str, An
     succeeded (exit 0) and its report says the drift was accepted. Data that changes again is
     judged again.
     """
-    from pipeline.driver.finish import describe
     from pipeline.report.verdict import accept
 
     console = logs.Console.setup("text", -1)

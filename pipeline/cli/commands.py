@@ -38,6 +38,7 @@ from pipeline.core.errors import (
     REPORT_EXIT_CODES_HELP,
     PipelineError,
     UsageError,
+    describe,
 )
 from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import EXIT_CODES, Aborted, StopRequest, handle_signals, settled
@@ -235,8 +236,6 @@ def _fail(e: PipelineError, console: logs.Console) -> NoReturn:
 
 def _crash(e: Exception, console: logs.Console) -> NoReturn:
     """Any other error: one line naming it (its traceback only with -vv), exit 1."""
-    from pipeline.driver.finish import describe
-
     if console.verbosity >= 2:
         logging.getLogger(__name__).debug("traceback of the error", exc_info=e)
     console.error(f"run failed: {describe(e)}", EXIT_RUN_FAILED)

@@ -7,6 +7,11 @@ contract (cron mails them, dashboards alert on them), so they are defined here a
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
+logger = logging.getLogger("pipeline")
+
 EXIT_OK = 0
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
@@ -146,5 +151,19 @@ class ShardError(PipelineError):
         super().__init__(message)
 
 
-class RunFailed(PipelineError):
-    """The run finished but failed (beyond the error budget); the report has the details."""
+def describe(e: BaseException) -> str:
+    """One line naming what went wrong and where: our errors say it; others get their type
+    (``NotADirectoryError: [Errno 20] Not a directory: '/data/out/x.parquet'``)."""
+    if isinstance(e, PipelineError):
+        return str(e)
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def log_cleanup_error(step: Callable[[], object], what: str) -> None:
+    """Run a clean-up ``step``; its error is logged (``error while WHAT: ...``), never raised: it
+    would hide the error that ended the run."""
+    try:
+        step()
+    except Exception as e:
+        logger.warning("error while %s: %s", what, describe(e))

@@ -19,16 +19,14 @@ from pipeline.core import storage_options
 from pipeline.core.config import JobConfig
 from pipeline.driver.cluster import Plan, thread_plan
 from pipeline.driver.dispatch import group_tasks
-from pipeline.driver.preparation import (
-    SAMPLE_ROWS,
+from pipeline.driver.execution import SAMPLE_ROWS, pipeline_step, sample_rows
+from pipeline.driver.inspect import (
     Inspection,
     check_job_columns,
     inspect_shards,
     list_input,
     meta_fields,
-    pipeline_step,
     run_settings,
-    sample_rows,
 )
 from pipeline.driver.reconcile import Expected, file_problems
 from pipeline.io import layout, nesting, ownership, storage

@@ -721,7 +721,7 @@ def input_widths(
 ) -> tuple[int, ...]:
     """Each input's values per row: from ``model.toml``; where it leaves one open, from what
     the exported program records (``recorded``: :func:`program_widths`); else from ``widths``
-    (what the data gives: pipeline.driver.preparation; None where it says nothing). The program wins
+    (what the data gives: pipeline.driver.inspect; None where it says nothing). The program wins
     over the data: a shard whose lists are another size is then a schema problem of that
     shard (named, and skippable), not of the bundle. A declared width the data contradicts is
     a ModelError."""

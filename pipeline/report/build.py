@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import math
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -18,6 +19,25 @@ from pipeline.core.interrupt import exit_code_of
 from pipeline.core.statuses import FailureKind, RunStatus, ShardStatus
 from pipeline.io import layout
 from pipeline.report import drift as drift_mod
+from pipeline.report.schema import (
+    BatchLatency,
+    DriftComparison,
+    DriftNote,
+    ErrorEntry,
+    Execution,
+    LockHolderDetails,
+    LossyCastEntry,
+    ModelInfoWithRegistry,
+    OutputStats,
+    RemovedOutput,
+    ReportData,
+    ScoringSettingsWithVersion,
+    ShardEntry,
+    ThreadsInfo,
+    ThroughputPoint,
+    Verdict,
+    Versions,
+)
 from pipeline.worker import sketch as sketches
 
 if TYPE_CHECKING:  # `score-catalog report` reads reports without importing torch
@@ -280,17 +300,17 @@ def lossy_cast_entries(shards: Iterable[ShardResult]) -> list[dict[str, Any]]:
     shards casting it to float32 changed a value, with the first example; each logged once."""
     found: dict[tuple[str, str], dict[str, Any]] = {}
     for r in shards:
-        for column, cast in r.stats.lossy_casts.items():
+        for column, lossy in r.stats.lossy_casts.items():
             entry = found.setdefault(
-                (column, cast.from_type),
+                (column, lossy.from_type),
                 {
                     "column": column,
-                    "from_type": cast.from_type,
+                    "from_type": lossy.from_type,
                     "shards": 0,
                     "example": {
                         "shard": r.rel_path,
-                        "value": cast.value,
-                        "as_float32": cast.as_float32,
+                        "value": lossy.value,
+                        "as_float32": lossy.as_float32,
                     },
                 },
             )
@@ -348,7 +368,9 @@ def _counts(shards: list[ShardResult]) -> dict[str, Any]:
 def _judge(
     budget: ErrorPolicy, counts: dict[str, Any], accounting_ok: bool, fatal: ShardResult | None
 ) -> tuple[RunStatus, list[str]]:
-    """The run's status against its error budget, and the reasons when it failed."""
+    """What the error budget says of the shards: succeeded, succeeded with errors (within the
+    budget) or failed, and the reasons when failed. One input of the run's status
+    (:func:`pipeline.driver.status.decide`), not the status itself."""
     # Shards the run never got to, and shards whose storage failed (which stops the run), are
     # not failures of the data: the budget ignores them.
     n_failed = counts["shards_failed"] - counts["storage_failures"]
@@ -377,26 +399,99 @@ def _judge(
     return RunStatus.SUCCEEDED, reasons
 
 
-def build_report(
+@dataclass(frozen=True)
+class Draft:
+    """A run's report before its status is decided: everything the shards and the run's facts
+    say, and what the error budget says of them (one input of the decision)."""
+
+    facts: RunFacts
+    shards: tuple[ShardResult, ...]
+    duration: float
+    counts: dict[str, Any]
+    errors: tuple[dict[str, Any], ...]
+    warnings: tuple[str, ...]
+    accounting_ok: bool
+    budget: RunStatus  # succeeded, succeeded_with_errors or failed, by the error budget alone
+    budget_reasons: tuple[str, ...]
+
+    @property
+    def finished_at(self) -> str:
+        return (self.facts.started_at + dt.timedelta(seconds=self.duration)).isoformat()
+
+    @functools.cached_property
+    def scored(self) -> list[ShardResult]:
+        return [r for r in self.shards if r.status == ShardStatus.SCORED]
+
+    @functools.cached_property
+    def outputs(self) -> dict[str, dict[str, Any]]:
+        """The ``outputs`` section: score statistics over every shard in the output."""
+        return output_summary(r for r in self.shards if r.status != ShardStatus.FAILED)
+
+    def current(self) -> dict[str, Any]:
+        """The keys of the report the drift judge reads (``pipeline.report.verdict.judge``),
+        before the report exists."""
+        return {
+            "run_id": self.facts.run_id,
+            "output": self.facts.output,
+            "finished_at": self.finished_at,
+            "rows_out": self.counts["rows_out"],
+            "rows_processed": self.counts["rows_processed"],
+            "outputs": self.outputs,
+        }
+
+
+def draft_report(
     facts: RunFacts, shards: list[ShardResult], fatal: ShardResult | None, duration: float
-) -> dict[str, Any]:
-    """The ``_report.json`` of a finished run (drift is added later, by the finish phase)."""
+) -> Draft:
+    """The report of a finished run up to its status (see :class:`Draft`)."""
     errors, warnings = _problems(facts, shards)
     counts = _counts(shards)
     accounting_ok = not any(e["kind"] == FailureKind.ACCOUNTING for e in errors)
-    status, reasons = _judge(facts.error_budget, counts, accounting_ok, fatal)
-    scored = [r for r in shards if r.status == ShardStatus.SCORED]
+    budget, reasons = _judge(facts.error_budget, counts, accounting_ok, fatal)
+    return Draft(
+        facts,
+        tuple(shards),
+        duration,
+        counts,
+        tuple(errors),
+        tuple(warnings),
+        accounting_ok,
+        budget,
+        tuple(reasons),
+    )
+
+
+def build_report(  # noqa: PLR0913  (keyword-only: the parts of a report the run decides)
+    draft: Draft,
+    *,
+    status: RunStatus,
+    failure_reasons: Iterable[str] = (),
+    drift: dict[str, Any] | None = None,
+    verdict: dict[str, Any] | None = None,
+    warnings: Iterable[str] = (),
+    removed_outputs: Iterable[RemovedOutput] = (),
+    foreign_removed: Iterable[str] = (),
+    foreign_kept: Iterable[str] = (),
+) -> ReportData:
+    """The ``_report.json`` of a finished run: the ``draft`` with the run's ``status`` and
+    ``failure_reasons`` (``pipeline.driver.status.decide``), the dataset's ``drift`` and
+    ``verdict`` (``pipeline.report.verdict``), further ``warnings`` (after the draft's own),
+    what the run took out of the dataset (``removed_outputs``) and the files it did not write
+    (``foreign_removed``, ``foreign_kept``)."""
+    facts, counts, shards = draft.facts, draft.counts, list(draft.shards)
+    scored = draft.scored
     t0 = facts.started_at.timestamp()
     processed = counts["rows_processed"]
     budget = facts.error_budget
+    duration = draft.duration
     return {
         "schema_version": SCHEMA_VERSION,
         "run_id": facts.run_id,
         "job": facts.job,
         "status": status,
-        "failure_reasons": reasons,
+        "failure_reasons": list(failure_reasons),
         "started_at": facts.started_at.isoformat(),
-        "finished_at": (facts.started_at + dt.timedelta(seconds=duration)).isoformat(),
+        "finished_at": draft.finished_at,
         "duration_s": duration,
         "input": facts.input,
         "output": facts.output,
@@ -407,44 +502,42 @@ def build_report(
         "rows_processed": processed,
         "rows_per_s": processed / duration if duration > 0 else 0.0,
         "rejected_fraction": counts["rejected_fraction"],
-        "accounting_ok": accounting_ok,
+        "accounting_ok": draft.accounting_ok,
         "shards_total": counts["shards_total"],
         "shards_scored": counts["shards_scored"],
         "shards_skipped": counts["shards_skipped"],
         "shards_failed": counts["shards_failed"],
         "shards_not_scored": counts["shards_not_scored"],
         "batch_size": facts.batch_size,
-        "execution": facts.execution,
+        "execution": cast(Execution, facts.execution),
         "device": facts.device,
-        "threads": facts.threads,
-        "model": facts.model,
-        "settings": facts.settings,
+        "threads": cast(ThreadsInfo, facts.threads),
+        "model": cast(ModelInfoWithRegistry, facts.model),
+        "settings": cast(ScoringSettingsWithVersion, facts.settings),
         "error_budget": {
             "max_failed_shards": budget.max_failed_shards,
             "max_rejected_fraction": budget.max_rejected_fraction,
         },
-        "lock_taken_over": facts.lock_taken_over,
+        "lock_taken_over": cast("LockHolderDetails | None", facts.lock_taken_over),
         "oom_splits": sum(r.oom_splits for r in scored),
         # Over the whole output, as rows_out: shards skipped carry their manifest's counts.
         "duplicate_ids": sum(r.duplicate_ids for r in shards if r.status in _IN_OUTPUT),
         "null_ids": sum(r.null_ids for r in shards if r.status in _IN_OUTPUT),
-        "versions": versions(),
-        "batch_latency_ms": latency_summary(scored),
-        "outputs": output_summary(r for r in shards if r.status != ShardStatus.FAILED),
+        "versions": cast(Versions, versions()),
+        "batch_latency_ms": cast(BatchLatency, latency_summary(scored)),
+        "outputs": cast(dict[str, OutputStats], draft.outputs),
         "rejects_by_reason": _rejects_by_reason(shards),
-        "throughput": _throughput(scored, t0),
-        "drift": None,
-        # The drift verdict on the dataset (pipeline.report.verdict), filled in by the finish phase.
-        "verdict": None,
-        "errors": errors,
-        "warnings": warnings,
-        "lossy_casts": lossy_cast_entries(scored),
-        # Filled in by the run's finish phase (pipeline.driver.reconcile), which knows what it
-        # removed.
-        "removed_outputs": [],
-        "foreign_removed": [],
-        "foreign_kept": [],
-        "shards": [_shard_entry(r, t0) for r in shards],
+        "throughput": cast(list[ThroughputPoint], _throughput(scored, t0)),
+        "drift": cast("DriftComparison | DriftNote | None", drift),
+        # The drift verdict on the dataset (pipeline.report.verdict).
+        "verdict": cast("Verdict | None", verdict),
+        "errors": cast(list[ErrorEntry], list(draft.errors)),
+        "warnings": [*draft.warnings, *warnings],
+        "lossy_casts": cast(list[LossyCastEntry], lossy_cast_entries(scored)),
+        "removed_outputs": list(removed_outputs),
+        "foreign_removed": list(foreign_removed),
+        "foreign_kept": list(foreign_kept),
+        "shards": cast(list[ShardEntry], [_shard_entry(r, t0) for r in shards]),
     }
 
 

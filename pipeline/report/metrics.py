@@ -32,8 +32,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge, push_to_gateway, write_to_textfile
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.core.errors import StorageError
+from pipeline.core.config import JobConfig
+from pipeline.core.errors import ConfigError, StorageError
 from pipeline.core.statuses import SUCCESS_STATUSES, RunStatus
+from pipeline.io import runindex
 
 logger = logging.getLogger(__name__)
 
@@ -326,3 +328,47 @@ def _publish(
             push_metrics(pushgateway, data, previous_success_ts=previous)
         except StorageError as e:
             logger.error("%s", e)
+
+
+# -- a run's outcome ---------------------------------------------------------------------------
+
+
+def check_metrics_file(config: JobConfig) -> None:
+    """Refuse a metrics file that is a folder, or whose folder does not exist, before the run
+    starts."""
+    if config.metrics_file is None:
+        return
+    if os.path.isdir(config.metrics_file):
+        raise ConfigError(
+            f"metrics_file = {config.metrics_file!r} is a folder; give a file in it, e.g. "
+            f"{os.path.join(config.metrics_file, 'score_catalog.prom')}"
+        )
+    parent = os.path.dirname(os.path.abspath(config.metrics_file))
+    if not os.path.isdir(parent):
+        raise ConfigError(
+            f"metrics_file = {config.metrics_file!r}: directory {parent} does not exist "
+            "(point it at node_exporter's --collector.textfile.directory)"
+        )
+
+
+def publish_outcome(config: JobConfig, data: Mapping[str, Any]) -> None:
+    """A run's outcome (its report, or a :func:`failure_summary`) to the job's metrics file and
+    Pushgateway, when configured. Never raises: the run is over, and an error here must not
+    hide how it ended."""
+    if config.metrics_file is None and config.pushgateway is None:
+        return
+    publish(config.metrics_file, config.pushgateway, data, lambda: _last_success(config))
+
+
+def _last_success(config: JobConfig) -> float | None:
+    """When the last success finished, from the run index (a push replaces the whole group)."""
+    try:
+        entry = runindex.previous_success(
+            runindex.index_root(config.output), config.storage, config.name
+        )
+        if entry is None:
+            return None
+        return dt.datetime.fromisoformat(str(entry["finished_at"])).timestamp()
+    except Exception as e:  # metrics are best effort once the run is over
+        logger.warning("could not read the last success from the run index: %s", e)
+        return None

@@ -227,7 +227,7 @@ def test_schema_drift_float64_and_int_features_score_like_float32(
     assert res.returncode == 0, res.output
     t_out = pq.read_table(out / "part-00001.parquet")
     # One id type across the output (int32 and int64 promoted to int64): readers of the whole
-    # folder refuse files that disagree (pipeline.driver.preparation.meta_fields).
+    # folder refuse files that disagree (pipeline.driver.inspect.meta_fields).
     assert t_out.schema.field("item_id").type == pa.int64()
     score, _ = reference_scores(bundle_dir, pq.read_table(p))
     np.testing.assert_allclose(t_out.column("score").to_numpy(), score, atol=1e-6)

@@ -1,59 +1,41 @@
-"""What a run (and ``score-catalog plan``) learns before anything is scored or written.
+"""What a run (and ``score-catalog plan``) learns from the input before anything is written.
 
-Footers and schemas against the model's dry run, the settings that decide resume, a sample of
-real rows, and how the model will run: precision, the parity check against fp32, the batch size.
-A problem found here fails the run up front (exit 2 or 3), never after hours of scoring.
+The input shards, every footer and schema against the model's dry run, the job's id and
+pass-through columns, the settings that decide resume, and one type per output column across
+the shards. A problem found here fails the run up front (exit 2 or 3), never after hours of
+scoring. How the model will run (precision, parity, batch size) is
+:mod:`pipeline.driver.execution`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import logging
-import os
 import re
-import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from pipeline.core.config import JobConfig, setting
 from pipeline.core.errors import ConfigError, MissingInputError, ModelError, SchemaError, ShardError
 from pipeline.core.statuses import FailureKind, ShardStatus
-from pipeline.driver.cluster import Plan
 from pipeline.io import listing, storage
 from pipeline.io.listing import ShardRef
 from pipeline.io.manifest import settings_hash
 from pipeline.io.parquet import ShardInfo, read_footer
 from pipeline.model.bundle import (
     BundleSpec,
-    Inputs,
     LoadedModel,
-    check_batch_size,
     load_model,
-    rows_of,
 )
 from pipeline.model.features import check_schema, data_widths
-from pipeline.model.precision import (
-    DEFAULT_TOLERANCE,
-    PARITY_ROWS,
-    ExecutionOptions,
-    check_parity,
-    parity,
-    prepare,
-)
-from pipeline.worker.batching import ShardBatches
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.sink import MODEL_VERSION_COLUMN
 
 logger = logging.getLogger(__name__)
-
-SAMPLE_ROWS = 65_536  # real rows read up front for the parity check (and plan's calibration)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,276 +394,3 @@ def apply_schema_policy(
             message="; ".join(probs),
         )
     return failed
-
-
-def sample_rows(config: JobConfig, model: LoadedModel, shard: ShardRef) -> Inputs:
-    """Up to SAMPLE_ROWS valid rows of the model's inputs from the start of ``shard``."""
-    data = ShardBatches(
-        shard.uri,
-        model.spec,
-        widths=model.widths,
-        meta_columns=(config.id_column,),
-        batch_size=SAMPLE_ROWS,
-        storage_options=config.storage,
-    )
-    for batch in data:
-        valid = torch.from_numpy(batch.features.valid)
-        return tuple(t[valid].clone() for t in batch.tensors)
-    return model.example(0, device="cpu")
-
-
-class Execution(NamedTuple):
-    """How the model runs: the batch size, and the ``execution`` section of the report."""
-
-    batch_size: int
-    report: dict[str, Any]
-
-
-def plan_execution(
-    config: JobConfig,
-    shards: list[ShardRef],
-    failed: Mapping[str, ShardResult],
-    found: Inspection,
-    plan: Plan,
-) -> Execution:
-    """:func:`prepare_execution` with the options of ``config``, sampling real rows from the
-    first shard that is neither failed nor empty."""
-    opts = ExecutionOptions(config.precision, config.compile, config.strict_fp32)
-    sample_from = next(
-        (s for s in shards if s.rel_path not in failed and found.infos[s.rel_path].num_rows),
-        None,
-    )
-    rows = sum(found.infos[s.rel_path].num_rows for s in shards if s.rel_path not in failed)
-    return prepare_execution(config, found.model, opts, sample_from, plan, job_rows=rows)
-
-
-def prepare_execution(
-    config: JobConfig,
-    model: LoadedModel,
-    opts: ExecutionOptions,
-    sample_from: ShardRef | None,
-    plan: Plan,
-    *,
-    job_rows: int = 0,
-) -> Execution:
-    """Set the model up as configured, check it against fp32 on real rows, pick the batch size.
-
-    Runs in the driver before anything is written, so a precision that is too far from fp32
-    fails the run up front (exit 3), never after hours of scoring. ``job_rows`` (the rows the
-    run will score) sizes the ``batch_size = "auto"`` sweep.
-    """
-    prepared, compile_s = prepare(model, opts)
-    execution: dict[str, Any] = {
-        "precision": opts.precision,
-        "compile": opts.compile,
-        "compile_s": compile_s,
-        "tf32": model.device.type == "cuda" and not opts.strict_fp32,
-        "overlap": plan.overlap,
-        "parity": None,
-        "batch_size_auto": None,
-    }
-    needs_parity = opts.precision != "fp32" or model.device.type != "cpu" or opts.compile
-    if needs_parity:
-        # (batch_size = "auto" reads its own sample: the raw rows, for the whole pipeline.)
-        x = sample_rows(config, model, sample_from) if sample_from else None
-        execution["parity"] = _parity(config, prepared, opts, x)
-    if config.batch_size != "auto":
-        check_batch_size(model, int(config.batch_size))
-        return Execution(int(config.batch_size), execution)
-    chosen, execution["batch_size_auto"] = _auto_batch_size(
-        config, prepared, sample_from, plan, job_rows
-    )
-    return Execution(chosen, execution)
-
-
-def _parity(
-    config: JobConfig,
-    prepared: LoadedModel,
-    opts: ExecutionOptions,
-    x: Inputs | None,
-) -> dict[str, Any]:
-    tol = config.parity_tolerance
-    tol = DEFAULT_TOLERANCE[opts.precision] if tol is None else tol
-    if x is None or not rows_of(x):
-        return {"rows": 0, "tolerance": tol, "columns": {}, "note": "no rows"}
-    reference = load_model(config.model, "cpu", widths=prepared.widths, options=config.storage)
-    rows = tuple(t[:PARITY_ROWS] for t in x)
-    cols = parity(reference, prepared, rows)
-    found = {
-        "rows": rows_of(rows),
-        "tolerance": tol,
-        "columns": cols,
-        "reference": "fp32 on the CPU",
-    }
-    check_parity(cols, opts.precision, tol, f"model bundle {config.model}")
-    return found
-
-
-#: Rows of the first shard the ``batch_size = "auto"`` sweep scores at each size (sizes up to
-#: it: 1,024 to 16,384), the time it may take on a cold cache (a round of every size takes
-#: about 0.15 s here, so two or three rounds: under 10% of a 2M-row nightly job, 4.3 s), and
-#: the size it keeps unless another is measurably faster.
-AUTO_SAMPLE_ROWS = 16_384
-AUTO_BUDGET_S = 0.3
-#: A slow model's sweep may take this share of the job's estimated scoring time instead (the
-#: estimate: one probe batch's seconds per row x the job's rows / workers). A sweep that cannot
-#: fit a round of every size over twice the default's rows in its budget is not run: a
-#: 2048-wide MLP at 10k rows/s took 8-12 s, a third of a 200k-row job, and chose no better.
-AUTO_JOB_SHARE = 0.05
-DEFAULT_BATCH_SIZE = 4096
-
-
-def _auto_batch_size(
-    config: JobConfig,
-    prepared: LoadedModel,
-    sample_from: ShardRef | None,
-    plan: Plan,
-    job_rows: int,
-) -> tuple[int, dict[str, Any]]:
-    """``batch_size = "auto"``: the size the whole pipeline scores fastest at, measured on
-    real rows (:func:`pipeline.model.tuning.choose_by_rate` on :func:`pipeline_step`), cached per
-    model, device, precision and thread count. The sweep's rows and time are sized by a probe
-    batch so that it costs at most :data:`AUTO_BUDGET_S` or :data:`AUTO_JOB_SHARE` of the
-    job's ``job_rows`` (:func:`_sweep_rows`)."""
-    from pipeline.model import tuning
-
-    key = (
-        tuning.cache_key(prepared.sha256, prepared.device, config.precision, plan.torch_threads)
-        + "|pipeline"
-    )
-    cache = tuning.BatchSizeCache(tuning.default_cache_path())
-    cached = cache.get(key)
-    if cached is not None:
-        return cached, {"cached": True, "key": key, "batch_size": cached}
-    # Never past what the program was exported for (model.check_batch_size).
-    limit = prepared.max_batch
-    default = DEFAULT_BATCH_SIZE if limit is None else min(DEFAULT_BATCH_SIZE, limit)
-    sizes = [b for b in tuning.PIPELINE_SIZES if limit is None or b <= limit]
-    if sample_from is None:
-        logger.info("batch size auto: no readable rows to measure; using %d", default)
-        return default, {"cached": False, "key": key, "batch_size": default}
-    before = torch.get_num_threads()
-    try:
-        with pipeline_step(config, prepared, sample_from, plan) as (step, rows):
-            t0 = time.perf_counter()
-            probe = min(rows, default)
-            per_row = step(default, probe) / probe
-            workers = plan.workers or 1
-            budget = max(AUTO_BUDGET_S, AUTO_JOB_SHARE * per_row * job_rows / workers)
-            n = _sweep_rows(rows, per_row, budget, len(sizes), default)
-            if n is None:
-                logger.info(
-                    "batch size auto: a sweep would take more than %.1fs (%.0f rows/s on a "
-                    "probe batch); using %d, not cached",
-                    budget,
-                    1 / per_row,
-                    default,
-                )
-                chosen = default
-                sweep: list[tuning.BenchRow] = []
-                facts: dict[str, Any] = {}
-            else:
-                chosen, sweep, facts = tuning.choose_by_rate(
-                    lambda b: step(b, n),
-                    [b for b in sizes if b <= n],
-                    rows=n,
-                    default=default,
-                    budget_s=budget - (time.perf_counter() - t0),
-                )
-            facts["sweep_s"] = time.perf_counter() - t0
-    finally:
-        torch.set_num_threads(before)  # the sweep ran as the workers will (plan.torch_threads)
-    if len(sweep) > 1:
-        cache.put(key, chosen, sweep)
-    elif n is not None:
-        # A first shard smaller than every other size: nothing was compared, and a later run
-        # over bigger shards must measure instead of reusing this.
-        logger.info(
-            "batch size auto: the sample (%d rows) fits no size but %d; using it, not cached",
-            rows,
-            chosen,
-        )
-    return chosen, {
-        "cached": False,
-        "key": key,
-        "batch_size": chosen,
-        "basis": "pipeline",
-        **({"noise": facts["noise"]} if "noise" in facts else {}),
-        "sweep_s": facts["sweep_s"],
-        "sweep": [dataclasses.asdict(r) for r in sweep],
-    }
-
-
-def _sweep_rows(
-    rows: int, per_row: float, budget_s: float, n_sizes: int, default: int
-) -> int | None:
-    """Rows per pass such that a round of all ``n_sizes`` sizes fits ``budget_s`` at
-    ``per_row`` seconds a row (at most the sample's ``rows``); None when that leaves fewer
-    than twice the default's rows, too few to tell sizes apart."""
-    n = min(rows, int(budget_s / (max(n_sizes, 1) * max(per_row, 1e-12))))
-    return n if n >= min(rows, 2 * default) else None
-
-
-@contextlib.contextmanager
-def pipeline_step(
-    config: JobConfig, model: LoadedModel, shard: ShardRef, plan: Plan
-) -> Iterator[tuple[Callable[[int, int], float], int]]:
-    """``step(batch, rows)``: score a local copy of the first ``rows`` (up to
-    :data:`AUTO_SAMPLE_ROWS`) rows of ``shard`` through the workers' own code
-    (:func:`pipeline.worker.shard.score_shard`: read, features, model, output columns, statistics,
-    write, commit, with the run's precision, overlap and thread count) into a scratch folder,
-    and return its seconds; and the sample's rows."""
-    from pipeline.io.parquet import open_parquet
-    from pipeline.worker.shard import OVERLAP_DEPTH, ShardTask, WorkerSpec, score_shard
-
-    meta_cols = (config.id_column, *config.passthrough)
-    columns = list(dict.fromkeys([*meta_cols, *model.spec.input_columns]))
-    with open_parquet(shard.uri, config.storage) as pf:
-        pieces, have = [], 0
-        for rb in pf.iter_batches(batch_size=8192, columns=columns, use_threads=False):
-            pieces.append(rb)
-            have += rb.num_rows
-            if have >= AUTO_SAMPLE_ROWS:
-                break
-    table = pa.Table.from_batches(pieces).slice(0, AUTO_SAMPLE_ROWS)
-    with tempfile.TemporaryDirectory(prefix="score-catalog-auto-") as tmp:
-        samples: dict[int, str] = {}
-
-        def sample_of(rows: int) -> str:
-            if rows not in samples:
-                samples[rows] = os.path.join(tmp, f"sample-{rows}.parquet")
-                pq.write_table(table.slice(0, rows), samples[rows], row_group_size=8192)
-            return samples[rows]
-
-        spec = WorkerSpec.for_job(
-            config,
-            model.sha256,
-            str(model.device),
-            model.widths,
-            None,
-            overlap_depth=OVERLAP_DEPTH if plan.overlap else 0,
-            torch_threads=plan.torch_threads,
-        )
-        spec = dataclasses.replace(spec, storage_options={})
-        meta = pa.schema([table.schema.field(c) for c in meta_cols]).serialize().to_pybytes()
-
-        def step(batch: int, rows: int) -> float:
-            rows = min(rows, table.num_rows)
-            task = ShardTask(
-                "sample.parquet",
-                sample_of(rows),
-                os.path.join(tmp, f"out-{batch}.parquet"),
-                os.path.join(tmp, f"rejects-{batch}.parquet"),
-                rows,
-                meta,
-            )
-            t0 = time.perf_counter()
-            result = score_shard(dataclasses.replace(spec, batch_size=batch), task)
-            seconds = time.perf_counter() - t0
-            if result.status != ShardStatus.SCORED:
-                raise ModelError(
-                    f"batch size auto: the sample could not be scored: {result.message}"
-                )
-            return seconds
-
-        yield step, table.num_rows

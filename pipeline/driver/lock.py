@@ -1,0 +1,142 @@
+"""The lock phase: take the output, clear what a crashed run left, and find what is done.
+
+Two steps, so that the run holds the lock (and can write a failed report) from the moment it is
+taken: :func:`take` refuses a folder holding what this tool did not write, then takes the
+fenced run lock (released by the run's clean-up, whatever happens); :func:`claim` marks the
+output as the run's, withdraws the previous run's ``_SUCCESS`` and report, moves older layouts,
+loads the manifest and returns :class:`~pipeline.driver.phases.Locked`: the shards an earlier
+run already scored with this model and settings (skipped), and the tasks left to score.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from pipeline.core.errors import log_cleanup_error
+from pipeline.core.faults import checkpoint
+from pipeline.core.interrupt import StopRequest
+from pipeline.driver.phases import Locked, Prepared
+from pipeline.driver.prepare import stop_if_asked
+from pipeline.driver.reconcile import clear_the_way, file_problems
+from pipeline.io import layout, storage
+from pipeline.io.listing import ShardRef
+from pipeline.io.locking import RunLock
+from pipeline.io.manifest import FencedManifest, Manifest
+from pipeline.io.ownership import (
+    ForeignFiles,
+    check_output_owner,
+    check_rejects_location,
+    remove_foreign,
+)
+from pipeline.worker.shard import ShardResult, ShardTask
+
+logger = logging.getLogger(__name__)
+
+
+def take(prepared: Prepared, stop: StopRequest, cleanup: contextlib.ExitStack) -> RunLock:
+    """Refuse an output or rejects folder this run must not write, then take the run lock;
+    ``cleanup`` releases it (after deleting this run's leftover temporary files)."""
+    config, out, opts = prepared.config, prepared.output, prepared.config.storage
+    for bucket in {b.uri: b for b in prepared.buckets_to_create}.values():
+        storage.create_bucket(bucket)
+    # A folder holding files this tool did not write is refused before anything is written.
+    check_output_owner(out, config.on_foreign_output, opts)
+    shard_paths = [s.rel_path for s in prepared.shards]
+    check_rejects_location(prepared.rejects, out, opts, shard_paths)
+    lock = RunLock.acquire(out, prepared.run_id, stale_after_s=config.stale_lock_after_s)
+    cleanup.callback(_release, lock, prepared)
+    checkpoint("locked")
+    stop_if_asked(stop)  # the lock is released on the way out
+    return lock
+
+
+def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> Locked:
+    """Take the output for this run and find what is left to score; ``cleanup`` saves the
+    manifest (what was committed, so that a rerun skips it) whatever happens next."""
+    config, out, opts = prepared.config, prepared.output, prepared.config.storage
+    layout.claim(prepared.places, lock.assert_held)
+    for root in (out, prepared.rejects):
+        for path in storage.remove_temporaries(root):
+            logger.info("removed a temporary file left by an interrupted run: %s", path)
+    loaded = Manifest.load(prepared.control, prepared.places.old_controls)
+    manifest = FencedManifest(
+        loaded.loc, loaded.shards, verdict=loaded.verdict, fence=lock.assert_held
+    )
+    cleanup.callback(log_cleanup_error, manifest.flush, "saving the manifest")
+    moved = _rejects_moved(prepared, manifest)
+    if loaded.read_from is not None or moved:
+        # Written by an older version elsewhere (inside the output), or naming rejects where it
+        # kept them: save it to the control folder first, then drop the old copy (a crash in
+        # between leaves both; the new one wins).
+        manifest.save()
+    if loaded.read_from is not None:
+        storage.remove(loaded.read_from)
+    # What earlier runs wrote, before failed shards are forgotten: reconcile's "ours".
+    previous = frozenset(manifest.shards)
+    foreign = ForeignFiles()
+    if config.on_foreign_output == "replace":
+        foreign = remove_foreign(out, set(previous), opts)
+    # An input shard that became a folder of the same name (or the reverse): its old output is
+    # in the way of the new one.
+    wanted = [s.rel_path for s in prepared.shards if s.rel_path not in prepared.failed]
+    lock.assert_held()
+    cleared = clear_the_way(out, prepared.rejects, wanted, set(previous), opts)
+    for removal in cleared:
+        manifest.forget(removal.rel_path)
+    done = dict(prepared.failed)
+    tasks: list[ShardTask] = []
+    for s in prepared.shards:
+        if s.rel_path in prepared.failed:
+            manifest.forget(s.rel_path)
+            continue
+        skipped = _skipped(prepared, manifest, s)
+        if skipped is not None:
+            done[s.rel_path] = skipped
+        else:
+            tasks.append(prepared.task(s))
+    return Locked(lock, manifest, previous, foreign, tuple(cleared), done, tuple(tasks))
+
+
+def _skipped(prepared: Prepared, manifest: Manifest, s: ShardRef) -> ShardResult | None:
+    """``s`` as skipped if the manifest says this model and settings scored it and the output
+    file's footer agrees (its rows, model, settings and input shard); else None."""
+    if prepared.config.force or not manifest.matches(s.rel_path, prepared.expectation(s)):
+        return None
+    done = manifest.shards[s.rel_path]
+    out_loc = prepared.output.child(s.rel_path)
+    expected = prepared.expected(s.rel_path, done["rows_scored"])
+    problems = file_problems(out_loc, expected, prepared.config.storage)
+    if problems:
+        # Deleted, replaced or copied over since: score it again instead of trusting it.
+        logger.warning("scoring %s again: %s", s.rel_path, problems[0])
+        return None
+    return ShardResult.skipped(s.rel_path, s.uri, done)
+
+
+def _rejects_moved(prepared: Prepared, manifest: Manifest) -> bool:
+    """Point the manifest's entries at the rejects :func:`layout.claim` moved from an older
+    version's default location; True if any entry changed."""
+    changed = False
+    for old_loc, new_loc in prepared.places.rejects_moved:
+        old, new = (loc.uri.rstrip("/") + "/" for loc in (old_loc, new_loc))
+        for entry in manifest.shards.values():
+            rejects = entry.get("rejects")
+            if isinstance(rejects, str) and rejects.startswith(old):
+                entry["rejects"] = new + rejects[len(old) :]
+                changed = True
+    return changed
+
+
+def _release(lock: RunLock, prepared: Prepared) -> None:
+    """Delete this run's leftover temporary files and release the lock; errors are logged."""
+    log_cleanup_error(lambda: _remove_temporaries(prepared), "removing temporary files")
+    log_cleanup_error(lock.release, "releasing the lock")
+
+
+def _remove_temporaries(prepared: Prepared) -> None:
+    """Staged files of this run that no writer will finish: a worker killed mid-write (SIGKILL,
+    out of memory) left them; its shard was scored again elsewhere."""
+    for root in (prepared.output, prepared.rejects):
+        for path in storage.remove_temporaries(root, prepared.run_id):
+            logger.info("removed a temporary file a killed worker left: %s", path)

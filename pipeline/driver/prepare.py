@@ -1,0 +1,159 @@
+"""The prepare phase: everything a run learns before it writes anything, as one :class:`Prepared`.
+
+List the input, refuse an output it overlaps or cannot hold, read every footer, load the model
+and dry-run it, check each schema, decide the settings, the thread plan and how the model runs
+(precision, parity, batch size). The Dask cluster starts meanwhile, so that its workers load the
+model while the driver reads footers. A problem found here fails the run up front (exit 2 or 3)
+with nothing written; a signal stops it with :class:`~pipeline.core.signals.EarlyStop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import time
+
+from pipeline.core.config import JobConfig
+from pipeline.core.faults import checkpoint
+from pipeline.core.interrupt import StopRequest
+from pipeline.core.signals import EarlyStop
+from pipeline.driver.cluster import DaskSession, Plan, thread_plan
+from pipeline.driver.execution import plan_execution
+from pipeline.driver.inspect import (
+    apply_schema_policy,
+    check_job_columns,
+    inspect_shards,
+    list_input,
+    meta_fields,
+    run_settings,
+)
+from pipeline.driver.phases import Prepared
+from pipeline.driver.workers import warm_spec
+from pipeline.io import layout, listing, nesting, ownership, storage
+from pipeline.model import oov, registry
+from pipeline.model.bundle import BundleSpec, read_bundle, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+def stop_if_asked(stop: StopRequest) -> None:
+    """Stop here, before the run has changed its output, if a signal asked it to: the previous
+    run's ``_SUCCESS`` and report stay, and nothing of this run is written. (Once the output is
+    claimed a stop ends the run ``interrupted``, with its report.)"""
+    if stop.requested and stop.signum is not None:
+        raise EarlyStop(stop.signum)
+
+
+def prepare(
+    config: JobConfig, run_id: str, stop: StopRequest, cleanup: contextlib.ExitStack
+) -> Prepared:
+    """Plan from footers and the model's dry run: nothing is written before this passes.
+
+    The Dask cluster it starts is closed by ``cleanup``, whatever happens next.
+    """
+    started_at = dt.datetime.now(dt.timezone.utc)
+    t0 = time.perf_counter()
+    # Manifest, report, HTML page, run index and default rejects: outside the template's fixed
+    # part, which readers query as one dataset (pipeline.io.layout).
+    places = layout.for_run(config, run_id)
+    rejects = storage.locate(config.rejects_uri(run_id), config.storage)
+    # A models:/ URI: ask the registry once, here; from now on the run, its workers and its
+    # manifest see the downloaded bundle folder (the report names both).
+    source = registry.resolve_model(config.model)
+    config = dataclasses.replace(config, model=source.bundle)
+    opts = config.storage
+    input_uri = config.input_uri()
+    shards = list_input(config)
+    out = places.output
+    listing.check_disjoint(input_uri, out, rejects, options=opts, shards=shards)
+    stop_if_asked(stop)
+    create = config.create_output_bucket
+    buckets = tuple(
+        bucket
+        for loc, what in ((out, "output"), (rejects, "rejects"))
+        if (bucket := ownership.check_write_target(loc, what, create_bucket=create))
+    )
+    # Outputs never nest: one that contains, lies inside or is the template root of another
+    # output of this tool is refused before the model is even loaded.
+    nesting.check(out)
+    device = resolve_device(config.device)
+    bundle, _, sha = read_bundle(config.model, opts)
+    # Before any worker spec: each output file's footer carries the settings hash.
+    settings = run_settings(config, bundle, model_version=source.model_version)
+    plan = thread_plan(config, len(shards), device.type)
+    if config.overlap == "auto" and not plan.overlap:
+        logger.info(
+            "overlap threads off (overlap = auto): each core already runs a scoring loop of its "
+            "own (%d in all); --overlap turns them on",
+            plan.cores,
+        )
+    session = _start_cluster(config, plan, bundle, sha, str(device), source, cleanup)
+    stop_if_asked(stop)
+    found = inspect_shards(config, shards, bundle, sha, device, opts)
+    # Unseen values that a vocabulary input maps to a real value's id: said once, now, and in
+    # the report's warnings; ids beyond the model's embedding fail here (exit 3).
+    model_warnings = tuple(oov.check(found.model))
+    for warning in model_warnings:
+        logger.warning("%s", warning)
+    check_job_columns(config, found.infos)  # a typo is not a shard to skip
+    checkpoint("model-loaded")  # loaded in this process, dry-run checked
+    stop_if_asked(stop)
+    failed = apply_schema_policy(config, shards, found)
+    execution = plan_execution(config, shards, failed, found, plan)
+    meta_types = meta_fields(config, found.infos, failed)
+    if session is not None and plan.scheduler not in ("local", "threads"):
+        # An existing cluster must answer before the run takes the output: an unreachable
+        # scheduler fails here, with nothing written.
+        session.client()
+    stop_if_asked(stop)
+    return Prepared(
+        config=config,
+        run_id=run_id,
+        input=storage.locate(input_uri, opts).uri,
+        started_at=started_at,
+        t0=t0,
+        places=places,
+        rejects=rejects,
+        source=source,
+        shards=tuple(shards),
+        buckets_to_create=buckets,
+        device=device,
+        sha=sha,
+        settings=settings,
+        plan=plan,
+        session=session,
+        found=found,
+        failed=failed,
+        execution=execution,
+        meta_types=meta_types,
+        model_warnings=model_warnings,
+    )
+
+
+def _start_cluster(
+    config: JobConfig,
+    plan: Plan,
+    bundle: BundleSpec,
+    sha: str,
+    device: str,
+    source: registry.ModelSource,
+    cleanup: contextlib.ExitStack,
+) -> DaskSession | None:
+    """The run's Dask session (None for ``scheduler = "sync"``), starting in the background
+    and warming every worker with the model; ``cleanup`` closes it."""
+    if plan.scheduler == "sync":
+        return None
+    session = DaskSession(plan, warm_spec(config, plan, bundle, sha, device, source))
+    cleanup.callback(_close, session)
+    checkpoint("cluster-started")
+    return session
+
+
+def _close(session: DaskSession) -> None:
+    """Close the session; an error is logged, never raised (it would hide the run's)."""
+    try:
+        session.close()
+    except Exception as e:
+        logger.warning("error while closing the Dask cluster: %s", e)
