@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -132,7 +131,7 @@ def _spec_and_task(shard: Path, model_dir: Path, batch: int, overlap: int, tmp: 
     import torch
 
     from pipeline.model.bundle import load_model, read_bundle
-    from pipeline.worker.shard import ShardTask, WorkerSpec
+    from pipeline.worker.spec import ModelSpec, Scoring, ShardIO, ShardTask, Threads, WorkerSpec
 
     spec, _, sha = read_bundle(str(model_dir))
     widths = tuple(i.fixed_width() for i in spec.inputs)
@@ -141,16 +140,10 @@ def _spec_and_task(shard: Path, model_dir: Path, batch: int, overlap: int, tmp: 
     meta = pa.schema([schema.field("item_id")]).serialize().to_pybytes()
     rows = pq.ParquetFile(shard).metadata.num_rows
     wspec = WorkerSpec(
-        model_uri=str(model_dir),
-        model_sha256=sha,
-        device="cpu",
-        widths=loaded.widths,
-        id_column="item_id",
-        passthrough=(),
-        batch_size=batch,
-        on_invalid_rows="reject",
-        torch_threads=1,
-        overlap_depth=overlap,
+        model=ModelSpec(str(model_dir), sha, "cpu", widths=loaded.widths),
+        threads=Threads(torch=1),
+        scoring=Scoring(batch_size=batch, overlap_depth=overlap),
+        io=ShardIO(id_column="item_id"),
     )
     torch.set_num_threads(1)
 
@@ -170,7 +163,7 @@ def profile(shard: Path, model_dir: Path, batch: int, rounds: int) -> dict[str, 
     result: dict[str, Any] = {"shard": str(shard), "batch_size": batch, "rounds": rounds}
     with tempfile.TemporaryDirectory(prefix="profile-worker-") as tmp:
         spec_off, task, rows = _spec_and_task(shard, model_dir, batch, 0, tmp)
-        spec_on = dataclasses.replace(spec_off, overlap_depth=OVERLAP_DEPTH)
+        spec_on, _, _ = _spec_and_task(shard, model_dir, batch, OVERLAP_DEPTH, tmp)
         result["rows"] = rows
         score_shard(spec_off, task(0))  # warm: first calls, page cache
         per_round: list[dict[str, float]] = []

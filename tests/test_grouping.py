@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline.driver.dispatch import MIN_TASKS_PER_SLOT, group_tasks
-from pipeline.worker.shard import ShardTask, pin_device
+from pipeline.worker.loading import pin_device
+from pipeline.worker.spec import ShardTask
 
 
 def _task(i: int, rows: int) -> ShardTask:

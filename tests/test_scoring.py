@@ -18,29 +18,27 @@ from pipeline.core.errors import ShardError
 from pipeline.core.statuses import FailureKind, ShardStatus
 from pipeline.io import storage
 from pipeline.io.layout import rejects_metadata
-from pipeline.worker.shard import ShardTask, WorkerSpec, score_shard, score_shards
+from pipeline.worker.shard import score_shard, score_shards
 from pipeline.worker.sink import ShardSink, SinkRun, rejects_schema
+from pipeline.worker.spec import ModelSpec, Scoring, ShardIO, ShardTask, Threads, WorkerSpec
 from pipeline.worker.stats import ShardStats
 from tests.conftest import reference_scores, write_shards
 
 
-def _spec(bundle: Path, **kw: object) -> WorkerSpec:
-    fields: dict[str, object] = dict(
-        model_uri=str(bundle),
-        model_sha256="",
-        device="cpu",
-        widths=(len(FEATURES),),
-        id_column="item_id",
-        passthrough=("category",),
-        batch_size=700,  # not a divisor of the 1,000-row row groups
-        on_invalid_rows="reject",
-        torch_threads=1,
-    )
-    fields.update(kw)
+def _spec(bundle: Path, *, overlap_depth: int = 0, on_invalid_rows: str = "reject") -> WorkerSpec:
     from pipeline.model.bundle import read_bundle
 
-    fields["model_sha256"] = read_bundle(str(bundle))[2]
-    return WorkerSpec(**fields)  # type: ignore[arg-type]
+    sha = read_bundle(str(bundle))[2]
+    return WorkerSpec(
+        model=ModelSpec(str(bundle), sha, "cpu", widths=(len(FEATURES),)),
+        threads=Threads(torch=1),
+        scoring=Scoring(
+            batch_size=700,  # not a divisor of the 1,000-row row groups
+            overlap_depth=overlap_depth,
+            on_invalid_rows=on_invalid_rows,
+        ),
+        io=ShardIO(id_column="item_id", passthrough=("category",)),
+    )
 
 
 def _task(shard: Path, out: Path) -> ShardTask:
@@ -206,7 +204,7 @@ def test_shard_stats_sample_every_step_th_row_across_batches() -> None:
 
 def test_row_reports_are_rate_limited_per_process() -> None:
     """Thousands of tiny batches send nothing; a steady stream one report per interval."""
-    from pipeline.worker.shard import PROGRESS_INTERVAL_S, RowProgress, listen_locally
+    from pipeline.worker.events import PROGRESS_INTERVAL_S, RowProgress, listen_locally
 
     got: list[tuple[str, int, float]] = []
     topic = "test-progress-rate"

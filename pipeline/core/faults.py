@@ -5,7 +5,7 @@
 while writing the manifest), which a timer-based kill cannot aim at. ``point:N:FILE`` kills only
 the first process to get there, across all processes (the one that creates ``FILE``): a Dask
 worker's replacement forks with a fresh count and would otherwise die at the same place again.
-Unset, it costs one dict lookup per call. Never set it outside tests.
+Never set it outside tests.
 
 ``_SCORE_CATALOG_KILL_SIGNAL=SIGINT`` (or ``SIGTERM``) sends that signal instead of SIGKILL:
 a Ctrl-C or a cron timeout arriving at a precise place.
@@ -14,6 +14,10 @@ a Ctrl-C or a cron timeout arriving at a precise place.
 reaches ``point`` on, every staged write (the points named ``*-rename``, just before a file is
 published) raises ``OSError(ENOSPC)`` with no file name, as a full disk does. ``point:N:once``
 fails that one write only. Deleting files still works, as on a full disk.
+
+The environment is read when a point is first reached, not when this module is imported (a
+process that sets the variables after importing the package is still heard), and read again
+whenever the variables change. Unset, a point costs two dict lookups.
 """
 
 from __future__ import annotations
@@ -21,44 +25,82 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from dataclasses import dataclass, field
 
-_SPEC = os.environ.get("_SCORE_CATALOG_KILL_AT", "")
-_POINT, _, _REST = _SPEC.partition(":")
-_N, _, _ONCE = _REST.partition(":")
-_TARGET = int(_N) if _N.isdigit() else 1
-_SIGNAL = signal.Signals[os.environ.get("_SCORE_CATALOG_KILL_SIGNAL", "SIGKILL")]
-_hits: dict[str, int] = {}
-
-_FAIL_POINT, _, _FAIL_REST = os.environ.get("_SCORE_CATALOG_FAIL_AT", "").partition(":")
-_FAIL_N, _, _FAIL_MODE = _FAIL_REST.partition(":")
-_FAIL_TARGET = int(_FAIL_N) if _FAIL_N.isdigit() else 1
-_full: list[bool] = []  # the disk is full from here on (set once the point is reached)
+KILL_AT = "_SCORE_CATALOG_KILL_AT"
+KILL_SIGNAL = "_SCORE_CATALOG_KILL_SIGNAL"
+FAIL_AT = "_SCORE_CATALOG_FAIL_AT"
 
 
-def _disk_full(point: str) -> None:
+def _point(spec: str) -> tuple[str, int, str]:
+    """``point:N:rest`` -> (point, N, rest); N is 1 when absent or not a number."""
+    point, _, rest = spec.partition(":")
+    n, _, tail = rest.partition(":")
+    return point, int(n) if n.isdigit() else 1, tail
+
+
+@dataclass
+class _Faults:
+    """What the environment asked for, and how often each point was reached."""
+
+    env: tuple[str, str, str]
+    kill_point: str = ""
+    kill_target: int = 1
+    kill_once_file: str = ""
+    kill_signal: signal.Signals = signal.SIGKILL
+    fail_point: str = ""
+    fail_target: int = 1
+    fail_mode: str = ""
+    hits: dict[str, int] = field(default_factory=dict)
+    full: bool = False  # the disk is full from here on (set once the fail point is reached)
+
+    @classmethod
+    def read(cls, env: tuple[str, str, str]) -> _Faults:
+        kill, sig, fail = env
+        k_point, k_n, k_once = _point(kill)
+        f_point, f_n, f_mode = _point(fail)
+        return cls(env, k_point, k_n, k_once, signal.Signals[sig], f_point, f_n, f_mode)
+
+
+_STATE: list[_Faults] = []  # the faults of this process, read at the first checkpoint
+
+
+def _faults() -> _Faults:
+    env = (
+        os.environ.get(KILL_AT, ""),
+        os.environ.get(KILL_SIGNAL, "SIGKILL"),
+        os.environ.get(FAIL_AT, ""),
+    )
+    if not _STATE or _STATE[0].env != env:
+        _STATE[:] = [_Faults.read(env)]
+    return _STATE[0]
+
+
+def _disk_full(f: _Faults, point: str) -> None:
     """Raise ENOSPC here if the test filled the disk (see the module doc)."""
-    if point == _FAIL_POINT:
-        _hits[f"fail:{point}"] = n = _hits.get(f"fail:{point}", 0) + 1
-        if n == _FAIL_TARGET:
-            if _FAIL_MODE == "once":
+    if point == f.fail_point:
+        f.hits[f"fail:{point}"] = n = f.hits.get(f"fail:{point}", 0) + 1
+        if n == f.fail_target:
+            if f.fail_mode == "once":
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            _full.append(True)
-    if _full and point.endswith("rename"):
+            f.full = True
+    if f.full and point.endswith("rename"):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def checkpoint(point: str) -> None:
     """Die here (or fail to write) if the test asked for it."""
-    if _FAIL_POINT:
-        _disk_full(point)
-    if not _POINT or point != _POINT:
+    f = _faults()
+    if f.fail_point:
+        _disk_full(f, point)
+    if not f.kill_point or point != f.kill_point:
         return
-    _hits[point] = _hits.get(point, 0) + 1
-    if _hits[point] != _TARGET:
+    f.hits[point] = f.hits.get(point, 0) + 1
+    if f.hits[point] != f.kill_target:
         return
-    if _ONCE:
+    if f.kill_once_file:
         try:
-            os.close(os.open(_ONCE, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(f.kill_once_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return  # another process died here already
-    os.kill(os.getpid(), _SIGNAL)
+    os.kill(os.getpid(), f.kill_signal)

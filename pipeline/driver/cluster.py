@@ -21,10 +21,11 @@ from urllib.parse import urlsplit
 
 from pipeline.core import hugepages, runcontext
 from pipeline.core.errors import ClusterError, PipelineError
+from pipeline.worker.loading import warm_worker
+from pipeline.worker.spec import ModelSpec, Threads
 
 if TYPE_CHECKING:
     from pipeline.core.config import JobConfig
-    from pipeline.worker.shard import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -237,9 +238,10 @@ class DaskSession:
     loads the model bundle once, before the first task arrives (``warm``).
     """
 
-    def __init__(self, plan: Plan, warm: WorkerSpec | None) -> None:
+    def __init__(self, plan: Plan, warm: ModelSpec | None, warm_rows: int = 2) -> None:
         self.plan = plan
-        self._warm = warm
+        self._warm = warm  # the model each worker loads before its first task
+        self._warm_rows = warm_rows  # the batch size when known (a compiled model needs it)
         self._cluster: Any = None
         self._client: Any = None
         self.threads_by_host: dict[str, int] = {}
@@ -275,15 +277,10 @@ class DaskSession:
         except BaseException as e:
             self._error = e
 
-    def _warm_workers(self, spec: WorkerSpec) -> None:
-        import dataclasses
-
-        from pipeline.worker.shard import warm_worker
-
-        if self.threads_by_host:
-            spec = dataclasses.replace(spec, torch_threads_by_host=self.threads_by_host)
+    def _warm_workers(self, model: ModelSpec) -> None:
+        threads = Threads(self.plan.torch_threads, self.threads_by_host)
         try:
-            self._client.run(warm_worker, spec)
+            self._client.run(warm_worker, model, threads, self._warm_rows)
         except Exception as e:  # the tasks will load (and report) it themselves
             logger.debug("preloading the model on the workers failed: %s", e)
 

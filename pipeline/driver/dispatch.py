@@ -8,11 +8,11 @@ fail them).
 
 A :class:`~pipeline.core.interrupt.StopRequest` stops scheduling: the sync loop checks it between
 shards. On a cluster the driver polls completions and, when a stop comes, raises a flag on every
-worker that each task checks before starting a shard (so a shard either starts and is waited
-for, or comes back unscored: no race between "is it running?" and a cancel). Shards in flight
-get ``grace_left()`` to commit; then a second flag makes every later commit refuse (the fence,
-:meth:`~pipeline.worker.shard.WorkerSpec.fence`) and the tasks are cancelled. Shards not yielded are
-the caller's to report as interrupted.
+worker that each task checks before starting a shard (so a shard either starts and is waited for, or
+comes back unscored: no race between "is it running?" and a cancel). Shards in flight get
+``grace_left()`` to commit; then a second flag makes every later commit refuse (the fence,
+:meth:`~pipeline.worker.spec.WorkerSpec.check_fence`) and the tasks are cancelled. Shards not
+yielded are the caller's to report as interrupted.
 """
 
 from __future__ import annotations
@@ -23,22 +23,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import StopRequest
 from pipeline.core.statuses import FailureKind
 from pipeline.driver.cluster import DaskSession
-from pipeline.worker.shard import (
-    ShardResult,
-    ShardTask,
-    WorkerSpec,
-    listen_locally,
-    raise_flag,
-    score_shard,
-    score_shards,
-)
+from pipeline.worker import events
+from pipeline.worker.events import listen_locally
+from pipeline.worker.shard import ShardResult, score_shard, score_shards
+from pipeline.worker.spec import ShardTask, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -145,17 +139,20 @@ def execute(
     if not tasks:
         return
     feed = RowFeed(on_rows)
-    if on_rows is not None:
-        spec = replace(spec, progress_topic=f"score-catalog-progress-{uuid.uuid4().hex[:8]}")
-    with listen_locally(spec.progress_topic, feed.rows) if on_rows else contextlib.nullcontext():
+    topic = spec.signals.progress
+    listening = listen_locally(topic, feed.rows) if topic else contextlib.nullcontext()
+    with listening:
         if session is None:
-            for t in tasks:
-                if stop.requested:
-                    return
-                result = _attempts(spec, t, retries)
-                feed.done(t.rel_path)
-                yield t, result
-                checkpoint("between-shards")
+            try:
+                for t in tasks:
+                    if stop.requested:
+                        return
+                    result = _attempts(spec, t, retries)
+                    feed.done(t.rel_path)
+                    yield t, result
+                    checkpoint("between-shards")
+            finally:
+                events.forget(spec.signals.names)  # this process scored the shards
             return
         yield from _on_cluster(spec, tasks, session, retries, task_rows, resources, stop, feed)
 
@@ -225,16 +222,12 @@ def _on_cluster(
 
     client = session.client()
     slots = sum(client.nthreads().values()) or 1
-    if session.threads_by_host:
-        spec = replace(spec, torch_threads_by_host=session.threads_by_host)
+    stopping, abandon = spec.signals.stop, spec.signals.abandon
     tag = uuid.uuid4().hex[:8]
-    # Unique names: an external cluster's workers outlive the run.
-    stopping, abandon = f"score-catalog-stop-{tag}", f"score-catalog-abandon-{tag}"
-    spec = replace(spec, stop_event=stopping, abandon_event=abandon)
     spec_ref = client.submit(worker_spec, spec, key=f"worker-spec-{tag}", pure=False)
     by_key: dict[str, list[ShardTask]] = {}
     futures: list[Any] = []
-    _subscribe(client, spec.progress_topic, feed)
+    _subscribe(client, spec.signals.progress, feed)
     try:
         for group in group_tasks(tasks, task_rows, slots):
             fut = client.submit(
@@ -270,7 +263,7 @@ def _on_cluster(
                 if not fut.cancelled():
                     yield from _results(fut, by_key[fut.key], stop, feed)
     finally:
-        _unsubscribe(client, spec.progress_topic)
+        _unsubscribe(client, spec.signals.progress)
         # Stop what is still running (after a fatal error, or the grace period); the session is
         # closed by the run. A task cancelled while running still runs on in its worker: the
         # abandon Event (and then the lock's release) keeps it from committing.
@@ -279,6 +272,7 @@ def _on_cluster(
         for fut in futures:
             fut.cancel()
         spec_ref.cancel()
+        _forget(client, spec.signals.names, futures)
 
 
 def _subscribe(client: Any, topic: str, feed: RowFeed) -> None:
@@ -309,10 +303,24 @@ def _results(
         checkpoint("between-shards")
 
 
+def _forget(client: Any, names: tuple[str, ...], futures: list[Any]) -> None:
+    """Have every worker forget the run's flags and progress topic (best effort): a worker of
+    an existing cluster outlives the run, and would otherwise keep an entry per run. Only when
+    every task ended on its own: a task cancelled while running runs on in its worker and
+    checks the abandon flag before it commits, so a run stopped early leaves its two flag
+    names there (a few bytes per interrupted run)."""
+    if not names or any(f.status not in ("finished", "error") for f in futures):
+        return
+    try:
+        client.run(events.forget, names)
+    except Exception as e:  # a worker gone: it forgot everything anyway
+        logger.debug("could not have the workers forget the run: %s", e)
+
+
 def _raise(client: Any, flag: str) -> None:
-    """Raise ``flag`` on every worker (see :func:`pipeline.worker.shard.raise_flag`); best
+    """Raise ``flag`` on every worker (see :func:`pipeline.worker.events.raise_flag`); best
     effort."""
     try:
-        client.run(raise_flag, flag)
+        client.run(events.raise_flag, flag)
     except Exception as e:  # a worker gone: its tasks are lost anyway
         logger.warning("could not tell every worker that the run is stopping: %s", e)

@@ -24,7 +24,9 @@ from pipeline.core.errors import ModelError
 from pipeline.core.statuses import ShardStatus
 from pipeline.driver.cluster import Plan
 from pipeline.driver.inspect import Inspection
+from pipeline.driver.workers import model_spec, worker_spec
 from pipeline.io.listing import ShardRef
+from pipeline.io.parquet import open_parquet
 from pipeline.model.bundle import Inputs, LoadedModel, check_batch_size, load_model, rows_of
 from pipeline.model.precision import (
     DEFAULT_TOLERANCE,
@@ -35,7 +37,8 @@ from pipeline.model.precision import (
     prepare,
 )
 from pipeline.worker.batching import ShardBatches
-from pipeline.worker.shard import ShardResult
+from pipeline.worker.shard import ShardResult, score_shard
+from pipeline.worker.spec import ShardTask
 
 logger = logging.getLogger(__name__)
 
@@ -259,9 +262,6 @@ def pipeline_step(
     (:func:`pipeline.worker.shard.score_shard`: read, features, model, output columns, statistics,
     write, commit, with the run's precision, overlap and thread count) into a scratch folder,
     and return its seconds; and the sample's rows."""
-    from pipeline.io.parquet import open_parquet
-    from pipeline.worker.shard import OVERLAP_DEPTH, ShardTask, WorkerSpec, score_shard
-
     meta_cols = (config.id_column, *config.passthrough)
     columns = list(dict.fromkeys([*meta_cols, *model.spec.input_columns]))
     with open_parquet(shard.uri, config.storage) as pf:
@@ -281,16 +281,10 @@ def pipeline_step(
                 pq.write_table(table.slice(0, rows), samples[rows], row_group_size=8192)
             return samples[rows]
 
-        spec = WorkerSpec.for_job(
-            config,
-            model.sha256,
-            str(model.device),
-            model.widths,
-            None,
-            overlap_depth=OVERLAP_DEPTH if plan.overlap else 0,
-            torch_threads=plan.torch_threads,
-        )
-        spec = dataclasses.replace(spec, storage_options={})
+        # The sample is a local file: no storage options (the model is this process's already).
+        local: dict[str, object] = {}
+        device = str(model.device)
+        spec_model = model_spec(config, model.sha256, device, model.widths, storage_options=local)
         meta = pa.schema([table.schema.field(c) for c in meta_cols]).serialize().to_pybytes()
 
         def step(batch: int, rows: int) -> float:
@@ -303,8 +297,16 @@ def pipeline_step(
                 rows,
                 meta,
             )
+            spec = worker_spec(
+                config,
+                spec_model,
+                batch_size=batch,
+                overlap=plan.overlap,
+                torch_threads=plan.torch_threads,
+                storage_options=local,
+            )
             t0 = time.perf_counter()
-            result = score_shard(dataclasses.replace(spec, batch_size=batch), task)
+            result = score_shard(spec, task)
             seconds = time.perf_counter() - t0
             if result.status != ShardStatus.SCORED:
                 raise ModelError(

@@ -29,7 +29,8 @@ from pipeline.io.ownership import (
     check_rejects_location,
     remove_foreign,
 )
-from pipeline.worker.shard import ShardResult, ShardTask
+from pipeline.worker.shard import ShardResult
+from pipeline.worker.spec import ShardTask
 
 logger = logging.getLogger(__name__)
 

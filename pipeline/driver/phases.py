@@ -37,7 +37,8 @@ from pipeline.io.storage import Location
 from pipeline.model.bundle import LoadedModel
 from pipeline.model.registry import ModelSource
 from pipeline.report.build import RunFacts, model_section
-from pipeline.worker.shard import ShardResult, ShardTask
+from pipeline.worker.shard import ShardResult
+from pipeline.worker.spec import ShardTask
 
 
 @dataclass(frozen=True)

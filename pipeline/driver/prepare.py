@@ -30,7 +30,7 @@ from pipeline.driver.inspect import (
     run_settings,
 )
 from pipeline.driver.phases import Prepared
-from pipeline.driver.workers import warm_spec
+from pipeline.driver.workers import model_spec
 from pipeline.io import layout, listing, nesting, ownership, storage
 from pipeline.model import oov, registry
 from pipeline.model.bundle import BundleSpec, read_bundle, resolve_device
@@ -145,7 +145,13 @@ def _start_cluster(
     and warming every worker with the model; ``cleanup`` closes it."""
     if plan.scheduler == "sync":
         return None
-    session = DaskSession(plan, warm_spec(config, plan, bundle, sha, device, source))
+    # The model's record alone: the workers load it while the driver reads footers (an input
+    # width that model.toml leaves open is not known yet: the worker takes it from the program).
+    fixed = [i.fixed_width() for i in bundle.inputs]
+    widths = None if None in fixed else tuple(w for w in fixed if w is not None)
+    warm_rows = config.batch_size if isinstance(config.batch_size, int) else 2
+    model = model_spec(config, sha, device, widths, source)
+    session = DaskSession(plan, model, warm_rows)
     cleanup.callback(_close, session)
     checkpoint("cluster-started")
     return session

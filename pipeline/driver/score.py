@@ -19,10 +19,11 @@ from pipeline.core.interrupt import StopRequest
 from pipeline.core.statuses import FATAL_KINDS, FailureKind, ShardStatus
 from pipeline.driver.dispatch import cancelled, execute, interrupted
 from pipeline.driver.phases import Locked, Prepared, Scored
-from pipeline.driver.workers import worker_spec
+from pipeline.driver.workers import model_spec, run_signals, worker_spec
 from pipeline.io import retries
 from pipeline.io.locking import LOCK_LOST_KIND, LockLostError
 from pipeline.worker.shard import ShardResult
+from pipeline.worker.spec import Fence, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def score(
         on_start(sum(t.num_rows for t in tasks), len(tasks))
     fatal: ShardResult | None = None
     running = execute(
-        worker_spec(prepared, locked.lock),
+        _spec(prepared, locked, progress=on_rows is not None),
         list(tasks),
         prepared.session,
         retries=config.errors.task_retries,
@@ -79,6 +80,27 @@ def score(
             results.setdefault(t.rel_path, interrupted(t, stop.signal_name))
     locked.manifest.flush()
     return Scored(dict(results), fatal)
+
+
+def _spec(prepared: Prepared, locked: Locked, *, progress: bool) -> WorkerSpec:
+    """The run's worker contract: this model and these settings, fenced by the run's lock."""
+    config, session, reg = prepared.config, prepared.session, prepared.source.registry
+    widths = prepared.found.widths
+    model = model_spec(config, prepared.sha, str(prepared.device), widths, prepared.source)
+    lock = locked.lock
+    return worker_spec(
+        config,
+        model,
+        batch_size=prepared.execution.batch_size,
+        overlap=prepared.plan.overlap,
+        torch_threads=prepared.plan.torch_threads,
+        # An existing cluster's hosts, known since it answered (the prepare phase asked).
+        threads_by_host=session.threads_by_host if session is not None else None,
+        settings_hash=prepared.settings.hash,
+        model_version=reg.pinned if reg is not None else "",
+        fence=Fence(prepared.output.uri, lock.run_id, lock.token),
+        signals=run_signals(on_cluster=session is not None, progress=progress),
+    )
 
 
 def _record(prepared: Prepared, locked: Locked, result: ShardResult) -> None:

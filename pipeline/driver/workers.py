@@ -1,70 +1,95 @@
-"""The worker contract of a run: the :class:`~pipeline.worker.shard.WorkerSpec` its shards are
-scored with, made here and nowhere else."""
+"""The worker contract of a run, made here and nowhere else: :func:`worker_spec` builds the
+:class:`~pipeline.worker.spec.WorkerSpec` every shard is scored with, once, from what the run
+knows when it scores (its lock, its cluster, how it reports progress); nothing patches it after.
+The cluster is warmed earlier, before the lock, with the model's record alone
+(:func:`model_spec`)."""
 
 from __future__ import annotations
 
-import dataclasses
+import uuid
+from collections.abc import Mapping
+from typing import Any
 
 from pipeline.core.config import JobConfig
-from pipeline.driver.cluster import Plan
-from pipeline.driver.phases import Prepared
-from pipeline.io.locking import RunLock
-from pipeline.model.bundle import BundleSpec
+from pipeline.model.precision import ExecutionOptions
 from pipeline.model.registry import ModelSource
-from pipeline.worker.shard import OVERLAP_DEPTH, WorkerSpec
+from pipeline.worker.shard import OVERLAP_DEPTH
+from pipeline.worker.spec import (
+    Fence,
+    ModelSpec,
+    Scoring,
+    ShardIO,
+    StopSignals,
+    Threads,
+    WorkerSpec,
+)
 
 
-def _spec(
+def model_spec(
     config: JobConfig,
-    plan: Plan,
-    sha: str,
+    sha256: str,
     device: str,
-    source: ModelSource,
     widths: tuple[int, ...] | None,
-    batch_size: int | None,
+    source: ModelSource | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ModelSpec:
+    """The model of a run of ``config``: its bundle (a registry model's download, with the
+    pinned version a worker elsewhere fetches itself), device, input widths and precision."""
+    reg = source.registry if source is not None else None
+    return ModelSpec(
+        uri=config.model,
+        sha256=sha256,
+        device=device,
+        widths=widths,
+        execution=ExecutionOptions(config.precision, config.compile, config.strict_fp32),
+        storage_options=dict(config.storage if storage_options is None else storage_options),
+        registry_uri=reg.pinned if reg is not None else "",
+        tracking_uri=reg.tracking_uri if reg is not None else "",
+    )
+
+
+def worker_spec(  # noqa: PLR0913  (keyword-only: each is one part of the contract)
+    config: JobConfig,
+    model: ModelSpec,
+    *,
+    batch_size: int,
+    overlap: bool,
+    torch_threads: int | None,
+    threads_by_host: Mapping[str, int] | None = None,
     settings_hash: str = "",
+    model_version: str = "",
+    fence: Fence | None = None,
+    signals: StopSignals | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> WorkerSpec:
-    spec = WorkerSpec.for_job(
-        config,
-        sha,
-        device,
-        widths,
-        batch_size,
-        overlap_depth=OVERLAP_DEPTH if plan.overlap else 0,
-        torch_threads=plan.torch_threads,
-        settings_hash=settings_hash,
+    """What every shard of a run of ``config`` is scored with."""
+    return WorkerSpec(
+        model=model,
+        threads=Threads(torch_threads, dict(threads_by_host or {})),
+        scoring=Scoring(
+            batch_size=batch_size,
+            overlap_depth=OVERLAP_DEPTH if overlap else 0,
+            on_invalid_rows=config.errors.on_invalid_rows,
+        ),
+        io=ShardIO(
+            id_column=config.id_column,
+            passthrough=tuple(config.passthrough),
+            settings_hash=settings_hash,
+            model_version=model_version,
+            storage_options=dict(config.storage if storage_options is None else storage_options),
+        ),
+        fence=fence if fence is not None else Fence(),
+        signals=signals if signals is not None else StopSignals(),
     )
-    reg = source.registry
-    if reg is None:
-        return spec
-    return dataclasses.replace(
-        spec, model_version=reg.pinned, registry_uri=reg.pinned, tracking_uri=reg.tracking_uri
-    )
 
 
-def warm_spec(
-    config: JobConfig, plan: Plan, bundle: BundleSpec, sha: str, device: str, source: ModelSource
-) -> WorkerSpec:
-    """What the workers load the model with while the driver reads footers."""
-    fixed = [i.fixed_width() for i in bundle.inputs]
-    widths = None if None in fixed else tuple(w for w in fixed if w is not None)
-    batch = config.batch_size if isinstance(config.batch_size, int) else None
-    return _spec(config, plan, sha, device, source, widths, batch)
-
-
-def worker_spec(prepared: Prepared, lock: RunLock) -> WorkerSpec:
-    """What every shard of the run is scored with, fenced by the run's lock."""
-    spec = _spec(
-        prepared.config,
-        prepared.plan,
-        prepared.sha,
-        str(prepared.device),
-        prepared.source,
-        prepared.found.widths,
-        prepared.execution.batch_size,
-        settings_hash=prepared.settings.hash,
-    )
-    # The fence: every shard commit checks this token.
-    return dataclasses.replace(
-        spec, lock_root=prepared.output.uri, lock_run_id=lock.run_id, lock_token=lock.token
+def run_signals(*, on_cluster: bool, progress: bool) -> StopSignals:
+    """Names for a run's stop flags (on a cluster) and progress topic (when someone listens),
+    unique: an external cluster's workers outlive the run."""
+    tag = uuid.uuid4().hex[:8]
+    return StopSignals(
+        stop=f"score-catalog-stop-{tag}" if on_cluster else "",
+        abandon=f"score-catalog-abandon-{tag}" if on_cluster else "",
+        progress=f"score-catalog-progress-{tag}" if progress else "",
     )

@@ -7,6 +7,7 @@ model that way, so the scoring loop does not change with the option.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -124,7 +125,13 @@ class ExecutionOptions:
     strict_fp32: bool = False
 
 
-_PREPARED: dict[tuple[int, ExecutionOptions], tuple[LoadedModel, float | None]] = {}
+# The models this process prepared, by content: the bundle's SHA-256, the device, the input
+# widths and the options (not id(model): a freed model's id can be reused by another model).
+# A worker of an existing cluster outlives its runs: only the last few are kept.
+_PREPARED: collections.OrderedDict[
+    tuple[str, str, tuple[int, ...], ExecutionOptions], tuple[LoadedModel, float | None]
+] = collections.OrderedDict()
+_KEEP_PREPARED = 4
 _LOCK = threading.Lock()
 
 
@@ -136,13 +143,16 @@ def prepare(
     With ``compile``, the model is compiled for ``warm_rows`` rows right away (pass the batch
     size, so the first real batch does not pay for it).
     """
-    key = (id(model), opts)
+    key = (model.sha256, str(model.device), model.widths, opts)
     with _LOCK:
         hit = _PREPARED.get(key)
         if hit is not None:
+            _PREPARED.move_to_end(key)
             return hit
         prepared = _prepare(model, opts, warm_rows)
         _PREPARED[key] = prepared
+        while len(_PREPARED) > _KEEP_PREPARED:
+            _PREPARED.popitem(last=False)
         return prepared
 
 

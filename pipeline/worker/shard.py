@@ -1,7 +1,8 @@
 """Score one shard end to end inside a worker: read -> batch -> model -> write -> commit.
 
-:func:`score_shards` is the Dask task: a :class:`WorkerSpec` (the same for every shard, sent to
-each worker once) and a few small :class:`ShardTask` objects. It returns a :class:`ShardResult`
+:func:`score_shards` is the Dask task: a :class:`~pipeline.worker.spec.WorkerSpec` (the same for
+every shard, sent to each worker once) and a few small :class:`~pipeline.worker.spec.ShardTask`
+objects. It returns a :class:`ShardResult`
 for every outcome it understands (a failed shard is a result, not an exception, so Dask does not
 retry bad data); anything else propagates so that Dask retries the task, which the per-shard
 commit makes idempotent.
@@ -9,16 +10,12 @@ commit makes idempotent.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import itertools
 import logging
-import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -29,17 +26,16 @@ from pipeline.core.faults import checkpoint
 from pipeline.core.statuses import FailureKind, ShardStatus
 from pipeline.io import retries, storage
 from pipeline.io.layout import footer_metadata, rejects_metadata
-from pipeline.io.locking import LOCK_LOST_KIND, LockLostError, assert_holder
-from pipeline.model.bundle import Inputs, LoadedModel, load_model
+from pipeline.io.locking import LOCK_LOST_KIND, LockLostError
+from pipeline.model.bundle import Inputs
 from pipeline.model.engine import SMALL_BATCH, ModelFailedEverywhere, Scored, output_columns, score
-from pipeline.model.precision import ExecutionOptions, prepare
+from pipeline.worker import events
 from pipeline.worker.batching import Batch, ShardBatches, make_loader, to_device_ahead
+from pipeline.worker.loading import load, set_threads
 from pipeline.worker.overlap import read_ahead
 from pipeline.worker.sink import ShardSink, SinkRun, output_schema
+from pipeline.worker.spec import ShardTask, WorkerSpec
 from pipeline.worker.stats import DuplicateIds, ShardStats
-
-if TYPE_CHECKING:
-    from pipeline.core.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,118 +47,6 @@ UNPROVEN_ROWS = 16_384
 #: Batches in flight on each side of the model (read ahead, write behind) when overlap is on:
 #: memory stays a few batches.
 OVERLAP_DEPTH = 2
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What every shard of a run is scored with: sent to each worker once, not with every task."""
-
-    model_uri: str
-    model_sha256: str
-    device: str
-    # Values per row of each model input (0: a (batch,) input); None only while warming, before
-    # the data gave the width of an input that model.toml leaves open.
-    widths: tuple[int, ...] | None
-    id_column: str
-    passthrough: tuple[str, ...]
-    batch_size: int | None  # None only while warming a run whose batch size is still "auto"
-    on_invalid_rows: str
-    torch_threads: int | None  # None: derive from the Dask worker's thread count
-    precision: str = "fp32"
-    compile: bool = False
-    strict_fp32: bool = False
-    overlap_depth: int = 0  # batches read ahead / written behind in background threads
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
-    # On an existing cluster: torch threads for a worker on each host, so that all the worker
-    # threads of one machine together use its cores once (see cluster.torch_threads_by_host).
-    torch_threads_by_host: Mapping[str, int] = field(default_factory=dict)
-    # Hash of the settings that change output rows (preparation.run_settings); written with the
-    # model's SHA-256 into every output file's footer (reconcile.footer_metadata).
-    settings_hash: str = ""
-    # The run lock's fence (pipeline.io.locking): right before committing, each shard checks that
-    # run ``lock_run_id`` still holds the lock of ``lock_root`` with ``lock_token``. Empty while
-    # warming the workers (before the lock is taken): nothing is committed then.
-    lock_root: str = ""
-    lock_run_id: str = ""
-    lock_token: str = ""
-    # On a cluster, names of two flags the driver raises on every worker (raise_flag) when a signal
-    # stops the run: once ``stop_event`` is raised no new shard starts; once ``abandon_event`` is
-    # (the grace period is over) no shard commits (see pipeline.driver.dispatch).
-    stop_event: str = ""
-    abandon_event: str = ""
-    # A model from a registry (pipeline.model.registry): the output's model_version value (empty:
-    # the bundle's own version), and the pinned models:/NAME/VERSION with its tracking server, from
-    # which a worker on another machine, which does not see the driver's downloaded copy at
-    # ``model_uri``, downloads the same version into its own cache.
-    model_version: str = ""
-    registry_uri: str = ""
-    tracking_uri: str = ""
-    # Where workers report the rows of the shard they are scoring, as they go (RowProgress):
-    # a Dask event topic the driver subscribes to, or a listener in this process. Empty: none.
-    progress_topic: str = ""
-
-    def fence(self) -> None:
-        """Raise :class:`~pipeline.io.locking.LockLostError` unless this run still holds its lock
-        (and has not given up on the shards still in flight)."""
-        if _event_set(self.abandon_event):
-            raise LockLostError(
-                f"run {self.lock_run_id} stopped before this shard could commit (interrupted)"
-            )
-        if self.lock_token:
-            assert_holder(self.lock_root, self.lock_run_id, self.lock_token, self.storage_options)
-
-    @classmethod
-    def for_job(
-        cls,
-        config: JobConfig,
-        model_sha256: str,
-        device: str,
-        widths: tuple[int, ...] | None,
-        batch_size: int | None,
-        *,
-        overlap_depth: int,
-        torch_threads: int | None,
-        settings_hash: str = "",
-    ) -> WorkerSpec:
-        """The spec of a run of ``config`` (``torch_threads_by_host`` is added on a cluster)."""
-        return cls(
-            model_uri=config.model,
-            model_sha256=model_sha256,
-            device=device,
-            widths=widths,
-            id_column=config.id_column,
-            passthrough=config.passthrough,
-            batch_size=batch_size,
-            on_invalid_rows=config.errors.on_invalid_rows,
-            torch_threads=torch_threads,
-            precision=config.precision,
-            compile=config.compile,
-            strict_fp32=config.strict_fp32,
-            overlap_depth=overlap_depth,
-            storage_options=dict(config.storage),
-            settings_hash=settings_hash,
-        )
-
-    @property
-    def execution(self) -> ExecutionOptions:
-        """Precision, compile and TF32 settings as :func:`pipeline.model.precision.prepare` takes
-        them."""
-        return ExecutionOptions(self.precision, self.compile, self.strict_fp32)
-
-
-@dataclass(frozen=True)
-class ShardTask:
-    """What differs between shards: where one shard is read from and written to; small."""
-
-    rel_path: str
-    input_uri: str
-    output_uri: str
-    rejects_uri: str
-    num_rows: int
-    meta_schema: bytes  # Arrow IPC schema of the id + pass-through columns, from the footer
-    # Hash of the input's fingerprint (manifest.fingerprint_hash), written with ``rel_path``
-    # into the output's footer: the file names the version of the shard it was scored from.
-    input_fingerprint: str = ""
 
 
 @dataclass
@@ -225,118 +109,18 @@ class ShardResult:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stats"}
 
 
-def _set_threads(spec: WorkerSpec) -> int:
-    n = spec.torch_threads
-    if n is None:
-        try:
-            from distributed import get_worker
-
-            worker = get_worker()
-            worker_threads = worker.state.nthreads
-            host = urlsplit(worker.address).hostname
-            n = spec.torch_threads_by_host.get(host or "")
-        except (ImportError, ValueError):
-            worker_threads = 1
-    if n is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - macOS
-            cores = os.cpu_count() or 1
-        n = max(1, cores // max(1, worker_threads))
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
-    return n
-
-
-def pin_device(device: str, worker_name: object, device_count: int) -> str:
-    """The CUDA device for this worker: one worker per GPU.
-
-    An unindexed ``cuda`` on a worker that sees several GPUs (an embedded cluster on a multi-GPU
-    machine, whose workers are named 0, 1, ...) maps worker i to ``cuda:i % count``. Workers
-    started one per GPU (dask-cuda, or CUDA_VISIBLE_DEVICES per worker) see one device, so
-    ``cuda`` is theirs already.
-    """
-    if device != "cuda" or device_count <= 1:
-        return device
-    try:
-        index = int(str(worker_name))
-    except ValueError:
-        return device
-    return f"cuda:{index % device_count}"
-
-
-def _worker_device(device: str) -> str:
-    if device != "cuda":
-        return device
-    try:
-        from distributed import get_worker
-
-        name: object = get_worker().name
-    except (ImportError, ValueError):
-        return device
-    return pin_device(device, name, torch.cuda.device_count())
-
-
-def _load(spec: WorkerSpec, warm_rows: int) -> LoadedModel:
-    """The spec's model in this process, prepared (cached: loaded once per worker)."""
-    model = load_model(
-        _bundle_uri(spec),
-        _worker_device(spec.device),
-        widths=spec.widths,
-        options=spec.storage_options,
-        expected_sha256=spec.model_sha256,
-    )
-    prepared, _ = prepare(model, spec.execution, warm_rows=warm_rows)
-    return prepared
-
-
-def _bundle_uri(spec: WorkerSpec) -> str:
-    """Where this worker reads the bundle: the run's location, or for a registry model whose
-    downloaded copy this machine does not see, its own download of the same pinned version."""
-    if not spec.registry_uri or os.path.isdir(spec.model_uri):
-        return spec.model_uri
-    return _fetched(spec.registry_uri, spec.tracking_uri)
-
-
-@functools.lru_cache(maxsize=8)
-def _fetched(registry_uri: str, tracking_uri: str) -> str:
-    """A pinned version's local folder, asked for once per worker process: a registered version
-    never changes, and every shard would otherwise ask the server and hash the bundle again."""
-    from pipeline.model.registry import fetch_pinned
-
-    return fetch_pinned(registry_uri, tracking_uri)
-
-
-def warm_worker(spec: WorkerSpec) -> None:
-    """Load (and prepare) the model in this worker before its first task: once per process."""
-    _set_threads(spec)
-    _load(spec, spec.batch_size or 2)
-
-
 def score_shards(spec: WorkerSpec, tasks: list[ShardTask]) -> list[ShardResult]:
     """Score a group of small shards in one Dask task, one after another.
 
     Each shard still commits on its own; if one raises (a crash Dask should retry), the whole
     group is retried and its already committed shards are scored and replaced again, which the
-    per-shard commit makes harmless. Once the run is stopping (``spec.stop_event``), the shards
+    per-shard commit makes harmless. Once the run is stopping (``spec.signals.stop``), the shards
     not started yet are returned unscored, as ``interrupted``.
     """
-    return [_not_started(t) if _event_set(spec.stop_event) else score_shard(spec, t) for t in tasks]
-
-
-# Flags the driver raised in this worker process (raise_flag). A plain set read before each
-# shard and commit: a Dask Event would cost a scheduler round trip each time instead.
-_RAISED: set[str] = set()
-
-
-def raise_flag(name: str) -> None:
-    """Raise the flag ``name`` in this process (the driver runs it on every worker)."""
-    _RAISED.add(name)
-
-
-def _event_set(name: str) -> bool:
-    """Whether the flag ``name`` was raised here (False for no name: not on a cluster)."""
-    return bool(name) and name in _RAISED
+    stopping = spec.signals.stop
+    return [
+        _not_started(t) if events.flag_raised(stopping) else score_shard(spec, t) for t in tasks
+    ]
 
 
 def _not_started(task: ShardTask) -> ShardResult:
@@ -362,8 +146,8 @@ def score_shard(spec: WorkerSpec, task: ShardTask) -> ShardResult:
     """
     t0 = time.perf_counter()
     started = time.time()
-    _set_threads(spec)
-    retries.RETRY_CLOCK.working_for(spec.lock_run_id)
+    set_threads(spec.threads)
+    retries.RETRY_CLOCK.working_for(spec.run_id)
     failing_since: float | None = None  # when the first try that failed on storage began
     for attempt in itertools.count(1):
         try:
@@ -385,7 +169,7 @@ def score_shard(spec: WorkerSpec, task: ShardTask) -> ShardResult:
             time.sleep(failure)
             continue
         if failing_since is not None:  # the store answers again
-            out = storage.locate(task.output_uri, spec.storage_options)
+            out = storage.locate(task.output_uri, spec.io.storage_options)
             retries.RETRY_CLOCK.succeeded(retries.store_key(out.fs))
         result.started_at, result.finished_at = started, time.time()
         return result
@@ -418,7 +202,7 @@ def _storage_failure(
         return f"shard {task.input_uri}: {retries.cause_of(e)}"
     if not retries.is_transient(e) or type(e).__module__.split(".")[0] == "pyarrow":
         return None
-    out = storage.locate(task.output_uri, spec.storage_options)
+    out = storage.locate(task.output_uri, spec.io.storage_options)
     delay, elapsed = retries.next_delay(
         store=retries.store_key(out.fs),
         start=since,
@@ -442,18 +226,18 @@ class _Shard:
     """One shard being scored: its model, schemas and the statistics kept along the way."""
 
     def __init__(self, spec: WorkerSpec, task: ShardTask) -> None:
-        if spec.batch_size is None or spec.widths is None:
-            raise ValueError("a WorkerSpec for scoring needs its batch_size and input widths")
+        if spec.model.widths is None:
+            raise ValueError("a WorkerSpec for scoring needs the model's input widths")
         self.spec = spec
         self.task = task
-        self.model = _load(spec, spec.batch_size)
+        self.model = load(spec.model, spec.scoring.batch_size)
         outputs = self.model.spec.outputs
         self.out_fields = [(o.name, o.arrow_type(self.model.out_width)) for o in outputs]
         # Output and rejects schemas keep the id/pass-through types this shard's footer
         # declares; the driver read the footer already and sends those fields along.
         self.meta_schema = pa.ipc.read_schema(pa.py_buffer(task.meta_schema))
         footer = footer_metadata(
-            spec.model_sha256, spec.settings_hash, task.rel_path, task.input_fingerprint
+            spec.model.sha256, spec.io.settings_hash, task.rel_path, task.input_fingerprint
         )
         self.rejects_meta = rejects_metadata(task.output_uri, task.rel_path, task.input_fingerprint)
         self.out_schema = output_schema(self.meta_schema, self.out_fields, footer)
@@ -476,20 +260,19 @@ class _Shard:
     def batches(self) -> Iterator[Batch]:
         """The shard's batches, read ahead and moved to the model's device ahead of use."""
         spec, task = self.spec, self.task
-        assert spec.batch_size is not None
         dataset = ShardBatches(
             task.input_uri,
             self.model.spec,
             widths=self.model.widths,
-            meta_columns=(spec.id_column, *spec.passthrough),
-            batch_size=spec.batch_size,
-            storage_options=spec.storage_options,
+            meta_columns=(spec.io.id_column, *spec.io.passthrough),
+            batch_size=spec.scoring.batch_size,
+            storage_options=spec.io.storage_options,
         )
-        local = storage.locate(task.input_uri, spec.storage_options).is_local
+        local = storage.locate(task.input_uri, spec.io.storage_options).is_local
         self.dataset = dataset  # its lossy casts go into the result
         loader = make_loader(dataset, pin_memory=self.model.device.type == "cuda")
         batches = _guard_reads(iter(loader), task.input_uri, local)
-        return to_device_ahead(read_ahead(batches, spec.overlap_depth), self.model.device)
+        return to_device_ahead(read_ahead(batches, spec.scoring.overlap_depth), self.model.device)
 
     def score_batch(self, batch: Batch, sink: ShardSink) -> None:
         """Score one batch, write its rows and rejects, and keep its statistics."""
@@ -510,7 +293,7 @@ class _Shard:
         cols = output_columns(scored.outputs, self.model.spec.outputs)
         meta = batch.meta if keep.all() else batch.meta.filter(pa.array(keep))
         m = meta.num_rows
-        version = self.spec.model_version or self.model.spec.version
+        version = self.spec.io.model_version or self.model.spec.version
         version_col = pa.repeat(pa.scalar(version, pa.string()), m)
         arrays = [*meta.columns, *cols, version_col]
         sink.write_output(pa.RecordBatch.from_arrays(arrays, schema=self.out_schema))
@@ -532,12 +315,12 @@ class _Shard:
         if valid.all():
             return xs, {}
         invalid_idx = np.flatnonzero(~valid)
-        if self.spec.on_invalid_rows == "fail":
+        if self.spec.scoring.on_invalid_rows == "fail":
             i = int(invalid_idx[0])
             reason = (batch.features.reasons or ["invalid value"])[0]
             raise ShardError(
                 f"shard {self.task.input_uri}: row group {int(batch.row_groups[i])}, row "
-                f"{batch.start + i}, {self.spec.id_column} = "
+                f"{batch.start + i}, {self.spec.io.id_column} = "
                 f"{batch.meta.column(0)[i].as_py()!r}: {reason} "
                 "(errors.on_invalid_rows = 'fail')",
                 shard=self.task.input_uri,
@@ -557,7 +340,7 @@ class _Shard:
             raise ShardError(
                 f"shard {self.task.input_uri}, rows {batch.start}-"
                 f"{batch.start + batch.num_rows - 1}: {e}. "
-                f"Check the model bundle {self.spec.model_uri} against this data.",
+                f"Check the model bundle {self.spec.model.uri} against this data.",
                 shard=self.task.input_uri,
                 kind=FailureKind.MODEL,
             ) from e
@@ -575,7 +358,7 @@ class _Shard:
         if not self.proven and self.failed_unproven > SMALL_BATCH:
             raise ShardError(
                 f"shard {self.task.input_uri}: the model failed on every one of its "
-                f"{self.failed_unproven:,} rows. Check the model bundle {self.spec.model_uri} "
+                f"{self.failed_unproven:,} rows. Check the model bundle {self.spec.model.uri} "
                 "against this data.",
                 shard=self.task.input_uri,
                 kind=FailureKind.MODEL,
@@ -612,83 +395,21 @@ class _Shard:
         )
 
 
-# --------------------------------------------------------------------------------------------
-# Progress by rows, from inside a shard
-
-#: A worker reports rows scored at most this often (per process and run), so that a progress
-#: bar moves inside a big shard while thousands of tiny batches cost no message each.
-PROGRESS_INTERVAL_S = 0.5
-
-# Listeners of a topic in this process (the sync and threads schedulers): topic -> (pid, call).
-# The pid: a worker process forked while a listener was registered must not call the driver's.
-_LISTENERS: dict[str, tuple[int, Callable[[str, int], None]]] = {}
-# When each topic was last reported from this process (monotonic seconds).
-_LAST_SENT: dict[str, float] = {}
-
-
-@contextlib.contextmanager
-def listen_locally(topic: str, on_rows: Callable[[str, int], None]) -> Iterator[None]:
-    """Deliver ``topic``'s reports made in this process to ``on_rows(rel_path, rows)`` while
-    the block runs (shards scored in this process: ``sync`` and ``threads``)."""
-    _LISTENERS[topic] = (os.getpid(), on_rows)
-    try:
-        yield
-    finally:
-        _LISTENERS.pop(topic, None)
-
-
-def _send_rows(topic: str, rel_path: str, rows: int) -> None:
-    """Report ``rows`` of ``rel_path`` scored so far: to a listener in this process, else as a
-    Dask event on the worker (:meth:`distributed.Worker.log_event`), which the driver's client
-    receives through ``subscribe_topic``. Best effort: progress never fails a shard."""
-    listener = _LISTENERS.get(topic)
-    if listener is not None and listener[0] == os.getpid():
-        listener[1](rel_path, rows)
-        return
-    try:
-        from distributed import get_worker
-
-        get_worker().log_event(topic, [rel_path, rows])
-    except (ImportError, ValueError):  # not in a Dask worker, or no listener: nobody asked
-        pass
-
-
-class RowProgress:
-    """Rows of one shard scored so far, reported at most every :data:`PROGRESS_INTERVAL_S`
-    (across the shards this process scores for the run: tiny shards send nothing; the
-    shard's result says it is done)."""
-
-    def __init__(self, topic: str, rel_path: str) -> None:
-        self.topic = topic
-        self.rel_path = rel_path
-        self.rows = 0
-
-    def add(self, rows: int) -> None:
-        self.rows += rows
-        if not self.topic:
-            return
-        now = time.monotonic()
-        last = _LAST_SENT.setdefault(self.topic, now)
-        if now - last >= PROGRESS_INTERVAL_S:
-            _LAST_SENT[self.topic] = now
-            _send_rows(self.topic, self.rel_path, self.rows)
-
-
 def _score(spec: WorkerSpec, task: ShardTask, t0: float) -> ShardResult:
     shard = _Shard(spec, task)
-    progress = RowProgress(spec.progress_topic, task.rel_path)
-    opts = spec.storage_options
+    progress = events.RowProgress(spec.signals.progress, task.rel_path)
+    opts = spec.io.storage_options
     out_loc = storage.locate(task.output_uri, opts)
     rej_loc = storage.locate(task.rejects_uri, opts)
-    depth = spec.overlap_depth
+    depth = spec.scoring.overlap_depth
     with ShardSink(
         out_loc,
         rej_loc,
         shard.meta_schema,
         shard.out_schema,
         depth=depth,
-        fence=spec.fence,
-        run=SinkRun(shard.rejects_meta, opts, spec.lock_run_id),
+        fence=spec.check_fence,
+        run=SinkRun(shard.rejects_meta, opts, spec.run_id),
     ) as sink:
         for batch in shard.batches():
             checkpoint("batch-read")

@@ -21,7 +21,7 @@ import pytest
 
 from pipeline import JobConfig, run
 from pipeline.cli.demo import export_bundle
-from pipeline.worker.shard import PROGRESS_INTERVAL_S
+from pipeline.worker.events import PROGRESS_INTERVAL_S
 from tests.conftest import demo_toml, make_model, write_shards
 from tests.integration.helpers import cli_argv, cli_env, job_args
 

@@ -6,7 +6,7 @@ the server, download it into a cache keyed by the version and score it. Everythi
 real CLI (one run as a separate process on the embedded Dask cluster, the rest in this process to
 keep the suite short) and the real server over HTTP: SQLite backend store, and artifacts proxied by
 the server from a local folder. The one stand-in is the worker of another machine, which here is a
-:class:`~pipeline.worker.shard.WorkerSpec` whose driver-side copy is absent.
+:class:`~pipeline.worker.spec.ModelSpec` whose driver-side copy is absent.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import pytest
 from pipeline.cli.demo import export_bundle
 from pipeline.model.bundle import read_bundle
 from pipeline.model.registry import MARKER, SHA_TAG
-from pipeline.worker.shard import WorkerSpec, warm_worker
+from pipeline.worker.loading import warm_worker
+from pipeline.worker.spec import ModelSpec, Threads
 from tests.conftest import demo_toml, make_model, reference_scores, write_shards
 from tests.integration.helpers import CliResult, cli, job_args, report_path
 from tests.integration.servers import MlflowServer, free_port
@@ -239,21 +240,15 @@ def test_a_worker_that_does_not_see_the_drivers_copy_downloads_the_pinned_versio
     which does not exist there, and the pinned version it can download itself."""
     pinned = register(env, bundle_dir, _name())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "worker-cache"))
-    spec = WorkerSpec(
-        model_uri=str(tmp_path / "driver-cache" / "bundle"),  # not on this "machine"
-        model_sha256=_sha(bundle_dir),
-        device="cpu",
+    model = ModelSpec(
+        str(tmp_path / "driver-cache" / "bundle"),  # not on this "machine"
+        _sha(bundle_dir),
+        "cpu",
         widths=(16,),
-        id_column="item_id",
-        passthrough=(),
-        batch_size=64,
-        on_invalid_rows="reject",
-        torch_threads=1,
-        model_version=pinned,
         registry_uri=pinned,
         tracking_uri=mlflow_server.tracking_uri,
     )
-    warm_worker(spec)  # raises unless it found the bundle with the run's SHA-256
+    warm_worker(model, Threads(torch=1), 64)  # raises unless it found the run's SHA-256
     copies = list((tmp_path / "worker-cache").rglob("model.pt2"))
     assert len(copies) == 1
     assert copies[0].read_bytes() == (bundle_dir / "model.pt2").read_bytes()
