@@ -130,7 +130,7 @@ def _old_layout(tmp_path: Path) -> Path:
 def test_claim_moves_the_older_layout_out_of_the_template_root(tmp_path: Path) -> None:
     root = _old_layout(tmp_path)
     where = layout.places(f"{root}/d={{date}}", f"{root}/d=1")
-    layout.claim(where, lambda: None)
+    layout.claim(where, lambda: None, withdraw=lambda: None)
     area = tmp_path / "_score_catalog" / "scored"
     # This output: its report is withdrawn (it described the output before this run), its
     # manifest moves; the other dates keep theirs, moved.
@@ -169,7 +169,7 @@ def test_a_move_cut_short_is_finished_by_the_next_run_and_the_new_copy_wins(
     (area / "d=3").mkdir(parents=True)
     (area / "d=3" / "_report.json").write_text(json.dumps({"report": "newer"}))
     where = layout.places(f"{root}/d={{date}}", f"{root}/d=1")
-    layout.claim(where, lambda: None)
+    layout.claim(where, lambda: None, withdraw=lambda: None)
     assert json.loads((area / "d=2" / "_manifest.json").read_text()) == {"d": "d=2"}
     assert json.loads((area / "d=3" / "_report.json").read_text()) == {"report": "newer"}
     assert not (root / "_score_catalog" / "d=2").exists()
@@ -182,7 +182,9 @@ def test_two_runs_moving_the_same_old_files_at_once_lose_nothing(tmp_path: Path)
 
     def claim(day: str) -> None:
         try:
-            layout.claim(layout.places(f"{root}/d={{date}}", f"{root}/{day}"), lambda: None)
+            layout.claim(
+                layout.places(f"{root}/d={{date}}", f"{root}/{day}"), lambda: None, lambda: None
+            )
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -207,7 +209,7 @@ def test_rejects_the_oldest_layout_kept_inside_the_output_move_out(tmp_path: Pat
     (out / "_rejects" / "sub").mkdir(parents=True)
     (out / "_rejects" / "sub" / "part-0.parquet").write_bytes(b"rejected rows")
     where = layout.places(str(out), str(out))
-    layout.claim(where, lambda: None)
+    layout.claim(where, lambda: None, withdraw=lambda: None)
     moved = tmp_path / "_rejects" / "latest" / "sub" / "part-0.parquet"
     assert moved.read_bytes() == b"rejected rows"
     assert not (out / "_rejects").exists()

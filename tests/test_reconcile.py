@@ -1,4 +1,5 @@
-"""pipeline.driver.reconcile on real Parquet files: who wrote a file, what goes, what the check
+"""The Parquet folder output (pipeline.io.outputs.folder) on real Parquet files: who wrote a file,
+what goes, what the check
 finds."""
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import pytest
 from pipeline.core.config import build_config, default_rejects
 from pipeline.core.errors import ConfigError, StorageError
 from pipeline.core.statuses import FailureKind, ShardStatus
-from pipeline.driver.reconcile import Expected, reconcile, verify, wanted
+from pipeline.driver.reconcile import wanted
 from pipeline.io import storage
 from pipeline.io.layout import footer_metadata, rejects_metadata
+from pipeline.io.outputs.base import Expected
+from pipeline.io.outputs.folder import reconcile, verify
 from pipeline.io.ownership import (
     check_output_owner,
     check_rejects_location,

@@ -17,8 +17,9 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.core import retries
 from pipeline.core.errors import ConfigError, InputError, StorageError
-from pipeline.io import listing, ownership, retries, storage
+from pipeline.io import listing, ownership, storage
 from pipeline.io.layout import MANIFEST_NAME
 from tests.conftest import write_shards
 

@@ -17,24 +17,26 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from pipeline.core import retries
 from pipeline.core.errors import StorageError, describe, log_cleanup_error
 from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import StopRequest
 from pipeline.core.statuses import SUCCESS_STATUSES, FailureKind
 from pipeline.driver.dispatch import not_scored
 from pipeline.driver.phases import Locked, Prepared, Scored
-from pipeline.driver.reconcile import Reconciliation, Removal, Wanted, reconcile, verify, wanted
+from pipeline.driver.reconcile import Wanted, wanted
 from pipeline.driver.status import Decision, Findings, decide, may_succeed
-from pipeline.io import retries, runindex, storage
+from pipeline.io import runindex, storage
 from pipeline.io.layout import HTML_NAME, REPORT_NAME, SUCCESS_NAME
 from pipeline.io.locking import LockLostError, RunLock
+from pipeline.io.outputs.base import Reconciliation, Removal
 from pipeline.io.storage import Location
 from pipeline.report import verdict as verdicts
 from pipeline.report.build import Draft, RunReport, build_report, draft_report
 from pipeline.report.html import render_html
-from pipeline.report.schema import ErrorEntry, RemovedOutput, ReportData
+from pipeline.report.schema import ErrorEntry, OutputFormatSection, RemovedOutput, ReportData
 from pipeline.worker.shard import ShardResult
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ def conclude(prepared: Prepared, locked: Locked, scored: Scored, stop: StopReque
         removed_outputs=[_removed(r) for r in (*locked.cleared, *settled.removed)],
         foreign_removed=locked.foreign.removed,
         foreign_kept=foreign_kept,
+        output_format=prepared.output_format.describe(None),
     )
     checkpoint("judged")
     record = judged.record if decision.succeeded else None
@@ -99,14 +102,22 @@ def commit(
     prepared: Prepared, locked: Locked, concluded: Concluded, stop: StopRequest
 ) -> RunReport:
     """Write what the run decided: the manifest (with the verdict), the run-index entry, the
-    page, the report, and ``_SUCCESS`` last."""
+    output format's commit of the run's data, the page, the report, and the format's seal
+    (``_SUCCESS``) last."""
     lock, manifest, report = locked.lock, locked.manifest, concluded.report
+    fmt = prepared.output_format
     if concluded.record is not None:
         manifest.set_verdict(concluded.record)
     manifest.flush()  # fenced; an error names the file
     _index(prepared, report, warn=True)
+    succeeded = report["status"] in SUCCESS_STATUSES
+    if succeeded and not stop.requested:
+        lock.assert_held()
+        committed = fmt.commit_run(prepared.run_id, manifest.shards)
+        report = report.copy()
+        report["output_format"] = cast(OutputFormatSection, fmt.describe(committed))
     _write_report(prepared.control, report, lock)
-    if report["status"] not in SUCCESS_STATUSES:
+    if not succeeded:
         return _run_report(prepared, report)
     if stop.requested:
         # A signal while the report was being written: the run was asked to stop before its
@@ -118,8 +129,7 @@ def commit(
         _write_report(prepared.control, report, lock)
         return _run_report(prepared, report)
     lock.assert_held()
-    success = prepared.output.child(SUCCESS_NAME)
-    _naming(success, lambda: storage.write_bytes(success, b"", point="success-rename"))
+    _naming(prepared.output.child(SUCCESS_NAME), fmt.seal)
     return _run_report(prepared, report)
 
 
@@ -144,7 +154,7 @@ def retract(
     report = _decided(concluded.report, decide(dataclasses.replace(findings, error=error)))
     if isinstance(e, LockLostError):
         return report
-    _remove(prepared.output.child(SUCCESS_NAME))
+    log_cleanup_error(prepared.output_format.withdraw, "withdrawing the output's completion")
     if not _index(prepared, report):
         config = prepared.config
         root = runindex.index_root(config.output)
@@ -338,14 +348,8 @@ def _reconcile(prepared: Prepared, locked: Locked, want: Wanted) -> Reconciliati
     schema-skipped shards), with their rejects and manifest entries."""
     manifest = locked.manifest
     ours = set(locked.previous_outputs) | set(manifest.shards)
-    settled = reconcile(
-        prepared.output,
-        prepared.rejects,
-        want.keep,
-        ours,
-        want.reasons,
-        prepared.config.storage,
-    )
+    fmt = prepared.output_format
+    settled = fmt.settle(prepared.rejects, want.keep, ours, want.reasons)
     for rel in set(manifest.shards) - want.keep:
         manifest.forget(rel)
     manifest.flush()
@@ -355,7 +359,7 @@ def _reconcile(prepared: Prepared, locked: Locked, want: Wanted) -> Reconciliati
 def _mismatch(prepared: Prepared, want: Wanted) -> list[str]:
     """How the visible output differs from the report (then no ``_SUCCESS``)."""
     expected = {rel: prepared.expected(rel, rows) for rel, rows in want.rows.items()}
-    problems = verify(prepared.output, expected, prepared.config.storage)
+    problems = prepared.output_format.verify(expected)
     for p in problems:
         logger.error("%s", p)
     return problems

@@ -18,17 +18,11 @@ from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import StopRequest
 from pipeline.driver.phases import Locked, Prepared
 from pipeline.driver.prepare import stop_if_asked
-from pipeline.driver.reconcile import clear_the_way, file_problems
 from pipeline.io import layout, storage
 from pipeline.io.listing import ShardRef
 from pipeline.io.locking import RunLock
 from pipeline.io.manifest import FencedManifest, Manifest
-from pipeline.io.ownership import (
-    ForeignFiles,
-    check_output_owner,
-    check_rejects_location,
-    remove_foreign,
-)
+from pipeline.io.ownership import ForeignFiles, check_rejects_location
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.spec import ShardTask
 
@@ -42,7 +36,7 @@ def take(prepared: Prepared, stop: StopRequest, cleanup: contextlib.ExitStack) -
     for bucket in {b.uri: b for b in prepared.buckets_to_create}.values():
         storage.create_bucket(bucket)
     # A folder holding files this tool did not write is refused before anything is written.
-    check_output_owner(out, config.on_foreign_output, opts)
+    prepared.output_format.check_owner(config.on_foreign_output)
     shard_paths = [s.rel_path for s in prepared.shards]
     check_rejects_location(prepared.rejects, out, opts, shard_paths)
     lock = RunLock.acquire(out, prepared.run_id, stale_after_s=config.stale_lock_after_s)
@@ -55,8 +49,8 @@ def take(prepared: Prepared, stop: StopRequest, cleanup: contextlib.ExitStack) -
 def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> Locked:
     """Take the output for this run and find what is left to score; ``cleanup`` saves the
     manifest (what was committed, so that a rerun skips it) whatever happens next."""
-    config, out, opts = prepared.config, prepared.output, prepared.config.storage
-    layout.claim(prepared.places, lock.assert_held)
+    config, out, fmt = prepared.config, prepared.output, prepared.output_format
+    layout.claim(prepared.places, lock.assert_held, fmt.withdraw)
     for root in (out, prepared.rejects):
         for path in storage.remove_temporaries(root):
             logger.info("removed a temporary file left by an interrupted run: %s", path)
@@ -77,12 +71,12 @@ def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> L
     previous = frozenset(manifest.shards)
     foreign = ForeignFiles()
     if config.on_foreign_output == "replace":
-        foreign = remove_foreign(out, set(previous), opts)
+        foreign = fmt.replace_foreign(set(previous))
     # An input shard that became a folder of the same name (or the reverse): its old output is
     # in the way of the new one.
     wanted = [s.rel_path for s in prepared.shards if s.rel_path not in prepared.failed]
     lock.assert_held()
-    cleared = clear_the_way(out, prepared.rejects, wanted, set(previous), opts)
+    cleared = fmt.clear(prepared.rejects, wanted, set(previous))
     for removal in cleared:
         manifest.forget(removal.rel_path)
     done = dict(prepared.failed)
@@ -105,9 +99,8 @@ def _skipped(prepared: Prepared, manifest: Manifest, s: ShardRef) -> ShardResult
     if prepared.config.force or not manifest.matches(s.rel_path, prepared.expectation(s)):
         return None
     done = manifest.shards[s.rel_path]
-    out_loc = prepared.output.child(s.rel_path)
     expected = prepared.expected(s.rel_path, done["rows_scored"])
-    problems = file_problems(out_loc, expected, prepared.config.storage)
+    problems = prepared.output_format.is_done(s.rel_path, done, expected)
     if problems:
         # Deleted, replaced or copied over since: score it again instead of trusting it.
         logger.warning("scoring %s again: %s", s.rel_path, problems[0])

@@ -27,11 +27,11 @@ from pipeline.core.config import JobConfig
 from pipeline.driver.cluster import DaskSession, Plan
 from pipeline.driver.execution import Execution
 from pipeline.driver.inspect import Inspection, Settings
-from pipeline.driver.reconcile import Expected, Removal
 from pipeline.io.layout import Places
 from pipeline.io.listing import ShardRef
 from pipeline.io.locking import RunLock
 from pipeline.io.manifest import FencedManifest, expectation, fingerprint_hash
+from pipeline.io.outputs.base import Expected, OutputFormat, Removal
 from pipeline.io.ownership import ForeignFiles
 from pipeline.io.storage import Location
 from pipeline.model.bundle import LoadedModel
@@ -51,6 +51,7 @@ class Prepared:
     started_at: dt.datetime  # wall clock, for the report
     t0: float  # time.perf_counter() at the start, for durations
     places: Places  # the output, its control folder, the run index, older layouts' places
+    output_format: OutputFormat  # where the scores go (pipeline.io.outputs)
     rejects: Location
     source: ModelSource  # where the model came from (a bundle, or a registry version)
     shards: tuple[ShardRef, ...]  # the input, sorted by path
@@ -108,7 +109,7 @@ class Prepared:
         return ShardTask(
             rel_path=s.rel_path,
             input_uri=s.uri,
-            output_uri=self.output.child(s.rel_path).uri,
+            output_uri=self.output_format.target(s.rel_path, self.run_id),
             rejects_uri=self.rejects.child(s.rel_path).uri,
             num_rows=info.num_rows,
             meta_schema=pa.schema(meta).serialize().to_pybytes(),

@@ -28,10 +28,11 @@ from pipeline.driver.inspect import (
     meta_fields,
     run_settings,
 )
-from pipeline.driver.reconcile import Expected, file_problems
 from pipeline.io import layout, nesting, ownership, storage
 from pipeline.io.listing import ShardRef
 from pipeline.io.manifest import Manifest, expectation, fingerprint_hash
+from pipeline.io.outputs import output_format
+from pipeline.io.outputs.base import Expected
 from pipeline.io.parquet import ShardInfo
 from pipeline.io.storage import Location
 from pipeline.model import oov, registry
@@ -159,14 +160,16 @@ def _done(
     expect_done: tuple[str, str],
     config: JobConfig,
 ) -> bool:
-    """Whether a run would skip ``s``: as ``ScoringRun._skip_if_done`` judges it, from the
-    manifest entry and the output file's footer."""
+    """Whether a run would skip ``s``: as the lock phase judges it (pipeline.driver.lock), from
+    the manifest entry and what the output format says of the shard's file."""
     expect = expectation(s, info, *expect_done)
     if not manifest.matches(s.rel_path, expect):
         return False
-    rows = manifest.shards[s.rel_path]["rows_scored"]
-    want = Expected(rows, *expect_done, s.rel_path, fingerprint_hash(expect["fingerprint"]))
-    return not file_problems(out_root.child(s.rel_path), want, config.storage)
+    entry = manifest.shards[s.rel_path]
+    want = Expected(
+        entry["rows_scored"], *expect_done, s.rel_path, fingerprint_hash(expect["fingerprint"])
+    )
+    return not output_format(out_root, config.storage).is_done(s.rel_path, entry, want)
 
 
 def _calibrate(config: JobConfig, model: Any, sample_from: Any, plan: Plan) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from pipeline.driver.inspect import (
 from pipeline.driver.phases import Prepared
 from pipeline.driver.workers import model_spec
 from pipeline.io import layout, listing, nesting, ownership, storage
+from pipeline.io.outputs import output_format
 from pipeline.model import oov, registry
 from pipeline.model.bundle import BundleSpec, read_bundle, resolve_device
 
@@ -115,6 +116,7 @@ def prepare(
         started_at=started_at,
         t0=t0,
         places=places,
+        output_format=output_format(places.output, opts),
         rejects=rejects,
         source=source,
         shards=tuple(shards),

@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Any
 
-from pipeline.core import runcontext
+from pipeline.core import retries, runcontext
 from pipeline.core.config import JobConfig
 from pipeline.core.errors import describe
 from pipeline.core.interrupt import StopRequest
@@ -33,7 +33,6 @@ from pipeline.core.statuses import FailureKind, RunStatus
 from pipeline.driver import finish, lock, prepare, score
 from pipeline.driver.phases import Locked, Prepared, Scored
 from pipeline.driver.score import OnRows, OnShard, OnStart
-from pipeline.io import retries
 from pipeline.io.locking import RunLock
 from pipeline.report import metrics
 from pipeline.report.build import RunReport

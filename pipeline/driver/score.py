@@ -15,12 +15,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.core import retries
 from pipeline.core.interrupt import StopRequest
 from pipeline.core.statuses import FATAL_KINDS, FailureKind, ShardStatus
 from pipeline.driver.dispatch import cancelled, execute, interrupted
 from pipeline.driver.phases import Locked, Prepared, Scored
 from pipeline.driver.workers import model_spec, run_signals, worker_spec
-from pipeline.io import retries
 from pipeline.io.locking import LOCK_LOST_KIND, LockLostError
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.spec import Fence, WorkerSpec
@@ -100,6 +100,7 @@ def _spec(prepared: Prepared, locked: Locked, *, progress: bool) -> WorkerSpec:
         model_version=reg.pinned if reg is not None else "",
         fence=Fence(prepared.output.uri, lock.run_id, lock.token),
         signals=run_signals(on_cluster=session is not None, progress=progress),
+        file_facts=prepared.output_format.file_facts,
     )
 
 
@@ -114,6 +115,7 @@ def _record(prepared: Prepared, locked: Locked, result: ShardResult) -> None:
         return
     s = prepared.by_path[result.rel_path]
     entry = scored_entry(s.uri, prepared.expectation(s), result, prepared.run_id)
+    entry.update(prepared.output_format.commit_shard(result.written))
     locked.manifest.record(result.rel_path, entry)
 
 

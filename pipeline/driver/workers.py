@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.core.config import JobConfig
+from pipeline.io.outputs.base import FileFacts
 from pipeline.model.precision import ExecutionOptions
 from pipeline.model.registry import ModelSource
 from pipeline.worker.shard import OVERLAP_DEPTH
@@ -62,6 +63,7 @@ def worker_spec(  # noqa: PLR0913  (keyword-only: each is one part of the contra
     fence: Fence | None = None,
     signals: StopSignals | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    file_facts: FileFacts | None = None,
 ) -> WorkerSpec:
     """What every shard of a run of ``config`` is scored with."""
     return WorkerSpec(
@@ -78,6 +80,7 @@ def worker_spec(  # noqa: PLR0913  (keyword-only: each is one part of the contra
             settings_hash=settings_hash,
             model_version=model_version,
             storage_options=dict(config.storage if storage_options is None else storage_options),
+            file_facts=file_facts,
         ),
         fence=fence if fence is not None else Fence(),
         signals=signals if signals is not None else StopSignals(),

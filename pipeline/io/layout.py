@@ -283,11 +283,12 @@ def find_in(where: Places, name: str) -> Location | None:
 # --------------------------------------------------------------------------- taking an output
 
 
-def claim(where: Places, fence: Callable[[], None]) -> None:
+def claim(where: Places, fence: Callable[[], None], withdraw: Callable[[], None]) -> None:
     """What a run does first once it holds the output's lock, before anything is scored.
 
-    Marks the folder as ours (:data:`OUTPUT_MARK`); withdraws the previous run's ``_SUCCESS``
-    and report, which describe the output as it was and would be taken for this run's while it
+    Marks the folder as ours (:data:`OUTPUT_MARK`); withdraws what says the previous run's
+    output is complete (``withdraw``: the output format's, the folder's ``_SUCCESS``) and its
+    report, which describe the output as it was and would be taken for this run's while it
     changes it (the run index keeps every run's record); and moves what older versions kept
     in other places (:func:`migrate`). The manifest in the output itself (the oldest layout)
     moves on its own (``Manifest.load`` reads it, the run saves to the new place).
@@ -297,7 +298,7 @@ def claim(where: Places, fence: Callable[[], None]) -> None:
     mark = out.child(OUTPUT_MARK)
     if not storage.exists(mark):
         storage.write_bytes(mark, b"")
-    storage.remove(out.child(SUCCESS_NAME))
+    withdraw()
     for root in (where.control, *where.old_controls):
         for name in (REPORT_NAME, HTML_NAME):
             storage.remove(root.child(name))

@@ -17,8 +17,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.core import retries
 from pipeline.core.errors import ConfigError, InputError, MissingInputError, StorageError
-from pipeline.io import retries, storage
+from pipeline.io import storage
 from pipeline.io.storage import Location
 
 logger = logging.getLogger(__name__)

@@ -46,8 +46,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.core import retries
 from pipeline.core.errors import LockError, StorageError
-from pipeline.io import retries, storage
+from pipeline.io import storage
 from pipeline.io.layout import HEARTBEAT_PREFIX, LOCK_NAME, TAKEOVER_PREFIX
 from pipeline.io.storage import Location
 

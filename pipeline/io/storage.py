@@ -11,7 +11,7 @@ which are ours is :mod:`pipeline.io.layout`'s and :mod:`pipeline.io.ownership`'s
 knows only its own temporary names (:data:`TMP_MARK`). It is longer than the other modules
 (about 650 lines) on purpose: every fsspec call is here, in one module, and nowhere else.
 
-Every call is retried by the one retry layer, :mod:`pipeline.io.retries`, bounded by a total
+Every call is retried by the one retry layer, :mod:`pipeline.core.retries`, bounded by a total
 time. What it cannot repeat safely is a part upload in the middle of a streamed write (the file
 object has already consumed the part); such a write fails, and since every write is staged, the
 shard's task is simply run again.
@@ -38,8 +38,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pipeline.core.errors import ConfigError, StorageError
 from pipeline.core.faults import checkpoint
 from pipeline.core.jsontext import to_json
-from pipeline.core.storage_options import DEFAULT_RETRY_DEADLINE_S, RETRY_DEADLINE_OPTION
-from pipeline.io.retries import (
+from pipeline.core.retries import (
     cause_of,
     is_backend_failure,
     is_storage_failure,
@@ -47,6 +46,7 @@ from pipeline.io.retries import (
     store_key,
     with_retries,
 )
+from pipeline.core.storage_options import DEFAULT_RETRY_DEADLINE_S, RETRY_DEADLINE_OPTION
 
 logger = logging.getLogger(__name__)
 

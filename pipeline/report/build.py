@@ -28,6 +28,7 @@ from pipeline.report.schema import (
     LockHolderDetails,
     LossyCastEntry,
     ModelInfoWithRegistry,
+    OutputFormatSection,
     OutputStats,
     RemovedOutput,
     ReportData,
@@ -472,19 +473,20 @@ def build_report(  # noqa: PLR0913  (keyword-only: the parts of a report the run
     removed_outputs: Iterable[RemovedOutput] = (),
     foreign_removed: Iterable[str] = (),
     foreign_kept: Iterable[str] = (),
+    output_format: Mapping[str, Any] | None = None,
 ) -> ReportData:
     """The ``_report.json`` of a finished run: the ``draft`` with the run's ``status`` and
     ``failure_reasons`` (``pipeline.driver.status.decide``), the dataset's ``drift`` and
     ``verdict`` (``pipeline.report.verdict``), further ``warnings`` (after the draft's own),
     what the run took out of the dataset (``removed_outputs``) and the files it did not write
-    (``foreign_removed``, ``foreign_kept``)."""
+    (``foreign_removed``, ``foreign_kept``), and the output format's section."""
     facts, counts, shards = draft.facts, draft.counts, list(draft.shards)
     scored = draft.scored
     t0 = facts.started_at.timestamp()
     processed = counts["rows_processed"]
     budget = facts.error_budget
     duration = draft.duration
-    return {
+    report: ReportData = {
         "schema_version": SCHEMA_VERSION,
         "run_id": facts.run_id,
         "job": facts.job,
@@ -539,6 +541,9 @@ def build_report(  # noqa: PLR0913  (keyword-only: the parts of a report the run
         "foreign_kept": list(foreign_kept),
         "shards": cast(list[ShardEntry], [_shard_entry(r, t0) for r in shards]),
     }
+    if output_format is not None:
+        report["output_format"] = cast(OutputFormatSection, dict(output_format))
+    return report
 
 
 def _shard_entry(r: ShardResult, t0: float) -> dict[str, Any]:

@@ -362,8 +362,15 @@ class Verdict(TypedDict):
 # ---------------------------------------------------------------- the report
 
 
-class ReportData(TypedDict):
-    """Every key of ``_report.json`` (``schema_version`` 4); all are always present."""
+class OutputFormatSection(TypedDict, total=False):
+    """``output_format``: where the scores went (pipeline.io.outputs): the format, and what it
+    says of the run's commit (a table format's version); other keys are the format's own."""
+
+    format: str  # "parquet_folder"
+
+
+class ReportCore(TypedDict):
+    """The keys every ``_report.json`` of ``schema_version`` 4 has."""
 
     schema_version: int
     run_id: str
@@ -415,10 +422,18 @@ class ReportData(TypedDict):
     shards: list[ShardEntry]
 
 
+class ReportData(ReportCore, total=False):
+    """Every key of ``_report.json`` (``schema_version`` 4): the core ones, always present, and
+    those added since (absent from older reports)."""
+
+    output_format: OutputFormatSection
+
+
 #: Each TypedDict and the JSON pointer of the schema object it describes (checked by the tests).
 SCHEMA_OBJECTS: dict[str, type] = {
     "#": ReportData,
     "#/$defs/shard": ShardEntry,
+    "#/$defs/output_format": OutputFormatSection,
     "#/$defs/error": ErrorEntry,
     "#/$defs/lossy_cast": LossyCastEntry,
     "#/$defs/lossy_cast_example": LossyCastExample,

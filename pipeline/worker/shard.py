@@ -21,12 +21,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline.core import retries
 from pipeline.core.errors import ShardError
 from pipeline.core.faults import checkpoint
 from pipeline.core.statuses import FailureKind, ShardStatus
-from pipeline.io import retries, storage
+from pipeline.io import storage
 from pipeline.io.layout import footer_metadata, rejects_metadata
 from pipeline.io.locking import LOCK_LOST_KIND, LockLostError
+from pipeline.io.outputs.base import WrittenFile
 from pipeline.model.bundle import Inputs
 from pipeline.model.engine import SMALL_BATCH, ModelFailedEverywhere, Scored, output_columns, score
 from pipeline.worker import events
@@ -73,6 +75,9 @@ class ShardResult:
     rejects_by_reason: dict[str, int] = field(default_factory=dict)
     started_at: float | None = None  # wall clock (epoch seconds) of the worker's start ...
     finished_at: float | None = None  # ... and finish on this shard; None when not scored
+    # The data file the shard's output went to, with what the output format wanted to know of
+    # it (pipeline.io.outputs); None unless scored now. Not in the report.
+    written: WrittenFile | None = None
 
     @classmethod
     def failed(
@@ -106,7 +111,8 @@ class ShardResult:
 
     def public(self) -> dict[str, Any]:
         """The per-shard entry of ``_report.json`` (timings are made relative by the report)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stats"}
+        hidden = ("stats", "written")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in hidden}
 
 
 def score_shards(spec: WorkerSpec, tasks: list[ShardTask]) -> list[ShardResult]:
@@ -138,8 +144,8 @@ def score_shard(spec: WorkerSpec, task: ShardTask) -> ShardResult:
 
     A transient storage error (a connection reset, a 503 mid-upload) scores the shard again
     after a back-off, until the store has failed for ``retry_deadline_s`` in this process
-    (:class:`~pipeline.io.retries.RetryClock`); the staged commit makes that harmless. A storage
-    failure (:func:`~pipeline.io.retries.is_storage_failure`: a full or read-only disk, a
+    (:class:`~pipeline.core.retries.RetryClock`); the staged commit makes that harmless. A storage
+    failure (:func:`~pipeline.core.retries.is_storage_failure`: a full or read-only disk, a
     permission refused, a store still gone at the deadline) is the result ``storage``, which
     stops the run: not an exception, so that Dask does not run the task again against the same
     disk. Any other exception propagates, and Dask retries the task (``task_retries``).
@@ -417,7 +423,18 @@ def _score(spec: WorkerSpec, task: ShardTask, t0: float) -> ShardResult:
             progress.add(batch.num_rows)
         shard.check_complete()
         sink.commit()
-    return shard.result(sink.rows_rejected, time.perf_counter() - t0)
+    result = shard.result(sink.rows_rejected, time.perf_counter() - t0)
+    result.written = _written(spec, task, sink)
+    return result
+
+
+def _written(spec: WorkerSpec, task: ShardTask, sink: ShardSink) -> WrittenFile:
+    """The shard's data file as the output format wants to know it: where, how big, and the
+    facts its ``file_facts`` computes from the footer (here, in the worker)."""
+    facts = spec.io.file_facts
+    meta = sink.output.metadata
+    found = facts(meta) if facts is not None and meta is not None else {}
+    return WrittenFile(task.output_uri, sink.output.size, found)
 
 
 def _guard_reads(it: Iterator[Batch], uri: str, local: bool) -> Iterator[Batch]:

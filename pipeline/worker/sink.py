@@ -60,6 +60,10 @@ class StagedParquetWriter:
             self._writer = pq.ParquetWriter(self._file, schema, compression="zstd")
         self._buffer: list[pa.RecordBatch] = []
         self._buffered = 0
+        # Once committed: the file's size in bytes and its footer (for the output format's
+        # facts about it, pipeline.io.outputs.base.WrittenFile).
+        self.size = 0
+        self.metadata: pq.FileMetaData | None = None
 
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
@@ -83,6 +87,8 @@ class StagedParquetWriter:
         self._flush()
         with storage.writing(self.loc):
             self._writer.close()
+            self.size = int(self._file.tell())
+            self.metadata = self._writer.writer.metadata
             self._stack.close()
 
     def abort(self) -> None:
@@ -106,7 +112,7 @@ def output_schema(
     """id + pass-through columns as read, then outputs in model.toml order, then model_version.
 
     ``metadata`` goes into the Parquet footer as key-value metadata: the run's writer, model SHA-256
-    and settings hash (``pipeline.driver.reconcile.footer_metadata``), so that the check before
+    and settings hash (``pipeline.io.layout.footer_metadata``), so that the check before
     ``_SUCCESS`` and a later run can tell this tool's files, and their model, from the files alone.
     Any metadata of the input schema is dropped: it described the input, not the scores.
     """
@@ -118,7 +124,7 @@ def output_schema(
 
 def rejects_schema(meta: pa.Schema, metadata: Mapping[bytes, bytes] | None = None) -> pa.Schema:
     """id + pass-through columns as read, then the reason; ``metadata`` (the output the rejects
-    belong to, ``pipeline.driver.reconcile.rejects_metadata``) goes into the footer."""
+    belong to, ``pipeline.io.layout.rejects_metadata``) goes into the footer."""
     fields = [meta.field(i) for i in range(len(meta))]
     fields.append(pa.field(REJECT_REASON_COLUMN, pa.string()))
     return pa.schema(fields, metadata=dict(metadata) if metadata else None)
@@ -128,7 +134,7 @@ def rejects_schema(meta: pa.Schema, metadata: Mapping[bytes, bytes] | None = Non
 class SinkRun:
     """What a :class:`ShardSink` needs to know of the run it writes for."""
 
-    # Footer metadata of the rejects file (pipeline.driver.reconcile.rejects_metadata): the output
+    # Footer metadata of the rejects file (pipeline.io.layout.rejects_metadata): the output
     # it belongs to. A rejects file there that names another output is never replaced or deleted.
     rejects_metadata: Mapping[bytes, bytes] | None = None
     # Storage options, to read the footer of a rejects file already there.

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.io.locking import LockLostError, assert_holder
+from pipeline.io.outputs.base import FileFacts
 from pipeline.model.precision import ExecutionOptions
 from pipeline.worker import events
 
@@ -78,6 +79,9 @@ class ShardIO:
     # own version).
     model_version: str = ""
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    # What the output format computes of each data file from its footer, in the worker (a
+    # table's column statistics); None: nothing but its size.
+    file_facts: FileFacts | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ store and process rather than one per call. s3fs and botocore each retry on thei
 (s3fs 5 times around botocore's 5 attempts: up to 25 requests per call, and no bound on the total
 time a caller can state), so :func:`pipeline.io.storage.locate` turns both off for ``s3://``:
 every request is tried once underneath and retried here, with one deadline and one message
-naming the URI. No fsspec here: :mod:`pipeline.io.storage` calls it and wraps each call in this.
+naming the URI. No fsspec and no I/O here (so it sits in core, where every layer reaches it):
+:mod:`pipeline.io.storage` calls fsspec and wraps each call in this.
 """
 
 from __future__ import annotations
