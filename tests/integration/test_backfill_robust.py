@@ -168,8 +168,8 @@ def test_an_unexpected_exception_is_recorded_and_later_days_run(
     tmp_path: Path, bundle_dir: Path, archive: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Not a PipelineError: a bug (here a TypeError raised by the scoring run) on day 2."""
-    # The module, not the ``pipeline.backfill`` function that the package exports.
-    backfill_mod = importlib.import_module("pipeline.backfill")
+    # The module of the ``pipeline.backfill`` function that the package exports.
+    backfill_mod = importlib.import_module("pipeline.driver.backfill")
     real_run = backfill_mod.run
 
     def run_with_a_bug(cfg: JobConfig, **kw: Any) -> Any:
