@@ -60,8 +60,8 @@ def main() -> int:
         return 2
     from pipeline import ErrorPolicy, JobConfig, run
     from pipeline.cli.demo import write_catalog
-    from pipeline.model.bundle import forward, load_model
     from pipeline.model.precision import ExecutionOptions, prepare
+    from pipeline.model.program import forward, load_model
     from pipeline.model.tuning import bench_batch_sizes
 
     lines = [

@@ -4,10 +4,10 @@ The JSON names a ``kind`` (a key of :data:`KINDS`) and its arguments. The proces
 line ``BENCH_RESULT {...}`` with ``rows``, ``seconds`` (its own timed region, after imports),
 optional ``per_proc`` entries for multi-process layouts, and ``extra`` facts.
 
-Multi-process layouts fork after importing torch but before any torch op has run in the
-parent, so no OpenMP pool exists yet to be broken by the fork; each child then sets its own
-thread count. The ``fork`` start method costs about 0.03 s (see FACTS.md), against 2-3.6 s for
-spawn, so the start-up of a 2-process layout is not what is being measured.
+Multi-process layouts fork after importing torch but before any torch op has run in the parent, so
+no OpenMP pool exists yet to be broken by the fork; each child then sets its own thread count. The
+``fork`` start method costs about 0.03 s (measured 2026-11-29), against 2-3.6 s for spawn, so the
+start-up of a 2-process layout is not what is being measured.
 """
 
 from __future__ import annotations

@@ -130,7 +130,8 @@ def _spec_and_task(shard: Path, model_dir: Path, batch: int, overlap: int, tmp: 
     import pyarrow.parquet as pq
     import torch
 
-    from pipeline.model.bundle import load_model, read_bundle
+    from pipeline.model.bundle import read_bundle
+    from pipeline.model.program import load_model
     from pipeline.worker.spec import ModelSpec, Scoring, ShardIO, ShardTask, Threads, WorkerSpec
 
     spec, _, sha = read_bundle(str(model_dir))
@@ -198,7 +199,7 @@ def profile(shard: Path, model_dir: Path, batch: int, rounds: int) -> dict[str, 
 def call_overhead(model_dir: Path, calls: int = 3000, rounds: int = 5) -> dict[str, float]:
     """Microseconds per call at batch 1, one torch thread, best of ``rounds`` (alternating):
     the eager demo MLP with the bundle's weights, the module ``ExportedProgram.module()``
-    returns, and :func:`pipeline.model.bundle.forward` on the loaded bundle (what a run and
+    returns, and :func:`pipeline.model.program.forward` on the loaded bundle (what a run and
     ``score-catalog bench`` call); and ``score-catalog bench --batch-sizes 1``'s own ms per
     sample, from its table (its loop adds the copy to the device and the timing)."""
     import subprocess
@@ -206,7 +207,8 @@ def call_overhead(model_dir: Path, calls: int = 3000, rounds: int = 5) -> dict[s
     import torch
 
     from pipeline.cli.demo import DemoMLP
-    from pipeline.model.bundle import forward, load_model, read_bundle
+    from pipeline.model.bundle import read_bundle
+    from pipeline.model.program import forward, load_model
 
     torch.set_num_threads(1)
     _, _, sha = read_bundle(str(model_dir))
@@ -291,7 +293,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
             f"| eager `DemoMLP` with the bundle's weights | {e:.1f} | 1.00x |",
             f"| `ExportedProgram.module()` as torch returns it | {calls['exported_module']:.1f} "
             f"| {calls['exported_module'] / e:.2f}x |",
-            f"| `pipeline.model.bundle.forward` (the program's graph, called directly) | "
+            f"| `pipeline.model.program.forward` (the program's graph, called directly) | "
             f"{calls['pipeline_forward']:.1f} | {calls['pipeline_forward'] / e:.2f}x |",
             f"| `score-catalog bench --batch-sizes 1` (ms/sample column) | "
             f"{calls['score_catalog_bench']:.1f} | {calls['score_catalog_bench'] / e:.2f}x |",

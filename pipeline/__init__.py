@@ -24,7 +24,7 @@ _EXPORTS = {
     "ErrorPolicy": "pipeline.core.config",
     "JobConfig": "pipeline.core.config",
     "Monitoring": "pipeline.core.config",
-    "build_config": "pipeline.core.config",
+    "build_config": "pipeline.core.jobfile",
     "ConfigError": "pipeline.core.errors",
     "InputError": "pipeline.core.errors",
     "LockError": "pipeline.core.errors",
@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from pipeline.core.config import ErrorPolicy, JobConfig, Monitoring, build_config
+    from pipeline.core.config import ErrorPolicy, JobConfig, Monitoring
     from pipeline.core.errors import (
         ConfigError,
         InputError,
@@ -72,6 +72,7 @@ if TYPE_CHECKING:
         SchemaError,
         StorageError,
     )
+    from pipeline.core.jobfile import build_config
     from pipeline.driver.backfill import BackfillReport, backfill
     from pipeline.driver.planning import plan_job
     from pipeline.driver.run import run

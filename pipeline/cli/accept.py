@@ -50,6 +50,7 @@ def accept_drift(output: str, reason: str, by: str | None, storage: dict[str, An
     succeeded (exit 0) and its report says the drift was accepted. Data that changes again is
     judged again.
     """
+    # Imported here, downward: --help must not pay for torch (tests/cli/test_commands.py).
     from pipeline.report.verdict import accept
 
     console = logs.Console.setup("text", -1)

@@ -19,7 +19,8 @@ from pipeline.core.errors import EXIT_RUN_FAILED, InputError, PipelineError, Sch
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.model.bundle import Inputs, LoadedModel
+    from pipeline.model.bundle import Inputs
+    from pipeline.model.program import LoadedModel
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 DEFAULT_ROWS = 4096 * 4
@@ -63,10 +64,12 @@ def _rows_from_input(
     """(loaded model, ``rows`` valid input rows of the first shard, where they came from)."""
     import torch
 
+    # Imported here, downward: --help must not pay for torch (tests/cli/test_commands.py).
     from pipeline.io.listing import list_shards
     from pipeline.io.parquet import read_footer
-    from pipeline.model.bundle import load_model, read_bundle
+    from pipeline.model.bundle import read_bundle
     from pipeline.model.features import check_schema, data_widths
+    from pipeline.model.program import load_model
     from pipeline.worker.batching import ShardBatches
 
     shard = list_shards(input_uri)[0].uri
@@ -169,7 +172,8 @@ def bench(
     """
     import torch
 
-    from pipeline.model.bundle import forward, load_model
+    # Imported here, downward: --help must not pay for torch.
+    from pipeline.model.program import forward, load_model
     from pipeline.model.registry import resolve_model
     from pipeline.model.tuning import BenchRow, bench_batch_sizes, format_table
 

@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from pipeline.cli import logs
 from pipeline.core.errors import PipelineError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -38,7 +39,7 @@ def check(path: str, input_uri: str | None, rows: int, device: str) -> None:
     on a few rows: random values each input can hold, or with --input real rows, where rows a
     run would reject are listed with their reasons.
     """
-    from pipeline.cli import logs
+    # Imported here, downward: --help must not pay for torch (tests/cli/test_commands.py).
     from pipeline.worker.bundlecheck import check_bundle, check_text
 
     logs.Console.setup("text", 0)

@@ -1,6 +1,6 @@
 """The ``score-catalog`` command: options -> JobConfig -> one library call -> exit code.
 
-Each command parses its options, builds the config (:func:`pipeline.core.config.build_config`),
+Each command parses its options, builds the config (:func:`pipeline.core.jobfile.build_config`),
 calls one library function and maps :class:`PipelineError` to its exit code. The job options are
 made from :data:`pipeline.core.config.SETTINGS`, so their names, choices and defaults are the
 dataclasses'.
@@ -21,12 +21,21 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from pipeline.cli import logs
+from pipeline.cli import logs, progress
 from pipeline.cli.accept import accept_drift
 from pipeline.cli.bench import bench
 from pipeline.cli.bundle import bundle
+from pipeline.cli.options import (
+    Pair,
+    as_dict,
+    backfill_job_options,
+    job_options,
+    output_options,
+    plan_job_options,
+    progress_option,
+)
 from pipeline.core import config as cfg
-from pipeline.core import hugepages, runcontext
+from pipeline.core import hugepages, jobfile, runcontext
 from pipeline.core.errors import (
     BACKFILL_EXIT_CODES_HELP,
     DEMO_EXIT_CODES_HELP,
@@ -36,13 +45,16 @@ from pipeline.core.errors import (
     EXIT_SIGTERM,
     PLAN_EXIT_CODES_HELP,
     REPORT_EXIT_CODES_HELP,
+    ConfigError,
     PipelineError,
     UsageError,
     describe,
 )
 from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import EXIT_CODES, Aborted, StopRequest, handle_signals, settled
+from pipeline.core.jsontext import to_json
 from pipeline.core.signals import EarlyStop, route_early_signals
+from pipeline.core.storage_options import unknown_options
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,149 +77,6 @@ def main() -> None:
 
 # --------------------------------------------------------------------------------------------
 # Options made from the config's settings
-
-
-class _Text(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.2; >=8.1 here
-    """A value parsed as its :class:`~pipeline.core.config.Kind` parses an environment variable."""
-
-    def __init__(self, kind: cfg.Kind) -> None:
-        self.kind = kind
-        self.name = kind.name
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if not isinstance(value, str) or self.kind.parse is None:
-            return value
-        try:
-            return self.kind.parse(value)
-        except ValueError:
-            self.fail(f"{value!r} is not {self.kind.word}", param, ctx)
-
-
-class _Pair(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.2; >=8.1 here
-    """``KEY=VALUE`` -> ``(key, value)``, the value parsed by ``entry`` (None: kept as text)."""
-
-    name = "pair"
-
-    def __init__(self, metavar: str, *, entry: Callable[[str], Any] | None) -> None:
-        self.metavar = metavar
-        self.entry = entry
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> tuple[str, Any]:
-        if isinstance(value, tuple):
-            return value
-        key, sep, text = str(value).partition("=")
-        try:
-            if not sep or not key:
-                raise ValueError(value)
-            return key, text if self.entry is None else self.entry(text)
-        except ValueError:
-            self.fail(f"{value!r} is not {self.metavar}", param, ctx)
-
-
-def _as_dict(_ctx: click.Context, _param: click.Parameter, value: Any) -> dict[str, Any] | None:
-    return dict(value) if value else None  # None: not given, the lower layers stay
-
-
-def _as_list(_ctx: click.Context, _param: click.Parameter, value: Any) -> list[str] | None:
-    """Repeated values, each also split at commas: ``--passthrough a,b`` is ``--passthrough a
-    --passthrough b``, as ``SCORE_CATALOG_PASSTHROUGH=a,b`` is."""
-    if not value:
-        return None
-    return [part.strip() for v in value for part in str(v).split(",") if part.strip()]
-
-
-def _job_option(s: cfg.Setting, flag: str) -> Callable[[F], F]:
-    """The option ``flag`` of one setting: its kind gives the type, choices and default shown."""
-    decls = [flag, s.name]
-    help_text = s.help
-    kw: dict[str, Any] = {"metavar": s.metavar, "default": None}
-    kind = s.kind.name
-    if kind == "bool" and s.default:
-        decls[0] = f"{flag}/--no-{flag[2:]}"
-        help_text += " (default on)"
-    elif kind == "bool_or_word":
-        # Neither flag given: the job file, the environment or the default (auto) decide.
-        decls[0] = f"{flag}/--no-{flag[2:]}"
-    elif kind == "bool":
-        kw["is_flag"] = True
-    elif kind == "table":
-        kw.update(multiple=True, callback=_as_dict)
-        kw["type"] = _Pair(s.metavar or "KEY=VALUE", entry=s.kind.entry)
-    elif kind == "list":
-        kw.update(multiple=True, callback=_as_list)
-        help_text += " Also a comma-separated list."
-    elif s.kind.choices and kind == "str":
-        kw["type"] = click.Choice(s.kind.choices)
-    else:
-        kw["type"] = {"int": click.INT, "float": click.FLOAT}.get(kind) or _Text(s.kind)
-    if not s.required and s.default not in (None, (), {}) and kind not in ("bool", "bool_or_word"):
-        help_text += f" (default {s.default})"
-    return click.option(*decls, help=help_text, **kw)
-
-
-def job_options(f: F, *, command: str = "run", without: frozenset[str] = frozenset()) -> F:
-    """The options shared by run, plan and backfill: each overrides one job-file key (except
-    the keys in ``without``, which the command sets itself, and the keys only other commands
-    take: see ``commands`` in :func:`pipeline.core.config._meta`)."""
-    for s in reversed(cfg.SETTINGS):
-        if s.flag is None or s.key in without:
-            continue
-        if s.commands is None or command in s.commands:
-            f = _job_option(s, s.flag)(f)
-    return f
-
-
-def backfill_job_options(f: F) -> F:
-    """:func:`job_options` without ``--date``: each day of a backfill sets its own."""
-    return job_options(f, command="backfill", without=frozenset({"date"}))
-
-
-def plan_job_options(f: F) -> F:
-    """:func:`job_options` for ``plan``."""
-    return job_options(f, command="plan")
-
-
-def output_options(f: F) -> F:
-    """Logging options shared by every command that runs a job."""
-    options = [
-        click.option(
-            "--log-format",
-            type=click.Choice(logs.FORMATS),
-            default="text",
-            show_default=True,
-            help="json: one JSON object per line on stderr and the summary as a JSON line on "
-            "stdout.",
-        ),
-        click.option("-v", "--verbose", count=True, help="More log output (-vv for debug)."),
-        click.option(
-            "-q", "--quiet", is_flag=True, help="Errors only; no progress or shard lines."
-        ),
-        click.option(
-            "--log-file",
-            metavar="PATH",
-            type=click.Path(dir_okay=False),
-            help="Also append every log line (INFO, or DEBUG with -v, whatever -q says) and the "
-            "summary to this local file.",
-        ),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
-
-
-def progress_option(f: F) -> F:
-    """``run``'s progress lines where no bar is drawn (not a terminal, or JSON logs)."""
-    return click.option(
-        "--progress-interval",
-        metavar="S",
-        type=click.FloatRange(min=0),
-        default=60.0,
-        show_default=True,
-        help="Not on a terminal (cron) or with JSON logs: a progress line (rows, rows/s, ETA) "
-        "every S seconds; 0: none. Off with -q.",
-    )(f)
 
 
 def _console(opts: dict[str, Any]) -> logs.Console:
@@ -298,14 +167,14 @@ def _job_config(job: Path | None, opts: dict[str, Any]) -> cfg.JobConfig:
     t0 = time.perf_counter()
     overrides = cfg.from_flags(opts)
     try:
-        return cfg.build_config(job, overrides=overrides)
+        return jobfile.build_config(job, overrides=overrides)
     except PipelineError as e:
-        _failed_metrics(cfg.metrics_destination(job, overrides=overrides), started, t0, e)
+        _failed_metrics(jobfile.metrics_destination(job, overrides=overrides), started, t0, e)
         raise
 
 
 def _failed_metrics(
-    dest: cfg.MetricsDestination | None, started: datetime.datetime, t0: float, e: BaseException
+    dest: jobfile.MetricsDestination | None, started: datetime.datetime, t0: float, e: BaseException
 ) -> None:
     """Status ``failed`` to the metrics file and Pushgateway of a job that never started (a
     configuration or usage error): the documented alert on ``status="failed"`` must fire for
@@ -313,6 +182,7 @@ def _failed_metrics(
     if dest is None:
         return
     # Downward, and not pipeline.driver.finish: a usage error should not import torch.
+    # Imported here, downward: --help must not pay for the report layer.
     from pipeline.report import metrics
 
     error = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
@@ -343,8 +213,9 @@ def run(job: Path | None, **opts: Any) -> None:
     """
     # Paused until the run starts scoring (on_start), or until the command fails before.
     with _StartupGC() as startup:
+        # Imported here, downward: --help must not pay for torch.
         from pipeline.driver.run import run as run_job
-        from pipeline.report.build import problem_line, summary_table
+        from pipeline.report.text import problem_line, summary_table
 
         console = _console(opts)
         console.summarize_errors = True
@@ -422,6 +293,7 @@ def demo(
     train_model: bool,
 ) -> None:
     """Write the deterministic demo catalog and, if missing, train and export the demo model."""
+    # Imported here, downward: --help must not pay for torch (tests/cli/test_commands.py).
     from pipeline.cli import demo as demo_mod
 
     logs.Console.setup("text", 0)
@@ -451,12 +323,12 @@ def plan(job: Path | None, as_json: bool, **opts: Any) -> None:
     real rows at the configured batch size to estimate the scoring time. Exits 3 when a shard
     would fail (unreadable, or its columns do not fit the model), naming it.
     """
-    from pipeline.core.jsontext import to_json
+    # Imported here, downward: --help must not pay for torch (tests/cli/test_commands.py).
     from pipeline.driver.planning import plan_job, plan_table
 
     console = _console(opts)
     try:
-        result = plan_job(cfg.build_config(job, overrides=cfg.from_flags(opts)))
+        result = plan_job(jobfile.build_config(job, overrides=cfg.from_flags(opts)))
     except PipelineError as e:
         _fail(e, console)
     click.echo(to_json(result) if as_json else plan_table(result))
@@ -475,8 +347,8 @@ def plan(job: Path | None, as_json: bool, **opts: Any) -> None:
     "--storage-option",
     "storage",
     multiple=True,
-    type=_Pair("KEY=VALUE", entry=None),
-    callback=_as_dict,
+    type=Pair("KEY=VALUE", entry=None),
+    callback=as_dict,
     metavar="KEY=VALUE",
     help="fsspec option for both URIs (repeatable); values never logged.",
 )
@@ -487,10 +359,10 @@ def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_j
     RUN_URI is a run's output root (its _report.json is found in its control folder, beside
     the output template's fixed part) or the report file; any fsspec URI works (s3://...).
     """
-    from pipeline.core.errors import ConfigError
-    from pipeline.core.jsontext import to_json
-    from pipeline.core.storage_options import unknown_options
-    from pipeline.report.build import RunReport, diff_table, load_report, summary_table
+    # Imported here, downward: --help must not pay for numpy and fsspec (the report needs no
+    # torch either: tests/cli/test_commands.py).
+    from pipeline.report.build import RunReport
+    from pipeline.report.text import diff_table, load_report, summary_table
 
     console = logs.Console.setup("text", -1)
     try:
@@ -540,6 +412,7 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
     part (output data/scored/dt={date}: data/_score_catalog/scored/_backfills/).
     """
     with _StartupGC():  # the imports only: each day's run allocates its own
+        # Imported here, downward: --help must not pay for torch.
         from pipeline.driver.backfill import backfill as run_backfill
         from pipeline.driver.backfill import problem_line, summary_table
 
@@ -556,8 +429,8 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
                 start.date(),
                 end.date(),
                 force=force,
-                on_partition=logs.log_partition,
-                on_shard=logs.log_shard,
+                on_partition=progress.log_partition,
+                on_shard=progress.log_shard,
                 stop=stop,
             )
     except PipelineError as e:
@@ -600,7 +473,7 @@ def _usage_error_metrics(args: list[str], e: click.exceptions.UsageError) -> Non
         if (value := _flag_value(args, flag)) is not None
     }
     try:
-        dest = cfg.metrics_destination(job, overrides=overrides)
+        dest = jobfile.metrics_destination(job, overrides=overrides)
         now = datetime.datetime.now(datetime.timezone.utc)
         _failed_metrics(dest, now, time.perf_counter(), UsageError(e.format_message()))
     except Exception as err:  # the usage error is what the user must see

@@ -4,10 +4,10 @@ The catalog is synthetic: ``item_id``, ``category`` (a string, dictionary-encode
 and 16 float32 features, with a ``label`` given by a fixed nonlinear rule of the features and
 the category, so that the demo model has something real to learn. Same arguments, same bytes.
 
-The demo model (:class:`CatalogRanker`, bundle ``data/models/catalog-ranker``) is a small
-catalog model: an embedding of the category beside the 16 numeric features, two inputs declared
-in its ``model.toml`` (the category through a vocabulary file). :class:`DemoMLP`, the textbook's
-16-256-128-2 MLP over the features alone, is the benchmarks' W1 model
+The demo model (:class:`CatalogRanker`, bundle ``data/models/catalog-ranker``) is a small catalog
+model: an embedding of the category beside the 16 numeric features, two inputs declared in its
+``model.toml`` (the category through a vocabulary file). :class:`DemoMLP`, a plain 16-256-128-2 MLP
+(two ReLU hidden layers, two logits) over the features alone, is the benchmarks' W1 model
 (``data/models/catalog-mlp``).
 """
 
@@ -97,7 +97,7 @@ def write_catalog(
 
 
 class DemoMLP(nn.Module):
-    """The textbook's 16-256-128-2 MLP."""
+    """A plain 16-256-128-2 MLP: two ReLU hidden layers, two logits."""
 
     def __init__(
         self, n_in: int = N_FEATURES, hidden: tuple[int, int] = (256, 128), n_out: int = 2
@@ -177,6 +177,7 @@ def train_demo_model(
 ) -> float:
     """Train the demo ranker on rows from the generator, save its bundle (through
     :func:`pipeline.save_bundle`, which checks it loads) and return held-out accuracy."""
+    # Here, downward: the model layer is loaded only when the demo trains its model.
     from pipeline.model.export import save_bundle
 
     torch.manual_seed(seed)

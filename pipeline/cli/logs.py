@@ -1,4 +1,4 @@
-"""CLI output: text or JSON log lines on stderr, shard lines, a progress bar, the summary.
+"""CLI output: text or JSON log lines on stderr, the summary on stdout, errors in one line.
 
 The "text" format keeps the human ``TIME LEVEL message`` lines; "json" writes exactly one JSON
 object per line on stderr, for log shippers::
@@ -12,18 +12,18 @@ JSON handler, so every line on stderr parses. The run summary goes to stdout: th
 text mode, one ``"event": "summary"`` JSON line in JSON mode.
 
 Logging is configured with :func:`logging.config.dictConfig` (:func:`logging_config` builds the
-dictionary). Log lines and the progress bar share the terminal through a :class:`Terminal`
-object that the CLI creates (inside :class:`Console`) and hands to both the log handler and the
-:class:`Progress` bar. The one piece of state here is the run id every line carries
-(:func:`bind_run_id`): set by the run when it starts, and inherited by the embedded cluster's
-worker processes, which are forked from the driver, so their lines carry it too.
+dictionary). Log lines and the progress bar (:mod:`pipeline.cli.progress`) share the terminal
+through a :class:`~pipeline.cli.terminal.Terminal` object that the CLI creates (inside
+:class:`Console`) and hands to both the log handler and the bar. Every line carries the run id
+(:class:`~pipeline.core.runcontext.RunContextFilter`): bound by the run when it starts, and
+inherited by the embedded cluster's worker processes, which are forked from the driver.
 
 No line is a traceback unless -vv: :class:`OneLineFilter` folds a record's exception into its
 message (``... (OSError: Timed out)``), so Dask's shutdown noise or a heartbeat that failed
 once is one line, JSON included.
 
-This module imports nothing heavy (no torch, no pipeline modules at import time), so it is cheap
-to load before anything else.
+This module imports nothing heavy (no torch, nothing of the pipeline but core and the console's
+own modules), so it is cheap to load before anything else.
 """
 
 from __future__ import annotations
@@ -31,18 +31,19 @@ from __future__ import annotations
 import logging
 import logging.config
 import math
-import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from pipeline.cli.progress import Progress, ProgressLog, log_shard, progress_enabled
+from pipeline.cli.terminal import Terminal
+from pipeline.core.jsontext import to_json
 from pipeline.core.runcontext import RunContextFilter, current_run_id
 from pipeline.core.signals import SIGNALS, EarlyStop
 
@@ -58,19 +59,13 @@ __all__ = [
     "JsonFormatter",
     "LogFile",
     "OneLineFilter",
-    "Progress",
-    "ProgressLog",
-    "RowCounter",
     "RunProgress",
     "Terminal",
     "TerminalHandler",
     "emit_error",
     "emit_summary",
     "json_line",
-    "log_partition",
-    "log_shard",
     "logging_config",
-    "progress_enabled",
     "setup_logging",
     "stopped_while_starting",
     "summary_text",
@@ -142,11 +137,6 @@ QUIET_LIBRARIES = (
 
 logger = logging.getLogger("pipeline")
 
-# Failure kinds of shards never scored because the run stopped (statuses.FailureKind values;
-# plain strings here: this module imports nothing of the pipeline at import time).
-NOT_SCORED = frozenset({"interrupted", "cancelled"})
-STORAGE = "storage"
-
 
 # --------------------------------------------------------------------------------------------
 # Formatting
@@ -162,9 +152,6 @@ def _iso_utc(created: float) -> str:
 def json_line(obj: Mapping[str, Any]) -> str:
     """One line of ASCII JSON: control characters and non-ASCII escaped, never a raw newline;
     strict JSON like every document the tool writes (NaN/inf become null: ``NaN`` is not JSON)."""
-    # Downward and lazily: this module imports nothing heavy at the top.
-    from pipeline.core.jsontext import to_json
-
     return to_json(obj, compact=True)
 
 
@@ -266,20 +253,6 @@ class DaskTaskFilter(logging.Filter):
 
 # --------------------------------------------------------------------------------------------
 # The terminal, its handler, and the logging configuration
-
-
-class Terminal:
-    """The stream (stderr) that log lines and at most one progress bar share.
-
-    The CLI creates one and hands it to :func:`setup_logging` (for the log handlers) and to
-    :class:`Progress`; ``lock`` serialises log lines and bar redraws (Dask logs from its own
-    threads), and ``bar`` is the bar drawn on it now, if any.
-    """
-
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self.stream: TextIO = stream if stream is not None else sys.stderr
-        self.lock = threading.RLock()
-        self.bar: Progress | None = None
 
 
 class TerminalHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -448,366 +421,6 @@ def setup_logging(
         logging.config.dictConfig(config)
     logging.captureWarnings(fmt == "json")
     return terminal
-
-
-# --------------------------------------------------------------------------------------------
-# Per-shard and per-partition lines
-
-
-def log_shard(result: ShardResult) -> None:
-    """Log one finished shard.
-
-    scored: INFO ``shard_scored`` with shard, rows (scored), rows_in, rows_rejected, rows_per_s,
-    duration_s, status. failed: ERROR ``shard_failed`` with kind and the message (WARNING for
-    kind ``storage``: the run's own error line follows and names it). skipped: DEBUG
-    ``shard_skipped``; not scored because the run stopped (kind ``interrupted`` or
-    ``cancelled``): DEBUG ``shard_not_scored``. While a :class:`Progress` bar is drawn and the
-    run is not verbose (-v),
-    :class:`TerminalHandler` does not write the ``shard_scored`` lines: the bar already shows
-    them, and the summary table lists every shard. Failures are always logged.
-    """
-    common = {"shard": result.rel_path, "status": result.status, "rows_in": result.rows_in}
-    if result.status == "scored":
-        logger.info(
-            "scored %s: %s rows, %s rejected, %.2fs (%s rows/s)",
-            result.rel_path,
-            f"{result.rows_out:,}",
-            f"{result.rows_rejected:,}",
-            result.duration_s,
-            f"{result.rows_per_s:,.0f}",
-            extra={
-                "event": "shard_scored",
-                **common,
-                "rows": result.rows_out,
-                "rows_rejected": result.rows_rejected,
-                "rows_per_s": result.rows_per_s,
-                "duration_s": result.duration_s,
-            },
-        )
-    elif result.status == "skipped":
-        logger.debug(
-            "skipped %s: already scored",
-            result.rel_path,
-            extra={"event": "shard_skipped", **common, "rows": result.rows_out},
-        )
-    elif result.kind in NOT_SCORED:
-        # Left unscored because the run stopped (a signal, or another shard's fatal error):
-        # the stop is logged once and the summary counts them; a line each is noise at 300.
-        logger.debug(
-            "not scored %s: %s",
-            result.rel_path,
-            result.message,
-            extra={"event": "shard_not_scored", **common, "kind": result.kind},
-        )
-    else:
-        # A storage failure stops the run, and the run's own error line names it (one line
-        # under -q, not two): the shard's line is a warning.
-        logger.log(
-            logging.WARNING if result.kind == STORAGE else logging.ERROR,
-            "%s %s: [%s] %s",
-            result.status,
-            result.rel_path,
-            result.kind or "error",
-            result.message,
-            extra={
-                "event": "shard_failed",
-                **common,
-                "kind": result.kind,
-                "duration_s": result.duration_s,
-            },
-        )
-
-
-def log_partition(entry: Mapping[str, Any]) -> None:
-    """Log one finished backfill partition (``partition_done``): ERROR if it failed, WARNING
-    if its input is missing (INFO where the job accepts gaps: ``allow_missing_partitions``)."""
-    status = entry["status"]
-    level = logging.ERROR if status in ("failed", "error") else logging.INFO
-    if status == "missing" and not entry.get("missing_allowed"):
-        level = logging.WARNING
-    detail = f" ({entry['message']})" if status == "missing" and entry.get("message") else ""
-    logger.log(
-        level,
-        "partition %s: %s%s",
-        entry["date"],
-        status,
-        detail,
-        extra={
-            "event": "partition_done",
-            "status": status,
-            "partition": entry["date"],
-            "run_id": entry.get("run_id"),  # that day's run (none for a missing day)
-        },
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Progress bar
-
-
-def progress_enabled(fmt: str, verbosity: int, stream: Any) -> bool:
-    """Whether to draw a progress bar: text format, not quiet, and ``stream`` a terminal."""
-    if fmt != "text" or verbosity < 0:
-        return False
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        return False
-
-
-class RowCounter:
-    """Rows and shards done so far, from reports of rows scored inside shards (``rows``) and
-    finished shards (``finish``): what the bar draws and the progress lines say."""
-
-    def __init__(self) -> None:
-        self.rows_done = 0
-        self.shards_done = 0
-        self._partial: dict[str, int] = {}  # rows counted so far of shards still being scored
-        self._finished: set[str] = set()  # shards counted by finish(): later reports are stale
-
-    def rows(self, rel_path: str, rows: int) -> int:
-        """``rows`` of shard ``rel_path`` are done so far; returns the rows newly counted."""
-        step = int(rows) - self._partial.get(rel_path, 0)
-        if step <= 0 or rel_path in self._finished:  # a retry reports from 0 again
-            return 0
-        self._partial[rel_path] = int(rows)
-        self.rows_done += step
-        return step
-
-    def finish(self, result: Any) -> int:
-        """Count one finished shard (any status) and its ``rows_in`` (None counts as 0), less
-        what :meth:`rows` counted of it already; returns the rows newly counted."""
-        rel_path = str(getattr(result, "rel_path", ""))
-        self._finished.add(rel_path)
-        counted = self._partial.pop(rel_path, 0)
-        step = max(0, int(getattr(result, "rows_in", None) or 0) - counted)
-        self.rows_done += step
-        self.shards_done += 1
-        return step
-
-
-class Progress:
-    """A progress bar over the run's rows on a :class:`Terminal`, via click.progressbar.
-
-    Shows the bar, percent done and ETA (click's), then rows done/total, shards done/total and
-    the overall rows/s. ``rows(rel_path, n)`` moves it while a shard is scored (``n`` of its rows
-    are done, as the workers report them); ``update(result)`` counts the finished shard: one
-    shard, and whatever of its ``result.rows_in`` the reports had not counted yet. With
-    ``enabled=False`` (JSON logs, quiet, or not a terminal: see :func:`progress_enabled`) it does
-    nothing at all and writes nothing.
-
-    Give it the ``terminal`` that :func:`setup_logging` configured the log handlers with: while
-    the bar is drawn (``terminal.bar``), log lines on the same stream first clear the bar's line
-    and then redraw the bar below themselves, so lines never run into the bar. Without one it
-    draws on its own ``stream`` (default stderr) and knows of no log lines.
-    """
-
-    def __init__(
-        self,
-        total_rows: int,
-        total_shards: int,
-        *,
-        enabled: bool,
-        stream: TextIO | None = None,
-        label: str = "scoring",
-        terminal: Terminal | None = None,
-    ) -> None:
-        self.enabled = enabled
-        self.total_rows = max(0, int(total_rows))
-        self.total_shards = max(0, int(total_shards))
-        self.terminal = terminal if terminal is not None else Terminal(stream)
-        self.stream: TextIO = stream if stream is not None else self.terminal.stream
-        self.label = label
-        self.count = RowCounter()
-        self._start = time.monotonic()
-        self._bar: Any = None
-        self._pid = os.getpid()
-
-    @property
-    def rows_done(self) -> int:
-        return self.count.rows_done
-
-    @property
-    def shards_done(self) -> int:
-        return self.count.shards_done
-
-    # -- the bar's text --------------------------------------------------------------------
-
-    def _info(self, _item: Any = None) -> str:
-        elapsed = time.monotonic() - self._start
-        rate = self.rows_done / elapsed if elapsed > 0 else 0.0
-        return (
-            f"{self.rows_done:,}/{self.total_rows:,} rows  "
-            f"{self.shards_done}/{self.total_shards} shards  {rate:,.0f} rows/s"
-        )
-
-    # -- context manager -------------------------------------------------------------------
-
-    def __enter__(self) -> Progress:
-        if not self.enabled:
-            return self
-        self._start = time.monotonic()
-        self._pid = os.getpid()
-        bar: Any = click.progressbar(
-            length=self.total_rows,
-            label=self.label,
-            file=self.stream,
-            show_eta=True,
-            show_percent=True,
-            show_pos=False,
-            item_show_func=self._info,
-            bar_template="%(label)s  [%(bar)s]  %(info)s",
-            width=30,
-        )
-        with self.terminal.lock:
-            self._bar = bar.__enter__()
-            self.terminal.bar = self
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._bar is None:
-            return
-        with self.terminal.lock:
-            if self.terminal.bar is self:
-                self.terminal.bar = None
-            bar, self._bar = self._bar, None
-            if exc_type is None:
-                bar.render_progress()  # the final rows/s and counts
-            bar.__exit__(exc_type, exc, tb)
-
-    def rows(self, rel_path: str, rows: int) -> None:
-        """``rows`` of shard ``rel_path`` are scored so far (it is still being scored)."""
-        if self._bar is None:
-            return
-        with self.terminal.lock:
-            step = self.count.rows(rel_path, rows)
-            if step:
-                self._bar.update(step)
-
-    def update(self, result: Any) -> None:
-        """Count one finished shard (any status) and its ``rows_in`` (None counts as 0), less
-        what :meth:`rows` counted of it already."""
-        if self._bar is None:
-            return
-        with self.terminal.lock:
-            step = self.count.finish(result)
-            self._bar.update(step)
-            if step == 0:  # click only redraws on a change of the line; the counts changed
-                self._bar.render_progress()
-
-    # -- for the log handler ---------------------------------------------------------------
-
-    def draws_on(self, stream: Any) -> bool:
-        """Whether this bar is drawn on ``stream`` by this process (not a forked worker)."""
-        if self._bar is None or os.getpid() != self._pid:
-            return False
-        if stream is self.stream:
-            return True
-        try:
-            return bool(os.path.sameopenfile(stream.fileno(), self.stream.fileno()))
-        except (AttributeError, OSError, ValueError):
-            return False
-
-    def clear_line(self) -> None:
-        self.stream.write("\r\x1b[K")
-
-    def redraw(self) -> None:
-        if self._bar is None:
-            return
-        self.stream.write("\r" + self._bar.format_progress_line())
-        self.stream.flush()
-
-
-def _duration(seconds: float) -> str:
-    """``45s``, ``12m 05s``, ``3h 07m``: an ETA in a log line."""
-    s = round(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m {s % 60:02d}s"
-    return f"{s // 3600}h {s % 3600 // 60:02d}m"
-
-
-class ProgressLog:
-    """Progress as a log line every ``interval_s`` seconds, where no bar is drawn (stderr is not
-    a terminal, as in cron's log, or the log is JSON).
-
-    Text: ``progress: 120,000/200,000 rows (60%), 3/8 shards, 41,250 rows/s, ETA 1m 56s``, at
-    INFO (so none with ``-q``). JSON: the same record with ``"event": "progress"`` and the fields
-    ``rows``, ``rows_total``, ``percent``, ``shards_done``, ``shards_total``, ``rows_per_s`` and
-    ``eta_s`` (null until a row is done). Rows move inside shards, from the workers' reports
-    (``rows``), as on the bar. A thread writes the lines, so a run that stalls keeps saying so.
-    """
-
-    def __init__(self, total_rows: int, total_shards: int, interval_s: float) -> None:
-        self.total_rows = max(0, int(total_rows))
-        self.total_shards = max(0, int(total_shards))
-        self.interval_s = interval_s
-        self.count = RowCounter()
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._start = time.monotonic()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> ProgressLog:
-        self._start = time.monotonic()
-        self._thread = threading.Thread(target=self._loop, name="progress-log", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def rows(self, rel_path: str, rows: int) -> None:
-        with self._lock:
-            self.count.rows(rel_path, rows)
-
-    def update(self, result: Any) -> None:
-        with self._lock:
-            self.count.finish(result)
-
-    def _loop(self) -> None:
-        while not self._done.wait(self.interval_s):
-            try:
-                self.log_line()
-            except Exception:  # a progress line must never stop the run
-                logger.debug("progress line failed", exc_info=True)
-
-    def log_line(self) -> None:
-        """Log one progress line now."""
-        with self._lock:
-            rows, shards = self.count.rows_done, self.count.shards_done
-        elapsed = time.monotonic() - self._start
-        rate = rows / elapsed if elapsed > 0 else 0.0
-        eta = (self.total_rows - rows) / rate if rate > 0 else None
-        percent = 100.0 * rows / self.total_rows if self.total_rows else 100.0
-        logger.info(
-            "progress: %s/%s rows (%.0f%%), %d/%d shards, %s rows/s, ETA %s",
-            f"{rows:,}",
-            f"{self.total_rows:,}",
-            percent,
-            shards,
-            self.total_shards,
-            f"{rate:,.0f}",
-            "unknown" if eta is None else _duration(eta),
-            extra={
-                "event": "progress",
-                "rows": rows,
-                "rows_total": self.total_rows,
-                "percent": round(percent, 1),
-                "shards_done": shards,
-                "shards_total": self.total_shards,
-                "rows_per_s": rate,
-                "eta_s": eta,
-            },
-        )
 
 
 class RunProgress:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.cli import logs
 from pipeline.core.errors import PipelineError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -41,7 +42,7 @@ def register(path: Path, name: str, alias: str | None, experiment: str) -> None:
     --model models:/NAME/VERSION or --model models:/NAME@ALIAS. Needs the mlflow extra:
     pip install 'score-catalog[mlflow]'.
     """
-    from pipeline.cli import logs
+    # Imported here, downward: --help must not pay for torch (tests/cli/test_commands.py).
     from pipeline.model.registry import register as register_bundle
 
     logs.Console.setup("text", 0)

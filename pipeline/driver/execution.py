@@ -27,7 +27,8 @@ from pipeline.driver.inspect import Inspection
 from pipeline.driver.workers import model_spec, worker_spec
 from pipeline.io.listing import ShardRef
 from pipeline.io.parquet import open_parquet
-from pipeline.model.bundle import Inputs, LoadedModel, check_batch_size, load_model, rows_of
+from pipeline.model import tuning
+from pipeline.model.bundle import Inputs, rows_of
 from pipeline.model.precision import (
     DEFAULT_TOLERANCE,
     PARITY_ROWS,
@@ -36,6 +37,7 @@ from pipeline.model.precision import (
     parity,
     prepare,
 )
+from pipeline.model.program import LoadedModel, check_batch_size, load_model
 from pipeline.worker.batching import ShardBatches
 from pipeline.worker.shard import ShardResult, score_shard
 from pipeline.worker.spec import ShardTask
@@ -160,6 +162,10 @@ AUTO_BUDGET_S = 0.3
 #: 2048-wide MLP at 10k rows/s took 8-12 s, a third of a 200k-row job, and chose no better.
 AUTO_JOB_SHARE = 0.05
 DEFAULT_BATCH_SIZE = 4096
+#: For tests only: rows per sweep pass, fixed, instead of what the probe's speed fits in the
+#: budget. Which sizes the sweep measures then does not depend on how busy the machine is
+#: (docs/development.md); how many rounds it runs still does.
+SWEEP_ROWS_ENV = "_SCORE_CATALOG_AUTO_SWEEP_ROWS"
 
 
 def _auto_batch_size(
@@ -174,8 +180,6 @@ def _auto_batch_size(
     model, device, precision and thread count. The sweep's rows and time are sized by a probe
     batch so that it costs at most :data:`AUTO_BUDGET_S` or :data:`AUTO_JOB_SHARE` of the
     job's ``job_rows`` (:func:`_sweep_rows`)."""
-    from pipeline.model import tuning
-
     key = (
         tuning.cache_key(prepared.sha256, prepared.device, config.precision, plan.torch_threads)
         + "|pipeline"
@@ -199,7 +203,12 @@ def _auto_batch_size(
             per_row = step(default, probe) / probe
             workers = plan.workers or 1
             budget = max(AUTO_BUDGET_S, AUTO_JOB_SHARE * per_row * job_rows / workers)
-            n = _sweep_rows(rows, per_row, budget, len(sizes), default)
+            fixed = os.environ.get(SWEEP_ROWS_ENV, "")
+            n = (
+                min(rows, int(fixed))
+                if fixed.isdigit()
+                else _sweep_rows(rows, per_row, budget, len(sizes), default)
+            )
             if n is None:
                 logger.info(
                     "batch size auto: a sweep would take more than %.1fs (%.0f rows/s on a "

@@ -26,12 +26,9 @@ from pipeline.io import listing, storage
 from pipeline.io.listing import ShardRef
 from pipeline.io.manifest import settings_hash
 from pipeline.io.parquet import ShardInfo, read_footer
-from pipeline.model.bundle import (
-    BundleSpec,
-    LoadedModel,
-    load_model,
-)
+from pipeline.model.bundle import BundleSpec
 from pipeline.model.features import check_schema, data_widths
+from pipeline.model.program import LoadedModel, load_model
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.sink import MODEL_VERSION_COLUMN
 

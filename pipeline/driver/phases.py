@@ -34,7 +34,7 @@ from pipeline.io.manifest import FencedManifest, expectation, fingerprint_hash
 from pipeline.io.outputs.base import Expected, OutputFormat, Removal
 from pipeline.io.ownership import ForeignFiles
 from pipeline.io.storage import Location
-from pipeline.model.bundle import LoadedModel
+from pipeline.model.program import LoadedModel
 from pipeline.model.registry import ModelSource
 from pipeline.report.build import RunFacts, model_section
 from pipeline.worker.shard import ShardResult

@@ -35,9 +35,10 @@ from pipeline.io.outputs import output_format
 from pipeline.io.outputs.base import Expected
 from pipeline.io.parquet import ShardInfo
 from pipeline.io.storage import Location
-from pipeline.model import oov, registry
-from pipeline.model.bundle import forward, read_bundle, resolve_device, rows_of
+from pipeline.model import oov, programcache, registry
+from pipeline.model.bundle import read_bundle, rows_of
 from pipeline.model.precision import ExecutionOptions, prepare
+from pipeline.model.program import forward, resolve_device
 from pipeline.model.tuning import BatchSizeCache, bench_batch_sizes, cache_key, default_cache_path
 
 # Time spent timing, roughly: half of it the model alone, then the worker's whole path (each of
@@ -272,8 +273,6 @@ def _time_pipeline(
 def _load_seconds(model: Any) -> float:
     """How long a worker takes to load this bundle's program, as the run's workers do: from
     the program cache (which the run's own load fills first); 0 where it is not cached."""
-    from pipeline.model import programcache
-
     t0 = time.perf_counter()
     try:
         cached = programcache.load(model.sha256)

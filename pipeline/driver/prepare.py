@@ -34,7 +34,8 @@ from pipeline.driver.workers import model_spec
 from pipeline.io import layout, listing, nesting, ownership, storage
 from pipeline.io.outputs import output_format
 from pipeline.model import oov, registry
-from pipeline.model.bundle import BundleSpec, read_bundle, resolve_device
+from pipeline.model.bundle import BundleSpec, read_bundle
+from pipeline.model.program import resolve_device
 
 logger = logging.getLogger(__name__)
 

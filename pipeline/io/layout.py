@@ -13,7 +13,7 @@ is not data lives beside it, under its parent::
       run_date=2026-11-29/                        the output's control folder: _manifest.json,
                                                   _report.json, _report.html
       _runs/<job>/<run_id>.json                   the run index (pipeline.io.runindex)
-      _backfills/<job>/<from>_<to>.json           backfill summaries (pipeline.backfill)
+      _backfills/<job>/<from>_<to>.json           backfill summaries (pipeline.driver.backfill)
     data/_rejects/scored/run_date=2026-11-29/     its rejects, unless the job sets ``rejects``
 
 A template without placeholders (``data/scored``) is the same with nothing below the root: its
@@ -111,7 +111,8 @@ OUTPUT_KEY = b"score_catalog.output"
 WRITER = b"score-catalog"
 #: Names that readers globbing for Parquet (DuckDB, Polars, Spark '*.parquet') take for data.
 DATA_SUFFIXES = (".parquet", ".parq", ".pq")
-#: Where rejects lived inside the output before they moved beside it (config.default_rejects).
+#: Where rejects lived inside the output before they moved beside it (see
+#: pipeline.core.templates.default_rejects).
 LEGACY_REJECTS = "_rejects"
 
 

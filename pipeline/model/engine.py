@@ -16,7 +16,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.model.bundle import Inputs, LoadedModel, OutputSpec, as_inputs, forward, rows_of
+from pipeline.model.bundle import Inputs, OutputSpec, as_inputs, rows_of
+from pipeline.model.program import LoadedModel, forward
 
 
 @dataclass

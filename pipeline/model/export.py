@@ -3,7 +3,7 @@ bundle the tool loads, or refuses.
 
 It writes what a user would otherwise write by hand (``model.toml``, the exported program with
 a dynamic batch dimension, one file per vocabulary) into a temporary folder next to the target,
-loads that folder back exactly as a run would (:func:`pipeline.model.bundle.load_model`: the same
+loads that folder back exactly as a run would (:func:`pipeline.model.program.load_model`: the same
 validation, the same dry run) and compares the loaded program's output with the eager module's
 on the example. Only a bundle that passes is moved into place; anything else is a
 :class:`~pipeline.core.errors.ModelError` and leaves nothing behind.
@@ -24,18 +24,10 @@ import torch
 
 from pipeline.core.errors import ModelError
 from pipeline.model import oov
-from pipeline.model.bundle import (
-    BundleSpec,
-    Inputs,
-    as_inputs,
-    call_order,
-    forget,
-    forward,
-    load_model,
-    parse_bundle_toml,
-    read_bundle,
-)
-from pipeline.model.inputs import NAMED_KEYS
+from pipeline.model.bundle import BundleSpec, Inputs, as_inputs, parse_bundle_toml, read_bundle
+from pipeline.model.inputs import DTYPES, NAMED_KEYS
+from pipeline.model.program import forget, forward, load_model
+from pipeline.model.signature import call_order
 
 logger = logging.getLogger(__name__)
 
@@ -310,8 +302,6 @@ def _max_difference(got: torch.Tensor, want: torch.Tensor) -> float:
 def _check_example_dtypes(spec: BundleSpec, xs: Inputs) -> None:
     """Each example tensor in its input's dtype: the program is exported for the dtypes it is
     shown, and a run feeds the declared ones."""
-    from pipeline.model.inputs import DTYPES
-
     bad = [
         f"{inp.name!r} is {str(x.dtype).removeprefix('torch.')}, declared {inp.dtype}"
         for inp, x in zip(spec.inputs, xs, strict=True)

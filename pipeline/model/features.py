@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.model import inputs
+from pipeline.model import columns, inputs
 from pipeline.model.bundle import BundleSpec
-from pipeline.model.inputs import Part
+from pipeline.model.columns import Part
 
 
 def data_widths(schema: pa.Schema, spec: BundleSpec) -> tuple[int | None, ...]:
@@ -166,5 +166,5 @@ def lossy_casts(rb: pa.RecordBatch, spec: BundleSpec, skip: Any = ()) -> dict[st
 
 def to_features(rb: pa.RecordBatch, spec: BundleSpec, widths: tuple[int, ...]) -> Features:
     """Build each input's array for ``rb`` and flag rows the model must not see."""
-    parts = [inputs.build(rb, i, w) for i, w in zip(spec.inputs, widths, strict=True)]
+    parts = [columns.build(rb, i, w) for i, w in zip(spec.inputs, widths, strict=True)]
     return _combine(parts, rb.num_rows)

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from pipeline.core.errors import ModelError
-from pipeline.model.bundle import LoadedModel, forward
-from pipeline.model.inputs import InputSpec, id_limit
+from pipeline.model.columns import id_limit
+from pipeline.model.inputs import InputSpec
+from pipeline.model.program import LoadedModel, forward
 
 #: A vocabulary value that stands for "unseen" rather than for a real category: a special
 #: token (``<unk>``, ``[UNK]``, ``__unknown__``) or one of a few words that say so.

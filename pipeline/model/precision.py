@@ -1,7 +1,7 @@
 """Model execution options: precision (fp32, bf16, fp16, int8), TF32 on CUDA, torch.compile,
 and the parity check of every non-fp32 run against fp32 on a fixed sample of rows.
 
-Each option returns a new :class:`~pipeline.model.bundle.LoadedModel` whose ``module`` runs the
+Each option returns a new :class:`~pipeline.model.program.LoadedModel` whose ``module`` runs the
 model that way, so the scoring loop does not change with the option.
 """
 
@@ -20,8 +20,9 @@ import torch
 
 from pipeline.core.config import PRECISIONS
 from pipeline.core.errors import ConfigError, ModelError
-from pipeline.model.bundle import Inputs, LoadedModel, as_inputs, callable_of, forward
+from pipeline.model.bundle import Inputs, as_inputs
 from pipeline.model.engine import output_columns
+from pipeline.model.program import LoadedModel, callable_of, forward
 
 logger = logging.getLogger(__name__)
 

@@ -4,12 +4,12 @@
 of the 1 s a W1 bundle took to load here, on the driver's critical path before the first shard
 starts, and most of what separates a 1,000-row job from a bare ``import torch``. So once a
 bundle has loaded and passed its dry run, the program's own graph (aten operations only, with
-the weights as its first inputs: what :mod:`pipeline.model.bundle` calls on every batch) and its
+the weights as its first inputs: what :mod:`pipeline.model.program` calls on every batch) and its
 weights are saved under the bundle's SHA-256 and torch's version. A later load of the same
 bundle rebuilds the same graph from them in milliseconds, importing nothing of torch.export.
 
 Only programs whose graph the run calls directly are cached (weights, then tensor inputs; tensor
-outputs; no buffer mutation, tokens or custom objects: :func:`pipeline.model.bundle._graph_call`
+outputs; no buffer mutation, tokens or custom objects: :func:`pipeline.model.program._graph_call`
 decides); any other program loads the slow way every time. What the run reads from the program
 besides its graph (parameter names, input dtypes and shapes, the batch bound) is saved with it, and
 the entry keeps the outputs of a probe call: a rebuilt program that does not reproduce them bit for
@@ -52,7 +52,8 @@ PLAIN_OPS = frozenset({"placeholder", "call_function", "output"})  # what a cach
 
 @dataclass(frozen=True)
 class ProgramFacts:
-    """What the run reads from an exported program besides its graph (see pipeline.model.bundle)."""
+    """What the run reads from an exported program besides its graph (see
+    pipeline.model.program)."""
 
     parameter_names: tuple[str, ...] | None
     inputs: tuple[tuple[str, tuple[int | None, ...]], ...] | None  # (dtype name, shape) each
@@ -213,7 +214,7 @@ def _unlifted(call: GraphCall, facts: ProgramFacts) -> torch.fx.GraphModule:
             env[node] = new.get_attr(target)
             n += 1
         elif node.op == "output":
-            # Only programs returning one bare tensor are kept (pipeline.model.bundle._keep): the
+            # Only programs returning one bare tensor are kept (pipeline.model.program._keep): the
             # module returns it as ExportedProgram.module() does, not in the graph's tuple.
             (only,) = node.args[0]
             new.output(env[only])

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import ConfigError, ModelError, RegistryError
+from pipeline.model.bundle import read_bundle
+from pipeline.model.program import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -327,8 +329,6 @@ def _version_folder(cache: Path, tracking: str, name: str, version: str) -> Path
 
 def bundle_sha256(path: Path) -> str:
     """The bundle's SHA-256 as the run computes it (``model.toml`` then the weights)."""
-    from pipeline.model.bundle import read_bundle
-
     return read_bundle(str(path))[2]
 
 
@@ -430,8 +430,6 @@ def _checked_sha(bundle: Path, mv: Any, ref: RegistryRef) -> str:
 
 def check_bundle(path: str) -> tuple[Any, str]:
     """Load and dry-run the bundle at ``path`` (as a run would); returns (spec, SHA-256)."""
-    from pipeline.model.bundle import load_model
-
     if is_registry_uri(path) or not os.path.isdir(path):
         raise ConfigError(f"{path}: not a bundle folder (a folder holding model.toml)")
     try:

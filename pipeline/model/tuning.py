@@ -5,16 +5,16 @@ autocast or ``torch.compile`` by the caller), a sample ``x`` (one tensor, or a t
 with rows first for a model of several inputs: ``fn`` then takes the tuple) and a
 ``torch.device``, so any precision or compile wrapper can be measured the same way:
 
-- :func:`bench_batch_sizes` times whole passes over a sample at each batch size (the textbook's
-  table, printed by :func:`format_table`);
-- :func:`auto_batch_size` doubles the batch size from 32 while throughput improves by at least 5%
-  and memory stays within a budget;
+- :func:`bench_batch_sizes` times whole passes over a sample at each batch size (the usual
+  batch / calls / ms / rows per second table, printed by :func:`format_table`);
+- :func:`choose_by_rate` picks the batch size the whole pipeline scores fastest at, from passes
+  a caller times (``batch_size = "auto"``: ``pipeline.driver.execution``);
 - :class:`BatchSizeCache` remembers the choice per (model, device, precision) in a small JSON file
   so the sweep is paid once per machine, not once per run.
 
 Timings on a shared machine are noisy: best-of-``repeats`` is reported because noise only ever
-adds time, and the choice rule is written so that its answer is within 10% of the best
-throughput that its own sweep measured whatever the noise was.
+adds time, and the choice keeps the default unless another size is faster beyond the noise its
+own sweep measured.
 """
 
 from __future__ import annotations
@@ -61,13 +61,6 @@ def _slice(xs: _Rows, lo: int, hi: int) -> _Rows:
 
 
 DEFAULT_TIME_BUDGET_S = 1.5
-# Without an explicit budget on CUDA, a batch may use at most this share of the device memory
-# that was free when the sweep started. Half, not most: max_memory_allocated() does not count the
-# caching allocator's fragmentation or cuBLAS/cuDNN workspaces, and other worker processes may
-# share the GPU during the real run.
-DEFAULT_CUDA_FREE_FRACTION = 0.5
-# The CPU memory estimate: bytes per input byte of a row. See auto_batch_size's docstring.
-CPU_BYTES_PER_INPUT_BYTE = 64
 
 
 @dataclass
@@ -239,170 +232,6 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         "  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True))
         for line in [header, *cells]
     )
-
-
-def _cuda_peak_bytes(fn: ModelFn, x: _Rows, device: torch.device, batch: int) -> int | None:
-    """Peak bytes allocated on ``device`` during one call at ``batch`` rows; None on OOM.
-
-    The peak includes everything this process holds there (weights, other tensors), which is
-    what has to fit.
-    """
-    data = _slice(_sample_for(x, batch), 0, batch)
-    _sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    try:
-        with torch.inference_mode():
-            fn(tuple(t.to(device) for t in data))
-        _sync(device)
-    except Exception as e:
-        if not _is_oom(e):
-            raise
-        torch.cuda.empty_cache()  # give the failed attempt's cached blocks back
-        return None
-    return int(torch.cuda.max_memory_allocated(device))
-
-
-class _Probe:
-    """Whether a batch size fits the memory budget, and its timing (None: out of memory)."""
-
-    def __init__(
-        self,
-        fn: ModelFn,
-        x: _Rows,
-        device: torch.device,
-        budget: int | None,
-        timing: tuple[int, int, float],  # repeats, warmup, time budget per size
-    ) -> None:
-        self.fn, self.x, self.device, self.budget, self.timing = fn, x, device, budget, timing
-        self.row_bytes = sum(t[0].numel() * t.element_size() for t in x)
-
-    def fits(self, batch: int) -> bool:
-        budget, device = self.budget, self.device
-        if budget is None:
-            return True
-        if device.type == "cuda":
-            peak = _cuda_peak_bytes(self.fn, self.x, device, batch)
-            ok = peak is not None and peak <= budget
-            logger.debug("batch %d: peak %s bytes on %s (budget %d)", batch, peak, device, budget)
-            return ok
-        return batch * self.row_bytes * CPU_BYTES_PER_INPUT_BYTE <= budget
-
-    def measure(self, batch: int) -> BenchRow | None:
-        repeats, warmup, time_budget_s = self.timing
-        try:
-            (row,) = bench_batch_sizes(
-                self.fn,
-                self.x,
-                self.device,
-                [batch],
-                repeats=repeats,
-                warmup=warmup,
-                time_budget_s=time_budget_s,
-            )
-        except Exception as e:
-            # Memory use varies a little from call to call; an OOM while timing also means
-            # "does not fit", anything else is a real error.
-            if self.device.type != "cuda" or not _is_oom(e):
-                raise
-            torch.cuda.empty_cache()
-            return None
-        return row
-
-
-# The tuning knobs are keyword-only with defaults, mirroring bench_batch_sizes; the long body is
-# mostly the docstring that states the memory rules.
-def auto_batch_size(  # noqa: PLR0913
-    fn: ModelFn,
-    x: Sample,
-    device: torch.device,
-    *,
-    start: int = 32,
-    max_batch: int = 65536,
-    min_gain: float = 0.05,
-    memory_budget_bytes: int | None = None,
-    repeats: int = 3,
-    warmup: int = 1,
-    time_budget_s: float = DEFAULT_TIME_BUDGET_S,
-) -> tuple[int, list[BenchRow]]:
-    """Choose a batch size by the textbook's recipe; returns (chosen size, the sweep).
-
-    Start at ``start`` and double while throughput improves by at least ``min_gain`` over the
-    best so far, the size stays at most ``max_batch``, and the batch fits the memory budget. The
-    chosen size is the last one that improved. The sweep holds every size that was measured,
-    including the one that did not improve enough; that one is less than ``1 + min_gain`` times
-    faster than the choice, so with the default 5% the choice is within 5% of the sweep's best.
-
-    Memory, checked before a size is timed (a size that does not fit is neither timed nor put in
-    the sweep):
-
-    - CUDA: one call at the size, after ``torch.cuda.reset_peak_memory_stats``; its
-      ``torch.cuda.max_memory_allocated`` (weights and every other tensor of this process
-      included) must not exceed ``memory_budget_bytes``. Without a budget, the limit is what was
-      allocated when the sweep began plus half of the device memory free then. An out-of-memory
-      error counts as not fitting.
-    - CPU: no check unless ``memory_budget_bytes`` is given. Then a batch is estimated to need
-      ``batch * row_bytes * 64`` bytes, where ``row_bytes`` is one input row's size. It is a
-      deliberately simple bound: measuring activations (``torch.profiler``) costs more than the
-      sweep, and process RSS barely moves because the allocator reuses freed memory. It
-      over-estimates MLPs whose layers are up to about 16 times their input width (the demo's
-      16-256-128-2 needs about 25 bytes per input byte) and under-estimates wider ones, which
-      should pass a budget scaled to match.
-
-    If ``start`` does not fit, it is halved until a size fits, and that size alone is measured
-    and chosen; if no size fits, :class:`ValueError` is raised.
-    """
-    if start < 1 or max_batch < start:
-        raise ValueError(f"need 1 <= start <= max_batch; got start={start}, max_batch={max_batch}")
-    if min_gain < 0:
-        raise ValueError(f"min_gain must be >= 0, got {min_gain}")
-    fn, rows = _as_rows(fn, x)
-    _check_sample(rows)
-
-    budget = memory_budget_bytes
-    if device.type == "cuda" and budget is None:
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(torch.cuda.memory_allocated(device) + DEFAULT_CUDA_FREE_FRACTION * free)
-    probe = _Probe(fn, rows, device, budget, (repeats, warmup, time_budget_s))
-    fits, measure = probe.fits, probe.measure
-
-    first = start
-    while not fits(first):
-        if first == 1:
-            raise ValueError(
-                f"even a batch of 1 row does not fit the memory budget of {budget:,} bytes "
-                f"on {device}"
-            )
-        first //= 2
-    row = measure(first)
-    if row is None:
-        raise ValueError(f"a batch of {first} rows ran out of memory on {device}")
-    sweep = [row]
-    best = row
-    reason = f"the start size {start} does not fit the memory budget" if first < start else ""
-    batch = first * 2
-    while not reason:
-        if batch > max_batch:
-            reason = f"the next size {batch} is over max_batch {max_batch}"
-        elif not fits(batch):
-            reason = f"batch {batch} does not fit the memory budget"
-        elif (row := measure(batch)) is None:
-            reason = f"batch {batch} ran out of memory"
-        else:
-            sweep.append(row)
-            if row.samples_per_s >= best.samples_per_s * (1 + min_gain):
-                best = row
-                batch *= 2
-            else:
-                gain = row.samples_per_s / best.samples_per_s - 1
-                reason = f"batch {batch} gained {gain:+.1%} over {best.batch} (< {min_gain:.0%})"
-    logger.info(
-        "batch size %d on %s: %.0f rows/s; stopped because %s",
-        best.batch,
-        device,
-        best.samples_per_s,
-        reason,
-    )
-    return best.batch, sweep
 
 
 def cache_key(

@@ -1,6 +1,6 @@
 """The shape of ``_report.json``, in code (TypedDicts) and as a committed JSON Schema.
 
-Two descriptions of one document, kept equal by ``tests/test_report_schema.py``:
+Two descriptions of one document, kept equal by ``tests/report/test_schema.py``:
 
 * the TypedDicts below, which the code that writes and reads reports is typed with, so mypy
   catches a misspelt or missing key;

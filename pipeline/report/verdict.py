@@ -33,7 +33,7 @@ from typing import Any
 
 from pipeline.core.config import JobConfig
 from pipeline.core.errors import UsageError
-from pipeline.io import runindex
+from pipeline.io import layout, runindex, storage
 from pipeline.io.layout import MANIFEST_NAME
 from pipeline.io.manifest import Manifest, fingerprint_hash
 from pipeline.report import drift as drift_mod
@@ -275,8 +275,6 @@ def accept(
     ``uri``, where it was recorded). The output itself is not touched: the next run over the
     same dataset reports the acceptance and ends ``succeeded``.
     """
-    from pipeline.io import layout, storage
-
     if not reason.strip():
         raise UsageError(
             "--reason must say why the drift is accepted (it is kept in the run index)"

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.io.parquet import open_parquet
 from pipeline.model.bundle import BundleSpec, Inputs
+from pipeline.model.columns import to_tensor
 from pipeline.model.features import Features, LossyCast, lossy_casts, to_features
-from pipeline.model.inputs import to_tensor
 
 
 @dataclass
@@ -128,7 +128,8 @@ class ShardBatches(IterableDataset[Batch]):
 
 def make_loader(dataset: ShardBatches, *, pin_memory: bool = False) -> DataLoader[Batch]:
     """The loader over ready batches: ``shuffle=False`` keeps input order; no worker processes,
-    since inter-process copies cost more than decoding here (see FACTS.md: 98M vs 3.4M rows/s)."""
+    since inter-process copies cost more than decoding here (measured 2026-11-29 on 2 cores,
+    1M rows x 16 float32 in memory: about 98M rows/s without one, 3.4M with one or two)."""
     return DataLoader(
         dataset,
         batch_size=None,

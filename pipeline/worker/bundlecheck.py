@@ -17,10 +17,16 @@ import numpy as np
 import torch
 
 from pipeline.core.errors import InputError, SchemaError
+from pipeline.io.listing import list_shards
+from pipeline.io.parquet import read_footer
 from pipeline.model import oov
-from pipeline.model.bundle import LoadedModel, load_model, parameter_names, read_bundle
+from pipeline.model.bundle import read_bundle
 from pipeline.model.engine import output_columns, score
+from pipeline.model.features import check_schema, data_widths
 from pipeline.model.inputs import InputSpec
+from pipeline.model.program import LoadedModel, load_model
+from pipeline.model.signature import parameter_names
+from pipeline.worker.batching import ShardBatches
 
 
 @dataclass
@@ -63,11 +69,6 @@ def check_bundle(
 def _from_input(
     uri: str, input_uri: str, rows: int, device: str, options: Mapping[str, Any] | None
 ) -> BundleCheck:
-    from pipeline.io.listing import list_shards
-    from pipeline.io.parquet import read_footer
-    from pipeline.model.features import check_schema, data_widths
-    from pipeline.worker.batching import ShardBatches
-
     shard = list_shards(input_uri, options)[0].uri
     schema = read_footer(shard, options).schema
     spec, _, _ = read_bundle(uri, options)

@@ -9,8 +9,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from pipeline.model.bundle import LoadedModel, load_model
 from pipeline.model.precision import prepare
+from pipeline.model.program import LoadedModel, load_model
 from pipeline.model.registry import fetch_pinned
 from pipeline.worker.spec import ModelSpec, Threads
 

@@ -283,7 +283,7 @@ class _Shard:
     def score_batch(self, batch: Batch, sink: ShardSink) -> None:
         """Score one batch, write its rows and rejects, and keep its statistics."""
         if batch.meta.schema != self.meta_schema:  # one type per column across the output
-            batch.meta = batch.meta.cast(self.meta_schema)  # (pipeline.run.meta_fields)
+            batch.meta = batch.meta.cast(self.meta_schema)  # (pipeline.driver.inspect.meta_fields)
         self.rows_in += batch.num_rows
         self.ids.add(batch.meta.column(0))
         x, reasons = self._valid_rows(batch)

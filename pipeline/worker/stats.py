@@ -22,6 +22,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.model.columns import cause_of
 from pipeline.model.features import LossyCast
 from pipeline.worker.sketch import LEVELS, SKETCH_POINTS, sketch
 
@@ -151,8 +152,6 @@ class ShardStats:
     def count_rejects(self, reasons: Mapping[int, str]) -> None:
         """Count reject reasons by cause (the row's value left out: :func:`cause_of`); past
         MAX_REASONS distinct ones, new causes count as "other"."""
-        from pipeline.model.inputs import cause_of
-
         counts = self.rejects_by_reason
         for reason in reasons.values():
             cause = cause_of(reason)

@@ -477,7 +477,7 @@ _LOADS: list[str] = []
 
 
 class _LoadCounter(logging.Handler):
-    """Counts pipeline.model.bundle's "loaded model" records: one per bundle actually
+    """Counts pipeline.model.program.s "loaded model" records: one per bundle actually
     deserialized."""
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -487,7 +487,7 @@ class _LoadCounter(logging.Handler):
 
 def install_load_counter() -> int:
     """In a worker: start counting model loads from now on (idempotent); returns the pid."""
-    log = logging.getLogger("pipeline.model.bundle")
+    log = logging.getLogger("pipeline.model.program")
     if not any(isinstance(h, _LoadCounter) for h in log.handlers):
         log.addHandler(_LoadCounter(level=logging.INFO))
     log.setLevel(logging.INFO)
@@ -501,13 +501,13 @@ def load_count() -> list[str]:
 
 
 def reuses_cached_model(uri: str, device: str, sha256: str, width: int) -> bool:
-    """In a worker: whether asking for this bundle again is served from pipeline.model.bundle's
+    """In a worker: whether asking for this bundle again is served from pipeline.model.program.s
     cache.
 
     Through the public ``load_model`` only: a load that is not a cache hit logs "loaded model",
     which :func:`install_load_counter` counts.
     """
-    from pipeline.model.bundle import load_model
+    from pipeline.model.program import load_model
 
     before = len(_LOADS)
     load_model(uri, device, widths=(width,), expected_sha256=sha256)

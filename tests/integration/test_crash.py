@@ -1,10 +1,10 @@
 """SIGKILL the real CLI at named points, rerun it, and demand exactly a clean run's output.
 
 Each case sets ``_SCORE_CATALOG_KILL_AT=point:N``: the process SIGKILLs itself the N-th time it
-reaches ``point`` (see pipeline/faults.py), so every case dies at a known place: mid-batch,
+reaches ``point`` (see pipeline/core/faults.py), so every case dies at a known place: mid-batch,
 mid-write, between a shard's commits, while writing the manifest, between shards, before the
 report, the HTML page, the run-index entry and _SUCCESS. Two more cases kill a run on the
-embedded Dask cluster from outside at a random moment.
+embedded Dask cluster from outside at a random moment while it holds its lock.
 
 The model is the TorchScript bundle: what is committed, and in which order, does not depend on
 the format, and loading an exported program imports torch._dynamo (1.5 s more per process,
@@ -167,26 +167,46 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-@pytest.mark.parametrize("fraction", [0.5, 0.85])
+def _wait_for_lock(proc: subprocess.Popen[str], out: Path) -> float:
+    """Wait until the run holds its output's lock (it has claimed the output: from here on a
+    kill leaves work to resume); returns when (``time.perf_counter()``)."""
+    lock, deadline = out / "_lock.json", time.monotonic() + 300
+    while not lock.exists():
+        assert proc.poll() is None, f"the run ended (rc={proc.returncode}) before it took its lock"
+        assert time.monotonic() < deadline, "the run never took its lock"
+        time.sleep(0.005)
+    return time.perf_counter()
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.6])
 def test_external_sigkill_of_a_dask_run_at_a_random_moment(
     fraction: float, clean_run: dict[str, object], torchscript_bundle_dir: Path, tmp_path: Path
 ) -> None:
+    """A kill from outside at a random moment between taking the lock and releasing it (a
+    fraction of how long that took a whole run here), then a rerun equal to a clean run. The
+    kill lands mid-run, or the test says so: the process was still running when killed, and
+    its lock is still there (a run releases it last)."""
     out, rej = tmp_path / "out", tmp_path / "rejects"
     args = _args(clean_run["catalog"], out, rej, torchscript_bundle_dir, "local")  # type: ignore[arg-type]
-    t0 = time.perf_counter()
-    first = cli(*args)
-    assert first.returncode == 0, first.stderr
-    full = time.perf_counter() - t0  # how long a whole run takes here, to kill it part-way
+    first = start_cli(*args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    locked_at = _wait_for_lock(first, out)
+    _, err = first.communicate()
+    assert first.returncode == 0, err
+    held = time.perf_counter() - locked_at  # how long a whole run holds its lock here
     shutil.rmtree(out)  # start again from nothing, then kill part-way
     shutil.rmtree(rej, ignore_errors=True)
     proc = start_cli(*args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(full * fraction * random.uniform(0.9, 1.1))
+    _wait_for_lock(proc, out)
+    time.sleep(held * fraction * random.uniform(0.9, 1.1))
     family = _descendants(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     for child in family:  # Dask's nanny and worker processes die with their parent's cluster
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
+    # Mid-run: killed while running (not after it exited), and before it released its lock.
+    assert proc.returncode == -signal.SIGKILL, f"the run had ended: rc={proc.returncode}"
+    assert (out / "_lock.json").exists(), "the kill landed after the run released its lock"
     resumed = cli(*args)
     assert resumed.returncode == 0, resumed.stderr
     _assert_same_as_clean(out, rej, clean_run)

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from pipeline.driver.execution import AUTO_SAMPLE_ROWS, SWEEP_ROWS_ENV
 from tests.conftest import reference_scores, write_shards
 from tests.integration.helpers import (
     cli,
@@ -246,7 +247,10 @@ def test_empty_shard_gets_an_empty_output_with_the_schema(bundle_dir: Path, tmp_
 
 
 def _two_auto_runs(catalog: Path, bundle: Path, tmp_path: Path) -> list[dict[str, Any]]:
-    """The reports of two `--batch-size auto` runs of ``catalog`` (outputs a and b)."""
+    """The reports of two `--batch-size auto` runs of ``catalog`` (outputs a and b).
+
+    Each sweep pass scores the whole sample (the first shard's rows, up to 16,384): sized by the
+    probe's speed instead, a busy machine measured fewer sizes, or none (SWEEP_ROWS_ENV)."""
     reps = []
     for name in ("a", "b"):
         out = tmp_path / name
@@ -263,6 +267,7 @@ def test_batch_size_auto_is_measured_once_then_cached(
     catalog: Path, bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(SWEEP_ROWS_ENV, str(AUTO_SAMPLE_ROWS))
     reps = _two_auto_runs(catalog, bundle_dir, tmp_path)
     first, second = (r["execution"]["batch_size_auto"] for r in reps)
     assert first["cached"] is False and second["cached"] is True
@@ -284,6 +289,7 @@ def test_batch_size_auto_on_a_first_shard_smaller_than_every_size_is_not_cached(
     # 500 rows fit no size but the default: nothing was compared, so a later run over big
     # shards must measure rather than reuse it.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(SWEEP_ROWS_ENV, str(AUTO_SAMPLE_ROWS))
     small = tmp_path / "small"
     write_shards(small, [500])
     runs = [r["execution"]["batch_size_auto"] for r in _two_auto_runs(small, bundle_dir, tmp_path)]

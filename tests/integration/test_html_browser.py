@@ -1,6 +1,6 @@
 """``_report.html`` rendered by a real headless Chromium (through Playwright), as a person sees it.
 
-The HTML tests in tests/test_html_report.py check the markup; these check the layout a browser
+The HTML tests in tests/report/test_html.py check the markup; these check the layout a browser
 makes of it, on a laptop-wide and on a phone-wide window: numbers on one line in every table
 cell, no page wider than the window, a discrete output as labelled bars, and the throughput
 time axis starting where the first shard started, not at the run's start.
@@ -23,7 +23,7 @@ import pytest
 
 from pipeline.report.html import render_html
 from tests.integration.helpers import cli, control_of, job_args, report
-from tests.test_html_report import full_report
+from tests.report.test_html import full_report
 
 pytestmark = pytest.mark.integration
 

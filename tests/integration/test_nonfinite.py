@@ -26,7 +26,7 @@ from tests.integration.helpers import (
     report,
     report_path,
 )
-from tests.test_engine import INF_F0, NAN_F0, NonFiniteRows
+from tests.model.test_engine import INF_F0, NAN_F0, NonFiniteRows
 
 pytestmark = pytest.mark.integration
 

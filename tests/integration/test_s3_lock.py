@@ -1,7 +1,7 @@
 """The run lock on a real S3-compatible server (moto on 127.0.0.1): exclusive create with
 ``If-None-Match: *``, heartbeats across "hosts", and the fence of a superseded holder.
 
-Contenders are real processes (see ``tests/test_locking.py``); they reach the server only
+Contenders are real processes (see ``tests/io/test_locking.py``); they reach the server only
 through the storage options.
 """
 
@@ -18,7 +18,7 @@ from pipeline.io import storage
 from pipeline.io.layout import LOCK_NAME
 from pipeline.io.locking import RunLock, assert_holder
 from tests.integration.servers import S3Bucket, aws_env
-from tests.test_locking import STALE_S, Contender, race, superseded_holder
+from tests.io.test_locking import STALE_S, Contender, race, superseded_holder
 
 pytestmark = pytest.mark.integration
 

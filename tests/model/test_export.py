@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from pipeline import ModelError, save_bundle
 from pipeline.cli.commands import main
-from pipeline.model.bundle import forward, load_model
+from pipeline.model.program import forward, load_model
 from tests.catalog_models import (
     BRANDS,
     EMB_DIM,

@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.cli.demo import FEATURES, make_rows
-from pipeline.model.bundle import BundleSpec, load_model, parse_bundle_toml
+from pipeline.model.bundle import BundleSpec, parse_bundle_toml
 from pipeline.model.features import check_schema
+from pipeline.model.program import load_model
 from pipeline.worker.batching import Batch, ShardBatches, make_loader
 from tests.conftest import demo_toml
 

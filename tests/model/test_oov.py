@@ -18,9 +18,10 @@ from click.testing import CliRunner
 
 from pipeline import ModelError, save_bundle
 from pipeline.cli.commands import main
-from pipeline.model.bundle import load_model, read_bundle
-from pipeline.model.inputs import build
+from pipeline.model.bundle import read_bundle
+from pipeline.model.columns import build
 from pipeline.model.oov import check, embedding_rows, is_reserved
+from pipeline.model.program import load_model
 from tests.catalog_models import BRANDS, SELLERS, Ranker, catalog_table, ranker_example
 from tests.conftest import REPO
 from tests.integration.helpers import cli

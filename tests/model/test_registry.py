@@ -15,7 +15,8 @@ from pipeline.core.errors import ConfigError
 from pipeline.driver.inspect import run_settings
 from pipeline.model import registry
 from pipeline.model.bundle import parse_bundle_toml
-from pipeline.report.build import RunReport, summary_table
+from pipeline.report.build import RunReport
+from pipeline.report.text import summary_table
 from tests.conftest import demo_toml
 
 

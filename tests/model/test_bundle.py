@@ -1,4 +1,5 @@
-"""Tests for pipeline.model.bundle: bundle loading, validation, pickle refusal, dry runs,
+"""Tests for pipeline.model.bundle and pipeline.model.program: bundle loading, validation, pickle
+refusal, dry runs,
 devices."""
 
 from __future__ import annotations
@@ -15,15 +16,8 @@ import torch
 from torch import nn
 
 from pipeline.core.errors import EXIT_INPUT, ConfigError, ModelError
-from pipeline.model.bundle import (
-    LoadedModel,
-    OutputSpec,
-    forward,
-    load_model,
-    parse_bundle_toml,
-    read_bundle,
-    resolve_device,
-)
+from pipeline.model.bundle import OutputSpec, parse_bundle_toml, read_bundle
+from pipeline.model.program import LoadedModel, forward, load_model, resolve_device
 from tests.catalog_models import CountsCalls
 from tests.conftest import bounded_bundle, demo_toml, make_model
 
@@ -619,14 +613,14 @@ def test_load_model_on_unavailable_cuda(torchscript_bundle_dir: Path, tmp_path: 
 
 
 # --------------------------------------------------------------------------------------------
-# Exported programs are called through their own graph (pipeline.model.bundle._graph_call)
+# Exported programs are called through their own graph (pipeline.model.program._graph_call)
 # --------------------------------------------------------------------------------------------
 
 
 def test_an_exported_program_runs_through_its_graph_with_the_module_s_exact_outputs(
     bundle_dir: Path, tmp_path: Path
 ) -> None:
-    from pipeline.model.bundle import callable_of
+    from pipeline.model.program import callable_of
 
     m = load_model(str(copy_bundle(bundle_dir, tmp_path / "b")))
     assert callable_of(m.module) is not m.module  # the graph call was taken and confirmed
@@ -643,7 +637,7 @@ def test_a_program_that_mutates_a_buffer_mutates_the_module_s_own_once_per_call(
     # torch.export keeps an in-place add_ on the buffer in the graph: the graph call gets the
     # module's own buffer, so the mutation lands where the module's call would put it.
     from pipeline.cli.demo import export_bundle
-    from pipeline.model.bundle import callable_of
+    from pipeline.model.program import callable_of
 
     d = export_bundle(CountsCalls(make_model()), tmp_path / "b", demo_toml(), n_in=16)
     m = load_model(str(d))
@@ -659,7 +653,7 @@ def test_a_functional_program_with_a_buffer_mutation_output_keeps_the_module_s_c
 ) -> None:
     # After run_decompositions the mutation is an output the module's wrapper writes back;
     # calling the graph would drop it, so such a program is called as torch gives it.
-    from pipeline.model.bundle import callable_of
+    from pipeline.model.program import callable_of
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation
@@ -684,7 +678,7 @@ def test_a_functional_program_with_a_buffer_mutation_output_keeps_the_module_s_c
 def test_a_graph_call_that_differs_from_the_module_is_dropped_at_the_dry_run(
     bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipeline.model.bundle as model_mod
+    import pipeline.model.program as model_mod
 
     real = model_mod._graph_call
 
@@ -704,7 +698,7 @@ def test_a_graph_call_that_differs_from_the_module_is_dropped_at_the_dry_run(
 
 def test_a_batch_bound_the_program_was_exported_with_is_kept(tmp_path: Path) -> None:
     # Calls skip the program's own input checks, so the bound is enforced before scoring.
-    from pipeline.model.bundle import check_batch_size
+    from pipeline.model.program import check_batch_size
 
     m = load_model(str(bounded_bundle(tmp_path / "b", 1000)))
     assert m.max_batch == 1000

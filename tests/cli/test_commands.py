@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli.commands import main, run
-from pipeline.core import config
+from pipeline.core import config, jobfile, settings
 from pipeline.core.errors import EXIT_USAGE
 
 # Settings only a job file or the environment can set (no flag), on purpose.
@@ -45,7 +45,7 @@ def restore_root_logger() -> Iterator[None]:
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> click.testing.Result:
     # Keep the caller's SCORE_CATALOG_* variables out: only what the test sets counts.
-    clean = {k: None for k in os.environ if k.startswith(config.ENV_PREFIX)}
+    clean = {k: None for k in os.environ if k.startswith(settings.ENV_PREFIX)}
     return CliRunner().invoke(main, list(args), env={**clean, **(env or {})})
 
 
@@ -208,8 +208,8 @@ def test_passthrough_takes_a_comma_list_like_the_environment(tmp_path: Path) -> 
         ((), None),
     ):
         assert option.process_value(ctx, given) == expected, given
-    from_env = config.build_config(job, env={"SCORE_CATALOG_PASSTHROUGH": "a,b"})
-    from_flag = config.build_config(
+    from_env = jobfile.build_config(job, env={"SCORE_CATALOG_PASSTHROUGH": "a,b"})
+    from_flag = jobfile.build_config(
         job, env={}, overrides=config.from_flags({"passthrough": ["a", "b"]})
     )
     assert from_env.passthrough == from_flag.passthrough == ("a", "b")
@@ -224,7 +224,7 @@ def test_create_output_bucket_is_a_flag_and_a_job_key(tmp_path: Path) -> None:
     assert "--create-output-bucket" in invoke("run", "--help").output
     job = tmp_path / "job.toml"
     job.write_text('input = "i"\noutput = "o"\nmodel = "m"\ncreate_output_bucket = true\n')
-    assert config.build_config(job, env={}).create_output_bucket is True
+    assert jobfile.build_config(job, env={}).create_output_bucket is True
 
 
 def test_the_collector_is_paused_while_starting_then_frozen_and_back_on() -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.core.config import build_config
 from pipeline.core.hugepages import ENV as HUGE_PAGES
+from pipeline.core.jobfile import build_config
 from pipeline.driver.cluster import thread_plan
 
 BASE: dict[str, Any] = {"input": "in", "output": "out", "model": "model"}

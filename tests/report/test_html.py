@@ -501,7 +501,7 @@ def test_a_discrete_output_is_a_bar_chart_of_counts() -> None:
     ],
 )
 def test_numbers_are_plain_decimals(value: float | None, text: str) -> None:
-    from pipeline.report.html import _g
+    from pipeline.report.charts import sig as _g
 
     assert _g(value) == text
 

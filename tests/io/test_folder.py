@@ -11,9 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.core.config import build_config, default_rejects
 from pipeline.core.errors import ConfigError, StorageError
+from pipeline.core.jobfile import build_config
 from pipeline.core.statuses import FailureKind, ShardStatus
+from pipeline.core.templates import default_rejects
 from pipeline.driver.reconcile import wanted
 from pipeline.io import storage
 from pipeline.io.layout import footer_metadata, rejects_metadata

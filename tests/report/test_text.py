@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.report.build import MAX_RATIO, change
+from pipeline.report.text import MAX_RATIO, change
 
 
 @pytest.mark.parametrize(

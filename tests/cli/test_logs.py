@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from pipeline.cli import logs
+from pipeline.cli import progress as bars
 from pipeline.core import runcontext
 from pipeline.worker.shard import ShardResult
 
@@ -77,7 +78,7 @@ class FakeTTY(io.StringIO):
 
 def test_json_shard_scored_line_has_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
     logs.setup_logging("json", 0)
-    logs.log_shard(scored())
+    bars.log_shard(scored())
     out, err = capsys.readouterr()
     assert out == ""
     [rec] = json_lines(err)
@@ -103,8 +104,8 @@ def test_json_failed_and_skipped_shards(capsys: pytest.CaptureFixture[str]) -> N
     )
     skipped = ShardResult("done.parquet", "/in/done.parquet", "skipped", rows_in=5, rows_out=5)
     logs.setup_logging("json", 0)
-    logs.log_shard(failed)
-    logs.log_shard(skipped)  # DEBUG: not at verbosity 0
+    bars.log_shard(failed)
+    bars.log_shard(skipped)  # DEBUG: not at verbosity 0
     [rec] = json_lines(capsys.readouterr().err)
     assert rec["level"] == "error"
     assert rec["event"] == "shard_failed"
@@ -114,7 +115,7 @@ def test_json_failed_and_skipped_shards(capsys: pytest.CaptureFixture[str]) -> N
     assert "no column f3" in rec["message"]
 
     logs.setup_logging("json", 1)
-    logs.log_shard(skipped)
+    bars.log_shard(skipped)
     [rec] = json_lines(capsys.readouterr().err)
     assert (rec["level"], rec["event"], rec["shard"]) == ("debug", "shard_skipped", "done.parquet")
 
@@ -178,7 +179,7 @@ def test_quiet_keeps_errors_only(capsys: pytest.CaptureFixture[str]) -> None:
     for fmt in ("json", "text"):
         logs.setup_logging(fmt, -1)
         assert logging.getLogger().level == logging.ERROR
-        logs.log_shard(scored())
+        bars.log_shard(scored())
         logging.getLogger("pipeline").warning("a warning")
         logging.getLogger("distributed.worker").info("dask chatter")  # own level: INFO
         logging.getLogger("pipeline").error("an error")
@@ -220,7 +221,7 @@ def test_dask_stderr_handlers_are_repointed_at_json(capsys: pytest.CaptureFixtur
     # LocalCluster(silence_logs=ERROR) lowers the distributed handlers only.
     with silence_logging_cmgr(logging.ERROR):
         logging.getLogger("distributed.worker").info("silenced")
-        logs.log_shard(scored())
+        bars.log_shard(scored())
     dask_rec, shard_rec = json_lines(capsys.readouterr().err)
     assert dask_rec["logger"] == "distributed.worker"
     assert dask_rec["message"] == "worker started"
@@ -260,18 +261,18 @@ def test_unknown_format_is_rejected() -> None:
 
 def test_progress_enabled_only_for_text_not_quiet_tty() -> None:
     tty, pipe = FakeTTY(), io.StringIO()
-    assert logs.progress_enabled("text", 0, tty)
-    assert logs.progress_enabled("text", 2, tty)
-    assert not logs.progress_enabled("text", -1, tty)
-    assert not logs.progress_enabled("json", 0, tty)
-    assert not logs.progress_enabled("text", 0, pipe)
-    assert not logs.progress_enabled("text", 0, object())
+    assert bars.progress_enabled("text", 0, tty)
+    assert bars.progress_enabled("text", 2, tty)
+    assert not bars.progress_enabled("text", -1, tty)
+    assert not bars.progress_enabled("json", 0, tty)
+    assert not bars.progress_enabled("text", 0, pipe)
+    assert not bars.progress_enabled("text", 0, object())
 
 
 def test_progress_disabled_writes_nothing() -> None:
     stream = io.StringIO()
     terminal = logs.Terminal(stream)
-    with logs.Progress(100, 2, enabled=False, terminal=terminal) as p:
+    with bars.Progress(100, 2, enabled=False, terminal=terminal) as p:
         p.update(scored(rows_in=60))
         p.update(SimpleNamespace(rows_in=None))
         assert terminal.bar is None
@@ -282,11 +283,11 @@ def test_progress_disabled_writes_nothing() -> None:
 def test_non_tty_output_has_no_escape_codes(capsys: pytest.CaptureFixture[str]) -> None:
     for fmt in ("text", "json"):
         logs.setup_logging(fmt, 0)
-        enabled = logs.progress_enabled(fmt, 0, sys.stderr)
+        enabled = bars.progress_enabled(fmt, 0, sys.stderr)
         assert not enabled
-        with logs.Progress(50_000, 2, enabled=enabled) as p:
+        with bars.Progress(50_000, 2, enabled=enabled) as p:
             for r in (scored("a.parquet"), scored("b.parquet")):
-                logs.log_shard(r)
+                bars.log_shard(r)
                 p.update(r)
         logs.emit_summary({"run_id": "r"}, fmt, "summary table")
         logs.emit_error("boom", 3, fmt)
@@ -299,7 +300,7 @@ def test_non_tty_output_has_no_escape_codes(capsys: pytest.CaptureFixture[str]) 
 def test_progress_counts_rows_and_shards() -> None:
     stream = FakeTTY()
     terminal = logs.Terminal(stream)
-    with logs.Progress(100_000, 4, enabled=True, terminal=terminal) as p:
+    with bars.Progress(100_000, 4, enabled=True, terminal=terminal) as p:
         assert terminal.bar is p
         p.update(scored(rows_in=25_000))
         p.update(ShardResult("f.parquet", "/in/f.parquet", "failed", kind="unreadable"))
@@ -319,10 +320,10 @@ def test_log_lines_go_above_the_bar_and_scored_lines_wait_for_verbose(
     monkeypatch.setattr(sys, "stderr", tty)
     terminal = logs.setup_logging("text", 0)
     failed = ShardResult("bad.parquet", "/in/bad.parquet", "failed", kind="schema", message="x")
-    with logs.Progress(50_000, 2, enabled=True, terminal=terminal) as p:
-        logs.log_shard(scored("a.parquet"))  # the bar shows it; no line at verbosity 0
+    with bars.Progress(50_000, 2, enabled=True, terminal=terminal) as p:
+        bars.log_shard(scored("a.parquet"))  # the bar shows it; no line at verbosity 0
         p.update(scored("a.parquet"))
-        logs.log_shard(failed)
+        bars.log_shard(failed)
         p.update(failed)
     text = tty.getvalue()
     assert "scored a.parquet" not in text
@@ -336,23 +337,23 @@ def test_log_lines_go_above_the_bar_and_scored_lines_wait_for_verbose(
     terminal = logs.setup_logging("text", 1)
     tty.truncate(0)
     tty.seek(0)
-    with logs.Progress(50_000, 2, enabled=True, terminal=terminal):
-        logs.log_shard(scored("a.parquet"))
+    with bars.Progress(50_000, 2, enabled=True, terminal=terminal):
+        bars.log_shard(scored("a.parquet"))
     assert "INFO scored a.parquet" in tty.getvalue()
 
 
 PTY_SCRIPT = textwrap.dedent(
     """
-    import importlib.util, sys, time, types
+    import sys, time, types
 
-    spec = importlib.util.spec_from_file_location("logs_under_test", sys.argv[1])
-    logs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(logs)  # without importing pipeline (and torch)
+    sys.path.insert(0, sys.argv[1])
+    from pipeline.cli import progress as bars
 
+    assert "torch" not in sys.modules  # the bar imports nothing heavy
     stream = sys.stderr
-    assert logs.progress_enabled("text", 0, stream), "stderr is not a TTY"
+    assert bars.progress_enabled("text", 0, stream), "stderr is not a TTY"
     shard = types.SimpleNamespace(rows_in=1000, status="scored")
-    with logs.Progress(4000, 4, enabled=True, stream=stream) as p:
+    with bars.Progress(4000, 4, enabled=True, stream=stream) as p:
         p.update(shard)
         time.sleep(1.2)  # click estimates the ETA once a second has passed
         p.update(shard)
@@ -371,7 +372,7 @@ def test_progress_bar_draws_on_a_real_terminal(tmp_path: Path) -> None:
     master, slave = pty.openpty()
     try:
         proc = subprocess.Popen(
-            [sys.executable, str(script), str(Path(logs.__file__).resolve())],
+            [sys.executable, str(script), str(Path(__file__).resolve().parents[2])],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=slave,
@@ -475,7 +476,7 @@ def test_two_terminals_do_not_share_a_bar() -> None:
     handler_b = logs.TerminalHandler(term_b)
     handler_b.setFormatter(logging.Formatter("%(message)s"))
     record = logging.LogRecord("pipeline", logging.INFO, __file__, 1, "line on b", None, None)
-    with logs.Progress(10, 1, enabled=True, terminal=term_a):
+    with bars.Progress(10, 1, enabled=True, terminal=term_a):
         assert term_a.bar is not None and term_b.bar is None
         handler_b.emit(record)
     # b has no bar: its line is written as is, with no clearing of a's bar.
@@ -531,7 +532,7 @@ def test_console_without_a_tty_draws_no_bar(capsys: pytest.CaptureFixture[str]) 
 
 def test_progress_moves_with_row_reports_and_counts_each_row_once() -> None:
     stream = FakeTTY()
-    with logs.Progress(60_000, 2, enabled=True, terminal=logs.Terminal(stream)) as p:
+    with bars.Progress(60_000, 2, enabled=True, terminal=logs.Terminal(stream)) as p:
         p.rows("part-0.parquet", 4_096)
         p.rows("part-0.parquet", 12_288)
         assert (p.rows_done, p.shards_done) == (12_288, 0)
@@ -568,7 +569,7 @@ def test_every_line_carries_the_bound_run_id(capsys: pytest.CaptureFixture[str])
         runcontext.bind_run_id("20261201T101010Z-abcdef")
         logging.getLogger("pipeline").info("during it")
         logging.getLogger("distributed.scheduler").warning("dask says")
-        logs.log_shard(scored())
+        bars.log_shard(scored())
         logging.getLogger("pipeline").info("own id", extra={"run_id": "other"})
         logs.emit_error("boom", 1, "json")
     finally:
@@ -603,7 +604,7 @@ def test_a_progress_line_counts_rows_inside_shards_once(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     logs.setup_logging("json", 0)
-    lines = logs.ProgressLog(60_000, 2, interval_s=3600)  # no line from its thread in this test
+    lines = bars.ProgressLog(60_000, 2, interval_s=3600)  # no line from its thread in this test
     lines.rows("part-0.parquet", 12_288)
     lines.rows("part-0.parquet", 8_192)  # a retry starting over: nothing new
     lines.log_line()
@@ -688,7 +689,7 @@ def test_a_dask_task_that_raised_is_one_warning_line_per_try(
     traceback inside the message (3 tracebacks for a task tried 3 times, under -q too): here one
     warning line per try naming the task and the exception, none under -q, all JSON in JSON
     mode. The worker is a real process of an embedded cluster, forked as in a run."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run(
         [sys.executable, "-c", _FAILING_TASK, fmt, str(verbosity)],
         capture_output=True,
@@ -711,7 +712,7 @@ def test_a_dask_task_that_raised_is_one_warning_line_per_try(
 
 
 def test_a_dask_task_traceback_is_kept_at_debug_with_vv(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run(
         [sys.executable, "-c", _FAILING_TASK, "text", "2"],
         capture_output=True,

@@ -10,14 +10,13 @@ from hypothesis import strategies as st
 
 from pipeline.core.errors import ModelError
 from pipeline.model.bundle import parse_bundle_toml
+from pipeline.model.columns import build, to_tensor
 from pipeline.model.inputs import (
     InputSpec,
-    build,
     data_width,
     parse_inputs,
     parse_vocabulary,
     schema_problems,
-    to_tensor,
 )
 
 # The model.toml, as written there.
@@ -346,6 +345,6 @@ def test_fill_values_the_input_cannot_hold_are_refused(
     ],
 )
 def test_reasons_are_counted_by_cause_without_the_value(reason: str, cause: str) -> None:
-    from pipeline.model.inputs import cause_of
+    from pipeline.model.columns import cause_of
 
     assert cause_of(reason) == cause

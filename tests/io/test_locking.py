@@ -26,7 +26,7 @@ from pipeline.io import storage
 from pipeline.io.layout import LOCK_NAME
 from pipeline.io.locking import LockLostError, RunLock, assert_holder, process_start
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # stale_after_s for the heartbeat tests: 20 missed beats of 0.1 s, so a busy machine that delays
 # a beat does not make a live holder look stale.
 STALE_S = 2.0

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from pipeline.cli.demo import FEATURES, export_bundle, make_rows
-from pipeline.model.bundle import LoadedModel, OutputSpec, load_model
+from pipeline.model.bundle import OutputSpec
 from pipeline.model.engine import SMALL_BATCH, ModelFailedEverywhere, Scored, output_columns, score
+from pipeline.model.program import LoadedModel, load_model
 from tests.conftest import demo_toml, make_model, reference_scores
 
 BAD_F0 = 5000.0  # feature 0 above 1000 makes RaisesOnHugeF0 index out of its embedding table

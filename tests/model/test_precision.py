@@ -13,7 +13,6 @@ from click.testing import CliRunner
 
 from pipeline.cli.commands import main
 from pipeline.core.errors import ConfigError, ModelError
-from pipeline.model.bundle import forward, load_model
 from pipeline.model.precision import (
     DEFAULT_TOLERANCE,
     ExecutionOptions,
@@ -22,6 +21,7 @@ from pipeline.model.precision import (
     parity,
     prepare,
 )
+from pipeline.model.program import forward, load_model
 from pipeline.worker.batching import Batch, to_device_ahead
 from tests.integration.helpers import data_files, job_args, report
 

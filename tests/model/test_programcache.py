@@ -18,9 +18,9 @@ from torch import nn
 
 from pipeline.cli.demo import export_bundle
 from pipeline.model import programcache
-from pipeline.model.bundle import LoadedModel, check_batch_size, forget, forward, load_model
 from pipeline.model.export import save_bundle
 from pipeline.model.precision import ExecutionOptions, prepare
+from pipeline.model.program import LoadedModel, check_batch_size, forget, forward, load_model
 from tests.catalog_models import (
     RANKER_INPUTS,
     CountsCalls,
@@ -30,7 +30,7 @@ from tests.catalog_models import (
 )
 from tests.conftest import bounded_bundle, demo_toml, make_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -228,7 +228,7 @@ def test_a_warm_load_imports_nothing_of_torch_export(bundle_dir: Path, tmp_path:
     load_model(uri)  # fills the cache (this test's own, through XDG_CACHE_HOME)
     code = (
         "import sys, json; from pipeline.model import programcache; "
-        f"from pipeline.model.bundle import load_model; m = load_model({uri!r}); "
+        f"from pipeline.model.program import load_model; m = load_model({uri!r}); "
         "print(json.dumps([programcache.facts_of(m.module) is not None, "
         "'torch._dynamo' in sys.modules, 'torch._export.serde.serialize' in sys.modules]))"
     )
@@ -314,7 +314,7 @@ def test_a_load_from_the_cache_says_so_in_the_log(
     bundle_dir: Path, tmp_path: Path, own_cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     uri, _ = _warm_entry(bundle_dir, tmp_path, own_cache)
-    with caplog.at_level("INFO", logger="pipeline.model.bundle"):
+    with caplog.at_level("INFO", logger="pipeline.model.program"):
         load_model(uri)
     assert "from the program cache" in caplog.text
 

@@ -16,20 +16,12 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pipeline.core.config import (
-    ENV_PREFIX,
-    SECTIONS,
-    SETTINGS,
-    ErrorPolicy,
-    JobConfig,
-    MetricsDestination,
-    build_config,
-    from_flags,
-    metrics_destination,
-)
+from pipeline.core.config import SECTIONS, SETTINGS, ErrorPolicy, JobConfig, from_flags
 from pipeline.core.errors import EXIT_USAGE, ConfigError
+from pipeline.core.jobfile import MetricsDestination, build_config, metrics_destination
+from pipeline.core.settings import ENV_PREFIX
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 JOB_FILES = sorted((REPO / "jobs").glob("*.toml"))
 
 # The three required keys, so that a test can focus on the one thing it is about.
