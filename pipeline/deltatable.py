@@ -37,7 +37,7 @@ import posixpath
 import re
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +120,7 @@ _ENGINE = "score-catalog"
 # trip each; local disk: a few, pyarrow releases the GIL).
 _FOOTER_THREADS = 16
 _MAX_LISTED = 10  # problems named in one message
+_MAX_SCAN = 200  # commit files read back looking for one commit
 
 
 # --------------------------------------------------------------------------- where the table is
@@ -909,7 +910,7 @@ def commit(
     read_version = table.version()
     done = table.transaction_version(app_id)
     if done is not None and done >= run_version:
-        at = _version_of(ref, table, {APP_ID: app_id, APP_VERSION: str(done)})
+        at = _find_version(ref, read_version, 0, _holds_txn(app_id, done))
         raise AlreadyCommitted(
             f"{ref.uri} already holds run version {done} of {app_id!r}"
             + (f" (table version {at})" if at is not None else "")
@@ -967,15 +968,14 @@ def commit(
 def _landed(
     ref: TableRef, app_id: str, run_version: int, read_version: int, n_add: int, n_rm: int
 ) -> int:
-    """The version our commit landed as, read back from a fresh table object."""
-    table = _open(ref)
-    token = table.transaction_version(app_id)
-    at = _version_of(ref, table, {APP_ID: app_id, APP_VERSION: str(run_version)}, read_version)
-    if token != run_version or at is None:
+    """The version our commit landed as: the one after ``read_version`` whose log holds our
+    transaction (read back from storage, after a fresh open told how far the log goes)."""
+    latest = _open(ref).version()
+    at = _find_version(ref, latest, read_version + 1, _holds_txn(app_id, run_version))
+    if at is None:
         raise CommitConflict(
-            f"committed to {ref.uri}, but reading it back the app {app_id!r} is at run version "
-            f"{token}, not {run_version} (commit found: {at}): another writer used the same "
-            "app id at the same time",
+            f"committed to {ref.uri}, but no version from {read_version + 1} to {latest} holds "
+            f"run version {run_version} of {app_id!r} reading it back",
             uri=ref.uri,
         )
     logger.info(
@@ -990,16 +990,40 @@ def _landed(
     return at
 
 
-def _version_of(
-    ref: TableRef, table: DeltaTable, keys: Mapping[str, str], after: int = -1
+def _holds_txn(app_id: str, run_version: int) -> Callable[[list[dict[str, Any]]], bool]:
+    def match(actions: list[dict[str, Any]]) -> bool:
+        return any(
+            a.get("txn", {}).get("appId") == app_id and a["txn"].get("version") == run_version
+            for a in actions
+        )
+
+    return match
+
+
+def _holds_info(key: str, value: str) -> Callable[[list[dict[str, Any]]], bool]:
+    def match(actions: list[dict[str, Any]]) -> bool:
+        return any(a.get("commitInfo", {}).get(METADATA_PREFIX + key) == value for a in actions)
+
+    return match
+
+
+def _find_version(
+    ref: TableRef, newest: int, oldest: int, match: Callable[[list[dict[str, Any]]], bool]
 ) -> int | None:
-    """The latest version after ``after`` whose commit info holds ``keys`` (ours, prefixed)."""
-    limit = None if after < 0 else max(1, table.version() - after)
-    with _delta_errors(ref, "reading the history of"):
-        entries = table.history(limit)
-    for entry in entries:  # newest first
-        if all(str(entry.get(METADATA_PREFIX + k)) == v for k, v in keys.items()):
-            return int(entry["version"])
+    """The newest version from ``newest`` down to ``oldest`` (at most :data:`_MAX_SCAN` of
+    them) whose commit file ``match``es; None if none does or the log no longer has them.
+
+    Read from the commit files themselves, not ``DeltaTable.history``: delta-rs reads history
+    from the newest commit in storage but numbers it from the table object's own version, so
+    one commit landing in between shifts every number (seen on S3: version 1 reported as 0).
+    """
+    for version in range(newest, max(oldest, newest - _MAX_SCAN + 1) - 1, -1):
+        try:
+            raw = storage.read_bytes(ref.location.child(f"_delta_log/{version:020d}.json"))
+        except FileNotFoundError:
+            return None  # cleaned up past the log retention, as are all older ones
+        if match([json.loads(line) for line in raw.splitlines() if line.strip()]):
+            return version
     return None
 
 
@@ -1060,11 +1084,27 @@ def _int(value: Any) -> int | None:
         return None
 
 
+def _history(ref: TableRef, table: DeltaTable, limit: int | None) -> list[dict[str, Any]]:
+    """``table.history(limit)`` with true version numbers. delta-rs reads the newest commits in
+    storage but numbers them from the object's version: a commit landing between the open and
+    the read shifts every number. So read again until the object's version did not move."""
+    for _ in range(5):
+        with _delta_errors(ref, "reading the history of"):
+            before = table.version()
+            entries = table.history(limit)
+            table.update_incremental()
+        if table.version() == before:
+            return entries
+    raise StorageError(
+        f"reading the history of {ref.uri} failed: new versions kept landing while it was read; "
+        "try again",
+        uri=ref.uri,
+    )
+
+
 def history(ref: TableRef, limit: int | None = None) -> list[VersionInfo]:
     """The table's versions, newest first (``limit`` of them; all the log still has if None)."""
-    table = _open(ref)
-    with _delta_errors(ref, "reading the history of"):
-        entries = table.history(limit)
+    entries = _history(ref, _open(ref), limit)
     out = []
     for e in entries:
         ours = {
@@ -1148,7 +1188,7 @@ def restore(ref: TableRef, version: int, metadata: Mapping[str, str] | None = No
                 f"log retention and was cleaned up ({ref._scrub(cause)})"
             ) from e
         raise
-    at = _version_of(ref, _open(ref), {_TOKEN: token}, latest)
+    at = _find_version(ref, _open(ref).version(), latest + 1, _holds_info(_TOKEN, token))
     if at is None:
         raise StorageError(
             f"restored {ref.uri} to version {version}, but cannot find the "

@@ -8,6 +8,7 @@ describes it with :func:`pipeline.deltastats.new_file` from the writer's own foo
 
 from __future__ import annotations
 
+import multiprocessing
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -18,9 +19,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
+from pipeline import deltatable as delta
 from pipeline import storage
 from pipeline.deltastats import NewFile, data_file_path, nan_columns, new_file
 from pipeline.deltatable import TableRef
+from pipeline.errors import PipelineError
 
 SCHEMA = pa.schema([("id", pa.int64()), ("score", pa.float32()), ("model_version", pa.string())])
 PARTITION = "run_date"
@@ -122,3 +125,57 @@ def sorted_rows(
 def expected(parts: dict[str, tuple[Sequence[int], str]]) -> list[tuple[Any, ...]]:
     """The rows a table should hold: run_date -> (ids, model), sorted like :func:`sorted_rows`."""
     return sorted((i, model, d) for d, (ids, model) in parts.items() for i in ids)
+
+
+# --------------------------------------------------------------------------- racing processes
+# Spawned, never forked: a forked child that calls delta-rs after its parent did panics.
+
+
+def race_create(uri: str, options: dict[str, Any], tag: int, barrier: Any, results: Any) -> None:
+    """In a spawned process: create the table at ``uri`` once every racer is ready."""
+    ref = TableRef.of(uri, options)
+    barrier.wait()
+    results.put((tag, delta.ensure_table(ref, SCHEMA, [PARTITION], allow_new_columns=False)))
+
+
+def race_commit(
+    uri: str,
+    options: dict[str, Any],
+    adds: list[NewFile],
+    app_id: str,
+    run_version: int,
+    barrier: Any,
+    results: Any,
+) -> None:
+    """In a spawned process: commit ``adds`` once every racer is ready; report the version, or
+    the error's class and message."""
+    ref = TableRef.of(uri, options)
+    barrier.wait()
+    try:
+        version = delta.commit(
+            ref,
+            adds=adds,
+            removes=[],
+            app_id=app_id,
+            run_version=run_version,
+            metadata={"run_id": f"{app_id}-{run_version}"},
+            expected_schema=SCHEMA,
+        )
+        results.put((app_id, "committed", version))
+    except PipelineError as e:
+        results.put((app_id, type(e).__name__, str(e)))
+
+
+def race(target: Any, argsets: list[tuple[Any, ...]], timeout: float = 120) -> list[Any]:
+    """Run ``target(*args, barrier, results)`` for each of ``argsets`` in spawned processes
+    released together; their results."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(len(argsets)), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, barrier, results)) for a in argsets]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * len(procs), f"racers exited with {codes}"
+    return [results.get(timeout=10) for _ in procs]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +40,8 @@ from tests.delta_helpers import (
     deltalake_rows,
     expected,
     polars_rows,
+    race,
+    race_create,
     rows,
     sorted_rows,
     write_file,
@@ -228,25 +229,9 @@ def test_a_creators_leftover_temporary_file_does_not_count(tmp_path: Path) -> No
     assert DeltaTable(ref.table_uri).version() == 0
 
 
-def _create(path: str, tag: int, barrier: Any, results: Any) -> None:
-    """In a spawned process: create the table at ``path`` once the others are ready."""
-    schema = pa.schema([("id", pa.int64()), ("tag", pa.string())])
-    ref = TableRef.of(path)
-    barrier.wait()
-    results.put((tag, delta.ensure_table(ref, schema, [PARTITION], allow_new_columns=False)))
-
-
 def test_racing_creators_create_one_table(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that may use delta-rs
-    barrier, results = ctx.Barrier(3), ctx.Queue()
     path = str(tmp_path / "t")
-    procs = [ctx.Process(target=_create, args=(path, i, barrier, results)) for i in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    created = [results.get(timeout=5) for _ in procs]
+    created = race(race_create, [(path, {}, i) for i in range(3)])
     assert sorted(c for _, c in created) == [False, False, True]
     assert os.listdir(tmp_path / "t" / "_delta_log") == ["00000000000000000000.json"]
     assert DeltaTable(path).version() == 0
@@ -513,6 +498,53 @@ def test_another_app_committing_meanwhile_does_not_block(
     monkeypatch.setattr(delta, "_open", open_then_race)
     assert _commit(ref, [write_file(ref, rows(range(5), "mine"), day("d1"))], v=1) == 2
     assert polars_rows(ref) == expected({"d1": (range(5), "mine"), "d9": (range(90, 95), "other")})
+
+
+def _landing_meanwhile(monkeypatch: pytest.MonkeyPatch, at_call: int) -> list[int]:
+    """Make another app's commit land right after the ``at_call``-th table open."""
+    real_open = delta._open
+    calls: list[int] = []
+
+    def open_then_commit(r: TableRef, version: int | None = None) -> DeltaTable:
+        table = real_open(r, version)
+        calls.append(1)
+        if len(calls) == at_call:
+            other = write_file(r, rows(range(90, 95), "other"), day("d9"))
+            delta.commit(
+                r,
+                adds=[other],
+                removes=[],
+                app_id="other-job",
+                run_version=1,
+                metadata={},
+                expected_schema=SCHEMA,
+            )
+        return table
+
+    monkeypatch.setattr(delta, "_open", open_then_commit)
+    return calls
+
+
+def test_commit_reports_its_own_version_when_another_lands_right_after(
+    ref: TableRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """delta-rs numbers history() from the object's version but reads the newest commits in
+    storage; a commit landing after ours must not shift the version we report."""
+    calls = _landing_meanwhile(monkeypatch, at_call=2)  # 1: commit's open; 2: reading back
+    mine = write_file(ref, rows(range(5), "mine"), day("d1"))
+    assert _commit(ref, [mine], v=1) == 1
+    assert len(calls) >= 2
+    table = DeltaTable(ref.table_uri, version=1)
+    assert table.transaction_version("job") == 1 and table.transaction_version("other-job") is None
+
+
+def test_history_numbers_versions_right_when_a_commit_lands_meanwhile(
+    ref: TableRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _commit(ref, [write_file(ref, rows(range(5), "m1"), day("d1"))], v=1)
+    _landing_meanwhile(monkeypatch, at_call=1)
+    got = [(v.version, v.metadata.get("app_id")) for v in delta.history(ref)]
+    assert got == [(2, "other-job"), (1, "job"), (0, None)]
 
 
 def test_metadata_keys_commit_writes_itself_are_reserved(ref: TableRef) -> None:
