@@ -116,8 +116,10 @@ _TOKEN = "token"  # a unique value that lets a restore find its own version afte
 
 _FIRST_COMMIT = "_delta_log/00000000000000000000.json"
 _ENGINE = "score-catalog"
-# Footers of the files a commit adds are read this many at a time (object stores: one round
-# trip each; local disk: a few, pyarrow releases the GIL).
+# Footers of the files a commit adds are read this many at a time: object stores take one
+# round trip each; on local disk too (5,000 footers: 2.2 s with 16 threads, 2.9 s with 4, 3.0 s
+# in one; medians of 4 alternating runs on a loaded 2-core machine: pyarrow and the file
+# system calls release the GIL).
 _FOOTER_THREADS = 16
 _MAX_LISTED = 10  # problems named in one message
 _MAX_SCAN = 200  # commit files read back looking for one commit
@@ -805,9 +807,10 @@ def _add_actions(
 ) -> list[AddAction]:
     problems: list[str] = []
     seen: set[str] = set()
+    replaced = set(removes)
     for new in adds:
         problem = _path_problem(new.path, new.partition_values, partition_by)
-        if problem is None and (new.path in current or new.path in seen or new.path in removes):
+        if problem is None and (new.path in current or new.path in seen or new.path in replaced):
             problem = "already in the table or in this commit: every run writes new names"
         seen.add(new.path)
         if problem:
