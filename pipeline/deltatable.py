@@ -33,6 +33,7 @@ import functools
 import io
 import json
 import logging
+import math
 import posixpath
 import re
 import time
@@ -934,7 +935,8 @@ def commit(
             f"rollback or another writer): {changes}. Nothing was committed; rerun",
             uri=ref.uri,
         )
-    current = {f.path: f for f in _files(table)}
+    with _delta_errors(ref, "reading the log of"):
+        current = {f.path: f for f in _files(table)}
     remove_actions, rows_removed = _remove_actions(ref, current, removes, read_version)
     data_schema = pa.schema([f for f in table_schema if f.name not in partition_by])
     add_actions = _add_actions(ref, adds, current, removes, partition_by, data_schema)
@@ -1221,7 +1223,7 @@ def vacuum(
     """
     table = _open(ref)
     minimum = deleted_file_retention_hours(table.metadata().configuration)
-    hours = int(minimum) if retention_hours is None else retention_hours
+    hours = math.ceil(minimum) if retention_hours is None else retention_hours
     if hours < 0:
         raise UsageError(f"vacuum of {ref.uri}: a retention of {hours} h is negative")
     if hours < minimum and not force:
