@@ -13,11 +13,12 @@ file). What is left out and why:
 
 - a column where any row group lacks min/max (other than a row group that is all null);
 - floating-point min/max unless the writer vouches that the column holds no NaN: Parquet
-  writers leave NaN out of their min/max, while the readers order NaN above every number (a
-  file holding 1.0 and NaN has max 1.0 in its footer, and ``score > 2`` would skip it);
-  infinities are left out too (JSON has no spelling for them);
-- strings longer than :data:`MAX_STRING_STAT_CHARS` characters (Delta's own writers truncate
-  long strings and mark nothing; an exact value or none keeps every bound exact);
+  writers leave NaN out of their min/max (a file holding 1.0 and NaN has max 1.0 in its
+  footer), while Polars orders NaN above every number (its ``score > 2`` returns the NaN
+  rows), so such a max is no bound; infinities are left out too (JSON cannot spell them);
+- strings longer than :data:`MAX_STRING_STAT_CHARS` characters: Delta's reference writer
+  keeps a 32-character prefix of such values (a max that is then below the value, patched
+  with a tie-breaker character); leaving them out keeps every bound exact and the log small;
 - timestamps without a time zone, binary, boolean, decimal, unsigned integer, and nested (list,
   struct, map) columns: their stats formats or orderings differ between readers, or Delta has
   no such type;
@@ -45,7 +46,7 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import ConfigError
 
-#: Longest string (in characters) whose min/max go into the stats; Delta's writers default to a
+#: Longest string (in characters) whose min/max go into the stats, as Delta's reference writer's
 #: 32-character prefix. Longer values are left out rather than truncated (see the module doc).
 MAX_STRING_STAT_CHARS = 32
 
