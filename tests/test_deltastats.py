@@ -110,7 +110,7 @@ def test_timestamps_round_outward_at_every_unit(tmp_path: Path) -> None:
 
 def test_nan_leaves_float_bounds_out(tmp_path: Path) -> None:
     # Parquet leaves NaN out of its min/max (this footer says max 2.0 with a NaN in the file);
-    # readers order NaN above every number, so `score > 5` must not skip this file.
+    # Polars orders NaN above every number: for it, 2.0 is no upper bound of this file.
     table = pa.table(
         {
             "with_nan": pa.array([1.0, 2.0, math.nan, 0.5]),
