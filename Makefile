@@ -10,6 +10,7 @@ PYTEST_ARGS ?=
 # package pins pyarrow below the version the tool is tested with, and the tool itself needs only
 # the mlflow-skinny client (the `mlflow` extra, also in `dev`).
 MLFLOW_VENV ?= .venv-mlflow
+DUCKDB_DELTA_VENV ?= .venv-duckdb-delta
 JOB ?= jobs/score_catalog.toml
 RUN_ARGS ?=
 # torch wheel for machines without an NVIDIA GPU: the local CPU build, installed before the
@@ -77,13 +78,23 @@ archive-demo: install
 	$(BIN)/score-catalog backfill jobs/rescore_archive.toml --from 2025-01-01 --to 2025-01-04 \
 	  --allow-missing-partitions
 
-test: install $(MLFLOW_VENV)/.installed
-	MLFLOW_SERVER_BIN=$(abspath $(MLFLOW_VENV))/bin/mlflow $(BIN)/pytest $(PYTEST_ARGS)
+test: install $(MLFLOW_VENV)/.installed $(DUCKDB_DELTA_VENV)/.installed
+	MLFLOW_SERVER_BIN=$(abspath $(MLFLOW_VENV))/bin/mlflow \
+	  DUCKDB_DELTA_PYTHON=$(abspath $(DUCKDB_DELTA_VENV))/bin/python $(BIN)/pytest $(PYTEST_ARGS)
 
 $(MLFLOW_VENV)/.installed:
 	test -x $(MLFLOW_VENV)/bin/python || $(PYTHON) -m venv $(MLFLOW_VENV)
 	$(MLFLOW_VENV)/bin/python -m pip install -q --upgrade pip
 	$(MLFLOW_VENV)/bin/python -m pip install -q "mlflow>=3.0"
+	touch $@
+
+# DuckDB's Delta reader (tests/integration/test_delta_duckdb.py) runs from its own venv: the tool
+# is tested with duckdb 2.x, which cannot load its delta extension without network access;
+# duckdb 1.4.4 loads it offline from the duckdb-ext-delta package (its version pins the DuckDB).
+$(DUCKDB_DELTA_VENV)/.installed:
+	test -x $(DUCKDB_DELTA_VENV)/bin/python || $(PYTHON) -m venv $(DUCKDB_DELTA_VENV)
+	$(DUCKDB_DELTA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DUCKDB_DELTA_VENV)/bin/python -m pip install -q "duckdb==1.4.4" "duckdb-ext-delta==1.4.4.20260205"
 	touch $@
 
 test-fast: install
@@ -119,4 +130,4 @@ clean:
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(MLFLOW_VENV) $(DAFT_VENV)
+	rm -rf $(VENV) $(MLFLOW_VENV) $(DAFT_VENV) $(DUCKDB_DELTA_VENV)

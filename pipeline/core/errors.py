@@ -151,6 +151,71 @@ class ShardError(PipelineError):
         super().__init__(message)
 
 
+# --------------------------------------------------------------------------- Delta tables
+# (pipeline.io.outputs.deltatable)
+
+
+class TableError(PipelineError):
+    """A Delta table could not take an operation; ``uri`` names the table. Exit 1, like any
+    failure during a run."""
+
+    def __init__(self, message: str, *, uri: str) -> None:
+        super().__init__(message)
+        self.uri = uri
+
+
+class TableSchemaError(InputError):
+    """The run's output does not fit the Delta table it writes to (a column's type changed, a
+    column dropped or, without schema evolution, added; other partition columns). Found before
+    anything is committed; exit 3 like the other schema errors."""
+
+    def __init__(self, message: str, *, uri: str) -> None:
+        super().__init__(message)
+        self.uri = uri
+
+
+class NotATableError(UsageError):
+    """A command that reads a Delta table (history, rollback, vacuum, optimize) was pointed at
+    a location without one. Exit 2."""
+
+    def __init__(self, message: str, *, uri: str) -> None:
+        super().__init__(message)
+        self.uri = uri
+
+
+class CommitConflict(TableError):
+    """Another writer committed to the table since this run read it, in a way this commit
+    cannot be applied over (the same app id, or a file this commit removes is gone). Nothing
+    was committed; the run's files stay for a rerun."""
+
+
+class CommitRefused(TableError):
+    """A file the run would commit is not what its worker reported (missing, another size,
+    another schema or row count, a bad path). Nothing was committed."""
+
+
+class AlreadyCommitted(TableError):
+    """The table already holds this app id's commit at ``run_version`` or later (a retried or
+    resumed run): nothing was committed again. ``committed_version`` is the app's latest run
+    version in the table; ``table_version`` the table version that recorded it, when known."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        uri: str,
+        app_id: str,
+        run_version: int,
+        committed_version: int,
+        table_version: int | None,
+    ) -> None:
+        super().__init__(message, uri=uri)
+        self.app_id = app_id
+        self.run_version = run_version
+        self.committed_version = committed_version
+        self.table_version = table_version
+
+
 def describe(e: BaseException) -> str:
     """One line naming what went wrong and where: our errors say it; others get their type
     (``NotADirectoryError: [Errno 20] Not a directory: '/data/out/x.parquet'``)."""

@@ -1,6 +1,9 @@
 """Output formats: where a run's scores go, behind one small protocol
 (:mod:`pipeline.io.outputs.base`), so that the driver is the same whatever the format. The
-Parquet folder is the first (:mod:`pipeline.io.outputs.folder`)."""
+Parquet folder is the first (:mod:`pipeline.io.outputs.folder`). A Delta table's two sides,
+:mod:`~pipeline.io.outputs.deltastats` (the worker's: stats from a file's footer, pyarrow only)
+and :mod:`~pipeline.io.outputs.deltatable` (the driver's: the one commit per run, snapshot,
+history, maintenance), are here for the second; nothing imports them yet (issue 24)."""
 
 from __future__ import annotations
 
