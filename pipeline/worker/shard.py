@@ -415,7 +415,7 @@ def _score(spec: WorkerSpec, task: ShardTask, t0: float) -> ShardResult:
         shard.out_schema,
         depth=depth,
         fence=spec.check_fence,
-        run=SinkRun(shard.rejects_meta, opts, spec.run_id),
+        run=SinkRun(shard.rejects_meta, opts, spec.run_id, spec.io.file_facts is not None),
     ) as sink:
         for batch in shard.batches():
             checkpoint("batch-read")
@@ -433,7 +433,8 @@ def _written(spec: WorkerSpec, task: ShardTask, sink: ShardSink) -> WrittenFile:
     facts its ``file_facts`` computes from the footer (here, in the worker)."""
     facts = spec.io.file_facts
     meta = sink.output.metadata
-    found = facts(meta) if facts is not None and meta is not None else {}
+    nan = frozenset(sink.output.nan_columns)
+    found = facts(meta, nan) if facts is not None and meta is not None else {}
     return WrittenFile(task.output_uri, sink.output.size, found)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.core.errors import ShardError
@@ -47,6 +48,7 @@ class StagedParquetWriter:
         point: str = "",
         before_publish: Callable[[], None] | None = None,
         tag: str = "",
+        watch_nan: bool = False,
     ) -> None:
         self.loc = loc
         self.schema = schema
@@ -64,15 +66,27 @@ class StagedParquetWriter:
         # facts about it, pipeline.io.outputs.base.WrittenFile).
         self.size = 0
         self.metadata: pq.FileMetaData | None = None
+        # The floating-point columns that hold a NaN, when asked (``watch_nan``): footers leave
+        # NaN out of their min/max, so a table format's stats need to know (file_facts).
+        self._floats = [f.name for f in schema if pa.types.is_floating(f.type)]
+        self._watch_nan = watch_nan and bool(self._floats)
+        self.nan_columns: set[str] = set()
 
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
             return
+        if self._watch_nan:
+            self._see_nan(batch)
         self._buffer.append(batch)
         self._buffered += batch.num_rows
         self.rows += batch.num_rows
         if self._buffered >= self.row_group_rows:
             self._flush()
+
+    def _see_nan(self, batch: pa.RecordBatch) -> None:
+        for name in self._floats:
+            if name not in self.nan_columns and pc.any(pc.is_nan(batch.column(name))).as_py():
+                self.nan_columns.add(name)
 
     def _flush(self) -> None:
         if self._buffer:
@@ -141,6 +155,9 @@ class SinkRun:
     options: Mapping[str, Any] | None = None
     # The run's id, in the names of the staged files: the run deletes what a killed worker left.
     tag: str = ""
+    # Note which floating-point output columns hold a NaN (the output format's file_facts need
+    # it: pipeline.io.outputs.base.FileFacts); off for the Parquet folder, which needs no stats.
+    watch_nan: bool = False
 
 
 class ShardSink:
@@ -176,6 +193,7 @@ class ShardSink:
             point="output-rename",
             before_publish=self._fence,
             tag=self._run.tag,
+            watch_nan=self._run.watch_nan,
         )
         self.rejects: StagedParquetWriter | None = None
         self.rejects_loc = rejects

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import pickle
 import time
@@ -239,3 +240,23 @@ def test_row_feed_drops_reports_of_finished_shards() -> None:
     feed.rows("b.parquet", 50)
     assert seen == [("a.parquet", 100), ("a.parquet", 200), ("b.parquet", 50)]
     RowFeed(None).rows("a.parquet", 1)  # no listener: nothing happens
+
+
+def _footer_facts(metadata: pq.FileMetaData, nan_columns: frozenset[str]) -> dict[str, object]:
+    """A table format's file_facts in little: what the footer says, and the NaN columns."""
+    return {"rows": metadata.num_rows, "nan": sorted(nan_columns)}
+
+
+@pytest.mark.parametrize("facts", [None, _footer_facts])
+def test_a_shard_sends_back_its_file_with_the_facts_its_output_format_asks_for(
+    bundle_dir: Path, tmp_path: Path, facts: object
+) -> None:
+    (shard,) = write_shards(tmp_path / "in", [1200], row_group_rows=1000)
+    out = tmp_path / "out"
+    spec = _spec(bundle_dir)
+    spec = dataclasses.replace(spec, io=dataclasses.replace(spec.io, file_facts=facts))
+    result = score_shard(spec, _task(shard, out))
+    assert result.written is not None
+    assert result.written.uri == str(out / shard.name)
+    assert result.written.size == (out / shard.name).stat().st_size
+    assert result.written.facts == ({} if facts is None else {"rows": 1200, "nan": []})

@@ -92,3 +92,27 @@ def test_small_batches_are_buffered_into_fewer_row_groups(tmp_path: Path) -> Non
     assert max(groups) <= 4 and len(groups) < len(batches)
     ids = pq.read_table(tmp_path / "x.parquet").column("item_id").to_pylist()
     assert ids == list(range(10))
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_a_writer_asked_to_watch_nan_names_the_float_columns_that_hold_one(
+    tmp_path: Path, watch: bool
+) -> None:
+    schema = OUT.append(pa.field("calibrated", pa.float32()))
+    w = StagedParquetWriter(storage.locate(str(tmp_path / "a.parquet")), schema, watch_nan=watch)
+    for scores in ([0.1, 0.2], [float("nan"), 0.3]):  # the NaN comes in the second batch
+        w.write(
+            pa.RecordBatch.from_arrays(
+                [
+                    pa.array([1, 2], pa.int64()),
+                    pa.array(scores),
+                    pa.array([0.5, 0.5], pa.float32()),
+                ],
+                schema=schema,
+            )
+        )
+    w.commit()
+    # Parquet's footer leaves the NaN out of the max: only the writer can tell
+    assert w.metadata is not None
+    assert w.metadata.row_group(0).column(1).statistics.max == 0.3
+    assert w.nan_columns == ({"score"} if watch else set())

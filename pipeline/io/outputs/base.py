@@ -39,9 +39,11 @@ from pipeline.io.ownership import ForeignFiles
 from pipeline.io.storage import Location
 
 #: What a worker computes of a data file it wrote, from the file's Parquet footer
-#: (``pyarrow.parquet.FileMetaData``): module-level and picklable (it travels in the worker
-#: spec), and pyarrow only (workers are forked: no table-format client there).
-FileFacts = Callable[[Any], dict[str, Any]]
+#: (``pyarrow.parquet.FileMetaData``) and the floating-point columns it saw a NaN in (footers
+#: leave NaN out of min/max, so such a column's bounds are no bounds: Delta's
+#: ``deltastats.file_stats(metadata, nan_free=...)``): module-level and picklable (it travels in
+#: the worker spec), and pyarrow only (workers are forked: no table-format client there).
+FileFacts = Callable[[Any, frozenset[str]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
