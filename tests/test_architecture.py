@@ -120,3 +120,27 @@ def test_help_imports_no_torch_pyarrow_or_dask(command: list[str]) -> None:
     )
     loaded = json.loads(done.stderr.strip().splitlines()[-1])
     assert not {"torch", "pyarrow", "dask", "distributed"} & set(loaded), loaded
+
+
+def test_every_pipeline_module_loaded_comes_from_this_checkout() -> None:
+    # A shared virtual environment with another checkout installed in editable mode answers
+    # an import of a module this checkout no longer has (a module that moved) from that other
+    # checkout, silently. By the time this runs every test module has been collected, so their
+    # imports are in sys.modules too.
+    root = REPO / "pipeline"
+    foreign = {
+        name: getattr(module, "__file__", None)
+        for name, module in list(sys.modules.items())
+        if (name == "pipeline" or name.startswith("pipeline."))
+        and getattr(module, "__file__", None)
+        and not Path(module.__file__).resolve().is_relative_to(root)
+    }
+    assert not foreign, foreign
+
+
+def test_a_module_over_600_lines_says_why() -> None:
+    for path in sorted((REPO / "pipeline").rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if len(lines) > 620:  # "about 600"
+            head = "\n".join(lines[:40])
+            assert "on purpose" in head and "line" in head, (path, len(lines))

@@ -219,7 +219,7 @@ def train_demo_model(
         name="catalog-ranker",
         version="1",
         description="The demo catalog model: a category embedding beside 16 numeric features "
-        "(made by score-catalog demo, pipeline/demo.py).",
+        "(made by score-catalog demo, pipeline/cli/demo.py).",
         overwrite=True,
     )
     return acc

@@ -133,7 +133,7 @@ def execute(
     Once ``stop`` is requested nothing new starts, and the iterator ends when the shards in
     flight have finished or its grace period is over (see the module doc). ``on_rows(rel_path,
     rows)`` hears, while a shard is being scored, how many of its rows are done (at most every
-    :data:`~pipeline.worker.shard.PROGRESS_INTERVAL_S` per worker; see :class:`RowFeed`).
+    :data:`~pipeline.worker.events.PROGRESS_INTERVAL_S` per worker; see :class:`RowFeed`).
     """
     stop = stop if stop is not None else StopRequest()
     if not tasks:

@@ -25,11 +25,11 @@ import pyarrow.parquet as pq
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # pragma: no cover - Python 3.10, as pipeline/config.py does
+else:  # pragma: no cover - Python 3.10, as pipeline/core/config.py does
     import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[2]
-# The CLI's fault-injection hook (pipeline/faults.py): a run that reaches the named point
+# The CLI's fault-injection hook (pipeline/core/faults.py): a run that reaches the named point
 # SIGKILLs itself, so it must never be set in the pytest process or leak into a run by accident.
 KILL_AT = "_SCORE_CATALOG_KILL_AT"
 # The same module's full-disk hook: every staged write fails from a named point on.

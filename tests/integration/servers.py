@@ -477,7 +477,7 @@ _LOADS: list[str] = []
 
 
 class _LoadCounter(logging.Handler):
-    """Counts pipeline.model.program.s "loaded model" records: one per bundle actually
+    """Counts pipeline.model.program's "loaded model" records: one per bundle actually
     deserialized."""
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -501,7 +501,7 @@ def load_count() -> list[str]:
 
 
 def reuses_cached_model(uri: str, device: str, sha256: str, width: int) -> bool:
-    """In a worker: whether asking for this bundle again is served from pipeline.model.program.s
+    """In a worker: whether asking for this bundle again is served from pipeline.model.program's
     cache.
 
     Through the public ``load_model`` only: a load that is not a cache hit logs "loaded model",

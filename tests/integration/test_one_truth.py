@@ -2,7 +2,7 @@
 the exit code always agree, and a run that never started still tells the metrics it failed.
 
 Item 7 fills the disk at each step of the finish phase (``_SCORE_CATALOG_FAIL_AT``, see
-``pipeline/faults.py``: from that point on every staged write raises ENOSPC without a file
+``pipeline/core/faults.py``: from that point on every staged write raises ENOSPC without a file
 name, as a full disk does; ``:once`` fails that one write). Item 8 breaks the configuration in
 each layer that can name the metrics file: the job file, the environment, the flags, and a
 command line Click refuses before any of them is read.

@@ -12,11 +12,15 @@ model.
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import math
 import re
 import subprocess
 import sys
+import types
+import typing
+from collections import abc
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +100,92 @@ def test_typeddict_keys_equal_the_schema_properties(pointer: str) -> None:
     node = _resolve(report_schema(), pointer)
     assert set(typed.__required_keys__) | set(typed.__optional_keys__) == set(node["properties"])
     assert set(typed.__required_keys__) == set(node["required"])
+
+
+_JSON_TYPE = {str: "string", int: "integer", bool: "boolean", float: "number", type(None): "null"}
+
+
+def _scalar_kinds(t: Any) -> set[str] | None:
+    """The JSON kinds of a scalar annotation (None: not a scalar)."""
+    if t is Any:
+        return {"any"}
+    if isinstance(t, type) and issubclass(t, enum.Enum):
+        return {"string"}
+    if typing.get_origin(t) is typing.Literal:
+        return {_JSON_TYPE[type(a)] for a in typing.get_args(t)}
+    return {_JSON_TYPE[t]} if t in _JSON_TYPE else None
+
+
+def _python_kinds(t: Any) -> set[str]:
+    """What JSON an annotation of a report TypedDict allows: JSON types, ``array[...]`` of
+    its items, ``object:#/$defs/x`` for another TypedDict of the report."""
+    origin = typing.get_origin(t)
+    scalar = _scalar_kinds(t)
+    if scalar is not None:
+        return scalar
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_python_kinds(a) for a in typing.get_args(t)))
+    if origin in (typing.Annotated, typing.Required, typing.NotRequired):
+        return _python_kinds(typing.get_args(t)[0])
+    if origin in (list, tuple, abc.Sequence):
+        item = (typing.get_args(t) or (Any,))[0]
+        return {"array[" + ",".join(sorted(_python_kinds(item))) + "]"}
+    if typing.is_typeddict(t):
+        pointers = {v: k for k, v in SCHEMA_OBJECTS.items()}
+        return {"object:" + pointers.get(t, "? " + t.__name__)}
+    assert origin in (dict, abc.Mapping) or t is dict, f"no JSON kind for {t!r}"
+    return {"object"}
+
+
+def _schema_kinds(schema: dict[str, Any], node: Any) -> set[str]:
+    """The same for a property of the JSON Schema (``anyOf`` members that only constrain, such
+    as ``{"maxItems": 0}``, add no kind)."""
+    if node is True or node == {}:
+        return {"any"}
+    if "$ref" in node:
+        if node["$ref"] in SCHEMA_OBJECTS:
+            return {"object:" + node["$ref"]}
+        return _schema_kinds(schema, _resolve(schema, node["$ref"]))
+    kinds: set[str] = set()
+    for member in [*node.get("anyOf", []), *node.get("oneOf", [])]:
+        kinds |= _schema_kinds(schema, member) - {"any"}
+    types_ = node.get("type", [])
+    for name in [types_] if isinstance(types_, str) else types_:
+        items = ",".join(sorted(_schema_kinds(schema, node.get("items", {}))))
+        kinds.add(f"array[{items}]" if name == "array" else name)
+    if "type" not in node:
+        kinds |= {_JSON_TYPE[type(v)] for v in node.get("enum", [])}
+        kinds |= {_JSON_TYPE[type(node["const"])]} if "const" in node else set()
+    return kinds or {"any"}
+
+
+def _type_disagreements(schema: dict[str, Any]) -> list[str]:
+    def fold(kinds: set[str]) -> set[str]:  # a JSON number takes an integer
+        return {"number" if k == "integer" and "number" in kinds else k for k in kinds}
+
+    found = []
+    for pointer, typed in SCHEMA_OBJECTS.items():
+        props = _resolve(schema, pointer)["properties"]
+        for key, annotation in typing.get_type_hints(typed, include_extras=True).items():
+            ours, theirs = fold(_python_kinds(annotation)), fold(_schema_kinds(schema, props[key]))
+            if ours != theirs:
+                found.append(f"{pointer} {key}: TypedDict {sorted(ours)}, schema {sorted(theirs)}")
+    return found
+
+
+def test_typeddict_value_types_agree_with_the_schema_types() -> None:
+    # Both are written by hand (the schema carries descriptions and bounds a TypedDict cannot);
+    # this keeps them from drifting apart: keys above, value types here, nested objects by name.
+    assert _type_disagreements(report_schema()) == []
+
+
+def test_the_type_comparison_sees_a_changed_type() -> None:
+    schema = copy.deepcopy(report_schema())
+    schema["$defs"]["shard"]["properties"]["rows_out"] = {"type": "string"}
+    schema["$defs"]["execution"]["properties"]["parity"] = {"$ref": "#/$defs/threads"}
+    found = _type_disagreements(schema)
+    assert len(found) == 2, found
+    assert any("rows_out" in f for f in found) and any("parity" in f for f in found)
 
 
 def test_every_object_in_the_schema_has_a_typeddict() -> None:
