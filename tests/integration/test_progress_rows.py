@@ -76,7 +76,10 @@ def test_rows_are_reported_while_one_big_shard_is_scored(
     assert rows == sorted(rows) and len(set(rows)) == len(rows)  # moving forward
     # Inside the shard (the last report may come after its last batch: all of its rows).
     assert 0 < rows[0] < ROWS and rows[-1] <= ROWS
-    assert all(n % 1024 == 0 for n in rows)  # whole batches
+    # Whole batches; the last may be all of the shard's rows, which end in a partial batch (a
+    # report timed right after it: rare, likelier on a busy machine).
+    assert all(n % 1024 == 0 for n in rows[:-1])
+    assert rows[-1] % 1024 == 0 or rows[-1] == ROWS
 
 
 def test_the_cli_bar_moves_inside_one_shard_on_a_terminal(
