@@ -24,7 +24,7 @@ from pipeline.execution import not_scored
 from pipeline.faults import checkpoint
 from pipeline.html_report import render_html
 from pipeline.locking import LockLostError
-from pipeline.reconcile import Reconciliation, Wanted, reconcile, verify, wanted
+from pipeline.reconcile import Reconciliation, Wanted, gone_reasons, reconcile, verify, wanted
 from pipeline.report import HTML_NAME, REPORT_NAME, RunFacts, RunReport, build_report, model_section
 from pipeline.reportschema import ReportData
 from pipeline.statuses import SUCCESS_STATUSES, FailureKind, RunStatus
@@ -341,9 +341,11 @@ def _reconcile(run: ScoringRun, want: Wanted) -> Reconciliation:
     manifest = run.manifest
     assert manifest is not None
     ours = run.previous_outputs | set(manifest.shards)
-    settled = reconcile(
-        run.out_root, run.rej_root, want.keep, ours, want.reasons, run.config.storage
-    )
+    opts = run.config.storage
+    left = ours - want.keep - set(want.reasons)
+    input_uri = storage.locate(run.config.input_uri(), opts).uri
+    reasons = {**gone_reasons(manifest.shards, left, input_uri, opts), **want.reasons}
+    settled = reconcile(run.out_root, run.rej_root, want.keep, ours, reasons, opts)
     for rel in set(manifest.shards) - want.keep:
         manifest.forget(rel)
     manifest.flush()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline import storage
-from pipeline.errors import ConfigError, ShardError
+from pipeline.errors import ConfigError, PipelineError, ShardError
 from pipeline.reading import read_footer
 from pipeline.statuses import FailureKind, ShardStatus
 from pipeline.storage import Location
@@ -415,6 +415,38 @@ def wanted(results: Iterable[Outcome]) -> Wanted:
     return Wanted(rows, untouched, reasons)
 
 
+#: Why an output whose input shard is gone is removed (said only when it is gone).
+GONE_REASON = "its input shard no longer exists"
+
+
+def gone_reasons(
+    entries: Mapping[str, Mapping[str, Any]],
+    rels: Iterable[str],
+    input_uri: str,
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """Why the outputs at ``rels`` go when their shard is not in this run's input although
+    the input file their manifest entry names still exists (the job's input changed: another
+    folder, glob or ``{date}``). :func:`reconcile` says :data:`GONE_REASON` only of the others,
+    whose input really is gone. One ``exists`` per such output: only shards that left the
+    input are asked about."""
+    reasons = {}
+    for rel in rels:
+        source = (entries.get(rel) or {}).get("input")
+        if not isinstance(source, str):
+            continue
+        try:
+            there = storage.exists(storage.locate(source, options))
+        except (OSError, PipelineError):
+            continue  # cannot tell: the usual reason stands
+        if there:
+            reasons[rel] = (
+                f"its input shard {source} still exists but is no longer in this job's input "
+                f"({input_uri})"
+            )
+    return reasons
+
+
 def reconcile(
     out_root: Location,
     rej_root: Location,
@@ -444,7 +476,7 @@ def reconcile(
         if rel not in ours:
             result.foreign.append(rel)
             continue
-        reason = reasons.get(rel, "its input shard no longer exists")
+        reason = reasons.get(rel, GONE_REASON)
         storage.remove(loc)  # the output first: a crash in between leaves orphan rejects only
         rejects = _remove_rejects(rej_root.child(rel), loc, options)
         removal = Removal(rel, loc.uri, reason, rejects)

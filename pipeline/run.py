@@ -382,6 +382,10 @@ class ScoringRun:
             # Deleted, replaced or copied over since: score it again instead of trusting it.
             logger.warning("scoring %s again: %s", s.rel_path, problems[0])
             return False
+        if done.get("input") != s.uri:
+            # The same shard at another place (the job's input moved): the entry names where
+            # it is now, so that its removal, once it leaves the input, says why truthfully.
+            self.manifest.record(s.rel_path, {**done, "input": s.uri})
         self.results[s.rel_path] = ShardResult.skipped(s.rel_path, s.uri, done)
         return True
 
