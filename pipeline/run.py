@@ -179,9 +179,11 @@ class ScoringRun:
             for loc, what in ((self.out_root, "output"), (self.rej_root, "rejects"))
             if (bucket := storage.check_write_target(loc, what, create_bucket=create))
         ]
-        # Outputs never nest: one that contains, lies inside or is the template root of
-        # another output of this tool is refused before the model is even loaded.
-        nesting.check(self.out_root)
+        # Outputs never nest, and no run takes another job's output: one that contains, lies
+        # inside or is the template root of another output of this tool, lies inside another
+        # template's root or a control area, or belongs to another job, and rejects inside any
+        # dataset, are refused before the model is even loaded.
+        nesting.check_run(config, self.places, self.rej_root)
         self.device = resolve_device(config.device)
         bundle, _, self.sha = read_bundle(config.model, opts)
         # Before any worker spec: each output file's footer carries the settings hash.
@@ -235,9 +237,19 @@ class ScoringRun:
         check_output_owner(self.out_root, self.config.on_foreign_output, opts)
         shard_paths = [s.rel_path for s in self.shards]
         check_rejects_location(self.rej_root, self.out_root, opts, shard_paths)
-        self.lock_ = RunLock.acquire(
+        lock_ = RunLock.acquire(
             self.out_root, self.run_id, stale_after_s=self.config.stale_lock_after_s
         )
+        owner = nesting.owner_record(self.config, self.places)
+        try:
+            # Again, now that no other run can change it: a run of another job may have taken
+            # the output while this one planned. Refused, it writes nothing (no report either:
+            # the report there is the other job's).
+            nesting.check_owner(self.places, owner)
+        except BaseException:
+            finish.log_cleanup_error(lock_.release, "releasing the lock")
+            raise
+        self.lock_ = lock_
         # The fence: every shard commit checks this token (the spec was built before the lock).
         self.spec = dataclasses.replace(
             self.spec,
@@ -253,13 +265,20 @@ class ScoringRun:
                 logger.info("removed a temporary file left by an interrupted run: %s", path)
         loaded = Manifest.load(self.control, self.places.old_controls)
         self.manifest = FencedManifest(
-            loaded.loc, loaded.shards, verdict=loaded.verdict, fence=self.lock_.assert_held
+            loaded.loc,
+            loaded.shards,
+            verdict=loaded.verdict,
+            owner=loaded.owner,
+            fence=self.lock_.assert_held,
         )
         moved = self._rejects_moved()
-        if loaded.read_from is not None or moved:
-            # Written by an older version elsewhere (inside the output), or naming rejects
-            # where it kept them: save it to the control folder first, then drop the old copy
-            # (a crash in between leaves both; the new one wins).
+        # The output is this job's from now on: recorded before anything is scored, so that a
+        # run of another job is refused even if this one stops before its first shard.
+        owned = self.manifest.set_owner(owner)
+        if loaded.read_from is not None or moved or owned:
+            # Written by an older version elsewhere (inside the output), naming rejects where
+            # it kept them, or without this owner: save it to the control folder first, then
+            # drop the old copy (a crash in between leaves both; the new one wins).
             self.manifest.save()
         if loaded.read_from is not None:
             storage.remove(loaded.read_from)
