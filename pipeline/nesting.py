@@ -424,6 +424,15 @@ def _lists_file_of(uri: str, out: Location, real: Location) -> bool:
     return out.is_local and os.path.realpath(uri).startswith(real.path.rstrip("/") + "/")
 
 
+def _flags_only_name() -> str:
+    """The job name of a run without a job file (``JobConfig.name``'s default)."""
+    import dataclasses
+
+    from pipeline.config import JobConfig
+
+    return str(next(f.default for f in dataclasses.fields(JobConfig) if f.name == "name"))
+
+
 def _date_in(template: str, output: str) -> str | None:
     """The ``{date}`` that fills ``template`` in to ``output``, or None."""
     pattern, named = [], False
@@ -470,12 +479,17 @@ def _taken(
         f"{loc.uri}); {mine}."
     )
     if job != owner["job"]:
+        run_theirs = (
+            f"run it with flags only, as it was written (a run without a job file is job {job!r})"
+            if job == _flags_only_name()
+            else f"run job {job!r} from its own job file"
+        )
         return ConfigError(
             f"{head} A run would replace or remove that job's scores. Nothing was written. Two "
-            f"jobs never share an output: give job {owner['job']!r} an output of its own, or run "
-            f"job {job!r} from its own job file. If {owner['job']!r} is {job!r} renamed (a job "
-            f'is named after its job file unless the file sets name), put name = "{job}" in '
-            "its job file: a job keeps its outputs, run index and drift history by its name."
+            f"jobs never share an output: give job {owner['job']!r} an output of its own, or "
+            f"{run_theirs}. If {owner['job']!r} is {job!r} renamed (a job is named after its "
+            f'job file unless the file sets name), put name = "{job}" in its job file: a job '
+            "keeps its outputs, run index and drift history by its name."
         )
     date = _date_in(str(template), str(recorded.get("output") or real.uri))
     fix = (

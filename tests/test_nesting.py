@@ -195,6 +195,10 @@ def test_the_owner_s_runs_pass_and_other_jobs_are_refused(tmp_path: Path) -> Non
     other_template = {**_owner(tmp_path, "nightly"), "template": "/elsewhere/{date}"}
     with pytest.raises(ConfigError, match="rerun it with --date 2026-11-02"):
         nesting.check_owner(where, other_template)
+    # Written by a run with flags only: the fix names that, not a job file.
+    _manifest(where, owner=_owner(tmp_path, "score-catalog"))
+    with pytest.raises(ConfigError, match="run it with flags only, as it was written"):
+        nesting.check_owner(where, _owner(tmp_path, "nightly"))
 
 
 def test_a_manifest_without_owner_is_adopted_only_when_it_lists_this_output(
