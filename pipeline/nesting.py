@@ -171,7 +171,8 @@ def _control_area_of(folder: Location) -> Location | None:
 
 
 def _jobs_in(area: Location) -> str:
-    """`` (jobs 'a', 'b')``: the jobs whose run index is in the control area ``area``."""
+    """``; its run index names job(s) 'a', 'b'``: the jobs with a run index in the control
+    area ``area`` (empty when it has none)."""
     try:
         jobs = [e.name for e in storage.ls(area.child(layout.RUN_INDEX_DIR))]
     except (FileNotFoundError, NotADirectoryError):
