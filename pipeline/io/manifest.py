@@ -87,6 +87,10 @@ class Manifest:
     # The drift verdict on the dataset these entries describe (pipeline.report.verdict), kept with
     # them so that a rerun which leaves the dataset unchanged reports the same verdict.
     verdict: dict[str, Any] | None = field(default=None, repr=False)
+    # The job that owns the output these entries describe (pipeline.nesting.owner_record): its
+    # name, output template and the output's real path. None in manifests of older versions
+    # (the first run of this version adopts the output and records itself).
+    owner: dict[str, Any] | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, control: Location, old: Sequence[Location] = ()) -> Manifest:
@@ -98,12 +102,13 @@ class Manifest:
             src = where.child(MANIFEST_NAME)
             doc = cls._read(src)
             if doc is not None:
-                verdict = doc.get("verdict")
+                verdict, owner = doc.get("verdict"), doc.get("owner")
                 return cls(
                     loc,
                     dict(doc.get("shards", {})),
                     read_from=None if src == loc else src,
                     verdict=verdict if isinstance(verdict, dict) else None,
+                    owner=owner if isinstance(owner, dict) else None,
                 )
         return cls(loc)
 
@@ -147,6 +152,14 @@ class Manifest:
             self.verdict = verdict
             self._dirty = True
 
+    def set_owner(self, owner: dict[str, Any]) -> bool:
+        """Record ``owner`` (saved by the next :meth:`flush`); True if it changed."""
+        if owner == self.owner:
+            return False
+        self.owner = dict(owner)
+        self._dirty = True
+        return True
+
     def _changed(self) -> None:
         self._dirty = True
         if time.monotonic() - self._last_end >= self._last_cost / SAVE_BUDGET:
@@ -164,8 +177,10 @@ class Manifest:
             "updated_at": dt.datetime.now(dt.timezone.utc).isoformat(),
             "shards": dict(sorted(self.shards.items())),
         }
+        # Optional keys: versions that do not know them read the shards as before.
+        if self.owner is not None:
+            doc["owner"] = self.owner
         if self.verdict is not None:
-            # An optional key: versions that do not know it read the shards as before.
             doc["verdict"] = self.verdict
         try:
             storage.write_json(self.loc, doc, point="manifest-rename", compact=True)
