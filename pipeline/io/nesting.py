@@ -36,21 +36,20 @@ at real paths (symlinks resolved, local disk).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import string
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.core import templates
+from pipeline.core.config import JobConfig
 from pipeline.core.errors import ConfigError
 from pipeline.io import layout, storage
 from pipeline.io.layout import MANIFEST_NAME
 from pipeline.io.storage import Location
-
-if TYPE_CHECKING:
-    from pipeline.config import JobConfig
 
 #: Names whose presence in a folder says an output of this tool is (or was) there.
 _SIGNS = (layout.OUTPUT_MARK, MANIFEST_NAME)
@@ -428,10 +427,6 @@ def _lists_file_of(uri: str, out: Location, real: Location) -> bool:
 
 def _flags_only_name() -> str:
     """The job name of a run without a job file (``JobConfig.name``'s default)."""
-    import dataclasses
-
-    from pipeline.config import JobConfig
-
     return str(next(f.default for f in dataclasses.fields(JobConfig) if f.name == "name"))
 
 
