@@ -71,6 +71,7 @@ def test_options_reach_delta_rs(s3_bucket: S3Bucket) -> None:
     assert delta.snapshot(env_only).version == 0
 
 
+@pytest.mark.slow
 def test_racing_creators_on_s3_create_one_table(s3_bucket: S3Bucket) -> None:
     uri = s3_bucket.uri("raced")
     created = race(race_create, [(uri, s3_bucket.storage_options, i) for i in range(3)])
@@ -83,6 +84,7 @@ def test_racing_creators_on_s3_create_one_table(s3_bucket: S3Bucket) -> None:
     )
 
 
+@pytest.mark.slow
 def test_racing_commits_land_once_each(s3_bucket: S3Bucket) -> None:
     ref = _table(s3_bucket)
     delta.ensure_table(ref, SCHEMA, [PARTITION], allow_new_columns=False)

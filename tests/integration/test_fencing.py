@@ -294,6 +294,7 @@ def test_an_error_while_releasing_the_lock_does_not_hide_the_first(
     assert json.loads(report_path(out).read_text())["status"] == "failed"
 
 
+@pytest.mark.slow
 def test_an_object_store_killed_mid_run_fails_within_the_retry_deadline(
     tmp_path: Path, torchscript_bundle_dir: Path
 ) -> None:
@@ -348,6 +349,7 @@ def test_an_object_store_killed_mid_run_fails_within_the_retry_deadline(
     assert took < 120, f"the run took {took:.0f}s to give up after the server died"
 
 
+@pytest.mark.slow
 def test_tasks_of_a_killed_driver_on_a_cluster_cannot_commit_after_a_takeover(
     tmp_path: Path, torchscript_bundle_dir: Path, dask_cluster: DaskCluster
 ) -> None:

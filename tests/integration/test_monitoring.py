@@ -49,6 +49,7 @@ def _shifted(src: Path, dst: Path, offset: float) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_drift_crosses_threshold_on_shifted_data_not_on_identical_rerun(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:
@@ -192,6 +193,7 @@ def test_metrics_file_records_a_failure_before_scoring(bundle_dir: Path, tmp_pat
     assert 'score_catalog_last_run_status{job_name="score-catalog",status="failed"} 1.0' in text
 
 
+@pytest.mark.slow
 def test_plan_names_a_broken_shard_and_scores_nothing(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:
@@ -231,6 +233,7 @@ def test_plan_says_what_a_resume_would_skip(
     assert plan["rows_to_score"] == 900
 
 
+@pytest.mark.slow
 def test_report_vs_shows_sane_changes_against_a_base_near_zero(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:

@@ -330,6 +330,7 @@ def test_report_out_prints_where_the_html_page_is(
 # ---------------------------------------------------------------- on object storage
 
 
+@pytest.mark.slow
 def test_nesting_is_refused_on_s3(s3_bucket: S3Bucket, bundle_dir: Path, tmp_path: Path) -> None:
     """The same refusals against a real S3 API: the check lists only the output's own prefix
     and asks ``exists`` of the folders above it."""

@@ -166,6 +166,7 @@ def test_a_manifest_without_an_owner_is_adopted_by_the_next_run(
     assert json.loads(path.read_text())["owner"]["job"] == "nightly"
 
 
+@pytest.mark.slow
 def test_removed_says_no_longer_exists_only_of_an_input_shard_that_is_gone(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:
@@ -204,6 +205,7 @@ def test_removed_says_no_longer_exists_only_of_an_input_shard_that_is_gone(
 # ---------------------------------------------------------------- on object storage
 
 
+@pytest.mark.slow
 def test_another_job_is_refused_on_s3(
     s3_bucket: S3Bucket, bundle_dir: Path, other_bundle: Path, tmp_path: Path
 ) -> None:

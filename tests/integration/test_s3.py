@@ -140,6 +140,7 @@ def _replace_features(path: Path, seed: int) -> pa.Table:
     return t
 
 
+@pytest.mark.slow
 def test_rerun_resumes_with_nothing_to_do(
     s3_bucket: S3Bucket, bundle_dir: Path, tmp_path: Path
 ) -> None:
@@ -164,6 +165,7 @@ def test_rerun_resumes_with_nothing_to_do(
     )
 
 
+@pytest.mark.slow
 def test_replaced_object_is_rescored_alone(
     s3_bucket: S3Bucket, bundle_dir: Path, tmp_path: Path
 ) -> None:
@@ -197,6 +199,7 @@ def test_replaced_object_is_rescored_alone(
         assert man[other] == first["shards"][other]
 
 
+@pytest.mark.slow
 def test_same_size_object_with_new_etag_is_rescored(
     s3_bucket: S3Bucket, bundle_dir: Path, tmp_path: Path
 ) -> None:
@@ -228,6 +231,7 @@ SECRET_KEY = "AKIASCORECATALOGTEST7"
 SECRET = "s3cr3t-Zq9vXw7Lp2Kd8Rt5-never-log-me"
 
 
+@pytest.mark.slow
 def test_model_from_s3_and_credentials_never_appear(
     s3_bucket: S3Bucket, bundle_dir: Path, tmp_path: Path
 ) -> None:
@@ -334,6 +338,7 @@ def test_missing_bucket_is_an_input_error_naming_the_uri(
     assert not s3_bucket.fs.exists(f"{s3_bucket.name}/scored/")
 
 
+@pytest.mark.slow
 def test_unreachable_endpoint_is_a_storage_error_naming_the_uri(
     s3_bucket: S3Bucket, bundle_dir: Path, tmp_path: Path
 ) -> None:

@@ -41,6 +41,7 @@ def _lock(bucket: S3Bucket, prefix: str) -> dict[str, Any]:
     return dict(json.loads(bucket.fs.cat_file(f"{bucket.name}/{prefix}/{LOCK_NAME}")))
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_on_s3_one_wins(
     s3_bucket: S3Bucket, s3_contenders: Callable[..., Contender]
 ) -> None:
@@ -57,6 +58,7 @@ def test_two_runs_started_together_on_s3_one_wins(
         assert not s3_bucket.fs.exists(f"{s3_bucket.name}/scored{round_}/{LOCK_NAME}")
 
 
+@pytest.mark.slow
 def test_a_silent_holder_on_s3_is_superseded_and_fenced(
     s3_bucket: S3Bucket, s3_contenders: Callable[..., Contender]
 ) -> None:

@@ -225,6 +225,7 @@ def _assert_ended_on_storage(code: int, stderr: str, took: float) -> None:
     assert took < 90, f"the run took {took:.0f}s to end after the server died\n{stderr}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("output", ["local", "s3"])
 def test_a_killed_s3_server_ends_the_run_on_storage(
     tmp_path: Path, bundle_dir: Path, output: str
@@ -254,6 +255,7 @@ def test_a_killed_s3_server_ends_the_run_within_90s_at_the_default_deadline(
     _assert_ended_on_storage(code, stderr, took)
 
 
+@pytest.mark.slow
 def test_a_short_outage_is_retried_and_the_run_succeeds(tmp_path: Path, bundle_dir: Path) -> None:
     """A blip is not a failure: S3 (through a proxy) goes away for 2 s in the middle of a shard
     and comes back well within ``retry_deadline_s``; reads are retried, a write cut short

@@ -218,6 +218,7 @@ def test_changed_data_after_an_acceptance_is_judged_again(
     assert again.report is not None and again.report["verdict"]["accepted"] is None
 
 
+@pytest.mark.slow
 def test_a_backfill_that_skips_a_drifted_day_keeps_its_verdict(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:

@@ -215,6 +215,7 @@ def _write_brands_bundle(path: Path, oov: int) -> None:
     toml.write_text(toml.read_text().replace(f"oov = {len(REAL_BRANDS)}", f"oov = {oov}"))
 
 
+@pytest.mark.slow
 def test_bundle_check_plan_and_run_say_it_once(tmp_path: Path) -> None:
     bundle = tmp_path / "b"
     _write_brands_bundle(bundle, oov=0)
