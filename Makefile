@@ -17,7 +17,7 @@ RUN_ARGS ?=
 # project so that the unpinned range in pyproject.toml does not pull a multi-GB CUDA build.
 CPU_TORCH ?= torch==2.13.0
 
-.PHONY: install data score-catalog test test-fast lint format clean distclean help-check bench \
+.PHONY: install data score-catalog test test-slow test-fast lint format clean distclean help-check bench \
 	bench-scaling bench-ab archive-demo \
   gpu-check
 
