@@ -25,6 +25,7 @@ from pipeline.model.export import save_bundle
 from pipeline.model.program import LoadedModel, forget, forward, load_model
 from tests.catalog_models import RANKER_INPUTS, Ranker, ranker_example
 from tests.conftest import make_model
+from tests.integration.helpers import cli
 from tests.model.test_programcache import BatchNormAndConstants, Tied
 
 REPO = Path(__file__).resolve().parents[2]
@@ -292,3 +293,27 @@ def test_a_program_file_that_names_code_is_refused_without_running_it(
     rewrite(program_file(uri), plant)
     ignored(uri, tmp_path, monkeypatch, caplog)
     assert not (tmp_path / "PWNED").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# score-catalog bundle check --write-program-file: for bundles exported by hand
+
+
+def test_bundle_check_writes_the_program_file_of_a_bundle_exported_by_hand(
+    bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri = shutil.copytree(bundle_dir, tmp_path / "by-hand")  # torch.export.save + model.toml
+    assert list(uri.glob("*.program")) == []
+    res = cli("bundle", "check", str(uri), "--write-program-file")
+    assert res.returncode == 0, res.output
+    written = program_file(uri)
+    assert f"wrote {written}" in res.stdout
+    assert written.name == sidecar.file_name(read_bundle(str(uri))[0])
+    # A fresh machine now loads it from the file, computing what torch.export's load does.
+    fresh_machine(monkeypatch, tmp_path, uri)
+    fast = load_model(str(uri))
+    assert programcache.facts_of(fast.module) is not None
+    slow = slow_load(uri, tmp_path, monkeypatch)
+    x = torch.randn(100, 16)
+    with torch.inference_mode():
+        assert torch.equal(forward(fast, x), forward(slow, x))
