@@ -25,9 +25,11 @@ import hashlib
 import json
 import logging
 import operator
+import os
 import re
 import struct
 import sys
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -139,8 +141,24 @@ def write(
     except Unsupported as e:
         logger.info("no program file for %s: %s (it loads through torch.export)", folder, e)
         return None
+    except Exception as e:  # a speed-up only: never a reason to refuse a bundle that loads
+        logger.warning(
+            "no program file for %s: %s: %s (it loads through torch.export)",
+            folder,
+            type(e).__name__,
+            e,
+        )
+        return None
     path = folder / file_name(spec)
-    path.write_bytes(data)
+    # Whole or not at all: a run on another machine may be reading the folder (a half-written
+    # file would only fail its checksum, but with a warning).
+    tmp = folder / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

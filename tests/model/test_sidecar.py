@@ -22,9 +22,16 @@ from torch import nn
 from pipeline.model import programcache, sidecar
 from pipeline.model.bundle import read_bundle
 from pipeline.model.export import save_bundle
-from pipeline.model.program import LoadedModel, forget, forward, load_model
+from pipeline.model.program import (
+    LoadedModel,
+    check_batch_size,
+    forget,
+    forward,
+    load_model,
+    write_program_file,
+)
 from tests.catalog_models import RANKER_INPUTS, Ranker, ranker_example
-from tests.conftest import make_model
+from tests.conftest import bounded_bundle, make_model
 from tests.integration.helpers import cli
 from tests.model.test_programcache import BatchNormAndConstants, Tied
 
@@ -317,3 +324,14 @@ def test_bundle_check_writes_the_program_file_of_a_bundle_exported_by_hand(
     x = torch.randn(100, 16)
     with torch.inference_mode():
         assert torch.equal(forward(fast, x), forward(slow, x))
+
+
+def test_the_batch_bound_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = bounded_bundle(tmp_path / "bounded", 1000)
+    assert write_program_file(load_model(str(uri)), uri) is not None
+    assert [p.name for p in uri.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    fresh_machine(monkeypatch, tmp_path, uri)
+    fast = load_model(str(uri))
+    assert programcache.facts_of(fast.module) is not None and fast.max_batch == 1000
+    with pytest.raises(Exception, match="at most 1,000 rows"):
+        check_batch_size(fast, 4096)
