@@ -542,7 +542,11 @@ def _score_catalog_w1(runner: Runner, data: Data, sizes: Sizes, batch: int) -> l
             digest=score_digest,
         ),
         *(
-            [_cli_auto(runner, data, sizes), _cli_cold(runner, data, sizes)]
+            [
+                _cli_auto(runner, data, sizes),
+                _cli_cold(runner, data, sizes),
+                _cli_cold(runner, data, sizes, export=True),
+            ]
             if batch == BATCH
             else []
         ),
@@ -580,18 +584,26 @@ def _cli_auto(runner: Runner, data: Data, sizes: Sizes) -> Comparator:
     )
 
 
-def _cli_cold(runner: Runner, data: Data, sizes: Sizes) -> Comparator:
-    """The CLI with an empty cache folder in every run: the bundle is loaded by torch.export
-    each time (pipeline.model.programcache), as on a model's first night. The other CLI runs reuse
-    the program the warm-up run cached, as every later night does."""
+def _cli_cold(runner: Runner, data: Data, sizes: Sizes, *, export: bool = False) -> Comparator:
+    """The CLI with an empty cache folder in every run, as in a fresh container each night: the
+    bundle is loaded from its program file (pipeline.model.sidecar, written by save_bundle) or,
+    ``export``, from a copy without one, by torch.export's loader (pipeline.model.programcache).
+    The other CLI runs reuse the program the warm-up run cached, as every later night on one
+    machine does."""
     return _cli_own_cache(
         runner,
         data,
         sizes,
-        "cli-4096-cold",
-        "score-catalog CLI, cold program cache (every run loads the bundle with torch.export)",
+        "cli-4096-cold-export" if export else "cli-4096-cold",
+        "score-catalog CLI, empty program cache, "
+        + (
+            "bundle without its program file (torch.export's loader in every run)"
+            if export
+            else "bundle with its program file (as save_bundle writes it)"
+        ),
         BATCH,
         cold=True,
+        model=data.w1_model_export if export else data.w1_model,
     )
 
 
@@ -604,9 +616,10 @@ def _cli_own_cache(
     batch: int | str,
     *,
     cold: bool,
+    model: Path | None = None,
 ) -> Comparator:
-    """The CLI on W1 with a cache folder of its own (``XDG_CACHE_HOME``), emptied before the
-    first run or, ``cold``, before every run."""
+    """The CLI on W1 (the bundle ``model``, by default W1's) with a cache folder of its own
+    (``XDG_CACHE_HOME``), emptied before the first run or, ``cold``, before every run."""
     out = runner.out_dir("w1", key)
     cache = runner.out_dir("w1", f"{key}-cache")
     return Comparator(
@@ -614,7 +627,11 @@ def _cli_own_cache(
         label,
         "Dask LocalCluster",
         batch if isinstance(batch, int) else None,
-        ["env", f"XDG_CACHE_HOME={cache}", *runner.cli_argv(data.w1, out, data.w1_model, batch)],
+        [
+            "env",
+            f"XDG_CACHE_HOME={cache}",
+            *runner.cli_argv(data.w1, out, model or data.w1_model, batch),
+        ],
         "cli",
         sizes.w1_rows,
         output=out,
@@ -925,26 +942,30 @@ def tiny(runner: Runner, data: Data, sizes: Sizes) -> WorkloadResult:
                 output=out,
             )
         )
-    out = runner.out_dir("tiny", "cli-sync-cold")
-    cache = runner.out_dir("tiny", "cli-sync-cold-cache")
-    comps.append(
-        Comparator(
-            "cli-sync-cold",
-            "score-catalog run --scheduler sync, cold program cache",
-            "in-process",
-            BATCH,
-            [
-                "env",
-                f"XDG_CACHE_HOME={cache}",
-                *runner.cli_argv(data.tiny, out, data.w1_model, BATCH, scheduler="sync"),
-            ],
-            "cli",
-            sizes.tiny_rows,
-            output=out,
-            scratch=cache,
-            cold=True,
+    for key, model, how in (
+        ("cli-sync-cold", data.w1_model, "the bundle's program file"),
+        ("cli-sync-cold-export", data.w1_model_export, "torch.export's loader"),
+    ):
+        out = runner.out_dir("tiny", key)
+        cache = runner.out_dir("tiny", f"{key}-cache")
+        comps.append(
+            Comparator(
+                key,
+                f"score-catalog run --scheduler sync, empty program cache ({how})",
+                "in-process",
+                BATCH,
+                [
+                    "env",
+                    f"XDG_CACHE_HOME={cache}",
+                    *runner.cli_argv(data.tiny, out, model, BATCH, scheduler="sync"),
+                ],
+                "cli",
+                sizes.tiny_rows,
+                output=out,
+                scratch=cache,
+                cold=True,
+            )
         )
-    )
     comps.append(
         Comparator(
             "import",

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -207,7 +211,8 @@ def w1_bundle(path: Path, repo: Path) -> Path:
 
     committed = repo / "data" / "models" / "catalog-mlp" / "model.pt2"
     source = "committed" if committed.exists() else "seeded"
-    params = {"kind": "w1-bundle", "source": source, "toml": W1_TOML}
+    # The program file is written for one torch version: another one's is rewritten.
+    params = {"kind": "w1-bundle", "source": source, "toml": W1_TOML, "torch": _torch_version()}
     if committed.exists():
         params["weights_sha256"] = hashlib.sha256(committed.read_bytes()).hexdigest()
     if _fresh(path, params):
@@ -225,7 +230,37 @@ def w1_bundle(path: Path, repo: Path) -> Path:
 
         torch.manual_seed(SEED)
         export_bundle(DemoMLP(), path, W1_TOML.format(columns=columns), n_in=len(FEATURES))
+    _write_program_file(path)
     _stamp(path, params)
+    return path
+
+
+def _torch_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch")
+
+
+def _write_program_file(path: Path) -> None:
+    """The program file ``save_bundle`` writes next to a bundle (pipeline.model.sidecar): what a
+    machine with an empty program cache loads instead of calling torch.export's loader. Loaded
+    in a child process, so that the bench's own process does not import torch.export."""
+    code = (
+        "import sys; from pathlib import Path; "
+        "from pipeline.model.program import load_model, write_program_file; "
+        "p = Path(sys.argv[1]); write_program_file(load_model(str(p)), p)"
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-program-") as cache:  # not the user's cache
+        env = {**os.environ, "XDG_CACHE_HOME": cache}
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env)
+
+
+def without_program_file(bundle: Path, path: Path) -> Path:
+    """A copy of ``bundle`` without its program file: a bundle exported by hand, which a machine
+    with an empty program cache loads through torch.export (the bench's ``-cold-export``
+    comparators)."""
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(bundle, path, ignore=shutil.ignore_patterns("*.program"))
     return path
 
 
@@ -251,7 +286,8 @@ class Data:
     """Paths of everything the suites score."""
 
     w1: Path
-    w1_model: Path
+    w1_model: Path  # with its program file, as save_bundle writes it
+    w1_model_export: Path  # the same bundle without it: torch.export's loader on a cold machine
     w1x10: Path | None  # generated only when the W1X10 suite runs (1.3 GB)
     w2: Path
     w2_model: Path
@@ -269,6 +305,7 @@ def build(root: Path, repo: Path, sizes: Sizes, *, big: bool = True) -> Data:
     return Data(
         w1=catalog(d / "w1", rows=sizes.w1_rows, shards=sizes.w1_shards),
         w1_model=w1_bundle(m / "w1-mlp", repo),
+        w1_model_export=without_program_file(m / "w1-mlp", m / "w1-mlp-export"),
         w1x10=catalog(d / "w1x10", rows=sizes.w1x10_rows, shards=sizes.w1_shards) if big else None,
         w2=embeddings(d / "w2", rows=sizes.w2_rows, shards=sizes.w2_shards),
         w2_model=w2_bundle(m / "w2-mlp"),

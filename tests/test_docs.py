@@ -134,6 +134,7 @@ def test_flag_reference_matches_help() -> None:
             "report",
             "backfill",
             "bundle register",
+            "bundle check",
             "accept-drift",
         )
     }

@@ -11,13 +11,13 @@ import sys
 import click
 
 from pipeline.cli import logs
-from pipeline.core.errors import PipelineError
+from pipeline.core.errors import EXIT_RUN_FAILED, EXIT_USAGE, PipelineError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 EXIT_CODES_HELP = (
     "Exit codes: 0 the bundle loads and scored the rows (rows a run would reject are listed); "
-    "1 storage could not be read; 2 usage or configuration error; 3 the bundle does not load, "
-    "or the --input shard does not fit its inputs."
+    "1 storage could not be read (or the program file written); 2 usage or configuration "
+    "error; 3 the bundle does not load, or the --input shard does not fit its inputs."
 )
 
 
@@ -31,7 +31,16 @@ EXIT_CODES_HELP = (
 )
 @click.option("--rows", default=8, show_default=True, type=click.IntRange(min=1, max=100_000))
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto.")
-def check(path: str, input_uri: str | None, rows: int, device: str) -> None:
+@click.option(
+    "--write-program-file",
+    is_flag=True,
+    help="Once the check passes, write the bundle's program file into PATH (a local folder), as "
+    "save_bundle does: a machine with an empty program cache then loads it without "
+    "torch.export's loader.",
+)
+def check(
+    path: str, input_uri: str | None, rows: int, device: str, write_program_file: bool
+) -> None:
     """Load the bundle PATH as a run would and print its inputs, outputs and a dry run.
 
     Shows each input (its columns, dtype, shape, vocabulary and null policy), the order in
@@ -49,3 +58,34 @@ def check(path: str, input_uri: str | None, rows: int, device: str) -> None:
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     click.echo(check_text(result))
+    if write_program_file:
+        _write_program_file(path)
+
+
+def _write_program_file(path: str) -> None:
+    """``--write-program-file``: the program file of the local bundle ``path``, loaded on the
+    CPU (the run's reference device), or a note that its program gets none."""
+    from pathlib import Path
+
+    from pipeline.model.program import load_model, write_program_file
+
+    folder = Path(path.removeprefix("file://"))
+    if "://" in path.removeprefix("file://") or not folder.is_dir():
+        click.echo(
+            f"error: --write-program-file writes into a local bundle folder; {path} is not one "
+            "(write it where the bundle is saved, then copy the folder)",
+            err=True,
+        )
+        sys.exit(EXIT_USAGE)
+    try:
+        written = write_program_file(load_model(str(folder), "cpu"), folder)
+    except (PipelineError, OSError) as e:
+        click.echo(f"error: could not write the program file: {e}", err=True)
+        sys.exit(e.exit_code if isinstance(e, PipelineError) else EXIT_RUN_FAILED)
+    click.echo(
+        f"wrote {written}"
+        if written is not None
+        else "no program file: this bundle's program is not a plain graph of aten operations "
+        "returning one tensor; it loads through torch.export on a machine that has not loaded "
+        "it before"
+    )

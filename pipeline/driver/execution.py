@@ -168,6 +168,11 @@ DEFAULT_BATCH_SIZE = 4096
 SWEEP_ROWS_ENV = "_SCORE_CATALOG_AUTO_SWEEP_ROWS"
 
 
+def auto_cache_key(model: LoadedModel, precision: str, threads: int | None) -> str:
+    """The batch-size cache key of ``batch_size = "auto"``'s choice (``plan`` reads it too)."""
+    return tuning.cache_key(model.sha256, model.device, precision, threads) + "|pipeline"
+
+
 def _auto_batch_size(
     config: JobConfig,
     prepared: LoadedModel,
@@ -180,21 +185,21 @@ def _auto_batch_size(
     model, device, precision and thread count. The sweep's rows and time are sized by a probe
     batch so that it costs at most :data:`AUTO_BUDGET_S` or :data:`AUTO_JOB_SHARE` of the
     job's ``job_rows`` (:func:`_sweep_rows`)."""
-    key = (
-        tuning.cache_key(prepared.sha256, prepared.device, config.precision, plan.torch_threads)
-        + "|pipeline"
-    )
+    key = auto_cache_key(prepared, config.precision, plan.torch_threads)
+    # The choice is the CPU's as much as the model's (its caches, its instructions): an entry
+    # measured on another CPU model or flags is measured again (tuning.cpu_identity).
     cache = tuning.BatchSizeCache(tuning.default_cache_path())
+    cpu = tuning.cpu_summary(cache.cpu)
     cached = cache.get(key)
     if cached is not None:
-        return cached, {"cached": True, "key": key, "batch_size": cached}
+        return cached, {"cached": True, "key": key, "batch_size": cached, "cpu": cpu}
     # Never past what the program was exported for (model.check_batch_size).
     limit = prepared.max_batch
     default = DEFAULT_BATCH_SIZE if limit is None else min(DEFAULT_BATCH_SIZE, limit)
     sizes = [b for b in tuning.PIPELINE_SIZES if limit is None or b <= limit]
     if sample_from is None:
         logger.info("batch size auto: no readable rows to measure; using %d", default)
-        return default, {"cached": False, "key": key, "batch_size": default}
+        return default, {"cached": False, "key": key, "batch_size": default, "cpu": cpu}
     before = torch.get_num_threads()
     try:
         with pipeline_step(config, prepared, sample_from, plan) as (step, rows):
@@ -245,6 +250,7 @@ def _auto_batch_size(
         "cached": False,
         "key": key,
         "batch_size": chosen,
+        "cpu": cpu,
         "basis": "pipeline",
         **({"noise": facts["noise"]} if "noise" in facts else {}),
         "sweep_s": facts["sweep_s"],

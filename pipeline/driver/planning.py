@@ -19,7 +19,7 @@ from pipeline.core import storage_options
 from pipeline.core.config import JobConfig
 from pipeline.driver.cluster import Plan, thread_plan
 from pipeline.driver.dispatch import group_tasks
-from pipeline.driver.execution import SAMPLE_ROWS, pipeline_step, sample_rows
+from pipeline.driver.execution import SAMPLE_ROWS, auto_cache_key, pipeline_step, sample_rows
 from pipeline.driver.inspect import (
     Inspection,
     check_job_columns,
@@ -39,7 +39,7 @@ from pipeline.model import oov, programcache, registry
 from pipeline.model.bundle import read_bundle, rows_of
 from pipeline.model.precision import ExecutionOptions, prepare
 from pipeline.model.program import forward, resolve_device
-from pipeline.model.tuning import BatchSizeCache, bench_batch_sizes, cache_key, default_cache_path
+from pipeline.model.tuning import BatchSizeCache, bench_batch_sizes, default_cache_path
 
 # Time spent timing, roughly: half of it the model alone, then the worker's whole path (each of
 # its passes sized to a quarter of it, after one cold pass).
@@ -181,7 +181,8 @@ def _calibrate(config: JobConfig, model: Any, sample_from: Any, plan: Plan) -> d
     note = None
     threads = plan.torch_threads
     if batch == "auto":
-        key = cache_key(model.sha256, model.device, config.precision, threads)
+        # The key the run's own choice is cached under (it was read under another, and missed).
+        key = auto_cache_key(model, config.precision, threads)
         cached = BatchSizeCache(default_cache_path()).get(key)
         batch = cached or DEFAULT_AUTO_BATCH
         if not cached:

@@ -26,7 +26,7 @@ from pipeline.core.errors import ModelError
 from pipeline.model import oov
 from pipeline.model.bundle import BundleSpec, Inputs, as_inputs, parse_bundle_toml, read_bundle
 from pipeline.model.inputs import DTYPES, NAMED_KEYS
-from pipeline.model.program import forget, forward, load_model
+from pipeline.model.program import LoadedModel, forget, forward, load_model, write_program_file
 from pipeline.model.signature import call_order
 
 logger = logging.getLogger(__name__)
@@ -228,7 +228,10 @@ def save_bundle(  # noqa: PLR0913 - keyword-only, each one a part of model.toml
         (staging / "model.toml").write_text(toml_text, encoding="utf-8")
         for file, data in files.items():
             (staging / file).write_bytes(data)
-        warnings = _verify(staging, target, xs, eager, tolerance)
+        loaded, warnings = _verify(staging, target, xs, eager, tolerance)
+        # The program cache's entry, kept with the bundle: a machine that has never loaded it
+        # (a fresh container each night) skips torch.export's loader too (docs/model-bundles.md).
+        write_program_file(loaded, staging)
         if target.exists():
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         staging.rename(target)
@@ -258,9 +261,10 @@ def _with_list_dims(
 
 def _verify(
     staging: Path, target: Path, xs: Inputs, eager: torch.Tensor, tolerance: float
-) -> list[str]:
+) -> tuple[LoadedModel, list[str]]:
     """Load the staged bundle as a run does and hold it to the eager module's output; the
-    warnings a run would give (:func:`pipeline.model.oov.check`), naming the target."""
+    loaded bundle, and the warnings a run would give (:func:`pipeline.model.oov.check`), naming
+    the target."""
     widths = tuple(0 if t.dim() == 1 else int(t[0].numel()) for t in xs)
     try:
         loaded = load_model(str(staging), "cpu", widths=widths)
@@ -286,7 +290,7 @@ def _verify(
             + ("; inf: NaN or inf on one side only" if math.isinf(diff) else "")
             + "); nothing was saved"
         )
-    return [w.replace(str(staging), str(target)) for w in warnings]
+    return loaded, [w.replace(str(staging), str(target)) for w in warnings]
 
 
 def _max_difference(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -15,12 +15,13 @@ import weakref
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pipeline.core.errors import ConfigError, ModelError
-from pipeline.model import programcache
+from pipeline.model import programcache, sidecar
 from pipeline.model.bundle import EXPORT_HINT, BundleSpec, Inputs, as_inputs, read_bundle
 from pipeline.model.columns import example_tensor
 from pipeline.model.signature import (
@@ -360,10 +361,10 @@ def load_model(
             f"model bundle {uri} changed while the run was going on (SHA-256 {sha[:12]} instead "
             f"of {expected_sha256[:12]}); rerun the job"
         )
-    module, kept = None, False
+    module, kept = None, ""
     if any(i.fixed_width() is None for i in spec.inputs):
         # An open width: what the program records comes before what the data gives.
-        module, kept = _module_of(spec, weights, sha, dev)
+        module, kept = _module_of(spec, weights, sha, dev, options)
         w = input_widths(spec, widths, uri, program_widths(spec, module))
     else:
         w = input_widths(spec, widths, uri)
@@ -373,7 +374,7 @@ def load_model(
         if cached is not None:
             return cached
         if module is None:
-            module, kept = _module_of(spec, weights, sha, dev)
+            module, kept = _module_of(spec, weights, sha, dev, options)
         out_width, order = _dry_run(spec, module, w, dev)
         if not kept:
             _keep(spec, sha, module, w, order)
@@ -393,54 +394,88 @@ def load_model(
             spec.version,
             sha[:12],
             dev,
-            " from the program cache" if kept else "",
+            f" from {kept}" if kept else "",
         )
         return loaded
 
 
 def _module_of(
-    spec: BundleSpec, weights: bytes, sha: str, device: torch.device
-) -> tuple[Any, bool]:
-    """The bundle's module on ``device``, and whether it came from the program cache
-    (:mod:`pipeline.model.programcache`: a bundle loaded before, without torch.export's loader)."""
+    spec: BundleSpec,
+    weights: bytes,
+    sha: str,
+    device: torch.device,
+    options: Mapping[str, Any] | None = None,
+) -> tuple[Any, str]:
+    """The bundle's module on ``device``, and where it came from without torch.export's loader
+    (``"the program cache"``: :mod:`pipeline.model.programcache`, a bundle loaded on this
+    machine before; ``"its program file"``: :mod:`pipeline.model.sidecar`, written next to the
+    bundle by save_bundle), or ``""`` when torch.export loaded it."""
     if spec.format == "exported_program":
-        kept = programcache.load(sha)
-        if kept is not None:
+        for source, kept in (
+            ("the program cache", lambda: programcache.load(sha)),
+            ("its program file", lambda: sidecar.load(spec, sha, options)),
+        ):
+            found = kept()
+            if found is None:
+                continue
             try:
-                module = kept.module.to(device)
+                module = found.module.to(device)
             except Exception as e:
-                logger.debug("the cached program would not move to %s (%s)", device, e)
-            else:
-                _GRAPH_CALLS[module] = programcache.call_of(kept)
-                return module, True
-    return _deserialize(spec, weights, device), False
+                logger.debug("the program from %s would not move to %s (%s)", source, device, e)
+                continue
+            _GRAPH_CALLS[module] = programcache.call_of(found)
+            return module, source
+    return _deserialize(spec, weights, device), ""
 
 
-def _keep(
-    spec: BundleSpec, sha: str, module: Any, widths: tuple[int, ...], order: tuple[int, ...]
-) -> None:
-    """Save a program whose graph the dry run confirmed to the program cache, with a probe:
-    8 random rows (seeded, not touching the caller's random state) and the outputs they give."""
+def _entry_parts(
+    spec: BundleSpec, module: Any, widths: tuple[int, ...], order: tuple[int, ...]
+) -> tuple[programcache.GraphCall, programcache.ProgramFacts, tuple[torch.Tensor, ...]] | None:
+    """What a program cache entry or a program file keeps of a program whose graph the dry run
+    confirmed: its graph call, its facts and a probe (8 random rows, seeded, not touching the
+    caller's random state, in call order); None for a program neither keeps."""
     call = _GRAPH_CALLS.get(module)
     if call is None:  # not a plain program, or its graph call differed from the module
-        return
-    out_spec = getattr(module, "_out_spec", None)
-    if out_spec is None or not out_spec.is_leaf():
-        return  # not one bare tensor out (a tuple, a dict): rebuilt, it would return another
-    names = parameter_names(module)
-    found = program_inputs(module)
-    facts = programcache.ProgramFacts(
-        parameter_names=None if names is None else tuple(names),
-        inputs=None if found is None else tuple((str(d), shape) for d, shape in found),
-        max_batch=program_max_batch(module),
-    )
+        return None
+    facts = programcache.facts_of(module)
+    if facts is None:
+        out_spec = getattr(module, "_out_spec", None)
+        if out_spec is None or not out_spec.is_leaf():
+            return None  # not one bare tensor out (a tuple, a dict): rebuilt, it would differ
+        names = parameter_names(module)
+        found = program_inputs(module)
+        facts = programcache.ProgramFacts(
+            parameter_names=None if names is None else tuple(names),
+            inputs=None if found is None else tuple((str(d), shape) for d, shape in found),
+            max_batch=program_max_batch(module),
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         xs = tuple(
             example_tensor(i, w, 8, random=True, device="cpu")
             for i, w in zip(spec.inputs, widths, strict=True)
         )
-    programcache.save(sha, call, facts, tuple(xs[i] for i in order))
+    return call, facts, tuple(xs[i] for i in order)
+
+
+def _keep(
+    spec: BundleSpec, sha: str, module: Any, widths: tuple[int, ...], order: tuple[int, ...]
+) -> None:
+    """Save a program whose graph the dry run confirmed to the program cache."""
+    parts = _entry_parts(spec, module, widths, order)
+    if parts is not None:
+        programcache.save(sha, *parts)
+
+
+def write_program_file(model: LoadedModel, folder: Path) -> Path | None:
+    """Write ``model``'s program file (:mod:`pipeline.model.sidecar`) into its local bundle
+    ``folder``, from which it was loaded; None when its program is not one the file describes
+    (it then loads through torch.export on a machine that has not loaded it before)."""
+    parts = _entry_parts(model.spec, model.module, model.widths, model.order)
+    if parts is None:
+        logger.info("no program file for %s: its program is not a plain graph", folder)
+        return None
+    return sidecar.write(folder, model.spec, model.sha256, *parts)
 
 
 def forget(uri: str) -> None:

@@ -151,7 +151,7 @@ def load(sha256: str, root: Path | None = None) -> Cached | None:
             if not _private(path, "file", os.fstat(fd)):
                 return None
             entry = torch.load(f, map_location="cpu", weights_only=False)
-        cached = _rebuild(entry, sha256)
+        cached = rebuild(entry, sha256)
     except Exception as e:  # an unreadable, truncated or foreign entry: the slow load
         logger.warning("ignoring the program cache entry %s: %s: %s", path, type(e).__name__, e)
         _remove(path)
@@ -165,8 +165,11 @@ def load(sha256: str, root: Path | None = None) -> Cached | None:
     return cached
 
 
-def _rebuild(entry: Any, sha256: str) -> Cached | None:
-    """The program of a loaded entry, or None when it does not reproduce its probe call."""
+def rebuild(entry: Any, sha256: str) -> Cached | None:
+    """The program of a loaded entry (also a bundle's program file:
+    :mod:`pipeline.model.sidecar`), or None when it does not reproduce its probe call; ValueError
+    when it is not an entry for ``sha256`` on this torch version, or its weights do not match
+    their checksum."""
     if not isinstance(entry, dict) or entry.get("format") != FORMAT:
         raise ValueError("not an entry this version writes")
     if entry.get("sha256") != sha256 or entry.get("torch") != torch.__version__:
@@ -179,7 +182,7 @@ def _rebuild(entry: Any, sha256: str) -> Cached | None:
         or not len(weights) == len(targets) == len(parameters)
     ):
         raise ValueError("its graph or weights are not what this version writes")
-    if entry.get("digest") != _digest(weights):
+    if entry.get("digest") != digest(weights):
         raise ValueError("its weights do not match their checksum (a damaged file?)")
     call = GraphCall(graph, weights, targets, parameters)
     probe_in, probe_out = entry["probe"]
@@ -265,7 +268,7 @@ def save(
             "torch": torch.__version__,
             "graph": call.graph,
             "weights": list(weights),
-            "digest": _digest(weights),
+            "digest": digest(weights),
             "targets": list(call.targets),
             "parameters": list(call.parameters),
             "facts": facts.__dict__,
@@ -287,7 +290,7 @@ def save(
         logger.debug("could not save the program cache entry %s: %s", path, e)
 
 
-def _digest(weights: tuple[torch.Tensor, ...]) -> str:
+def digest(weights: tuple[torch.Tensor, ...]) -> str:
     """SHA-256 over every weight's dtype, shape and bytes: a weight the probe does not reach
     (an embedding row none of its ids picks) is checked too."""
     h = hashlib.sha256()

@@ -143,6 +143,9 @@ class BatchSizeAuto(TypedDict):
 
 
 class BatchSizeAutoWithSweep(BatchSizeAuto, total=False):
+    # The CPU the choice was measured on (model and vector extensions): a cached choice is
+    # used only on the same CPU model and flags.
+    cpu: str
     # Only when measured now (not cached): each size's median pass of the whole pipeline over
     # the sample, the noise between passes, and what the sweep cost.
     basis: Literal["pipeline"]

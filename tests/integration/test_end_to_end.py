@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from pipeline.driver.execution import AUTO_SAMPLE_ROWS, SWEEP_ROWS_ENV
+from pipeline.model import tuning
 from tests.conftest import reference_scores, write_shards
 from tests.integration.helpers import (
     cli,
@@ -281,6 +283,32 @@ def test_batch_size_auto_is_measured_once_then_cached(
     assert reps[0]["batch_size"] == reps[1]["batch_size"] == first["batch_size"]
     assert (tmp_path / "cache" / "score-catalog" / "batch_sizes.json").exists()
     assert reps[1]["rows_out"] == 7300
+
+
+def test_batch_size_auto_measures_again_on_another_cpu(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cache folder that moved to another machine (a shared home, a copied image): the choice
+    # made on the first CPU is not reused on a CPU with other flags, and the new choice is.
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.setenv(SWEEP_ROWS_ENV, str(AUTO_SAMPLE_ROWS))
+    first, _ = _two_auto_runs(catalog, bundle_dir, tmp_path / "here")
+    path = cache / "score-catalog" / "batch_sizes.json"
+    doc = json.loads(path.read_text())
+    (key,) = doc
+    here = doc[key]["cpu"]
+    assert here == tuning.cpu_identity()
+    assert first["execution"]["batch_size_auto"]["cpu"] == tuning.cpu_summary(here)
+    doc[key]["cpu"] = {**here, "flags": here["flags"] + " amx_bf16 amx_tile"}  # another CPU's
+    path.write_text(json.dumps(doc))
+    again, reused = (
+        r["execution"]["batch_size_auto"]
+        for r in _two_auto_runs(catalog, bundle_dir, tmp_path / "there")
+    )
+    assert again["cached"] is False and [s["batch"] for s in again["sweep"]] == [1024, 2048, 4096]
+    assert reused["cached"] is True and reused["batch_size"] == again["batch_size"]
+    assert json.loads(path.read_text())[key]["cpu"] == here
 
 
 def test_batch_size_auto_on_a_first_shard_smaller_than_every_size_is_not_cached(

@@ -13,6 +13,7 @@ import pytest
 from pipeline.core.config import JobConfig
 from pipeline.driver import planning
 from pipeline.driver.cluster import Plan
+from pipeline.driver.execution import AUTO_SAMPLE_ROWS, SWEEP_ROWS_ENV
 from tests.integration.helpers import cli, job_args
 
 pytestmark = pytest.mark.integration
@@ -74,3 +75,21 @@ def test_plan_times_the_workers_whole_path_and_says_what_it_leaves_out(
     assert "reading, scoring and writing 2,500 rows of part-00000.parquet here" in text
     assert "a whole run: about" in text
     assert "not included: starting" in text and "the run's finish" in text
+
+
+def test_plan_uses_the_batch_size_auto_chose_in_an_earlier_run(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # plan read the cache under another key than the run writes, so it always said "not
+    # measured yet" and timed 4,096 whatever the run had chosen.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(SWEEP_ROWS_ENV, str(AUTO_SAMPLE_ROWS))
+    args = job_args(catalog, tmp_path / "out", bundle_dir, "--scheduler", "sync")
+    r = cli("run", *args, "--batch-size", "auto", in_process=True)
+    assert r.returncode == 0, r.output
+    assert r.report is not None
+    chosen = r.report["execution"]["batch_size_auto"]["batch_size"]
+    j = cli("plan", *args, "--batch-size", "auto", "--json", in_process=True)
+    assert j.returncode == 0, j.stderr
+    cal = json.loads(j.stdout)["calibration"]
+    assert cal["note"] is None and cal["batch_size"] == chosen

@@ -278,7 +278,7 @@ def test_an_entry_whose_weights_changed_fails_its_probe(
     uri, entry = _warm_entry(bundle_dir, tmp_path, own_cache)
     doc = torch.load(entry, weights_only=False)
     doc["weights"][0] = doc["weights"][0] + 1e-3
-    doc["digest"] = programcache._digest(tuple(doc["weights"]))  # only the probe can tell
+    doc["digest"] = programcache.digest(tuple(doc["weights"]))  # only the probe can tell
     torch.save(doc, entry)
     os.chmod(entry, 0o600)
     m = load_model(uri)

@@ -268,7 +268,8 @@ def test_unusable_cache_entry_is_ignored_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, bad: object
 ) -> None:
     path = tmp_path / "batch_sizes.json"
-    path.write_text(json.dumps({"k": bad, "good": {"batch_size": 64}}))
+    good = {"batch_size": 64, "cpu": tuning.cpu_identity()}
+    path.write_text(json.dumps({"k": bad, "good": good}))
     cache = BatchSizeCache(path)
     with caplog.at_level(logging.WARNING, logger="pipeline.model.tuning"):
         assert cache.get("k") is None
@@ -292,6 +293,76 @@ def test_default_cache_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
         assert default_cache_path() == expected
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_path() == expected
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU a choice was measured on
+# --------------------------------------------------------------------------------------------
+
+CPUINFO_X86 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14 96-Core Processor
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14 96-Core Processor
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni
+"""
+
+CPUINFO_ARM = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd sve2 bf16 i8mm
+CPU implementer\t: 0x41
+CPU part\t: 0xd4f
+"""
+
+
+def test_cpu_identity_reads_the_model_and_flags_from_cpuinfo(tmp_path: Path) -> None:
+    (tmp_path / "x86").write_text(CPUINFO_X86)
+    (tmp_path / "arm").write_text(CPUINFO_ARM)
+    x86 = tuning.cpu_identity(tmp_path / "x86")
+    assert x86["model"] == "AMD EPYC 9R14 96-Core Processor"
+    assert x86["flags"] == "avx2 avx512_bf16 avx512_vnni avx512f fpu sse2"  # sorted, once
+    arm = tuning.cpu_identity(tmp_path / "arm")
+    assert arm["model"] == "0x41 0xd4f" and arm["flags"] == "asimd bf16 fp i8mm sve2"
+    # Without a cpuinfo (macOS, Windows): the platform's name, never an error.
+    elsewhere = tuning.cpu_identity(tmp_path / "missing")
+    assert elsewhere["model"] and elsewhere["flags"] == ""
+    assert x86["capability"] == arm["capability"] == str(torch.backends.cpu.get_cpu_capability())
+    assert "AMD EPYC 9R14" in tuning.cpu_summary(x86) and "avx512_bf16" in tuning.cpu_summary(x86)
+
+
+def _other_cpu(flags_change: str) -> dict[str, str]:
+    """This machine's CPU identity with one thing changed."""
+    cpu = tuning.cpu_identity()
+    if flags_change == "flags":
+        cpu["flags"] = " ".join(sorted({*cpu["flags"].split(), "amx_tile", "amx_bf16"}))
+    else:
+        cpu["model"] = "Intel(R) Xeon(R) Platinum 8488C"
+    return cpu
+
+
+@pytest.mark.parametrize("what", ["flags", "model"])
+def test_an_entry_measured_on_another_cpu_is_measured_again(
+    what: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "batch_sizes.json"
+    BatchSizeCache(path, cpu=_other_cpu(what)).put("k", 1024, SWEEP)  # another machine's
+    here = BatchSizeCache(path)
+    with caplog.at_level(logging.INFO, logger="pipeline.model.tuning"):
+        assert here.get("k") is None
+    assert "measured on another CPU" in caplog.text
+    here.put("k", 2048, SWEEP)  # this machine's own choice replaces it
+    assert BatchSizeCache(path).get("k") == 2048
+    assert json.loads(path.read_text())["k"]["cpu"] == tuning.cpu_identity()
+
+
+def test_an_entry_that_does_not_say_its_cpu_is_measured_again(tmp_path: Path) -> None:
+    # Written before the CPU was recorded: nothing says it was measured here.
+    path = tmp_path / "batch_sizes.json"
+    path.write_text(json.dumps({"k": {"batch_size": 4096, "measured_at": "2026-12-01"}}))
+    assert BatchSizeCache(path).get("k") is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,3 +489,43 @@ def test_choose_by_rate_leaves_the_default_when_it_is_slower_than_the_noise() ->
     )
     assert facts["noise"] == pytest.approx(0.02)  # the floor: spreads of 1-2%
     assert chosen == 2048
+
+
+def _real_step(m: LoadedModel, rows: int, default: int) -> Callable[[int], float]:
+    """``step(b)``: one pass of the real demo model over ``rows`` rows in batches of ``b``
+    (the default's own work for a size named ``default + 1``, so that two sizes differ only
+    by the machine's noise), in real seconds."""
+    x = torch.randn(rows, m.width)
+
+    def step(batch: int) -> float:
+        b = default if batch == default + 1 else batch
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for lo in range(0, rows, b):
+                forward(m, x[lo : lo + b])
+        return time.perf_counter() - t0
+
+    return step
+
+
+def test_choose_by_rate_on_a_real_model_keeps_the_default_within_the_measured_noise(
+    model: LoadedModel,
+) -> None:
+    # Real passes, so which size is fastest depends on the machine; what cannot depend on it:
+    # the chosen size is within the measured noise of the fastest, and a size doing exactly
+    # the default's work (4097 here) only wins when the default is slower beyond the noise.
+    default = 4096
+    chosen, table, facts = choose_by_rate(
+        _real_step(model, 16_384, default),
+        [1024, 2048, default + 1, 8192],
+        rows=16_384,
+        default=default,
+        budget_s=0.5,
+    )
+    rate = {r.batch: r.samples_per_s for r in table}
+    assert [r.batch for r in table] == [1024, 2048, 4096, 4097, 8192]  # below 4,096 too
+    assert rate[chosen] * (1 + facts["noise"]) >= max(rate.values())
+    if rate[default] * (1 + facts["noise"]) >= max(rate.values()):
+        assert chosen == default
+    else:
+        assert chosen != default
