@@ -303,11 +303,20 @@ def _index(prepared: Prepared, report: ReportData, *, warn: bool = False) -> boo
     index_root = runindex.index_root(config.output)
     entry: dict[str, Any] = {key: report[key] for key in _INDEX_KEYS}  # type: ignore[literal-required]
     entry["report"] = prepared.control.child(REPORT_NAME).uri
+    day = verdicts.run_day(config)
+    if day is not None:
+        entry["date"] = day  # a drift baseline is an earlier day (pipeline.report.verdict)
     found = report["verdict"]
     if found:
-        # The drift baseline of later runs skips this dataset (pipeline.report.verdict).
+        # The drift baseline of later runs skips this dataset, and skips it while its drift
+        # alert is open: not accepted then (verdict.accepted) nor since (the index's
+        # _accepted/ entries for this dataset and baseline).
+        drift: Mapping[str, Any] = report["drift"] or {}
+        baseline: Mapping[str, Any] = drift.get("baseline") or {}
         entry["dataset"] = found["dataset"]
         entry["verdict"] = found
+        entry["drift_alert"] = bool(drift.get("alert"))
+        entry["drift_baseline"] = baseline.get("run_id")
     entry["outputs"] = {
         col: {"count": v.get("count"), "sketch": v.get("sketch")}
         for col, v in (report["outputs"] or {}).items()

@@ -145,7 +145,7 @@ def _drift_gauge(reg: CollectorRegistry, job: str, drift: Any) -> None:
     psi = Gauge(
         f"{PREFIX}_last_run_drift_psi",
         "Population stability index (dimensionless) of each output column of the last run "
-        "against the previous successful run (above 0.25: significant shift).",
+        "against the drift baseline (above 0.25: significant shift).",
         [JOB_LABEL, "output"],
         registry=reg,
     )
