@@ -171,7 +171,8 @@ def retract(
             locked.lock.assert_held()
             write(prepared.control, report)
         except Exception as again:
-            logger.error(
+            # A warning: the run's own error line says what failed (one line under -q).
+            logger.warning(
                 "no %s is left: it could not be written as failed (%s)", name, describe(again)
             )
             _remove(prepared.control.child(name))
@@ -374,7 +375,9 @@ def _mismatch(prepared: Prepared, want: Wanted) -> list[str]:
     expected = {rel: prepared.expected(rel, rows) for rel, rows in want.rows.items()}
     problems = prepared.output_format.verify(expected)
     for p in problems:
-        logger.error("%s", p)
+        # Warnings: the report lists them and the run's error line names them (one line under
+        # -q, however many files); without -q, and in the log file, each is a line.
+        logger.warning("%s", p)
     return problems
 
 
