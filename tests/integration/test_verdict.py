@@ -237,6 +237,9 @@ def test_a_backfill_that_skips_a_drifted_day_keeps_its_verdict(
     accepted = cli("accept-drift", str(out / f"dt={DAY2}"), "--reason", "expected")
     assert accepted.returncode == 0, accepted.output
     assert cli(*args).returncode == 0
+    # Rescored, the same data: the accepted alert is no drift for the backfill either.
+    forced = cli(*args, "--force")
+    assert forced.returncode == 0, forced.output
 
 
 # ---------------------------------------------------------------------------------------------
