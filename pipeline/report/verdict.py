@@ -246,7 +246,7 @@ def _compare(
         day = run_day(config)
         earlier = f"before {day} " if day is not None else ""
         note = (
-            f"no earlier dataset of job {config.name!r} {earlier}with a clean or accepted "
+            f"no previous dataset of job {config.name!r} {earlier}with a clean or accepted "
             f"verdict in {index_root}/{runindex.INDEX_DIR}"
         )
         return {"baseline": None, "note": note}, True
