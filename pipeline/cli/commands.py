@@ -53,7 +53,12 @@ from pipeline.core.errors import (
 from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import EXIT_CODES, Aborted, StopRequest, handle_signals, settled
 from pipeline.core.jsontext import to_json
-from pipeline.core.signals import EarlyStop, route_early_signals
+from pipeline.core.signals import (
+    EarlyStop,
+    check_early_stop,
+    raise_early_signals,
+    route_early_signals,
+)
 from pipeline.core.storage_options import unknown_options
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -61,6 +66,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 # The context object of the real command line (entrypoint), never of CliRunner: see _exit.
 FAST_EXIT = "fast-exit"
+
+#: The commands that take over a signal recorded while starting (pipeline.core.signals): a run
+#: asked to stop before it takes its output raises EarlyStop at a safe point, and once it has
+#: taken it, it stops as interrupted.
+STOP_HANDLING = frozenset({"run", "backfill"})
 
 
 @click.group(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -73,6 +83,10 @@ def main() -> None:
     """
     # Before any command imports torch: torch reads it at its first allocation.
     hugepages.ask_before_torch()
+    ctx = click.get_current_context()
+    if ctx.invoked_subcommand not in STOP_HANDLING:
+        # No stop handling of its own to take a recorded signal over (pipeline.core.signals).
+        raise_early_signals()
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,6 +231,8 @@ def run(job: Path | None, **opts: Any) -> None:
         from pipeline.driver.run import run as run_job
         from pipeline.report.text import problem_line, summary_table
 
+        checkpoint("imported")  # the crash tests' place for a signal during the imports
+        check_early_stop()  # a safe point: a signal while torch and Dask were imported stops here
         console = _console(opts)
         console.summarize_errors = True
         run_id = runcontext.new_run_id()
@@ -229,6 +245,7 @@ def run(job: Path | None, **opts: Any) -> None:
             stop = StopRequest(config.grace_period_s)
             checkpoint("startup")  # the crash tests' place for a signal before the run routes them
             with handle_signals(stop), console.progress() as progress:
+                checkpoint("routed")  # the crash tests' place for a signal once the run routes them
 
                 def on_start(rows: int, shards: int) -> None:
                     startup.started()
@@ -416,6 +433,8 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
         from pipeline.driver.backfill import backfill as run_backfill
         from pipeline.driver.backfill import problem_line, summary_table
 
+    checkpoint("imported")  # the crash tests' place for a signal during the imports
+    check_early_stop()  # a safe point: a signal while torch and Dask were imported stops here
     console = _console(opts)
     console.summarize_errors = True
     force = bool(opts.pop("force"))
@@ -424,6 +443,7 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
         # SIGTERM/SIGINT: the day in progress stops as a run does; the days left are not run.
         stop = StopRequest(config.grace_period_s)
         with handle_signals(stop):
+            checkpoint("routed")  # the crash tests' place for a signal once the backfill has them
             result = run_backfill(
                 config,
                 start.date(),

@@ -7,18 +7,19 @@ traceback). Importing the command line (Click, the config, logging) took 70 ms h
 can land there. So this module imports nothing but :mod:`pipeline.core.signals` (which imports
 only :mod:`signal`) and ``sys``, routes both signals first, and only then imports the rest.
 
-Until a run routes signals to its stop request, a signal raises
-:class:`~pipeline.core.signals.EarlyStop`: the command ends with one line (text or JSON, as
-asked) and exit 143 (SIGTERM) or 130 (SIGINT), having written nothing. What stays uncovered is
-the interpreter's own start before this module's first line (about 20 ms here), where the
-default action applies.
+Until a run routes signals to its stop request, a signal is recorded, and acted on at safe
+points (:mod:`pipeline.core.signals` says why: raised where it landed, inside an import, it could
+be lost or abort the process): :class:`~pipeline.core.signals.EarlyStop`, and the command ends
+with one line (text or JSON, as asked) and exit 143 (SIGTERM) or 130 (SIGINT), having written
+nothing. What stays uncovered is the interpreter's own start before this module's first line
+(about 20 ms here), where the default action applies.
 """
 
 from __future__ import annotations
 
 import sys
 
-from pipeline.core.signals import EarlyStop, route_early_signals
+from pipeline.core.signals import EarlyStop, check_early_stop, route_early_signals
 
 
 def main() -> None:
@@ -30,6 +31,8 @@ def main() -> None:
 
         checkpoint("launch")  # the crash tests' place for a signal before the CLI is imported
         from pipeline.cli.commands import entrypoint
+
+        check_early_stop()
     except EarlyStop as e:
         from pipeline.cli.logs import stopped_while_starting
 

@@ -80,13 +80,14 @@ _THRESHOLD = meta(checks=(at_least(0, "a number"),), flag=None)
 
 @dataclass(frozen=True, kw_only=True)
 class Monitoring:
-    """Drift of the score distributions against the previous successful run (``[monitoring]``).
+    """Drift of the score distributions against the baseline (``[monitoring]``): an earlier
+    dataset of the job whose verdict was clean or accepted (``pipeline.report.verdict``).
 
     Crossing a threshold makes the run ``succeeded_with_warnings`` (exit code 4); the scores are
     still written and ``_SUCCESS`` still marks them complete.
     """
 
-    # Compare with the previous successful run of the same job (found in the run index).
+    # Compare with an earlier dataset of the same job (found in the run index).
     drift: bool = field(default=True, metadata=meta(flag=None))
     # Population stability index per output column, over the previous run's deciles.
     psi_threshold: float = field(default=0.25, metadata=_THRESHOLD)

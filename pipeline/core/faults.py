@@ -10,6 +10,11 @@ Never set it outside tests.
 ``_SCORE_CATALOG_KILL_SIGNAL=SIGINT`` (or ``SIGTERM``) sends that signal instead of SIGKILL:
 a Ctrl-C or a cron timeout arriving at a precise place.
 
+``_SCORE_CATALOG_KILL_FROM=callback`` sends it from inside a weakref callback, where the
+interpreter prints whatever is raised ("Exception ignored in ...") and drops it: the place where
+importlib's module-lock callback and torch's C++ callbacks (pybind11, which aborts instead) run
+Python during an import, and where a signal handler that raises loses the signal.
+
 ``_SCORE_CATALOG_FAIL_AT=point:N`` fills the disk instead: from the N-th time the process
 reaches ``point`` on, every staged write (the points named ``*-rename``, just before a file is
 published) raises ``OSError(ENOSPC)`` with no file name, as a full disk does. ``point:N:once``
@@ -25,10 +30,12 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import weakref
 from dataclasses import dataclass, field
 
 KILL_AT = "_SCORE_CATALOG_KILL_AT"
 KILL_SIGNAL = "_SCORE_CATALOG_KILL_SIGNAL"
+KILL_FROM = "_SCORE_CATALOG_KILL_FROM"
 FAIL_AT = "_SCORE_CATALOG_FAIL_AT"
 
 
@@ -103,4 +110,27 @@ def checkpoint(point: str) -> None:
             os.close(os.open(f.kill_once_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return  # another process died here already
-    os.kill(os.getpid(), f.kill_signal)
+    if os.environ.get(KILL_FROM, "") == "callback":
+        _from_callback(f.kill_signal)
+    else:
+        os.kill(os.getpid(), f.kill_signal)
+
+
+def _from_callback(sig: signal.Signals) -> None:
+    """Send ``sig`` to this process from inside a weakref callback (see the module doc)."""
+
+    class _Box:
+        pass
+
+    def callback(_ref: object) -> None:
+        os.kill(os.getpid(), sig)
+        _next()  # a call: Python runs the pending handler here, inside the callback
+
+    box = _Box()
+    ref = weakref.ref(box, callback)
+    del box  # the callback runs now
+    del ref
+
+
+def _next() -> None:
+    """Nothing: a Python function call, where the interpreter runs pending signal handlers."""

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from types import FrameType
 
 from pipeline.core.errors import EXIT_SIGINT, EXIT_SIGTERM
+from pipeline.core.signals import take_early_signal
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,16 @@ def handle_signals(stop: StopRequest) -> Iterator[StopRequest]:
         )
 
     previous = {s: signal.signal(s, on_signal) for s in EXIT_CODES}
+    # Installed first, then taken over: a signal the command recorded while starting
+    # (pipeline.core.signals) becomes this run's stop request, and one arriving in between is
+    # on_signal's; either way none is lost.
+    early = take_early_signal()
+    if early is not None:
+        stop.request(early)
+        logger.warning(
+            "%s received while starting: stopping before the run takes its output",
+            signal.Signals(early).name,
+        )
     try:
         yield stop
     finally:
@@ -175,6 +186,9 @@ def settled(outcome: str) -> Iterator[None]:
         )
 
     previous = {s: signal.signal(s, on_signal) for s in EXIT_CODES}
+    early = take_early_signal()  # recorded between the run's handler and this one
+    if early is not None:
+        on_signal(early, None)
     try:
         yield
     finally:

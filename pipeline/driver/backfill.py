@@ -35,6 +35,7 @@ from pipeline.core.errors import (
     InputError,
     PipelineError,
     StorageError,
+    describe,
 )
 from pipeline.core.interrupt import StopRequest
 from pipeline.core.signals import EarlyStop
@@ -46,7 +47,7 @@ from pipeline.io.manifest import Manifest
 from pipeline.io.parquet import read_footer
 from pipeline.model import registry
 from pipeline.model.bundle import read_bundle
-from pipeline.report import verdict
+from pipeline.report import metrics, verdict
 from pipeline.report.build import RunReport
 from pipeline.worker.shard import ShardResult
 
@@ -210,24 +211,76 @@ def backfill(
     backfill unless ``config.allow_missing_partitions``. Templates that would make days share
     a location raise :class:`ConfigError`, and a range in which no day has input
     :class:`InputError`, before any day runs.
+
+    The metrics file and the Pushgateway (when configured) get one outcome, the backfill's
+    (:func:`metrics_data`), whatever ends it: the days' own runs publish nothing, and an error
+    that stops the backfill early (a template, the range, the model) publishes ``failed``.
     """
+    metrics.check_metrics_file(config)
+    started_at = dt.datetime.now(dt.timezone.utc)
+    t0 = time.perf_counter()
+    try:
+        clock = (started_at, t0)
+        report = _backfill(config, start, end, clock, force, on_partition, on_shard, stop)
+    except BaseException as e:  # Aborted or EarlyStop too: the metrics say how it ended
+        status = RunStatus.FAILED if isinstance(e, Exception) else RunStatus.INTERRUPTED
+        duration = time.perf_counter() - t0
+        _publish(
+            config, metrics.failure_summary(config.name, started_at, duration, describe(e), status)
+        )
+        raise
+    _publish(config, metrics_data(report.data))
+    return report
+
+
+def _publish(config: JobConfig, data: dict[str, Any]) -> None:
+    """The backfill's outcome to the metrics; the last success kept from before the backfill
+    unless it succeeded as a whole (the days it ran are in the run index, but a backfill that
+    failed is no success, whichever of its days succeeded)."""
+    started = dt.datetime.fromisoformat(str(data["started_at"]))
+    if config.metrics_file is None and config.pushgateway is None:
+        return
+    metrics.publish(
+        config.metrics_file,
+        config.pushgateway,
+        data,
+        lambda: metrics.last_success_from_index(config, before=started),
+    )
+
+
+def _backfill(
+    config: JobConfig,
+    start: dt.date,
+    end: dt.date,
+    clock: tuple[dt.datetime, float],
+    force: bool,
+    on_partition: Callable[[dict[str, Any]], None] | None,
+    on_shard: Callable[[ShardResult], None] | None,
+    stop: StopRequest | None,
+) -> BackfillReport:
+    """:func:`backfill` without its metrics; ``clock``: when it started (time, perf_counter)."""
+    started_at, t0 = clock
     _check_templates(config)
     days = dates(start, end)
     _check_some_input(config, days)
-    t0 = time.perf_counter()
-    started_at = dt.datetime.now(dt.timezone.utc)
     source = registry.resolve_model(config.model)
     if source.registry is not None:
         # Every day scores the version the alias names now, even if it moves meanwhile.
         config = dataclasses.replace(config, model=source.registry.pinned)
     _, _, sha = read_bundle(source.bundle, config.storage)
+    # The days publish no metrics of their own: the backfill publishes its outcome, once.
+    quiet = dataclasses.replace(config, metrics_file=None, pushgateway=None)
     parts: list[dict[str, Any]] = []
     for i, day in enumerate(days):
         entry: dict[str, Any] = {"date": day, "input": config.input.format(date=day)}
         if config.allow_missing_partitions:
             entry["missing_allowed"] = True  # for the log line: accepted, not a warning
         try:
-            cfg = dataclasses.replace(config, date=day, force=force or config.force)
+            if stop is not None and stop.requested and stop.signum is not None:
+                # Asked to stop between days (or while starting): this day does not start,
+                # even if it would only have been skipped, so the backfill ends interrupted.
+                raise EarlyStop(stop.signum)
+            cfg = dataclasses.replace(quiet, date=day, force=force or config.force)
             entry.update(_partition(cfg, sha, force, on_shard, stop))
         except EarlyStop as e:  # a signal before the day's run took its output: nothing written
             entry.update(status=RunStatus.INTERRUPTED, exit_code=e.exit_code, message=str(e))
@@ -276,6 +329,7 @@ def _partition(
             "note": "finished earlier with this model bundle",
             # Its verdict stands: a day that drifted still says so until it is accepted.
             "drift_alert": verdict.open_alert(cfg, done),
+            **_drift_facts(done),
         }
     report: RunReport = run(cfg, on_shard=on_shard, stop=stop)
     d = report.data
@@ -291,11 +345,58 @@ def _partition(
         "shards_skipped": d["shards_skipped"],
         "shards_failed": d["shards_failed"],
         "shards_not_scored": d.get("shards_not_scored", 0),
+        "rows_processed": d.get("rows_processed", 0),
         "duration_s": d["duration_s"],
-        "drift_alert": bool((d.get("drift") or {}).get("alert")),
+        # Open: an alert accepted earlier (accept-drift) ends the day succeeded, exit 0.
+        "drift_alert": d["status"] == RunStatus.SUCCEEDED_WITH_WARNINGS,
+        **_drift_facts(d),
         # Why a day did not simply succeed, so the backfill's summary says it without opening
         # the day's _report.json.
         "failure_reasons": list(d.get("failure_reasons") or []),
+    }
+
+
+def _drift_facts(report: dict[str, Any]) -> dict[str, Any]:
+    """A day's PSI per output column and whether it had a drift alert at all (open or
+    accepted), for the backfill's metrics; nothing for a day without a drift comparison."""
+    drift = report.get("drift")
+    if not isinstance(drift, dict) or not drift.get("baseline"):
+        return {}
+    psi = {
+        str(col): stats["psi"]
+        for col, stats in (drift.get("columns") or {}).items()
+        if isinstance(stats, dict) and isinstance(stats.get("psi"), (int, float))
+    }
+    return {"drift_psi": psi, "drift_any_alert": bool(drift.get("alert"))}
+
+
+def metrics_data(d: dict[str, Any]) -> dict[str, Any]:
+    """The backfill summary ``d`` as the fields the metrics read (:mod:`pipeline.report.metrics`):
+    its status, times and rows (every day's, skipped ones included), the shards that failed,
+    the throughput over the rows it scored, and the largest PSI of each output column over
+    the days, with the drift alert open if any day's is (accepted when every alert was)."""
+    parts = d["partitions"]
+    processed = sum(p.get("rows_processed") or 0 for p in parts)
+    psi: dict[str, float] = {}
+    for p in parts:
+        for col, value in (p.get("drift_psi") or {}).items():
+            psi[col] = max(value, psi.get(col, value))
+    alerts = any(p.get("drift_any_alert") for p in parts)
+    open_alert = any(p.get("drift_alert") for p in parts)
+    drift = {"alert": alerts, "columns": {c: {"psi": v} for c, v in psi.items()}} if psi else None
+    return {
+        "job": d["job"],
+        "status": d["status"],
+        "started_at": d["started_at"],
+        "finished_at": d["finished_at"],
+        "duration_s": d["duration_s"],
+        "rows_out": d["rows_out"],
+        "rows_rejected": sum(p.get("rows_rejected") or 0 for p in parts),
+        "shards_failed": sum(p.get("shards_failed") or 0 for p in parts),
+        "rows_processed": processed,
+        "rows_per_s": processed / d["duration_s"] if d["duration_s"] > 0 else None,
+        "drift": drift,
+        "verdict": {"accepted": alerts and not open_alert} if drift else None,
     }
 
 
@@ -327,10 +428,15 @@ def _summary(
             "skipped), or set allow_missing_partitions = true (--allow-missing-partitions) "
             "if the archive has gaps"
         )
+    drifted = [p["date"] for p in parts if p.get("drift_alert")]
     if any(p["status"] == RunStatus.INTERRUPTED for p in parts):
         status = RunStatus.INTERRUPTED
     elif reasons or any(p["status"] in FAILED_PARTITION_STATUSES for p in parts):
         status = RunStatus.FAILED
+    elif drifted:
+        status = RunStatus.SUCCEEDED_WITH_WARNINGS  # exit 4, as a run with a drift alert
+    elif any(p["status"] == RunStatus.SUCCEEDED_WITH_ERRORS for p in parts):
+        status = RunStatus.SUCCEEDED_WITH_ERRORS
     else:
         status = RunStatus.SUCCEEDED
     return {
@@ -339,15 +445,16 @@ def _summary(
         "to": end.isoformat(),
         "status": status,
         "failure_reasons": reasons,
+        "drift_alerts": drifted,
         "started_at": started_at.isoformat(),
+        "finished_at": (started_at + dt.timedelta(seconds=duration)).isoformat(),
         "duration_s": duration,
         "partitions_total": len(parts) + len(not_run),
         "partitions_by_status": counts,
         "partitions_missing": missing,
         "allow_missing_partitions": allowed,
-        "rows_out": sum(
-            p.get("rows_out") or 0 for p in parts if p["status"] != PartitionStatus.SKIPPED
-        ),
+        # Every day's rows in the output, the skipped days' too: they are there to be read.
+        "rows_out": sum(p.get("rows_out") or 0 for p in parts),
         "partitions": parts,
         "not_run": not_run,
     }
@@ -361,15 +468,29 @@ def _dates_text(days: list[str], shown: int = 5) -> str:
 def problem_line(report: BackfillReport) -> str:
     """A backfill that did not exit 0, in one line (what ``-q`` prints instead of the table)."""
     d = report.data
-    bad = [
-        f"{p['date']} {p['status']}" + (f" ({p['message']})" if p.get("message") else "")
-        for p in d["partitions"]
-        if _fails(p, d) or p.get("drift_alert")
-    ]
-    text = f"backfill {d['job']} {d['from']}..{d['to']} {d['status']}"
+    bad = [_problem(p) for p in d["partitions"] if _fails(p, d) or p.get("drift_alert")]
+    text = f"backfill {d['job']} {d['from']}..{d['to']} {_status_text(d)}"
     if bad:
         text += ": " + "; ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
     return f"{text} (summary: {d.get('summary_uri', '-')})"
+
+
+def _problem(p: dict[str, Any]) -> str:
+    """One day in the ``-q`` line: its status, and a drift alert or the message."""
+    text = f"{p['date']} {p['status']}"
+    if p.get("drift_alert"):
+        verb = "stands" if p["status"] == PartitionStatus.SKIPPED else "is open"
+        how = f"score-catalog accept-drift {p.get('output')} --reason ..."
+        text += f", its drift alert {verb} (accept it: {how})"
+    return text + (f" ({p['message']})" if p.get("message") else "")
+
+
+def _status_text(d: dict[str, Any]) -> str:
+    """The backfill's status, naming the drifted days when that is what it ended on."""
+    drifted = d.get("drift_alerts") or []
+    if d["status"] != RunStatus.SUCCEEDED_WITH_WARNINGS or not drifted:
+        return str(d["status"])
+    return f"{d['status']} (drift alert on {_dates_text(drifted)})"
 
 
 def _accepted(d: dict[str, Any]) -> bool:
@@ -380,7 +501,7 @@ def summary_table(report: BackfillReport) -> str:
     """The backfill's per-partition table for the terminal."""
     d = report.data
     lines = [
-        f"score-catalog backfill {d['job']} {d['from']}..{d['to']}: {str(d['status']).upper()}",
+        f"score-catalog backfill {d['job']} {d['from']}..{d['to']}: {_status_text(d).upper()}",
         *(f"  reason     {r}" for r in d.get("failure_reasons") or []),
         "  partitions "
         + ", ".join(f"{n} {status}" for status, n in sorted(d["partitions_by_status"].items()))

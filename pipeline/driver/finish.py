@@ -171,7 +171,8 @@ def retract(
             locked.lock.assert_held()
             write(prepared.control, report)
         except Exception as again:
-            logger.error(
+            # A warning: the run's own error line says what failed (one line under -q).
+            logger.warning(
                 "no %s is left: it could not be written as failed (%s)", name, describe(again)
             )
             _remove(prepared.control.child(name))
@@ -303,11 +304,20 @@ def _index(prepared: Prepared, report: ReportData, *, warn: bool = False) -> boo
     index_root = runindex.index_root(config.output)
     entry: dict[str, Any] = {key: report[key] for key in _INDEX_KEYS}  # type: ignore[literal-required]
     entry["report"] = prepared.control.child(REPORT_NAME).uri
+    day = verdicts.run_day(config)
+    if day is not None:
+        entry["date"] = day  # a drift baseline is an earlier day (pipeline.report.verdict)
     found = report["verdict"]
     if found:
-        # The drift baseline of later runs skips this dataset (pipeline.report.verdict).
+        # The drift baseline of later runs skips this dataset, and skips it while its drift
+        # alert is open: not accepted then (verdict.accepted) nor since (the index's
+        # _accepted/ entries for this dataset and baseline).
+        drift: Mapping[str, Any] = report["drift"] or {}
+        baseline: Mapping[str, Any] = drift.get("baseline") or {}
         entry["dataset"] = found["dataset"]
         entry["verdict"] = found
+        entry["drift_alert"] = bool(drift.get("alert"))
+        entry["drift_baseline"] = baseline.get("run_id")
     entry["outputs"] = {
         col: {"count": v.get("count"), "sketch": v.get("sketch")}
         for col, v in (report["outputs"] or {}).items()
@@ -365,7 +375,9 @@ def _mismatch(prepared: Prepared, want: Wanted) -> list[str]:
     expected = {rel: prepared.expected(rel, rows) for rel, rows in want.rows.items()}
     problems = prepared.output_format.verify(expected)
     for p in problems:
-        logger.error("%s", p)
+        # Warnings: the report lists them and the run's error line names them (one line under
+        # -q, however many files); without -q, and in the log file, each is a line.
+        logger.warning("%s", p)
     return problems
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from pipeline.core import retries, runcontext
 from pipeline.core.config import JobConfig
-from pipeline.core.errors import describe
+from pipeline.core.errors import StorageError, describe
 from pipeline.core.interrupt import StopRequest
 from pipeline.core.statuses import FailureKind, RunStatus
 from pipeline.driver import finish, lock, prepare, score
@@ -100,8 +100,8 @@ class ScoringRun:
                 first = finish.storage_failure_before(fatal, e)
                 if self.failure_data is None:  # else finish already rewrote its report as failed
                     self._report_failure(prepared, first or e)
-                if first is not None:
-                    raise first from e
+                if first is not None or retries.is_storage_failure(e):
+                    raise self._storage_failure(first or e) from e
                 raise
         raise AssertionError("unreachable")  # pragma: no cover  (ExitStack never swallows)
 
@@ -113,6 +113,16 @@ class ScoringRun:
         except Exception as e:
             self.failure_data = dict(finish.retract(prepared, locked, concluded, self.stop, e))
             raise
+
+    def _storage_failure(self, e: Exception) -> StorageError:
+        """The one line a storage failure after the run took its output ends with: the run,
+        ``storage failure``, what could not be read or written and why (the disk filling
+        while the run commits raises an OSError that names no file: finish names it)."""
+        why = describe(e)
+        if not why.startswith("storage failure: "):
+            why = f"storage failure: {why}"
+        where = getattr(e, "uri", None) or getattr(e, "filename", None)
+        return StorageError(f"run {self.run_id} failed: {why}", uri=where)
 
     def _report_failure(self, prepared: Prepared, e: Exception) -> None:
         cleared = self.locked.cleared if self.locked is not None else ()

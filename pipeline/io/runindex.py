@@ -85,9 +85,10 @@ def remove(root: str, options: Mapping[str, Any] | None, job: str, run_id: str) 
     storage.remove(_job_dir(root, options, job).child(f"{safe_name(run_id)}.json"))
 
 
-def _parse_time(value: Any) -> dt.datetime:
+def parse_time(value: Any) -> dt.datetime:
+    """An ISO-8601 time of an entry (``finished_at``, ``started_at``); a bare one is UTC."""
     if not isinstance(value, str):
-        raise ValueError(f"finished_at is {value!r}, not an ISO-8601 string")
+        raise ValueError(f"{value!r} is not an ISO-8601 time")
     # Python 3.10's fromisoformat does not take a trailing Z.
     t = dt.datetime.fromisoformat(value[:-1] + "+00:00" if value.endswith("Z") else value)
     # A time without an offset is taken as UTC, which is what every run writes.
@@ -102,8 +103,12 @@ def previous_success(
     exclude_run_id: str | None = None,
     scored_only: bool = False,
     skip: Callable[[dict[str, Any]], bool] | None = None,
+    rank: Callable[[dict[str, Any]], str] | None = None,
 ) -> dict[str, Any] | None:
     """The newest (by ``finished_at``) successful entry of ``job`` in the index, or None.
+
+    ``rank`` orders entries before their ``finished_at`` does: the highest rank wins, the
+    newest within it (the drift baseline ranks by partition date: pipeline.report.verdict).
 
     ``scored_only`` skips runs that scored no rows themselves (a resume that found every shard
     done): they have no score distribution to compare with. ``skip`` skips every entry for
@@ -115,10 +120,10 @@ def previous_success(
     different job whose name sanitizes to the same directory are skipped too. A missing index
     gives None.
     """
-    best: tuple[dt.datetime, dict[str, Any]] | None = None
+    best: tuple[tuple[str, dt.datetime], dict[str, Any]] | None = None
     for uri, entry in _entries(_job_dir(root, options, job), "run index entry"):
         try:
-            finished = _parse_time(entry.get("finished_at"))
+            finished = parse_time(entry.get("finished_at"))
         except (ValueError, TypeError) as err:
             logger.warning("skipping unreadable run index entry %s: %s", uri, err)
             continue
@@ -130,8 +135,9 @@ def previous_success(
             continue
         if skip is not None and skip(entry):
             continue
-        if best is None or finished > best[0]:
-            best = (finished, entry)
+        key = (rank(entry) if rank is not None else "", finished)
+        if best is None or key > best[0]:
+            best = (key, entry)
     return best[1] if best else None
 
 
@@ -181,6 +187,12 @@ def record_acceptance(
     return loc.uri
 
 
+def acceptances(root: str, options: Mapping[str, Any] | None, job: str) -> Iterator[dict[str, Any]]:
+    """Every drift acceptance of ``job`` in the index (unreadable ones skipped with a warning)."""
+    for _uri, found in _entries(_job_dir(root, options, job).child(ACCEPTED_DIR), "acceptance"):
+        yield found
+
+
 def acceptance(
     root: str, options: Mapping[str, Any] | None, job: str, dataset: str, baseline: Any
 ) -> dict[str, Any] | None:
@@ -189,7 +201,7 @@ def acceptance(
     Unreadable entries are skipped with a warning, like run entries.
     """
     best: dict[str, Any] | None = None
-    for _uri, found in _entries(_job_dir(root, options, job).child(ACCEPTED_DIR), "acceptance"):
+    for found in acceptances(root, options, job):
         if found.get("dataset") != dataset or found.get("baseline") != baseline:
             continue
         if best is None or str(found.get("at")) > str(best.get("at")):

@@ -145,7 +145,7 @@ def _drift_gauge(reg: CollectorRegistry, job: str, drift: Any) -> None:
     psi = Gauge(
         f"{PREFIX}_last_run_drift_psi",
         "Population stability index (dimensionless) of each output column of the last run "
-        "against the previous successful run (above 0.25: significant shift).",
+        "against the drift baseline (above 0.25: significant shift).",
         [JOB_LABEL, "output"],
         registry=reg,
     )
@@ -322,7 +322,8 @@ def _publish(
         except StorageError as e:
             logger.error("%s", e)
     if pushgateway is not None:
-        if previous is None and data.get("status") == RunStatus.FAILED and last_success:
+        if previous is None and data.get("status") not in SUCCESS_STATUSES and last_success:
+            # A failed or interrupted run keeps the last success (a push replaces the group).
             previous = last_success()
         try:
             push_metrics(pushgateway, data, previous_success_ts=previous)
@@ -357,14 +358,26 @@ def publish_outcome(config: JobConfig, data: Mapping[str, Any]) -> None:
     hide how it ended."""
     if config.metrics_file is None and config.pushgateway is None:
         return
-    publish(config.metrics_file, config.pushgateway, data, lambda: _last_success(config))
+    publish(config.metrics_file, config.pushgateway, data, lambda: last_success_from_index(config))
 
 
-def _last_success(config: JobConfig) -> float | None:
-    """When the last success finished, from the run index (a push replaces the whole group)."""
+def last_success_from_index(
+    config: JobConfig, *, before: dt.datetime | None = None
+) -> float | None:
+    """When the last success finished, from the run index (a push replaces the whole group);
+    ``before``: the last one that started before then (a backfill's days are not its success)."""
+
+    def later(entry: dict[str, Any]) -> bool:
+        if before is None:
+            return False
+        try:
+            return runindex.parse_time(entry.get("started_at")) >= before
+        except (ValueError, TypeError):
+            return True  # when it started is unknown: not a success known to be earlier
+
     try:
         entry = runindex.previous_success(
-            runindex.index_root(config.output), config.storage, config.name
+            runindex.index_root(config.output), config.storage, config.name, skip=later
         )
         if entry is None:
             return None

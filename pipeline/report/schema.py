@@ -333,7 +333,8 @@ class DriftThresholdValues(TypedDict):
 
 
 class DriftComparison(TypedDict):
-    """``drift`` against the previous successful run (``pipeline.report.drift.compare``)."""
+    """``drift`` against the baseline (``pipeline.report.verdict``,
+    ``pipeline.report.drift.compare``)."""
 
     baseline: DriftBaseline
     rows: DriftRows

@@ -3,8 +3,11 @@
 The dataset is what an output holds: the scored shards its manifest lists, each scored from one
 version of its input shard with one model and one set of settings. :func:`dataset_id` names that
 content with a short hash. The first run that leaves an output holding a given dataset compares
-its score distributions with the previous *different* dataset of the job (:func:`judge`) and
+its score distributions with an earlier dataset of the job (:func:`judge`) and
 keeps the outcome with the manifest (its ``verdict`` key): the comparison, who made it and when.
+The baseline is the newest *earlier* dataset of the job whose verdict was clean or accepted
+(:func:`_baseline`): by the partition's date with a ``{date}`` template, and never a dataset
+whose drift alert nobody accepted, so a shift that persists keeps alerting until accepted.
 A later run that leaves the dataset unchanged (a rerun that finds every shard done, a resume
 after an interrupted commit) reports that same verdict, with the same warnings, status and exit
 code, instead of comparing the dataset with itself or saying it scored nothing. A run that
@@ -25,6 +28,7 @@ import getpass
 import hashlib
 import json
 import logging
+import re
 import socket
 import string
 from collections.abc import Mapping
@@ -33,6 +37,7 @@ from typing import Any
 
 from pipeline.core.config import JobConfig
 from pipeline.core.errors import UsageError
+from pipeline.core.statuses import RunStatus
 from pipeline.io import layout, runindex, storage
 from pipeline.io.layout import MANIFEST_NAME
 from pipeline.io.manifest import Manifest, fingerprint_hash
@@ -100,30 +105,122 @@ def _reusable(
     drift = kept.get("drift")
     if not isinstance(drift, dict):
         return None
-    if drift.get("baseline") is not None and drift.get("thresholds") != thresholds_of(config):
+    baseline = drift.get("baseline")
+    if baseline is not None and drift.get("thresholds") != thresholds_of(config):
         return None  # thresholds changed since: judge again
+    day = run_day(config)
+    if isinstance(baseline, Mapping) and day is not None:
+        before = template_day(config.output, baseline.get("output"))
+        if before is not None and before >= day:
+            return None  # judged by an older version against a later day: judge it again
     return drift
+
+
+def template_day(template: str, output: Any) -> str | None:
+    """The ``{date}`` an output of ``template`` was written for (``YYYY-MM-DD``), read back from
+    its URI: ``data/scored/run_date={date}`` and ``/srv/data/scored/run_date=2026-11-03`` give
+    ``2026-11-03``. None where the template has no ``{date}`` or the URI does not fit it."""
+    if not isinstance(output, str) or not has_field(template, "date"):
+        return None
+    pattern = ""
+    for literal, name, _, _ in string.Formatter().parse(template.removeprefix("./").rstrip("/")):
+        pattern += re.escape(literal)
+        if name == "date":
+            pattern += "(?P=date)" if "(?P<date>" in pattern else r"(?P<date>\d{4}-\d{2}-\d{2})"
+        elif name is not None:
+            pattern += "[^/]+"
+    found = re.search(pattern + "$", output.rstrip("/"))
+    return found.group("date") if found else None
+
+
+def has_field(template: str, name: str) -> bool:
+    """Whether ``template`` names the placeholder ``name``."""
+    try:
+        return any(f == name for _, f, _, _ in string.Formatter().parse(template))
+    except ValueError:
+        return False
+
+
+def entry_day(config: JobConfig, entry: Mapping[str, Any]) -> str | None:
+    """The partition date of a run-index entry: recorded since this version (``date``), read
+    back from its output for an older entry."""
+    day = entry.get("date")
+    return day if isinstance(day, str) else template_day(config.output, entry.get("output"))
+
+
+def run_day(config: JobConfig) -> str | None:
+    """The partition date this run writes (``--date``), for a ``{date}`` template; else None."""
+    return config.run_date if has_field(config.output, "date") else None
+
+
+@dataclass
+class _Acceptances:
+    """The drift acceptances recorded in the job's run index: ``(dataset, baseline)`` pairs,
+    and the datasets (for entries from before the baseline was recorded with them)."""
+
+    pairs: set[tuple[Any, Any]] = field(default_factory=set)
+    datasets: set[Any] = field(default_factory=set)
+
+    @classmethod
+    def read(cls, config: JobConfig, index_root: str) -> _Acceptances:
+        found = cls()
+        for entry in runindex.acceptances(index_root, config.storage, config.name):
+            found.pairs.add((entry.get("dataset"), entry.get("baseline")))
+            found.datasets.add(entry.get("dataset"))
+        return found
+
+    def settled(self, entry: Mapping[str, Any]) -> bool:
+        """Whether the run-index entry's verdict was clean or its drift alert accepted (then,
+        or since, with ``accept-drift``): only such a dataset is a baseline."""
+        verdict = entry.get("verdict")
+        accepted = isinstance(verdict, Mapping) and bool(verdict.get("accepted"))
+        if "drift_alert" in entry:
+            alert = bool(entry["drift_alert"])
+            pair = (entry.get("dataset"), entry.get("drift_baseline"))
+            return not alert or accepted or pair in self.pairs
+        # Recorded before the alert was: a drift alert was the only way to this status.
+        if entry.get("status") != RunStatus.SUCCEEDED_WITH_WARNINGS:
+            return True
+        return accepted or entry.get("dataset") in self.datasets
 
 
 def _baseline(
     config: JobConfig, data: Mapping[str, Any], dataset: str, index_root: str
 ) -> dict[str, Any] | None:
-    """The previous *different* dataset of the job: the newest successful run that scored rows
-    (a rerun that scored nothing has no sample of its own), whose dataset is not this one. With
-    a template (``{date}``), earlier versions of this same partition are not baselines either:
-    a day is compared with the days before it, as its first run was."""
+    """The newest earlier dataset of the job whose verdict was clean or accepted.
+
+    Never this dataset, never a run that scored no rows (it has no sample of its own), and
+    never a dataset whose drift alert is open: a shift nobody accepted is no norm, so a shift
+    that persists alerts every night until someone accepts it (and from then on that dataset is
+    a baseline). With a ``{date}`` template "earlier" is by the partition's date, whatever the
+    finish times: a day is compared with the days before it (the newest of them, and of that
+    day its newest such dataset), never with itself or a later day, so rerunning a drifted day
+    after the next days ran still compares it with the days before it. With ``{run_id}`` alone
+    every run is an output of its own: the newest such run of the job. A job without
+    placeholders is compared with its own output's previous such dataset."""
     output = data["output"]
-    templated = has_placeholder(config.output)
+    day = run_day(config)
+    fixed = not has_placeholder(config.output)
+    accepted = _Acceptances.read(config, index_root)
 
     def skip(entry: dict[str, Any]) -> bool:
         if entry.get("dataset") == dataset:
             return True
-        same_output = entry.get("output") == output
-        if templated and same_output:
-            return True
+        if day is not None:
+            before = entry_day(config, entry)
+            if before is None or before >= day:
+                return True
+        elif fixed and entry.get("output") != output:
+            return True  # another output (the job's output setting changed since)
         # An entry from before datasets were recorded, of this output, while this run scored
         # nothing: most likely this very dataset.
-        return "dataset" not in entry and same_output and not data["rows_processed"]
+        if "dataset" not in entry and entry.get("output") == output and not data["rows_processed"]:
+            return True
+        return not accepted.settled(entry)
+
+    def rank(entry: dict[str, Any]) -> str:
+        # With a {date} template the newest day first, then the newest run of that day.
+        return (entry_day(config, entry) or "") if day is not None else ""
 
     return runindex.previous_success(
         index_root,
@@ -132,6 +229,7 @@ def _baseline(
         exclude_run_id=data["run_id"],
         scored_only=True,
         skip=skip,
+        rank=rank,
     )
 
 
@@ -145,9 +243,11 @@ def _compare(
         logger.warning("could not read the run index at %s: %s", index_root, e)
         return {"baseline": None, "note": f"run index unreadable: {e}"}, False
     if baseline is None:
+        day = run_day(config)
+        earlier = f"before {day} " if day is not None else ""
         note = (
-            f"no previous successful run of job {config.name!r} over a different dataset in "
-            f"{index_root}/{runindex.INDEX_DIR}"
+            f"no previous dataset of job {config.name!r} {earlier}with a clean or accepted "
+            f"verdict in {index_root}/{runindex.INDEX_DIR}"
         )
         return {"baseline": None, "note": note}, True
     th = thresholds_of(config)
@@ -163,7 +263,7 @@ def judge(
     """The drift verdict on the dataset the output now holds (``manifest.shards``).
 
     Kept from the manifest when it judged this same dataset (with the same thresholds), else
-    compared afresh with the previous different dataset of the job. An alert is open unless the
+    compared afresh with its baseline (:func:`_baseline`). An alert is open unless the
     run index records its acceptance (:func:`accept`).
     """
     if not config.monitoring.drift:

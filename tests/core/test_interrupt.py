@@ -119,3 +119,30 @@ def test_a_stop_before_the_run_takes_its_output_writes_nothing_but_the_metrics(
     assert str(stopped.value) == "stopped by SIGTERM while starting; nothing was written"
     assert not out.exists() and not report_path(out).exists()
     assert 'status="interrupted"} 1' in metrics.read_text()
+
+
+def test_a_signal_while_starting_is_recorded_and_the_run_takes_it_over() -> None:
+    """The start-up handler records and never raises (it may run inside an import's callback,
+    breakit22 M1); the run's own handler, once installed, takes the record over as its stop
+    request, and the record is gone."""
+    from pipeline.core import signals as launch
+
+    launch.on_early_signal(signal.SIGINT, None)  # as the interpreter would call it
+    launch.on_early_signal(signal.SIGTERM, None)  # a second one: the first decides
+    with pytest.raises(EarlyStop) as info:
+        launch.check_early_stop()  # a safe point
+    assert info.value.exit_code == 130
+    stop = StopRequest()
+    with handle_signals(stop):
+        assert stop.requested and stop.signal_name == "SIGINT"
+    assert launch.take_early_signal() is None
+    launch.check_early_stop()  # nothing left to stop for
+
+
+def test_commands_without_stop_handling_change_nothing_where_signals_are_not_routed() -> None:
+    """Click's test runner and library users never had the start-up handler installed."""
+    from pipeline.core import signals as launch
+
+    before = signal.getsignal(signal.SIGTERM)
+    launch.raise_early_signals()
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -238,3 +238,94 @@ def test_a_backfill_that_skips_a_drifted_day_keeps_its_verdict(
     accepted = cli("accept-drift", str(out / f"dt={DAY2}"), "--reason", "expected")
     assert accepted.returncode == 0, accepted.output
     assert cli(*args).returncode == 0
+    # Rescored, the same data: the accepted alert is no drift for the backfill either.
+    forced = cli(*args, "--force")
+    assert forced.returncode == 0, forced.output
+
+
+# ---------------------------------------------------------------------------------------------
+# The baseline: an earlier dataset whose verdict was clean or accepted (breakit22 C4, M3)
+
+DAY3 = "2026-11-03"
+
+
+def _touch(shard: Path) -> None:
+    """Upstream re-exports ``shard`` with the same content: a new version (new mtime)."""
+    data = shard.read_bytes()
+    shard.unlink()
+    shard.write_bytes(data)
+
+
+def test_a_persistent_shift_alerts_every_night_until_it_is_accepted(
+    drifted: tuple[Path, Path, CliResult], bundle_dir: Path, tmp_path: Path
+) -> None:
+    """Day 2 drifted and nobody accepted it: day 3, shifted the same way, is compared with day
+    1 (the alert is no norm) and alerts too; once day 3 is accepted, day 4 is compared with
+    it and passes."""
+    root, shifted, _ = drifted
+    day1 = report(root / DAY1)
+    third = _run(shifted, root, bundle_dir, DAY3)
+    assert third.returncode == 4, third.output
+    assert third.report is not None
+    assert third.report["drift"]["baseline"]["run_id"] == day1["run_id"]
+    assert cli("accept-drift", str(root / DAY3), "--reason", "new normal").returncode == 0
+    fourth = _run(shifted, root, bundle_dir, "2026-11-04")
+    assert fourth.returncode == 0, fourth.output
+    assert fourth.report is not None
+    assert fourth.report["drift"]["baseline"]["run_id"] == third.report["run_id"]
+    assert fourth.report["drift"]["alert"] is False
+
+
+def test_a_drifted_day_judged_again_is_compared_with_the_days_before_it(
+    drifted: tuple[Path, Path, CliResult], bundle_dir: Path, tmp_path: Path
+) -> None:
+    """Day 2 drifted (not accepted); day 3 came with the same shift, and was accepted. Then
+    one of day 2's input shards is re-exported with the same content: day 2 is a new dataset,
+    judged again, against day 1, never against day 3, which finished later and carries the
+    same shift (that hid the alert: exit 0, PSI 0.0007)."""
+    root, shifted, _ = drifted
+    day1 = report(root / DAY1)
+    third = _run(shifted, root, bundle_dir, DAY3)
+    assert third.returncode == 4, third.output
+    assert cli("accept-drift", str(root / DAY3), "--reason", "ok").returncode == 0
+    _touch(shifted / "part-00001.parquet")
+    metrics = tmp_path / "m.prom"
+    again = _run(shifted, root, bundle_dir, DAY2, "--metrics-file", str(metrics))
+    assert again.returncode == 4, again.output
+    rep = again.report
+    assert rep is not None and rep["shards_scored"] == 1
+    assert rep["verdict"]["reused"] is False
+    assert rep["drift"]["baseline"]["run_id"] == day1["run_id"]
+    assert rep["drift"]["columns"]["score"]["psi"] > 0.25 and rep["drift"]["alert"] is True
+    assert _status_of(metrics) == "succeeded_with_warnings"
+
+    # A verdict an older version kept after judging the day against a later one: judged again.
+    manifest_path = control_of(root / DAY2) / "_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["verdict"]["drift"]["baseline"]["output"] = str(root / DAY3)
+    manifest["verdict"]["drift"]["alert"] = False
+    manifest_path.write_text(json.dumps(manifest))
+    rerun = _run(shifted, root, bundle_dir, DAY2)
+    assert rerun.returncode == 4, rerun.output
+    assert rerun.report is not None and rerun.report["verdict"]["reused"] is False
+    assert rerun.report["drift"]["baseline"]["run_id"] == day1["run_id"]
+
+
+def test_a_fixed_output_is_compared_with_its_last_clean_dataset(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """A job without placeholders: the baseline is that output's previous dataset whose verdict
+    was clean or accepted, so a shifted feed that changes again still alerts."""
+    out = tmp_path / "scored"
+    args = ["run", *job_args(tmp_path / "feed", out, bundle_dir), "--scheduler", "sync"]
+    shutil.copytree(catalog, tmp_path / "feed")
+    clean = cli(*args)
+    assert clean.returncode == 0, clean.output
+    shutil.rmtree(tmp_path / "feed")
+    _shifted(catalog, tmp_path / "feed", 3.0)
+    assert cli(*args).returncode == 4
+    _touch(tmp_path / "feed" / "part-00002.parquet")  # the shifted feed, exported again
+    again = cli(*args)
+    assert again.returncode == 4, again.output
+    assert again.report is not None and clean.report is not None
+    assert again.report["drift"]["baseline"]["run_id"] == clean.report["run_id"]
