@@ -32,21 +32,31 @@ from pipeline.io.storage import Location
 
 #: Names whose presence in a folder says an output of this tool is (or was) there.
 _SIGNS = (layout.OUTPUT_MARK, MANIFEST_NAME)
+#: A Delta table's log: a table is an output too (``format = "delta"``), or another writer's.
+_LOG = "_delta_log"
 _DATED = re.compile(r"^(?P<key>[^=/]+=)?\d{4}-\d{2}-\d{2}$")
 
 
-def check(out: Location) -> None:
-    """Refuse ``out`` when it contains an output of this tool, lies inside one, or is the
-    fixed part of a template another job writes under (its run index says so)."""
+def check(out: Location, table: Location | None = None) -> None:
+    """Refuse ``out`` when it contains an output of this tool or a Delta table, lies inside one,
+    or is the fixed part of a template another job writes under (its run index says so).
+
+    ``table``: the Delta table ``out`` is a partition of (or is, unpartitioned), for ``format
+    = "delta"``; its own ``_delta_log/`` is no sign of another output. None: a Parquet folder,
+    which no table log may be in, above or below."""
     files = storage.list_files(out)
+    if table is not None and table == out:
+        files = [f for f in files if not f.startswith(_LOG + "/")]
     _refuse_outputs_below(out, files)
-    _refuse_inside_another(out)
+    _refuse_inside_another(out, table)
     _refuse_template_root(out, files)
 
 
 def _nested_in(rel: str) -> str | None:
     """The folder (relative to the output) of another output that ``rel`` is a sign of."""
     parts = rel.split("/")
+    if _LOG in parts[:-1]:
+        return "/".join(parts[: parts.index(_LOG)]) or "."  # a Delta table (or its log)
     if layout.CONTROL_DIR in parts[:-1]:
         # A control folder of outputs below (an older layout kept it beside each output).
         i = parts.index(layout.CONTROL_DIR)
@@ -72,21 +82,24 @@ def _refuse_outputs_below(out: Location, files: list[str]) -> None:
         nested = _nested_in(rel)
         if nested is None:
             continue
+        what = "a Delta table" if f"/{_LOG}/" in f"/{rel}" else "an output of score-catalog"
         raise ConfigError(
-            f"output {out.uri} contains {out.child(nested).uri}, an output of score-catalog "
+            f"output {out.uri} contains {out.child(nested).uri}, {what} "
             f"({out.child(rel).uri} is there): a run into {out.uri} would take its files for "
             f"its own and remove them. Nothing was written. Outputs never nest: "
             f"{_suggestion(out, nested)}."
         )
 
 
-def _refuse_inside_another(out: Location) -> None:
+def _refuse_inside_another(out: Location, table: Location | None) -> None:
     for folder in layout.ancestors(out):
-        for name in _SIGNS:
+        signs = _SIGNS if folder == table else (*_SIGNS, _LOG)
+        for name in signs:
             sign = folder.child(name)
             if storage.exists(sign):
+                what = "a Delta table" if name == _LOG else "an output of score-catalog"
                 raise ConfigError(
-                    f"output {out.uri} lies inside {folder.uri}, an output of score-catalog "
+                    f"output {out.uri} lies inside {folder.uri}, {what} "
                     f"({sign.uri} is there): its next run would remove this run's files, and "
                     f"readers of {folder.uri} would count them as its scores. Nothing was "
                     f"written. Outputs never nest: choose an output outside {folder.uri}."
