@@ -94,6 +94,8 @@ RUN_INDEX_DIR = "_runs"
 BACKFILL_DIR = "_backfills"
 #: Drift acceptances in the run index (``pipeline.io.runindex``).
 ACCEPTED_DIR = "_accepted"
+#: Rollbacks of a Delta table in the run index (``pipeline.io.runindex``).
+ROLLBACKS_DIR = "_rollbacks"
 
 #: Key-value metadata every output file carries in its Parquet footer: who wrote it and with
 #: which model, so that the final check needs nothing but the files themselves.

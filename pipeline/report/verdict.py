@@ -125,14 +125,46 @@ def _baseline(
         # nothing: most likely this very dataset.
         return "dataset" not in entry and same_output and not data["rows_processed"]
 
-    return runindex.previous_success(
+    # A Delta table rolled back holds an older run's scores again (score-catalog rollback):
+    # the runs it undid are no baseline, and what it restored counts as of the rollback's time.
+    restores = runindex.rollbacks(index_root, config.storage, config.name)
+    undone = {r for rec in restores for r in rec.get("rolled_back") or []}
+    found = runindex.previous_success(
         index_root,
         config.storage,
         config.name,
         exclude_run_id=data["run_id"],
         scored_only=True,
-        skip=skip,
+        skip=lambda e: e.get("run_id") in undone or skip(e),
     )
+    restored = [e for e in _restored(restores, config.name) if not skip(e)]
+    candidates = [e for e in (found, *restored) if e is not None]
+    return max(candidates, key=runindex.finished_time, default=None)
+
+
+def _restored(restores: list[dict[str, Any]], job: str) -> list[dict[str, Any]]:
+    """What each rollback made a partition hold again, as a run index entry (its run's score
+    sketches, finished when the rollback was made)."""
+    out = []
+    for rec in restores:
+        for part in rec.get("partitions") or []:
+            if not part.get("run_id") or not part.get("outputs"):
+                continue  # the partition held nothing at that version
+            out.append(
+                {
+                    "run_id": part["run_id"],
+                    "job": job,
+                    "status": "succeeded",
+                    "output": part.get("output"),
+                    "finished_at": rec.get("at"),
+                    "rows_out": part.get("rows_out"),
+                    "rows_processed": part.get("rows_out"),
+                    "outputs": part["outputs"],
+                    "dataset": f"restored:{rec.get('version')}:{part.get('output')}",
+                    "restored_by": rec.get("version"),
+                }
+            )
+    return out
 
 
 def _compare(

@@ -72,8 +72,7 @@ TABLE_LOCK_DIR = "_table"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # Why a file of the partition that this run does not keep goes, when no shard names it.
 _UNKNOWN_REASON = (
-    "not recorded in this output's manifest (restored by a rollback, compacted by OPTIMIZE, or "
-    "committed by a run whose record was lost): the partition now holds this run's files"
+    "replaced: not in this output's manifest (a rollback restored it, or OPTIMIZE compacted it)"
 )
 _STALE_REASON = (
     "its input shard no longer exists"  # as the folder says it (pipeline.io.outputs.folder)
