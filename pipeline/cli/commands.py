@@ -361,22 +361,22 @@ def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_j
     """
     # Imported here, downward: --help must not pay for numpy and fsspec (the report needs no
     # torch either: tests/cli/test_commands.py).
-    from pipeline.report.build import RunReport
-    from pipeline.report.text import diff_table, load_report, summary_table
+    from pipeline.report.text import diff_table, find_report, load_report, summary_table
 
     console = logs.Console.setup("text", -1)
     try:
         bad = unknown_options([run_uri, *([other] if other else [])], storage or {})
         if bad:
             raise ConfigError(bad)
-        current = load_report(run_uri, storage or {})
+        found = find_report(run_uri, storage or {})
         previous = load_report(other, storage or {}) if other else None
     except PipelineError as e:
         _fail(e, console)
+    current = found.data
     if as_json:
         click.echo(to_json(current if previous is None else [current, previous]))
     elif previous is None:
-        click.echo(summary_table(RunReport(current)))
+        click.echo(summary_table(found))  # names the page where it is (found.control)
     else:
         click.echo(diff_table(current, previous))
 

@@ -26,7 +26,7 @@ from pipeline.core.interrupt import StopRequest
 from pipeline.core.statuses import SUCCESS_STATUSES, FailureKind
 from pipeline.driver.dispatch import not_scored
 from pipeline.driver.phases import Locked, Prepared, Scored
-from pipeline.driver.reconcile import Wanted, wanted
+from pipeline.driver.reconcile import Wanted, gone_reasons, wanted
 from pipeline.driver.status import Decision, Findings, decide, may_succeed
 from pipeline.io import runindex, storage
 from pipeline.io.layout import HTML_NAME, REPORT_NAME, SUCCESS_NAME
@@ -374,7 +374,11 @@ def _reconcile(prepared: Prepared, locked: Locked, want: Wanted) -> Reconciliati
     manifest = locked.manifest
     ours = set(locked.previous_outputs) | set(manifest.shards)
     fmt = prepared.output_format
-    settled = fmt.settle(prepared.rejects, want.keep, ours, want.reasons)
+    opts = prepared.config.storage
+    left = ours - want.keep - set(want.reasons)
+    input_uri = storage.locate(prepared.config.input_uri(), opts).uri
+    reasons = {**gone_reasons(manifest.shards, left, input_uri, opts), **want.reasons}
+    settled = fmt.settle(prepared.rejects, want.keep, ours, reasons)
     for rel in set(manifest.shards) - want.keep:
         manifest.forget(rel)
     manifest.flush()

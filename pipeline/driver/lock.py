@@ -18,7 +18,7 @@ from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import StopRequest
 from pipeline.driver.phases import Locked, Prepared
 from pipeline.driver.prepare import stop_if_asked
-from pipeline.io import layout, storage
+from pipeline.io import layout, nesting, storage
 from pipeline.io.layout import LOCK_NAME
 from pipeline.io.listing import ShardRef
 from pipeline.io.locking import RunLock, holder_text, live_holder
@@ -47,6 +47,14 @@ def take(prepared: Prepared, stop: StopRequest, cleanup: contextlib.ExitStack) -
         stale_after_s=config.stale_lock_after_s,
         what=f"output {out.uri}",
     )
+    try:
+        # Again, now that no other run can change it: a run of another job may have taken the
+        # output while this one planned. Refused, it writes nothing (no report either: the
+        # report there is the other job's).
+        nesting.check_owner(prepared.places, nesting.owner_record(config, prepared.places))
+    except BaseException:
+        log_cleanup_error(lock.release, "releasing the lock")
+        raise
     cleanup.callback(_release, lock, prepared)
     for other in fmt.exclusive_with:  # a table's maintenance lock: taken, then this checked
         held = live_holder(other, config.stale_lock_after_s)
@@ -75,14 +83,18 @@ def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> L
         loaded.shards,
         verdict=loaded.verdict,
         format_state=loaded.format_state,
+        owner=loaded.owner,
         fence=lock.assert_held,
     )
     cleanup.callback(log_cleanup_error, manifest.flush, "saving the manifest")
     moved = _rejects_moved(prepared, manifest)
-    if loaded.read_from is not None or moved:
-        # Written by an older version elsewhere (inside the output), or naming rejects where it
-        # kept them: save it to the control folder first, then drop the old copy (a crash in
-        # between leaves both; the new one wins).
+    # The output is this job's from now on: recorded before anything is scored, so that a run
+    # of another job is refused even if this one stops before its first shard.
+    owned = manifest.set_owner(nesting.owner_record(config, prepared.places))
+    if loaded.read_from is not None or moved or owned:
+        # Written by an older version elsewhere (inside the output), naming rejects where it
+        # kept them, or without this owner: save it to the control folder first, then drop
+        # the old copy (a crash in between leaves both; the new one wins).
         manifest.save()
     if loaded.read_from is not None:
         storage.remove(loaded.read_from)
@@ -127,6 +139,10 @@ def _skipped(prepared: Prepared, manifest: Manifest, s: ShardRef) -> ShardResult
         # Deleted, replaced or copied over since: score it again instead of trusting it.
         logger.warning("scoring %s again: %s", s.rel_path, problems[0])
         return None
+    if done.get("input") != s.uri:
+        # The same shard at another place (the job's input moved): the entry names where it is
+        # now, so that its removal, once it leaves the input, says why truthfully.
+        manifest.record(s.rel_path, {**done, "input": s.uri})
     return ShardResult.skipped(s.rel_path, s.uri, done)
 
 

@@ -31,7 +31,7 @@ from pipeline.driver.inspect import (
 from pipeline.io import layout, nesting, ownership, storage
 from pipeline.io.listing import ShardRef
 from pipeline.io.manifest import Manifest, expectation, fingerprint_hash
-from pipeline.io.outputs import output_format, table_of
+from pipeline.io.outputs import output_format
 from pipeline.io.outputs.base import Expected, OutputFormat
 from pipeline.io.parquet import ShardInfo
 from pipeline.model import oov, programcache, registry
@@ -56,9 +56,10 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     out_root = where.output
     shards = list_input(config)
     # What a run would refuse before writing (a missing bucket, an output under a file, an
-    # output that contains or lies inside another).
+    # output that contains or lies inside another, or belongs to another job; rejects inside
+    # a dataset).
     ownership.check_write_target(out_root, "output", create_bucket=config.create_output_bucket)
-    nesting.check(out_root, table_of(config))
+    nesting.check_run(config, where, storage.locate(config.rejects_uri("plan"), opts))
     device = resolve_device(config.device)
     spec, _, sha = read_bundle(config.model, opts)
     found = inspect_shards(config, shards, spec, sha, device, opts)

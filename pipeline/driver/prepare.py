@@ -37,7 +37,7 @@ from pipeline.driver.inspect import (
 from pipeline.driver.phases import Prepared
 from pipeline.driver.workers import model_spec
 from pipeline.io import layout, listing, nesting, ownership, storage
-from pipeline.io.outputs import output_format, table_of
+from pipeline.io.outputs import output_format
 from pipeline.model import oov, registry
 from pipeline.model.bundle import BundleSpec, read_bundle
 from pipeline.model.program import resolve_device
@@ -84,9 +84,11 @@ def prepare(
         for loc, what in ((out, "output"), (rejects, "rejects"))
         if (bucket := ownership.check_write_target(loc, what, create_bucket=create))
     )
-    # Outputs never nest: one that contains, lies inside or is the template root of another
-    # output of this tool is refused before the model is even loaded.
-    nesting.check(out, table_of(config))
+    # Outputs never nest, and no run takes another job's output: one that contains, lies
+    # inside or is the template root of another output of this tool, lies inside another
+    # template's root or a control area, or belongs to another job, and rejects inside any
+    # dataset, are refused before the model is even loaded.
+    nesting.check_run(config, places, rejects)
     device = resolve_device(config.device)
     bundle, _, sha = read_bundle(config.model, opts)
     # Before any worker spec: each output file's footer carries the settings hash.

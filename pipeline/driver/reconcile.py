@@ -5,11 +5,13 @@ those whose previous output must go, with why. The output format does the taking
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from pipeline.core.errors import PipelineError
 from pipeline.core.statuses import FailureKind, ShardStatus
+from pipeline.io import storage
 
 
 class Outcome(Protocol):
@@ -57,3 +59,31 @@ def wanted(results: Iterable[Outcome]) -> Wanted:
         else:
             reasons[r.rel_path] = f"its shard failed in this run ({r.kind})"
     return Wanted(rows, untouched, reasons)
+
+
+def gone_reasons(
+    entries: Mapping[str, Mapping[str, Any]],
+    rels: Iterable[str],
+    input_uri: str,
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """Why the outputs at ``rels`` go when their shard is not in this run's input although
+    the input file their manifest entry names still exists (the job's input changed: another
+    folder, glob or ``{date}``). Reconciling says ``its input shard no longer exists`` only of
+    the others, whose input really is gone. One ``exists`` per such output: only shards that
+    left the input are asked about."""
+    reasons = {}
+    for rel in rels:
+        source = (entries.get(rel) or {}).get("input")
+        if not isinstance(source, str):
+            continue
+        try:
+            there = storage.exists(storage.locate(source, options))
+        except (OSError, PipelineError):
+            continue  # cannot tell: the usual reason stands
+        if there:
+            reasons[rel] = (
+                f"its input shard {source} still exists but is no longer in this job's input "
+                f"({input_uri})"
+            )
+    return reasons

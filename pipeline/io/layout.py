@@ -43,7 +43,9 @@ and :func:`claim` moves them to their place here when a run takes the output's l
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import posixpath
 import re
 from collections.abc import Callable, Mapping
@@ -305,8 +307,17 @@ def claim(
     new place).
     """
     fence()
+    out = where.output
+    # Only what belongs to this output moves or goes: an older layout's place whose files
+    # describe another output (pipeline.nesting refuses such an output before this) is left.
+    olds = tuple(o for o in where.old_controls if not _describes_another(o, out))
+    if olds != where.old_controls:
+        kept = set(where.old_controls) - set(olds)
+        where = dataclasses.replace(
+            where, old_controls=olds, moves=tuple(m for m in where.moves if m[0] not in kept)
+        )
     if mark is not None:
-        marker = where.output.child(mark)
+        marker = out.child(mark)
         if not storage.exists(marker):
             storage.write_bytes(marker, b"")
     withdraw()
@@ -314,6 +325,28 @@ def claim(
         for name in (REPORT_NAME, HTML_NAME):
             storage.remove(root.child(name))
     migrate(where, fence)
+
+
+def _describes_another(folder: Location, out: Location) -> bool:
+    """Whether the control files in ``folder``, an older layout's place for ``out``'s, are
+    another output's: its report names another output, or its manifest another owner's."""
+    real = storage.real_path(out)
+    names = {loc.uri.rstrip("/") for loc in (out, real)}
+    for name, path in ((REPORT_NAME, ("output",)), (MANIFEST_NAME, ("owner", "output"))):
+        try:
+            doc = storage.read_json(folder.child(name))
+        except (ValueError, IsADirectoryError, NotADirectoryError):
+            continue
+        for key in path:
+            doc = doc.get(key) if isinstance(doc, dict) else None
+        if not isinstance(doc, str) or doc.rstrip("/") in names:
+            continue
+        if not (out.is_local and os.path.realpath(doc) == real.path.rstrip("/")):
+            logger.warning(
+                "left %s alone: its %s describes another output, %s", folder.uri, name, doc
+            )
+            return True
+    return False
 
 
 def migrate(where: Places, fence: Callable[[], None]) -> None:
@@ -333,7 +366,13 @@ def migrate(where: Places, fence: Callable[[], None]) -> None:
             entries = storage.ls(old_parent)
         except (FileNotFoundError, NotADirectoryError):
             continue
-        pairs += [(e, new_parent.child(e.name)) for e in entries if pattern.fullmatch(e.name)]
+        # The control folder of <root>/<name> (its rejects have no control files to judge).
+        outputs = ancestors(old_parent)[0]
+        pairs += [
+            (e, new_parent.child(e.name))
+            for e in entries
+            if pattern.fullmatch(e.name) and not _describes_another(e, outputs.child(e.name))
+        ]
     # The JSON files that move (manifests, reports, run index entries) name rejects and
     # reports by their old places: they name the new ones once moved.
     renames = [(old, new) for old, new, _ in where.sweeps] + list(where.moves)

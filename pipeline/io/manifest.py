@@ -91,6 +91,10 @@ class Manifest:
     # table's app id, its last committed run version and the one pending (recorded before a
     # commit, so that a resume can tell whether it landed). None for the Parquet folder.
     format_state: dict[str, Any] | None = field(default=None, repr=False)
+    # The job that owns the output these entries describe (pipeline.nesting.owner_record): its
+    # name, output template and the output's real path. None in manifests of older versions
+    # (the first run of this version adopts the output and records itself).
+    owner: dict[str, Any] | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, control: Location, old: Sequence[Location] = ()) -> Manifest:
@@ -102,7 +106,7 @@ class Manifest:
             src = where.child(MANIFEST_NAME)
             doc = cls._read(src)
             if doc is not None:
-                verdict = doc.get("verdict")
+                verdict, owner = doc.get("verdict"), doc.get("owner")
                 state = doc.get("output_format")
                 return cls(
                     loc,
@@ -110,6 +114,7 @@ class Manifest:
                     read_from=None if src == loc else src,
                     verdict=verdict if isinstance(verdict, dict) else None,
                     format_state=state if isinstance(state, dict) else None,
+                    owner=owner if isinstance(owner, dict) else None,
                 )
         return cls(loc)
 
@@ -159,6 +164,14 @@ class Manifest:
             self.format_state = None if state is None else dict(state)
             self._dirty = True
 
+    def set_owner(self, owner: dict[str, Any]) -> bool:
+        """Record ``owner`` (saved by the next :meth:`flush`); True if it changed."""
+        if owner == self.owner:
+            return False
+        self.owner = dict(owner)
+        self._dirty = True
+        return True
+
     def _changed(self) -> None:
         self._dirty = True
         if time.monotonic() - self._last_end >= self._last_cost / SAVE_BUDGET:
@@ -176,8 +189,10 @@ class Manifest:
             "updated_at": dt.datetime.now(dt.timezone.utc).isoformat(),
             "shards": dict(sorted(self.shards.items())),
         }
+        # Optional keys: versions that do not know them read the shards as before.
+        if self.owner is not None:
+            doc["owner"] = self.owner
         if self.verdict is not None:
-            # An optional key: versions that do not know it read the shards as before.
             doc["verdict"] = self.verdict
         if self.format_state is not None:
             doc["output_format"] = self.format_state  # optional, as the verdict

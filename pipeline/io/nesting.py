@@ -11,20 +11,41 @@ What is checked, and what it costs on object storage (every run does it):
 
 * below: the output's own tree, listed once (reconcile lists it again at the end), for another
   output's mark (``_SCORE_CATALOG``), manifest, or a control folder (``_score_catalog/``);
-* above: each folder from the output's parent up to the bucket or filesystem root, for a mark
-  or a manifest: two ``exists`` calls per level, no listing;
+* above: each folder from the output's parent up to the bucket or filesystem root, for a mark,
+  a manifest, or a control area beside it (the root of a template): three ``exists`` calls
+  per level, no listing;
 * as a template root: the run index a template rooted at the output would keep (in the
   output's control area, or inside it in the older layout): one listing of a folder that
   normally does not exist, and one small read per job found there (its newest entry).
+
+That walk up finds the *roots* of other templates: a folder with a control area beside it
+(``<parent>/_score_catalog/<name>``, written by the first run of any template rooted there). An
+output inside another template's root (``--output data/scored/run_date=2026-11-02`` by hand,
+when the nightly writes ``data/scored/run_date={date}``) would keep its rejects and control
+files inside that root, where readers count them as scores: refused, as is an output or
+rejects inside a control area or another job's default rejects area, and rejects inside any
+dataset (this job's own root included). Where the control area and the default rejects go is
+derived from the output's root, beside it: the folders above them are the output's, so
+checking the output (and refusing outputs inside those areas) covers them.
+
+An output belongs to one job (:func:`check_owner`): its manifest records the job's name, its
+output template and the output's real path, and a run of another job, or of the same job
+through another template or a symlink, is refused before anything is written. All checks look
+at real paths (symlinks resolved, local disk).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
+import string
+from collections.abc import Mapping
 from typing import Any
 
 from pipeline.core import templates
+from pipeline.core.config import JobConfig
 from pipeline.core.errors import ConfigError
 from pipeline.io import layout, storage
 from pipeline.io.layout import MANIFEST_NAME
@@ -37,19 +58,43 @@ _LOG = "_delta_log"
 _DATED = re.compile(r"^(?P<key>[^=/]+=)?\d{4}-\d{2}-\d{2}$")
 
 
-def check(out: Location, table: Location | None = None) -> None:
-    """Refuse ``out`` when it contains an output of this tool or a Delta table, lies inside one,
-    or is the fixed part of a template another job writes under (its run index says so).
+def check(out: Location, root: Location | None = None, table: Location | None = None) -> None:
+    """Refuse ``out`` when it lies inside a control or default rejects area, contains an output
+    of this tool or a Delta table, lies inside one, lies inside the root of another template
+    than its own (``root``: the real fixed part of the run's template; None: not checked), or
+    is the fixed part of a template another job writes under (its run index says so).
 
     ``table``: the Delta table ``out`` is a partition of (or is, unpartitioned), for ``format
     = "delta"``; its own ``_delta_log/`` is no sign of another output. None: a Parquet folder,
     which no table log may be in, above or below."""
+    out = storage.real_path(out)
+    if table is not None:
+        table = storage.real_path(table)
+    _refuse_in_area("output", out)
     files = storage.list_files(out)
-    if table is not None and table == out:
+    if table is not None and _same(table, out):
         files = [f for f in files if not f.startswith(_LOG + "/")]
     _refuse_outputs_below(out, files)
-    _refuse_inside_another(out, table)
+    _refuse_inside_another(out, root, table)
     _refuse_template_root(out, files)
+
+
+def check_run(config: JobConfig, where: layout.Places, rejects: Location) -> None:
+    """Everything a run checks about its places before it writes anything: its output is in
+    no control area, is no other job's (:func:`check_owner`), does not nest
+    (:func:`check`), and its rejects lie in no dataset (:func:`check_rejects`). A Delta
+    table's partition (``format = "delta"``) lies in its own table: the template's root."""
+    root = own_root(config)
+    _refuse_in_area("output", storage.real_path(where.output))
+    check_owner(where, owner_record(config, where))
+    check(where.output, root, root if config.format == "delta" else None)
+    check_rejects(rejects, root, config.output, explicit=config.rejects is not None)
+
+
+def own_root(config: JobConfig) -> Location:
+    """The real path of the fixed part of ``config``'s output template."""
+    root = templates.fixed_part(config.output)[0]
+    return storage.real_path(storage.locate(root, config.storage))
 
 
 def _nested_in(rel: str) -> str | None:
@@ -91,19 +136,173 @@ def _refuse_outputs_below(out: Location, files: list[str]) -> None:
         )
 
 
-def _refuse_inside_another(out: Location, table: Location | None) -> None:
+def _refuse_inside_another(
+    out: Location, root: Location | None, table: Location | None = None
+) -> None:
     for folder in layout.ancestors(out):
-        signs = _SIGNS if folder == table else (*_SIGNS, _LOG)
-        for name in signs:
-            sign = folder.child(name)
-            if storage.exists(sign):
-                what = "a Delta table" if name == _LOG else "an output of score-catalog"
-                raise ConfigError(
-                    f"output {out.uri} lies inside {folder.uri}, {what} "
-                    f"({sign.uri} is there): its next run would remove this run's files, and "
-                    f"readers of {folder.uri} would count them as its scores. Nothing was "
-                    f"written. Outputs never nest: choose an output outside {folder.uri}."
-                )
+        own_table = table is not None and _same(folder, table)
+        sign = _sign_in(folder, with_log=not own_table)
+        if sign is not None:
+            what = "a Delta table" if sign.path.endswith(_LOG) else "an output of score-catalog"
+            raise ConfigError(
+                f"output {out.uri} lies inside {folder.uri}, {what} "
+                f"({sign.uri} is there): its next run would remove this run's files, and "
+                f"readers of {folder.uri} would count them as its scores. Nothing was "
+                f"written. Outputs never nest: choose an output outside {folder.uri}."
+            )
+        if root is None or _same(folder, root):
+            continue  # the run's own template root: its control area is this job's
+        area = _control_area_of(folder)
+        if area is not None and storage.exists(area):
+            raise _inside_root(out, folder, area)
+
+
+def _sign_in(folder: Location, *, with_log: bool = True) -> Location | None:
+    """The mark or manifest in ``folder`` that says it is an output of this tool, or its
+    ``_delta_log/`` that says it is a Delta table (``with_log``), or None."""
+    for name in (*_SIGNS, _LOG) if with_log else _SIGNS:
+        sign = folder.child(name)
+        if storage.exists(sign):
+            return sign
+    return None
+
+
+def _same(a: Location, b: Location) -> bool:
+    return a.path.rstrip("/") == b.path.rstrip("/")
+
+
+def _inside(loc: Location, tree: Location) -> bool:
+    """True when ``loc`` is ``tree`` or lies below it (paths as given: pass real paths)."""
+    return (loc.path.rstrip("/") + "/").startswith(tree.path.rstrip("/") + "/")
+
+
+def _at(loc: Location, path: str) -> Location:
+    """A Location for ``path`` on ``loc``'s storage."""
+    uri = path if loc.is_local else str(loc.fs.unstrip_protocol(path))
+    return Location(loc.fs, path, uri, loc.retry_deadline_s)
+
+
+def _control_area_of(folder: Location) -> Location | None:
+    """Where a template rooted at ``folder`` keeps its control files (``<parent>/
+    _score_catalog/<name>``), or None when ``folder`` has no parent."""
+    uri = templates.beside(folder.uri, layout.CONTROL_DIR)
+    return None if uri is None else storage.sibling(folder, uri)
+
+
+def _jobs_in(area: Location) -> str:
+    """``; its run index names job(s) 'a', 'b'``: the jobs with a run index in the control
+    area ``area`` (empty when it has none)."""
+    try:
+        jobs = [e.name for e in storage.ls(area.child(layout.RUN_INDEX_DIR))]
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+    return f"; its run index names job(s) {', '.join(repr(j) for j in jobs)}" if jobs else ""
+
+
+def _inside_root(out: Location, root: Location, area: Location) -> ConfigError:
+    first = out.path[len(root.path.rstrip("/")) + 1 :].split("/", 1)[0]
+    m = _DATED.match(first)
+    if m is not None:
+        date = first.rsplit("=", 1)[-1]
+        fix = (
+            f"If {out.uri} is that template's output for {date}, rerun its job with its own "
+            f"job file and --date {date} instead of --output; otherwise choose an output "
+            f"outside {root.uri}."
+        )
+    else:
+        fix = f"Choose an output outside {root.uri}."
+    return ConfigError(
+        f"output {out.uri} lies inside {root.uri}, the fixed part of an output template that "
+        f"another job writes under ({area.uri} holds its control files{_jobs_in(area)}): "
+        f"this run would keep its rejects and control files inside {root.uri}, where readers "
+        f"of that dataset count them as scores, and that job's runs would take this output "
+        f"for one of theirs. Nothing was written. {fix}"
+    )
+
+
+#: The folders this tool keeps beside a template's root: never a place for scores or rejects.
+_AREAS = {
+    layout.CONTROL_DIR: "a control area of score-catalog (the manifests, reports and run index "
+    "of the outputs beside it)",
+    layout.REJECTS_DIR: "a default rejects area of score-catalog (the rejected rows of the "
+    "outputs beside it)",
+}
+
+
+def _refuse_in_area(what: str, loc: Location, own_root: Location | None = None) -> None:
+    """Refuse an output or rejects location (real path) inside a control area, or inside a
+    default rejects area that is not ``own_root``'s; an output in any rejects area."""
+    parts = loc.path.rstrip("/").split("/")
+    for i, part in enumerate(parts):
+        if part not in _AREAS:
+            continue
+        area = _at(loc, "/".join(parts[: i + 1]))
+        if part == layout.REJECTS_DIR and what == "rejects" and i + 1 < len(parts):
+            # <parent>/_rejects/<name>/...: the default rejects of the root <parent>/<name>.
+            served = _at(loc, "/".join([*parts[:i], parts[i + 1]]))
+            if (own_root is not None and _same(served, own_root)) or _dataset_at(served) is None:
+                continue
+        raise ConfigError(
+            f"{what} {loc.uri} lies inside {area.uri}, {_AREAS[part]}: a run there would mix "
+            f"its files with theirs, and take or remove them as its own. Nothing was written. "
+            f"Choose {what} outside {area.uri}"
+            + (" (leave rejects unset for the default)." if what == "rejects" else ".")
+        )
+
+
+def _dataset_at(folder: Location) -> str | None:
+    """What makes ``folder`` a dataset, in words: an output of this tool (its mark or manifest
+    is there) or the root of a template (a control area beside it); None when neither. Up to
+    three ``exists`` calls."""
+    sign = _sign_in(folder)
+    if sign is not None:
+        return f"an output of score-catalog ({sign.uri} is there)"
+    area = _control_area_of(folder)
+    if area is not None and storage.exists(area):
+        return f"the fixed part of an output template ({area.uri} holds its control files)"
+    return None
+
+
+def check_rejects(rejects: Location, root: Location, template: str, *, explicit: bool) -> None:
+    """Refuse (exit 2, before anything is written) a rejects location inside a dataset: this
+    job's own template root ``root`` (real path), a control or another job's default rejects
+    area, another output, or another template's root; or one that contains another output.
+
+    The default (``<root's parent>/_rejects/<root's name>/...``) lies beside the root by
+    construction, and its folders above are the output's, which :func:`check` walks: only
+    the first two checks apply to it. An explicit one is walked up (up to three ``exists``
+    calls per folder) and listed.
+    """
+    rej = storage.real_path(rejects)
+    if storage.same_filesystem(rej, root) and _inside(rej, root):
+        raise ConfigError(
+            f"rejects {rej.uri} lies inside {root.uri}, the fixed part of the output template "
+            f"{template}: readers of {root.uri} (DuckDB's '**/*.parquet', Dask, Polars) would "
+            "count rejected rows as scores. Nothing was written. Leave rejects unset (beside "
+            f"the root: <root's parent>/_rejects/<root's name>/...) or choose a folder outside "
+            f"{root.uri}."
+        )
+    _refuse_in_area("rejects", rej, root)
+    if not explicit:
+        return
+    for folder in [rej, *layout.ancestors(rej)]:
+        what = _dataset_at(folder)
+        if what is not None:
+            raise ConfigError(
+                f"rejects {rej.uri} lies inside {folder.uri}, {what}: readers of {folder.uri} "
+                "would count rejected rows as scores, and its runs would find files they did "
+                f"not write. Nothing was written. Leave rejects unset or choose a folder "
+                f"outside {folder.uri}."
+            )
+    for rel in storage.list_files(rej):
+        nested = _nested_in(rel)
+        if nested is not None:
+            raise ConfigError(
+                f"rejects {rej.uri} contains {rej.child(nested).uri}, an output of "
+                f"score-catalog ({rej.child(rel).uri} is there): this run would write and clean "
+                "up rejects among its files. Nothing was written. Choose a rejects folder "
+                "that holds no output."
+            )
 
 
 def _index_dirs(out: Location, files: list[str]) -> list[Location]:
@@ -155,3 +354,169 @@ def _refuse_template_root(out: Location, files: list[str]) -> None:
                 f"choose an output outside {out.uri}; if that job no longer writes there, "
                 f"delete its run index folder {job_dir.uri} first."
             )
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+def template_key(template: str, options: Mapping[str, Any] | None = None) -> str:
+    """``template`` as an owner record names it: its fixed part as a real absolute path (local
+    disk: symlinks resolved, so a relative template and its absolute spelling are one), the
+    rest as written. ``data/scored/run_date={date}`` gives ``/srv/x/data/scored/run_date={date}``.
+    """
+    root, _ = templates.fixed_part(template)
+    rest = template if root == "." else template[len(root) :] if template.startswith(root) else ""
+    real = storage.real_path(storage.locate(root, options)).uri.rstrip("/")
+    rest = rest.strip("/")
+    return f"{real}/{rest}" if rest else real or "/"
+
+
+def owner_record(config: JobConfig, where: layout.Places) -> dict[str, str]:
+    """What a run records in its output's manifest as the output's owner: the job's name, its
+    output template (:func:`template_key`) and the output's real path."""
+    return {
+        "job": config.name,
+        "template": template_key(config.output, config.storage),
+        "output": storage.real_path(where.output).uri,
+    }
+
+
+def check_owner(where: layout.Places, owner: Mapping[str, str]) -> None:
+    """Refuse (:class:`ConfigError`, exit 2) an output that another job owns.
+
+    The manifest in this run's own control folder (or an older layout's place for it) must
+    name ``owner``'s job and template; one without an owner (written before owners were
+    recorded) is adopted when its entries are files of this output. And no other control
+    folder may describe the output's real path: a manifest found where another template's
+    layout keeps it (the output reached through a symlink or a template rooted elsewhere) is
+    another job's, or this job's under another template. Cost: one read of this run's manifest
+    (its other places until one is found) and one ``exists`` per folder above the output.
+    """
+    out = where.output
+    seen: set[str] = set()
+    judged = False
+    for place in (where.control, *where.old_controls):
+        loc = place.child(MANIFEST_NAME)
+        seen.add(storage.real_path(loc).path)
+        doc = None if judged else _manifest_doc(loc)
+        if doc is not None:
+            judged = True
+            _judge_own(out, loc, doc, owner)
+    for place in layout.candidates(storage.real_path(out)):
+        loc = place.child(MANIFEST_NAME)
+        if storage.real_path(loc).path in seen:
+            continue
+        doc = _manifest_doc(loc)
+        if doc is not None:
+            raise _taken(out, loc, doc, owner, elsewhere=True)
+
+
+def _manifest_doc(loc: Location) -> dict[str, Any] | None:
+    """The manifest at ``loc`` as a JSON object; None when there is none or it is unreadable
+    (the run's own load then says what is wrong with it)."""
+    try:
+        doc = storage.read_json(loc)
+    except (ValueError, IsADirectoryError, NotADirectoryError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _judge_own(
+    out: Location, loc: Location, doc: Mapping[str, Any], owner: Mapping[str, str]
+) -> None:
+    recorded = doc.get("owner")
+    if isinstance(recorded, dict):
+        if (recorded.get("job"), recorded.get("template")) != (owner["job"], owner["template"]):
+            raise _taken(out, loc, doc, owner)
+        return
+    # Written before owners were recorded: adopted when what it lists is in this output.
+    real = storage.real_path(out)
+    for entry in (doc.get("shards") or {}).values():
+        written = entry.get("output") if isinstance(entry, dict) else None
+        if isinstance(written, str) and not _lists_file_of(written, out, real):
+            raise _taken(out, loc, doc, owner, example=written)
+
+
+def _lists_file_of(uri: str, out: Location, real: Location) -> bool:
+    """Whether ``uri`` (a manifest entry's output file) lies in the output ``out``."""
+    if any(uri.startswith(o.uri.rstrip("/") + "/") for o in (out, real)):
+        return True
+    return out.is_local and os.path.realpath(uri).startswith(real.path.rstrip("/") + "/")
+
+
+def _flags_only_name() -> str:
+    """The job name of a run without a job file (``JobConfig.name``'s default)."""
+    return str(next(f.default for f in dataclasses.fields(JobConfig) if f.name == "name"))
+
+
+def _date_in(template: str, output: str) -> str | None:
+    """The ``{date}`` that fills ``template`` in to ``output``, or None."""
+    pattern, named = [], False
+    for text, field_name, _spec, _conv in string.Formatter().parse(template):
+        pattern.append(re.escape(text))
+        if field_name == "date":
+            pattern.append(r"(?P=date)" if named else r"(?P<date>\d{4}-\d{2}-\d{2})")
+            named = True
+        elif field_name is not None:
+            pattern.append("[^/]+")
+    m = re.fullmatch("".join(pattern), output.rstrip("/")) if named else None
+    return m.group("date") if m else None
+
+
+def _taken(
+    out: Location,
+    loc: Location,
+    doc: Mapping[str, Any],
+    owner: Mapping[str, str],
+    *,
+    elsewhere: bool = False,
+    example: str | None = None,
+) -> ConfigError:
+    """The refusal of an output that ``doc`` (the manifest at ``loc``) says is not ours."""
+    real = storage.real_path(out)
+    where = out.uri if _same(out, real) else f"{out.uri} (real path {real.uri})"
+    mine = f"this run is job {owner['job']!r} with output template {owner['template']}"
+    recorded = doc.get("owner")
+    if not isinstance(recorded, dict):
+        listed = example or next(
+            (e.get("output") for e in (doc.get("shards") or {}).values() if isinstance(e, dict)),
+            None,
+        )
+        return ConfigError(
+            f"output {where} is described by the manifest {loc.uri}, written by an older "
+            f"version for another output or template (it lists {listed}); {mine}. A run would "
+            "take that output's files for its own and remove or replace them. Nothing was "
+            "written. Run the job that wrote it with its own job file and output template, or "
+            "choose another output."
+        )
+    job, template = recorded.get("job"), recorded.get("template")
+    head = (
+        f"output {where} belongs to job {job!r} (output template {template}; its manifest "
+        f"{loc.uri}); {mine}."
+    )
+    if job != owner["job"]:
+        run_theirs = (
+            f"run it with flags only, as it was written (a run without a job file is job {job!r})"
+            if job == _flags_only_name()
+            else f"run job {job!r} from its own job file"
+        )
+        return ConfigError(
+            f"{head} A run would replace or remove that job's scores. Nothing was written. Two "
+            f"jobs never share an output: give job {owner['job']!r} an output of its own, or "
+            f"{run_theirs}. If {owner['job']!r} is {job!r} renamed (a job is named after its "
+            f'job file unless the file sets name), put name = "{job}" in its job file: a job '
+            "keeps its outputs, run index and drift history by its name."
+        )
+    date = _date_in(str(template), str(recorded.get("output") or real.uri))
+    fix = (
+        f"this is the output of template {template} of job {job!r} for {date}: rerun it with "
+        f"--date {date} and the job's own output template (no --output)"
+        if date is not None
+        else f"run it with the job's own output template {template}"
+    )
+    why = "reached through another template or a symlink" if elsewhere else "under another template"
+    return ConfigError(
+        f"{head} A run {why} keeps its manifest, report and rejects in other places (inside "
+        f"the dataset readers query) and would take that output's files for its own. Nothing "
+        f"was written. {fix[0].upper()}{fix[1:]}."
+    )

@@ -171,6 +171,12 @@ def load_report(uri: str, options: Mapping[str, Any] | None = None) -> dict[str,
     Nothing there, or something that is not a run report, is a :class:`UsageError` (exit 2)
     saying what to give instead.
     """
+    return find_report(uri, options).data
+
+
+def find_report(uri: str, options: Mapping[str, Any] | None = None) -> RunReport:
+    """:func:`load_report`, with the folder it was found in as the report's ``control`` (where
+    its ``_report.html`` is too), so that what is printed names the real place."""
     given = storage.locate(uri, options)
     hint = (
         f"give a run's output root (its {REPORT_NAME} is in the control folder beside the "
@@ -198,7 +204,7 @@ def load_report(uri: str, options: Mapping[str, Any] | None = None) -> dict[str,
         raise UsageError(f"no run report at {given.uri}: it {where}; {hint}")
     if not isinstance(data, dict) or "run_id" not in data:
         raise UsageError(f"{loc.uri} is not a run report (no run_id); {hint}")
-    return data
+    return RunReport(data, control=loc.uri.rsplit("/", 1)[0])
 
 
 def _num(v: Any, fmt: str = ",.0f") -> str:

@@ -267,3 +267,27 @@ def rejects_of(out: Path, root: Path | None = None) -> Path:
     name>/<out below the root>``."""
     root = out if root is None else root
     return root.parent / "_rejects" / root.name / out.relative_to(root)
+
+
+def reader_counts(root: Path) -> dict[str, int]:
+    """The rows each dataset reader finds at ``root`` (a template's fixed part, or one output),
+    read the way docs/output.md tells analysts to: DuckDB ``'**/*.parquet'`` with
+    ``hive_partitioning``, Polars on the folder and on the glob, ``pyarrow.dataset`` with
+    ``partitioning="hive"``, pandas and Dask. A reader that fails raises."""
+    import dask.dataframe as dd
+    import duckdb
+    import pandas as pd
+    import polars as pl
+    import pyarrow.dataset as ds
+
+    sql = f"select count(*) from read_parquet('{root}/**/*.parquet', hive_partitioning=true)"
+    row = duckdb.connect().execute(sql).fetchone()
+    assert row is not None
+    return {
+        "duckdb": int(row[0]),
+        "polars root": pl.scan_parquet(root).select(pl.len()).collect().item(),
+        "polars glob": pl.scan_parquet(f"{root}/**/*.parquet").select(pl.len()).collect().item(),
+        "pyarrow.dataset": ds.dataset(root, partitioning="hive").count_rows(),
+        "pandas": len(pd.read_parquet(root)),
+        "dask": len(dd.read_parquet(str(root))),
+    }

@@ -262,12 +262,10 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
     # An old lock held by a live process elsewhere is stale after stale_lock_after_s.
     lock = {"host": "elsewhere", "pid": 1, "run_id": "ancient", "started_ts": time.time() - 99}
     (out / "_lock.json").write_text(json.dumps(lock))
-    job = tmp_path / "job.toml"
-    job.write_text(
-        f'input = "{catalog}"\noutput = "{out}"\nmodel = "{bundle_dir}"\n'
-        'scheduler = "sync"\nstale_lock_after_s = 10\n'
-    )
-    res = cli("run", str(job), in_process=True)
+    # The same job (flags only: a job file would be another job, whose run is refused).
+    env = {"SCORE_CATALOG_STALE_LOCK_AFTER_S": "10", "SCORE_CATALOG_SCHEDULER": "sync"}
+    opts = ("--passthrough", "category", "--batch-size", "400")
+    res = cli("run", *job_args(catalog, out, bundle_dir, *opts), env=env, in_process=True)
     assert res.returncode == 0, res.output
     assert report(out)["lock_taken_over"]["run_id"] == "ancient"
 

@@ -12,14 +12,23 @@ lists.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import write_shards
-from tests.integration.helpers import CliResult, cli, job_args, report
+from tests.integration.helpers import (
+    CliResult,
+    cli,
+    control_of,
+    job_args,
+    reader_counts,
+    report,
+)
 from tests.integration.servers import S3Bucket
 
 pytestmark = pytest.mark.integration
@@ -144,6 +153,178 @@ def test_a_scored_file_copied_in_from_another_output_is_never_deleted(
     replaced = _run(catalog, b, bundle_dir, "--on-foreign-output", "replace")
     assert replaced.returncode == 0, replaced.output
     assert not copied.exists() and report(b)["foreign_removed"] == [str(copied)]
+
+
+# ---------------------------------------------------------------- places inside a dataset
+# (break-it review of issue 22: C1, C3 and M2). Each was accepted, and left rejects or control
+# files where readers of a dataset count them, or took another output's control files.
+
+
+def _with_rejects(tmp_path: Path) -> Path:
+    """Two days of input, each with a few rows the model cannot score (a null feature)."""
+    for k, day in enumerate(DAYS[:2]):
+        paths = write_shards(
+            tmp_path / "archive" / f"dt={day}", [900, 700], row_group_rows=300, start=10_000 * k
+        )
+        t = pq.read_table(paths[0])
+        vals = t.column("f2").to_pylist()
+        vals[k + 3] = None
+        t = t.set_column(t.schema.get_field_index("f2"), "f2", pa.array(vals, pa.float32()))
+        pq.write_table(t, paths[0], row_group_size=300)
+    job = tmp_path / "nightly.toml"
+    job.write_text(
+        f'input = "{tmp_path}/archive/dt={{date}}"\n'
+        f'output = "{tmp_path}/scored/run_date={{date}}"\n'
+        f'model = "{tmp_path}/bundle"\nscheduler = "sync"\nbatch_size = 512\n'
+        "[errors]\nmax_rejected_fraction = 0.2\n"
+    )
+    return job
+
+
+@pytest.mark.parametrize("case", ["its manifest", "control folder deleted", "another name"])
+def test_a_hand_run_inside_the_nightly_root_is_refused_and_the_root_reads_only_scores(
+    bundle_dir: Path, tmp_path: Path, case: str
+) -> None:
+    """C1: rerunning one night with the path the summary prints as ``--output`` made that
+    folder its own root, so its rejects and report went inside the nightly's root (DuckDB and
+    Dask counted rejects as scores, Polars failed). Now refused, with the command to use."""
+    shutil.copytree(bundle_dir, tmp_path / "bundle")
+    job = _with_rejects(tmp_path)
+    root = tmp_path / "scored"
+    for day in DAYS[:2]:
+        r = cli("run", str(job), "--date", day, "-q")
+        assert r.returncode == 0, r.output
+    reps = [report(root / f"run_date={day}") for day in DAYS[:2]]
+    assert all(rep["rows_rejected"] > 0 for rep in reps)  # rejects exist, beside the root
+    out = root / f"run_date={DAYS[1]}"
+    if case == "control folder deleted":
+        shutil.rmtree(control_of(out))
+    elif case == "another name":
+        out = root / "adhoc"
+    before = _files(tmp_path)
+
+    r = cli("run", str(job), "--date", DAYS[1], "--output", str(out), "-q")
+    assert r.returncode == 2, r.output
+    text = " ".join(r.stderr.split())
+    assert f"output {out}" in text and "Nothing was written" in text
+    if case == "its manifest":
+        assert f"This is the output of template {root}/run_date={{date}} of job 'nightly'" in text
+        assert f"rerun it with --date {DAYS[1]}" in text
+    elif case == "control folder deleted":
+        assert f"lies inside {root}, the fixed part of an output template" in text
+        assert f"--date {DAYS[1]} instead of --output" in text and "job(s) 'nightly'" in text
+    else:
+        assert f"lies inside {root}" in text and f"Choose an output outside {root}" in text
+    assert _files(tmp_path) == before
+    counts = reader_counts(root)
+    total = sum(rep["rows_out"] for rep in reps)
+    assert counts == dict.fromkeys(counts, total), counts
+
+
+@pytest.mark.parametrize(
+    "rejects",
+    [
+        "scored/_rejects/run_date={date}",
+        "scored/rejects/run_date={date}",
+        "scored/run_date={date}/_rejects",
+    ],
+)
+def test_rejects_inside_the_job_s_own_template_root_are_refused_before_scoring(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, rejects: str
+) -> None:
+    """C3: accepted, and readers of the root counted rejects as scores; the last one was found
+    only after every shard was scored. Now refused before anything is written."""
+    template = tmp_path / "scored" / "run_date={date}"
+    r = cli(
+        "run",
+        *job_args(catalog, template, bundle_dir),
+        "--rejects",
+        f"{tmp_path}/{rejects}",
+        "--date",
+        DAYS[0],
+        "--scheduler",
+        "sync",
+    )
+    assert r.returncode == 2, r.output
+    text = " ".join(r.stderr.split())
+    where = f"{tmp_path}/{rejects}".replace("{date}", DAYS[0])
+    assert f"rejects {where} lies inside {tmp_path / 'scored'}, the fixed part of" in text
+    assert "Leave rejects unset" in text
+    assert not (tmp_path / "scored").exists() and not (tmp_path / "_score_catalog").exists()
+
+
+@pytest.mark.parametrize("other", ["an output", "a template root"])
+def test_rejects_inside_another_job_s_dataset_are_refused(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, other: str
+) -> None:
+    """C3: job B's rejects inside job A's output (or template root) were accepted; A's readers
+    counted them as scores and A's next run failed on files it did not write."""
+    a_root = tmp_path / "scored"
+    # A writes scored itself, or scored/d={date} (then its control area beside scored says so).
+    a_args = job_args(catalog, a_root, bundle_dir)
+    if other == "a template root":
+        a_args = [*job_args(catalog, a_root / "d={date}", bundle_dir), "--date", DAYS[0]]
+    first = cli("run", *a_args, "--scheduler", "sync")
+    assert first.returncode == 0, first.output
+    a_out = a_root if other == "an output" else a_root / f"d={DAYS[0]}"
+    before = _files(tmp_path, "catalog")
+
+    r = cli(
+        "run",
+        *job_args(catalog, tmp_path / "b" / "run_date={date}", bundle_dir),
+        "--rejects",
+        str(a_root / "rej" / "{date}"),
+        "--date",
+        DAYS[1],
+        "--scheduler",
+        "sync",
+    )
+    assert r.returncode == 2, r.output
+    text = " ".join(r.stderr.split())
+    sign = f"{a_root}/_SCORE_CATALOG is there" if other == "an output" else "holds its control"
+    assert f"rejects {a_root}/rej/{DAYS[1]} lies inside {a_root}" in text and sign in text
+    assert _files(tmp_path, "catalog") == before and not (tmp_path / "b").exists()
+    counts = reader_counts(a_root)
+    assert counts == dict.fromkeys(counts, report(a_out)["rows_out"]), counts
+    again = cli("run", *a_args, "--scheduler", "sync")
+    assert again.returncode == 0, again.output
+
+
+@pytest.mark.parametrize("what", ["output", "rejects"])
+def test_a_control_folder_is_never_an_output_or_rejects(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, what: str
+) -> None:
+    """M2: ``--output`` the control folder the summary names took that output's manifest and
+    report for an older layout's and moved them away; its report was gone."""
+    (nightly,) = _nightly(catalog, bundle_dir, tmp_path, DAYS[0])
+    out = tmp_path / "scored" / f"run_date={DAYS[0]}"
+    control = control_of(out)
+    before = _files(tmp_path, "catalog")
+    places = ["--output", str(control)]
+    if what == "rejects":
+        places = ["--output", str(tmp_path / "adhoc"), "--rejects", str(control)]
+    r = cli("run", "--input", str(catalog), "--model", str(bundle_dir), *places)
+    assert r.returncode == 2, r.output
+    text = " ".join(r.stderr.split())
+    assert f"{what} {control} lies inside {tmp_path / '_score_catalog'}" in text
+    assert "a control area of score-catalog" in text and "Nothing was written" in text
+    assert _files(tmp_path, "catalog") == before
+    shown = cli("report", str(out), "--json")
+    assert shown.returncode == 0, shown.output
+    assert json.loads(shown.stdout)["run_id"] == nightly["run_id"]
+
+
+def test_report_out_prints_where_the_html_page_is(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """LOW: ``report OUT`` printed the older in-root place of ``_report.html``, which did not
+    exist; the run's own summary printed the right one."""
+    _nightly(catalog, bundle_dir, tmp_path, DAYS[0])
+    out = tmp_path / "scored" / f"run_date={DAYS[0]}"
+    shown = cli("report", str(out))
+    assert shown.returncode == 0, shown.output
+    (line,) = [ln.split()[1] for ln in shown.stdout.splitlines() if ln.split()[:1] == ["report"]]
+    assert Path(line) == control_of(out) / "_report.html" and Path(line).is_file()
 
 
 # ---------------------------------------------------------------- on object storage

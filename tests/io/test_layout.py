@@ -234,3 +234,27 @@ def test_the_other_outputs_of_a_template_are_told_by_name(
     # Outputs deeper below the root ({date}/part) are moved by their own runs only.
     assert templates.single_segment_pattern("data/s/{date}/part", "data/s") is None
     assert templates.single_segment_pattern("data/s", "data/s") is None
+
+
+def test_claim_leaves_an_older_place_holding_another_output_s_control_files(
+    tmp_path: Path,
+) -> None:
+    """Only what belongs to this output moves or goes: a folder in an older layout's place
+    whose report names another output, or whose manifest another owner's, is left as it is
+    (it used to be taken for this output's: its manifest moved and its report deleted)."""
+    other = str(tmp_path / "elsewhere" / "run_date=1")
+    where = layout.places(f"{tmp_path}/scored/d={{date}}", f"{tmp_path}/scored/d=1")
+    old = Path(where.old_controls[0].path)  # scored/_score_catalog/d=1: the previous layout
+    old.mkdir(parents=True)
+    (old / "_report.json").write_text(json.dumps({"output": other}))
+    owner = {"job": "nightly", "template": "t", "output": other}
+    (old / "_manifest.json").write_text(json.dumps({"shards": {}, "owner": owner}))
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    layout.claim(where, lambda: None, lambda: None)
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    assert not Path(where.control.path).exists()
+    # One that is this output's own moves as before.
+    (old / "_report.json").write_text(json.dumps({"output": where.output.uri}))
+    (old / "_manifest.json").write_text(json.dumps({"shards": {}}))
+    layout.claim(where, lambda: None, lambda: None)
+    assert not old.exists() and (Path(where.control.path) / "_manifest.json").is_file()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.errors import ConfigError
-from pipeline.io import nesting, storage
+from pipeline.io import layout, nesting, storage
 
 
 def _output(folder: Path, *, mark: str = "_SCORE_CATALOG") -> None:
@@ -123,3 +123,121 @@ def test_on_an_object_store_the_check_lists_only_the_output(tmp_path: Path) -> N
         nesting.check(storage.locate("memory://nest-bucket/latest/"))
     finally:
         fs.rm("/nest-bucket", recursive=True)
+
+
+# ---------------------------------------------------------------- places inside a dataset
+
+
+def test_rejects_may_not_lie_inside_any_dataset(tmp_path: Path) -> None:
+    root = storage.locate(str(tmp_path / "scored"))
+    template = f"{tmp_path}/scored/run_date={{date}}"
+
+    def check(rejects: Path) -> None:
+        nesting.check_rejects(storage.locate(str(rejects)), root, template, explicit=True)
+
+    with pytest.raises(ConfigError, match="the fixed part of the output template"):
+        check(tmp_path / "scored" / "rejects")  # the job's own root, even before any run
+    with pytest.raises(ConfigError, match="a control area of score-catalog"):
+        check(tmp_path / "_score_catalog" / "scored" / "rejects")
+    check(tmp_path / "_rejects" / "scored" / "run_date=1")  # its own default area: fine
+    check(tmp_path / "_rejects" / "nightly" / "1")  # a `_rejects` folder of no dataset: fine
+    (tmp_path / "_score_catalog" / "nightly").mkdir(parents=True)  # nightly is a root now
+    with pytest.raises(ConfigError, match="a default rejects area of score-catalog"):
+        check(tmp_path / "_rejects" / "nightly" / "1")
+    _output(tmp_path / "other")
+    with pytest.raises(ConfigError, match="an output of score-catalog"):
+        check(tmp_path / "other" / "rej")
+    _output(tmp_path / "wide" / "inner")
+    with pytest.raises(ConfigError, match=r"contains .*wide/inner, an output"):
+        check(tmp_path / "wide")
+
+
+def test_an_output_inside_another_template_s_root_is_refused(tmp_path: Path) -> None:
+    nightly_root = tmp_path / "scored"
+    (tmp_path / "_score_catalog" / "scored").mkdir(parents=True)  # its control area
+    out = nightly_root / "run_date=2026-11-02"
+    with pytest.raises(ConfigError, match="--date 2026-11-02 instead of --output"):
+        nesting.check(storage.locate(str(out)), storage.locate(str(out)))
+    # Its own template's outputs are fine: the root's control area is the job's.
+    nesting.check(storage.locate(str(out)), storage.locate(str(nightly_root)))
+    with pytest.raises(ConfigError, match="a control area of score-catalog"):
+        nesting.check(storage.locate(str(tmp_path / "_score_catalog" / "scored" / "x")))
+    with pytest.raises(ConfigError, match="a default rejects area of score-catalog"):
+        nesting.check(storage.locate(str(tmp_path / "_rejects" / "scored" / "x")))
+
+
+# ---------------------------------------------------------------- ownership
+
+
+def _places(tmp_path: Path, template: str = "scored/run_date={date}") -> layout.Places:
+    full = f"{tmp_path}/{template}"
+    return layout.places(full, full.replace("{date}", "2026-11-02"))
+
+
+def _manifest(where: layout.Places, **doc: object) -> None:
+    path = Path(where.control.path) / "_manifest.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"schema_version": 1, "shards": {}, **doc}))
+
+
+def _owner(tmp_path: Path, job: str) -> dict[str, str]:
+    out = tmp_path / "scored" / "run_date=2026-11-02"
+    return {"job": job, "template": f"{tmp_path}/scored/run_date={{date}}", "output": str(out)}
+
+
+def test_the_owner_s_runs_pass_and_other_jobs_are_refused(tmp_path: Path) -> None:
+    where = _places(tmp_path)
+    nesting.check_owner(where, _owner(tmp_path, "nightly"))  # nothing recorded yet
+    _manifest(where, owner=_owner(tmp_path, "nightly"))
+    nesting.check_owner(where, _owner(tmp_path, "nightly"))
+    with pytest.raises(ConfigError, match=r"belongs to job 'nightly'.*this run is job 'promo'"):
+        nesting.check_owner(where, _owner(tmp_path, "promo"))
+    other_template = {**_owner(tmp_path, "nightly"), "template": "/elsewhere/{date}"}
+    with pytest.raises(ConfigError, match="rerun it with --date 2026-11-02"):
+        nesting.check_owner(where, other_template)
+    # Written by a run with flags only: the fix names that, not a job file.
+    _manifest(where, owner=_owner(tmp_path, "score-catalog"))
+    with pytest.raises(ConfigError, match="run it with flags only, as it was written"):
+        nesting.check_owner(where, _owner(tmp_path, "nightly"))
+
+
+def test_a_manifest_without_owner_is_adopted_only_when_it_lists_this_output(
+    tmp_path: Path,
+) -> None:
+    where = _places(tmp_path)
+    mine = {"p.parquet": {"output": f"{where.output.uri}/p.parquet"}}
+    _manifest(where, shards=mine)
+    nesting.check_owner(where, _owner(tmp_path, "anyone"))  # an older version's: adopted
+    theirs = {"p.parquet": {"output": f"{tmp_path}/scored/run_date=2026-11-01/p.parquet"}}
+    _manifest(where, shards=theirs)
+    with pytest.raises(ConfigError, match="written by an older version for another output"):
+        nesting.check_owner(where, _owner(tmp_path, "anyone"))
+
+
+def test_a_template_is_named_by_its_real_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.chdir(tmp_path)
+    key = f"{tmp_path}/real/scored/run_date={{date}}"
+    assert nesting.template_key("real/scored/run_date={date}") == key
+    assert nesting.template_key(f"{tmp_path}/link/scored/run_date={{date}}/") == key
+    assert nesting.template_key("{date}/x") == f"{tmp_path}/{{date}}/x"
+    assert nesting.template_key("s3://b/scored/{date}") == "s3://b/scored/{date}"
+
+
+def test_on_an_object_store_another_job_is_refused_too() -> None:
+    fs = storage.locate("memory://own-bucket").fs
+    try:
+        where = layout.places("memory://own-bucket/s/{date}", "memory://own-bucket/s/d")
+        owner = {"job": "a", "template": "memory://own-bucket/s/{date}", "output": "x"}
+        fs.pipe(
+            "/own-bucket/_score_catalog/s/d/_manifest.json",
+            json.dumps({"schema_version": 1, "shards": {}, "owner": owner}).encode(),
+        )
+        nesting.check_owner(where, owner)
+        with pytest.raises(ConfigError, match="belongs to job 'a'"):
+            nesting.check_owner(where, {**owner, "job": "b"})
+    finally:
+        fs.rm("/own-bucket", recursive=True)
