@@ -49,7 +49,7 @@ from typing import Any
 import fsspec.utils
 import pyarrow as pa
 import pyarrow.parquet as pq
-from deltalake import DeltaTable, QueryBuilder, Schema
+from deltalake import DeltaTable, Schema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from deltalake.transaction import (
     AddAction,
@@ -1329,14 +1329,6 @@ def optimize(
         )
 
 
-def _ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
-def _literal(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
 def read(
     ref: TableRef,
     *,
@@ -1347,28 +1339,33 @@ def read(
     """The table's rows (at ``version``; of ``partition``; ``columns`` only), for checks and
     drift: what any Delta reader sees, typed as the table's schema.
 
-    Read through delta-rs's own query engine, not ``to_pyarrow_table``: that one reads through
-    a pyarrow filesystem wrapping delta-rs, and a process that used it aborts at exit
+    Read with pyarrow, file by file, from the file list in the log (delta-rs reads only the
+    log): none of delta-rs's scans runs in this process. ``to_pyarrow_table`` reads through a
+    pyarrow filesystem wrapping delta-rs, and a process that used it aborts at exit
     ("terminate called without an active exception", SIGABRT, 3 to 5 runs in 6 here; delta-rs
-    #2184, polars #24169), which would replace the exit code cron reads.
+    #2184, polars #24169), which would replace the exit code cron reads. Partition values come
+    from the log, as every reader takes them; a column a file lacks (added by ``ADD COLUMN``
+    after it was written) reads as null, as in every reader.
     """
-    table = _open(ref, version)
-    schema = pa.schema(table.schema().to_arrow())
+    snap = snapshot(ref, partition, version=version)
+    schema = pa.schema(snap._table.schema().to_arrow())
     wanted = list(columns) if columns is not None else schema.names
-    unknown = [c for c in [*wanted, *(partition or {})] if c not in schema.names]
-    not_partitions = sorted(set(partition or {}) - set(_partition_columns(table)))
-    if unknown or not_partitions:
-        raise UsageError(
-            f"the Delta table {ref.uri} has no column {', '.join(map(repr, unknown))}"
-            if unknown
-            else f"{', '.join(map(repr, not_partitions))} of {ref.uri} is not a partition column"
-        )
-    sql = f"SELECT {', '.join(_ident(c) for c in wanted)} FROM t"
-    if partition:
-        sql += " WHERE " + " AND ".join(
-            f"{_ident(k)} = {_literal(v)}" for k, v in partition.items()
-        )
-    with _delta_errors(ref, f"reading version {table.version()} of"):
-        result = pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
-    # DataFusion hands strings back as string_view; the table's own types are what readers expect
-    return result.cast(pa.schema([schema.field(c) for c in wanted]))
+    unknown = [c for c in wanted if c not in schema.names]
+    if unknown:
+        raise UsageError(f"the Delta table {ref.uri} has no column {', '.join(map(repr, unknown))}")
+    out_schema = pa.schema([schema.field(c) for c in wanted])
+    parts = []
+    for f in snap.files:
+        with storage.open_input(ref.location.child(f.path)) as fh:
+            data = pq.read_table(fh)
+        cols = []
+        for field_ in out_schema:
+            if field_.name in snap.partition_columns:
+                value = f.partition_values.get(field_.name)
+                cols.append(pa.array([value] * data.num_rows, field_.type))
+            elif field_.name in data.column_names:
+                cols.append(data.column(field_.name).cast(field_.type))
+            else:
+                cols.append(pa.nulls(data.num_rows, field_.type))
+        parts.append(pa.table(cols, schema=out_schema))
+    return pa.concat_tables(parts) if parts else out_schema.empty_table()
