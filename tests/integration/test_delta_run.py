@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from pipeline.io.outputs.deltatable import TableRef
 from tests.conftest import demo_toml, make_model, reference_scores, write_shards
 from tests.delta_helpers import arrow_filesystem
 from tests.integration.helpers import cli, manifest_path, report, start_cli
+from tests.integration.servers import S3Bucket
 
 pytestmark = pytest.mark.integration
 
@@ -349,7 +351,7 @@ def test_optimize_and_vacuum_keep_every_row_and_take_the_table_lock(
     proc = start_cli("run", str(job), "--date", DAYS[2], env=pause)
     try:
         held = tmp_path / "_score_catalog" / "scored" / f"dt={DAYS[2]}" / LOCK_NAME
-        _wait_stopped(proc.pid, held)
+        _wait_stopped(proc.pid, held.exists)
         busy = cli("optimize", str(out))
         assert busy.returncode == 1 and "in progress" in busy.output, busy.output
     finally:
@@ -358,12 +360,12 @@ def test_optimize_and_vacuum_keep_every_row_and_take_the_table_lock(
     assert rows_of(ref) == expected_rows(archive, dict.fromkeys(DAYS, "1"), models)
 
 
-def _wait_stopped(pid: int, lock: Path, timeout: float = 120) -> None:
-    """Until process ``pid`` has stopped itself (SIGSTOP at a kill point) holding ``lock``."""
+def _wait_stopped(pid: int, locked: Callable[[], bool], timeout: float = 120) -> None:
+    """Until process ``pid`` has stopped itself (SIGSTOP at a kill point) and ``locked()``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        if state == "T" and lock.exists():
+        if state == "T" and locked():
             return
         assert state != "Z", "the run exited before it reached its kill point"
         time.sleep(0.1)
@@ -378,3 +380,56 @@ def test_a_bare_date_folder_is_refused_with_the_fix(
     assert refused.returncode == 2, refused.output
     assert "run_date={date}" in refused.output and "not a partition folder" in refused.output
     assert not (tmp_path / "scored").exists()
+
+
+# --------------------------------------------------------------------------- S3 (moto)
+
+
+def test_on_s3_two_runs_are_two_versions_and_racing_runs_commit_once(
+    tmp_path: Path, archive: Path, models: dict[str, Path], s3_bucket: S3Bucket
+) -> None:
+    opts = s3_bucket.storage_options
+    uri = s3_bucket.uri("scored")
+    job = job_file(tmp_path, archive, models["1"], f"{uri}/dt={{date}}", storage=opts)
+    ref = TableRef.of(uri, opts)
+    day = DAYS[0]
+
+    first = run(job, day)
+    assert first.returncode == 0, first.output
+    v1 = table_version(ref)
+    assert f"committed version {v1}" in first.stdout
+    second = run(job, day, "--model", str(models["2"]))
+    assert second.returncode == 0, second.output
+    assert table_version(ref) == v1 + 1
+    assert rows_of(ref) == expected_rows(archive, {day: "2"}, models)
+    assert rows_of(ref, v1) == expected_rows(archive, {day: "1"}, models)
+    # No credential in what the run printed.
+    assert s3_bucket.secret not in first.output + second.output
+
+    # Two runs on one partition: A stops (SIGSTOP) holding the lock just before its commit;
+    # B, started then, is refused by the lock and commits nothing; A resumes and commits once.
+    pause = {"_SCORE_CATALOG_KILL_AT": "delta-before-commit", KILL_SIGNAL: "SIGSTOP"}
+    a = start_cli("run", str(job), "--date", day, "--model", str(models["3"]), env=pause)
+    lock = f"{s3_bucket.name}/_score_catalog/scored/dt={day}/{LOCK_NAME}"
+    try:
+        _wait_stopped(a.pid, lambda: bool(s3_bucket.fs.exists(lock)))
+        b = run(job, day, "--model", str(models["3"]))
+        assert b.returncode == 1, b.output
+        assert "locked by run" in b.output, b.output
+        assert table_version(ref) == v1 + 1
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    out, err = a.communicate(timeout=120)
+    assert a.returncode == 0, out + err
+    assert table_version(ref) == v1 + 2
+    assert [w["score_catalog.app_version"] for w in commits(ref)] == ["1", "2", "3"]
+    assert rows_of(ref) == expected_rows(archive, {day: "3"}, models)
+
+    # Two runs on two partitions of the table at once: both commit, neither loses the other.
+    procs = [start_cli("run", str(job), "--date", d) for d in DAYS[1:]]
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, out + err
+    assert table_version(ref) == v1 + 4
+    want = {day: "3", DAYS[1]: "1", DAYS[2]: "1"}
+    assert rows_of(ref) == expected_rows(archive, want, models)
