@@ -456,7 +456,7 @@ SCHEMA_OBJECTS: dict[str, type] = {
     "#": ReportData,
     "#/$defs/shard": ShardEntry,
     "#/$defs/output_format": OutputFormatSection,
-    "#/$defs/output_format/properties/recovered": RecoveredCommit,
+    "#/$defs/recovered_commit": RecoveredCommit,
     "#/$defs/error": ErrorEntry,
     "#/$defs/lossy_cast": LossyCastEntry,
     "#/$defs/lossy_cast_example": LossyCastExample,
