@@ -27,7 +27,7 @@ import json
 import logging
 import socket
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +129,33 @@ def _baseline(
     # the runs it undid are no baseline, and what it restored counts as of the rollback's time.
     restores = runindex.rollbacks(index_root, config.storage, config.name)
     undone = {r for rec in restores for r in rec.get("rolled_back") or []}
+    if config.format == "delta":
+        # A table keeps its versions: a partition's new version is compared with the version
+        # of the same partition it replaces (or, after a rollback, the one restored); only a
+        # partition's first version is compared with the days before it, as a folder is.
+        previous = _newest(
+            index_root,
+            config,
+            data,
+            restores,
+            lambda e: e.get("dataset") == dataset or e.get("output") != output,
+            undone,
+        )
+        if previous is not None:
+            return previous
+    return _newest(index_root, config, data, restores, skip, undone)
+
+
+def _newest(
+    index_root: str,
+    config: JobConfig,
+    data: Mapping[str, Any],
+    restores: list[dict[str, Any]],
+    skip: Callable[[dict[str, Any]], bool],
+    undone: set[str],
+) -> dict[str, Any] | None:
+    """The newest successful run that scored rows, or dataset a rollback restored, that
+    ``skip`` keeps; runs a rollback undid are never one."""
     found = runindex.previous_success(
         index_root,
         config.storage,

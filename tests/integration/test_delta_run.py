@@ -73,6 +73,7 @@ def job_file(
     *,
     storage: dict[str, Any] | None = None,
     name: str = "nightly",
+    drift: bool = False,
 ) -> Path:
     lines = [
         f'input = "{archive}/dt={{date}}"',
@@ -82,7 +83,7 @@ def job_file(
         'scheduler = "sync"',
         "batch_size = 512",
         "[monitoring]",
-        "drift = false",
+        f"drift = {'true' if drift else 'false'}",
     ]
     if storage:
         lines.append("[storage]")
@@ -317,6 +318,30 @@ def test_rollback_restores_a_version_exactly_and_history_says_so(
 
     refused = cli("rollback", str(out), "--to-version", str(v2 + 5), "--reason", "x")
     assert refused.returncode == 2 and "versions run from 0" in refused.output
+
+
+def test_after_a_rollback_drift_compares_with_the_restored_version(
+    tmp_path: Path, archive: Path, models: dict[str, Path]
+) -> None:
+    out = tmp_path / "scored"
+    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}", drift=True)
+    ref = TableRef.of(str(out))
+    day = DAYS[0]
+    assert run(job, day).returncode == 0
+    first = report(out / f"dt={day}")["run_id"]
+    v1 = table_version(ref)
+    assert run(job, day, "--model", str(models["2"])).returncode in (0, 4)
+    second = report(out / f"dt={day}")
+    assert second["drift"]["baseline"]["run_id"] == first
+    back = cli("rollback", str(out / f"dt={day}"), "--to-version", str(v1), "--reason", "bad")
+    assert back.returncode == 0, back.output
+    assert second["run_id"] in back.stdout  # the run it undid
+
+    # Model 3 now: its drift is against what the table holds again (model 1's scores), not
+    # against the rolled-back run.
+    third = run(job, day, "--model", str(models["3"]))
+    assert third.returncode in (0, 4), third.output
+    assert report(out / f"dt={day}")["drift"]["baseline"]["run_id"] == first
 
 
 def test_optimize_and_vacuum_keep_every_row_and_take_the_table_lock(
