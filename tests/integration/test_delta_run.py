@@ -74,12 +74,13 @@ def job_file(
     storage: dict[str, Any] | None = None,
     name: str = "nightly",
     drift: bool = False,
+    fmt: str | None = "delta",
 ) -> Path:
     lines = [
         f'input = "{archive}/dt={{date}}"',
         f'output = "{output}"',
         f'model = "{model}"',
-        'format = "delta"',
+        *([f'format = "{fmt}"'] if fmt else []),
         'scheduler = "sync"',
         "batch_size = 512",
         "[monitoring]",
@@ -397,11 +398,38 @@ def _wait_stopped(pid: int, locked: Callable[[], bool], timeout: float = 120) ->
     raise AssertionError(f"run {pid} did not stop at its kill point in {timeout} s")
 
 
+def test_a_model_that_adds_a_column_is_refused_unless_evolution_is_allowed(
+    tmp_path: Path, archive: Path, models: dict[str, Path]
+) -> None:
+    out = tmp_path / "scored"
+    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
+    ref = TableRef.of(str(out))
+    day = DAYS[0]
+    assert run(job, day).returncode == 0
+    v1 = table_version(ref)
+    wider = tmp_path / "wider"
+    outputs = 'score = "softmax:1"\nlabel = "argmax"\nscore0 = "softmax:0"\n'
+    export_bundle(make_model(seed=1), wider, demo_toml(version="2", outputs=outputs), n_in=16)
+
+    refused = run(job, day, "--model", str(wider))
+    assert refused.returncode == 3, refused.output
+    assert "score0" in refused.output and "--allow-schema-evolution" in refused.output
+    assert table_version(ref) == v1
+
+    allowed = run(job, day, "--model", str(wider), "--allow-schema-evolution")
+    assert allowed.returncode == 0, allowed.output
+    new = pl.scan_delta(str(out)).collect()
+    assert new["score0"].null_count() == 0 and new.height == 2000
+    old = pl.scan_delta(str(out), version=v1).collect()
+    assert "score0" not in old.columns and old.height == 2000
+
+
 def test_a_bare_date_folder_is_refused_with_the_fix(
     tmp_path: Path, archive: Path, models: dict[str, Path]
 ) -> None:
-    job = job_file(tmp_path, archive, models["1"], f"{tmp_path}/scored/{{date}}")
-    refused = run(job, DAYS[0])
+    # The format from the environment, as cron may set it: the same refusal.
+    job = job_file(tmp_path, archive, models["1"], f"{tmp_path}/scored/{{date}}", fmt=None)
+    refused = run(job, DAYS[0], env={"SCORE_CATALOG_FORMAT": "delta"})
     assert refused.returncode == 2, refused.output
     assert "run_date={date}" in refused.output and "not a partition folder" in refused.output
     assert not (tmp_path / "scored").exists()
