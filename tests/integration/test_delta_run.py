@@ -260,6 +260,28 @@ def test_a_commit_that_landed_before_a_kill_is_never_committed_again(
     assert rows_of(ref) == expected_rows(archive, {day: "2"}, models)
 
 
+def test_a_vanished_input_shard_is_removed_in_the_next_commit(
+    tmp_path: Path, archive: Path, models: dict[str, Path]
+) -> None:
+    out = tmp_path / "scored"
+    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
+    ref = TableRef.of(str(out))
+    day = DAYS[0]
+    assert run(job, day).returncode == 0
+    v1 = table_version(ref)
+    (archive / f"dt={day}" / "part-00001.parquet").unlink()  # compacted away upstream
+
+    again = run(job, day)
+    assert again.returncode == 0, again.output
+    assert table_version(ref) == v1 + 1
+    rep = report(out / f"dt={day}")
+    assert rep["shards_skipped"] == 1 and rep["rows_out"] == 1200
+    assert [r["reason"] for r in rep["removed_outputs"]] == ["its input shard no longer exists"]
+    assert rep["output_format"]["files_added"] == 0 and rep["output_format"]["files_removed"] == 1
+    assert rows_of(ref) == expected_rows(archive, {day: "1"}, models)  # 1,200 rows now
+    assert len(rows_of(ref, v1)) == 2000
+
+
 def test_a_backfill_is_three_partitions_of_one_table_and_a_rescore_changes_one(
     tmp_path: Path, archive: Path, models: dict[str, Path]
 ) -> None:
