@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
-from pipeline.cli.demo import export_bundle
+from pipeline.cli.demo import FEATURES, export_bundle
 from pipeline.core.faults import KILL_SIGNAL
 from pipeline.io.layout import LOCK_NAME
 from pipeline.io.outputs.deltatable import TableRef
@@ -258,6 +258,31 @@ def test_a_commit_that_landed_before_a_kill_is_never_committed_again(
         "table_version": landed,
     }
     assert rows_of(ref) == expected_rows(archive, {day: "2"}, models)
+
+
+def test_a_failed_run_commits_nothing(
+    tmp_path: Path, archive: Path, models: dict[str, Path]
+) -> None:
+    out = tmp_path / "scored"
+    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
+    ref = TableRef.of(str(out))
+    day = DAYS[0]
+    assert run(job, day).returncode == 0
+    v1 = table_version(ref)
+    # The second shard's features turn to NaN upstream: every row rejected, over the budget.
+    shard = archive / f"dt={day}" / "part-00001.parquet"
+    t = pq.read_table(shard)
+    col = FEATURES[0]
+    nan = pa.array([float("nan")] * t.num_rows, t.schema.field(col).type)
+    pq.write_table(t.set_column(t.schema.get_field_index(col), col, nan), shard)
+
+    failed = run(job, day, "--model", str(models["2"]))
+    assert failed.returncode == 1, failed.output
+    rep = report(out / f"dt={day}")
+    assert rep["status"] == "failed" and rep["output_format"]["committed"] is False
+    assert f"version {v1}, no new commit" in failed.stdout
+    assert table_version(ref) == v1
+    assert rows_of(ref) == expected_rows(archive, {day: "1"}, models)  # v1, whole
 
 
 def test_a_vanished_input_shard_is_removed_in_the_next_commit(
