@@ -36,11 +36,3 @@ def output_format(
         return DeltaOutput.of(config, places, run_id, schema)
     return ParquetFolder(places.output, dict(config.storage))
 
-
-def table_of(config: JobConfig) -> Location | None:
-    """The Delta table a run's output is a partition of (or is), for ``format = "delta"``;
-    None for a Parquet folder. Outputs never nest (``pipeline.io.nesting``): a partition lies
-    inside its own table, and in no other output."""
-    if config.format == "delta":
-        return storage.locate(fixed_part(config.output)[0], config.storage)
-    return None
