@@ -10,12 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.core.templates import fixed_part
-from pipeline.io import storage
 from pipeline.io.layout import Places
 from pipeline.io.outputs.base import OutputFormat
 from pipeline.io.outputs.folder import ParquetFolder
-from pipeline.io.storage import Location
 
 if TYPE_CHECKING:
     import pyarrow as pa
