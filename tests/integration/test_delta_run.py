@@ -485,6 +485,7 @@ def test_a_bare_date_folder_is_refused_with_the_fix(
 # --------------------------------------------------------------------------- S3 (moto)
 
 
+@pytest.mark.slow  # seven runs against the S3 server: about 30 s here
 def test_on_s3_two_runs_are_two_versions_and_racing_runs_commit_once(
     tmp_path: Path, archive: Path, models: dict[str, Path], s3_bucket: S3Bucket
 ) -> None:
