@@ -27,7 +27,10 @@ from deltalake import DeltaTable
 
 from pipeline.cli.demo import FEATURES, export_bundle
 from pipeline.core.faults import KILL_SIGNAL
+from pipeline.io import storage
 from pipeline.io.layout import LOCK_NAME
+from pipeline.io.locking import RunLock
+from pipeline.io.outputs.delta import table_lock_root
 from pipeline.io.outputs.deltatable import TableRef
 from tests.conftest import demo_toml, make_model, reference_scores, write_shards
 from tests.delta_helpers import arrow_filesystem
@@ -430,6 +433,20 @@ def test_optimize_and_vacuum_keep_every_row_and_take_the_table_lock(
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         assert proc.wait(120) == 0
+    assert rows_of(ref) == expected_rows(archive, dict.fromkeys(DAYS, "1"), models)
+
+    # The other way round: maintenance holding the table lock, a run is refused before it
+    # writes anything.
+    area = storage.locate(str(tmp_path / "_score_catalog" / "scored"))
+    held_by = RunLock.acquire(table_lock_root(area), "vacuum-by-hand", stale_after_s=3600)
+    try:
+        refused = run(job, DAYS[0], "--model", str(models["2"]))
+        assert refused.returncode == 1, refused.output
+        assert (
+            "vacuum-by-hand" in refused.output and "rollback, optimize or vacuum" in refused.output
+        )
+    finally:
+        held_by.release()
     assert rows_of(ref) == expected_rows(archive, dict.fromkeys(DAYS, "1"), models)
 
 
