@@ -551,3 +551,12 @@ def test_on_s3_two_runs_are_two_versions_and_racing_runs_commit_once(
     assert table_version(ref) == v1 + 4
     want = {day: "3", DAYS[1]: "1", DAYS[2]: "1"}
     assert rows_of(ref) == expected_rows(archive, want, models)
+
+    # History and rollback on S3, the table named by the job file (its [storage] options).
+    shown = cli("history", str(job), "--json")
+    assert shown.returncode == 0, shown.output
+    assert [r["version"] for r in json.loads(shown.stdout)] == list(range(v1 + 4, -1, -1))
+    back = cli("rollback", str(job), "--to-version", str(v1), "--reason", "test")
+    assert back.returncode == 0, back.output
+    assert rows_of(ref) == expected_rows(archive, {day: "1"}, models)
+    assert s3_bucket.secret not in shown.output + back.output
