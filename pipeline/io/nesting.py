@@ -142,6 +142,18 @@ def _refuse_inside_another(
     for folder in layout.ancestors(out):
         own_table = table is not None and _same(folder, table)
         sign = _sign_in(folder, with_log=not own_table)
+        if (
+            sign is not None
+            and sign.path.endswith(_LOG)
+            and root is not None
+            and _same(folder, root)
+        ):
+            raise ConfigError(
+                f"output {out.uri} lies inside {folder.uri}, a Delta table ({sign.uri} is "
+                "there), which is this template's own root: a table is written as one, with "
+                'format = "delta" (--format delta, SCORE_CATALOG_FORMAT=delta). Nothing was '
+                f"written. Set it, or choose an output outside {folder.uri}."
+            )
         if sign is not None:
             what = "a Delta table" if sign.path.endswith(_LOG) else "an output of score-catalog"
             raise ConfigError(

@@ -280,3 +280,13 @@ def test_a_partition_of_its_own_table_passes_and_of_another_is_refused(tmp_path:
     other = storage.locate(str(tmp_path / "elsewhere"))
     with pytest.raises(ConfigError, match="a Delta table"):
         nesting.check(part, other, other)
+
+
+def test_a_folder_run_into_its_own_templates_table_is_told_to_set_the_format(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "scored"
+    _table(root, "run_date=2026-11-28")
+    with pytest.raises(ConfigError) as e:
+        nesting.check(storage.locate(str(root / "run_date=2026-11-29")), storage.locate(str(root)))
+    assert "this template's own root" in str(e.value) and "--format delta" in str(e.value)
