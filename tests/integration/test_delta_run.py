@@ -260,6 +260,8 @@ def test_a_commit_that_landed_before_a_kill_is_never_committed_again(
         "run_id": writes[-1]["score_catalog.run_id"],
         "table_version": landed,
     }
+    killed_run = writes[-1]["score_catalog.run_id"]
+    assert f"version {landed}: committed by run {killed_run} before it stopped" in retry.stdout
     assert rows_of(ref) == expected_rows(archive, {day: "2"}, models)
 
 
