@@ -32,4 +32,3 @@ def output_format(
 
         return DeltaOutput.of(config, places, run_id, schema)
     return ParquetFolder(places.output, dict(config.storage))
-
