@@ -51,12 +51,18 @@ BENCH_ARGS ?=
 DAFT_VENV ?= .venv-daft
 bench: install
 	$(MAKE) $(DAFT_VENV)/.installed || echo "bench: Daft could not be installed; it will not be measured"
+	$(MAKE) $(DAFT_VENV)/.installed-deltalake || echo "bench: deltalake for Daft could not be installed"
 	DO_NOT_TRACK=1 $(BIN)/python -m bench.run $(BENCH_ARGS)
 
 $(DAFT_VENV)/.installed:
 	test -x $(DAFT_VENV)/bin/python || $(PYTHON) -m venv $(DAFT_VENV)
 	$(DAFT_VENV)/bin/python -m pip install -q "$(CPU_TORCH)"
 	$(DAFT_VENV)/bin/python -m pip install -q "daft==0.7.26" numpy
+	touch $@
+
+# Daft's write_deltalake needs deltalake beside it (bench DELTA: Daft's Delta write).
+$(DAFT_VENV)/.installed-deltalake: $(DAFT_VENV)/.installed
+	$(DAFT_VENV)/bin/python -m pip install -q "deltalake==1.6.6"
 	touch $@
 
 # Two versions side by side on W1 (alternating runs): make bench-ab BASE=<git revision>

@@ -449,16 +449,29 @@ def pyarrow_loop(shard: str, pre_buffer: bool, columns: list[str], batch: int) -
 
 
 def daft_native(
-    shards: list[str], out_dir: str, bundle: str, spec: dict[str, Any], batch: int
+    shards: list[str],
+    out_dir: str,
+    bundle: str,
+    spec: dict[str, Any],
+    batch: int,
+    sink: str = "parquet",
 ) -> Result:
     """Daft's native runner (``bench.daft_runner``; only in ``.venv-daft``)."""
     from bench.daft_runner import run_daft
 
-    return run_daft(shards, out_dir, bundle, spec, batch)
+    return run_daft(shards, out_dir, bundle, spec, batch, sink)
+
+
+def delta_commit(files: int, out_dir: str) -> Result:
+    """One commit of ``files`` new files to a Delta table (``bench.delta``)."""
+    from bench.delta import delta_commit as body
+
+    return body(files, out_dir)
 
 
 KINDS: dict[str, Callable[..., Result]] = {
     "daft": daft_native,
+    "delta_commit": delta_commit,
     "model_ceiling": model_ceiling,
     "io_ceiling": io_ceiling,
     "hand_rolled": hand_rolled,

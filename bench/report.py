@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from bench.delta import delta_section
 from bench.mdtable import Column, markdown_table
 from bench.stats import Summary, ratio
 from bench.suites import FLOOR_TARGET, WorkloadResult
@@ -712,6 +713,7 @@ def render(
         "W2": lambda wl: _w2_section(wl, cores),
         "W3": _w3_section,
         "TINY": _tiny_section,
+        "DELTA": delta_section,
     }
     for key, build in builders.items():
         if key in results:

@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench import report, suites, workloads
+from bench import delta, report, suites, workloads
 from bench.procs import run_measured
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / ".bench"
-SUITE_KEYS = ("W1", "W1X10", "W2", "W3", "TINY", "PROFILE")
+SUITE_KEYS = ("W1", "W1X10", "W2", "W3", "TINY", "DELTA", "PROFILE")
 
 
 def _log(msg: str) -> None:
@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         results["W3"] = suites.w3(runner, data, sizes)
     if "TINY" in selected:
         results["TINY"] = suites.tiny(runner, data, sizes)
+    if "DELTA" in selected:
+        results["DELTA"] = delta.delta_suite(runner, data, sizes)
     profile = _profile(data) if "PROFILE" in selected else None
     if "W1" in results:
         _maybe_big_batch(runner, data, sizes, results["W1"], args.budget_min * 60, t0)

@@ -60,6 +60,9 @@ class Comparator:
     keep_output: bool = False  # rep 1's output is compared after the rep, then removed
     scratch: Path | None = None  # a folder the command may fill (a cache): emptied before run 1
     cold: bool = False  # the scratch folder is emptied before every run, not only the first
+    # Exit codes that count as a run: Daft aborts at exit after a Delta write (SIGABRT) once its
+    # result line is out (bench.delta); the code is kept in the sample's ``extra["exit"]``.
+    exit_codes: tuple[int, ...] = (0,)
 
 
 @dataclass
@@ -147,9 +150,11 @@ class Runner:
         spec: dict[str, Any],
         rows: int,
         digest: Any,
+        sink: str = "parquet",
     ) -> Comparator | None:
         """Daft's native runner on the same shards and model, from ``.venv-daft`` (None, with
-        a note in the report, when that venv is missing)."""
+        a note in the report, when that venv is missing); ``sink``: ``parquet`` (a folder) or
+        ``delta`` (``write_deltalake``)."""
         if self.daft_python is None:
             self.warnings.append("Daft: .venv-daft is missing (make bench builds it); not measured")
             return None
@@ -158,7 +163,7 @@ class Runner:
             self.daft_python,
             "-m",
             "bench.loops",
-            json.dumps({**args, "spec": spec, "batch": BATCH}),
+            json.dumps({**args, "spec": spec, "batch": BATCH, "sink": sink}),
         ]
         return Comparator(
             key,
@@ -257,9 +262,10 @@ class Runner:
         try:
             if pr.timed_out:
                 raise RuntimeError(f"timed out after {RUN_TIMEOUT_S:.0f} s (process group killed)")
-            if pr.returncode != 0:
+            if pr.returncode not in comp.exit_codes:
                 raise RuntimeError(f"exit code {pr.returncode}")
             sample = self._parse(comp, pr)
+            sample.extra["exit"] = pr.returncode
             if comp.rows and sample.rows != comp.rows:
                 raise RuntimeError(f"processed {sample.rows:,} rows, expected {comp.rows:,}")
             if comp.digest is not None and comp.output is not None and rep == 0:

@@ -21,7 +21,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from pipeline.cli import logs, progress
+from pipeline.cli import logs, progress, tables
 from pipeline.cli.accept import accept_drift
 from pipeline.cli.bench import bench
 from pipeline.cli.bundle import bundle
@@ -469,6 +469,8 @@ def backfill(job: Path, start: Any, end: Any, **opts: Any) -> None:
 main.add_command(bench)
 main.add_command(bundle)
 main.add_command(accept_drift)
+for _command in (tables.history, tables.rollback, tables.optimize, tables.vacuum):
+    main.add_command(_command)
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:

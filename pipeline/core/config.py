@@ -40,7 +40,7 @@ from pipeline.core.settings import (
     template,
     url,
 )
-from pipeline.core.templates import default_rejects, fixed_part, index_root
+from pipeline.core.templates import default_rejects, fixed_part, index_root, partition_columns
 
 Precision = Literal["fp32", "bf16", "fp16", "int8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -255,6 +255,23 @@ class JobConfig:
     create_output_bucket: bool = field(
         default=False,
         metadata=meta("Create the output and rejects buckets if they do not exist."),
+    )
+    # Where the scores go. "parquet": a folder of Parquet files, _SUCCESS when complete.
+    # "delta": a Delta Lake table (docs/delta.md): the template's fixed part is the table, each
+    # key={placeholder} folder below it a partition column; every run is one commit.
+    format: Literal["parquet", "delta"] = field(
+        default="parquet",
+        metadata=meta(
+            "parquet: a folder of Parquet files and _SUCCESS; delta: a Delta Lake table, one "
+            "commit per run (the template's fixed part is the table, key={date} folders its "
+            "partitions)."
+        ),
+    )
+    # format = "delta": a model that adds an output column adds it to the table (older rows
+    # read it as null) instead of being refused. Type changes are refused either way.
+    allow_schema_evolution: bool = field(
+        default=False,
+        metadata=meta("delta: let a model add output columns to the table (older rows read null)."),
     )
     # Rescore every shard even where the manifest says it is done.
     force: bool = field(default=False, metadata=meta("Rescore shards the manifest says are done."))
@@ -526,6 +543,11 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[Keyed]:
             pass  # a template with no fixed root: index_root below says so
     if good.get("storage"):
         problems += [("storage", p) for p in _storage_problems(good)]
+    if good.get("format") == "delta" and "output" in good and "output" not in bad:
+        try:
+            partition_columns(good["output"])
+        except ConfigError as e:
+            problems += [("output", p) for p in e.problems]
     if "output" in good and "output" not in bad:
         try:
             index_root(good["output"])  # where the run index lives: checked now, not after scoring

@@ -52,6 +52,11 @@ DEMO_EXIT_CODES_HELP = (
     "Exit codes: 0 the catalog (and bundle) were written; 1 any error while writing them; "
     "2 usage error."
 )
+TABLE_EXIT_CODES_HELP = (
+    "Exit codes: 0 done (history printed; the table rolled back, compacted or vacuumed); 1 the "
+    "table is locked (a run on one of its partitions, or another maintenance command), or the "
+    "storage could not be read or written; 2 usage error, or no Delta table at OUTPUT."
+)
 BACKFILL_EXIT_CODES_HELP = (
     "Exit codes: the worst of the days': 143 or 130 a day was stopped by SIGTERM or SIGINT (the "
     "days after it are not run); 1 a day failed, or had no input (missing) without "

@@ -135,3 +135,67 @@ def single_segment_pattern(template: str, root: str) -> re.Pattern[str] | None:
     if not fields or "/" in rest:
         return None
     return re.compile("[^/]+".join(re.escape(part) for part in rest.split("\x00")))
+
+
+# --------------------------------------------------------------------------- Delta partitions
+
+_PARTITION_SEGMENT = re.compile(r"(?P<key>[A-Za-z][A-Za-z0-9_]*)=\{(?P<field>[A-Za-z_]+)\}\Z")
+
+
+def partition_columns(template: str) -> list[tuple[str, str]]:
+    """The partition columns of the Delta table an output template writes (``format =
+    "delta"``): for each folder below the template's root, ``(column, placeholder)``.
+
+    The table is the root (``data/scored`` for ``data/scored/run_date={date}``); each folder
+    below it must be ``key={placeholder}``, which becomes the string column ``key``. A template
+    without placeholders is an unpartitioned table (no columns). A bare ``{date}`` folder has no
+    column name, and a plain folder or text around the placeholder is not a partition: both are
+    a :class:`ConfigError` saying what to write instead.
+    """
+    root, templated = fixed_part(template)
+    if not templated:
+        return []
+    if root in (".", "/"):
+        raise ConfigError(
+            f'output = {template!r} with format = "delta": the table would be {root!r} '
+            "itself; put the partitions under a table folder (data/scored/run_date={date})"
+        )
+    rest = below(root, template)
+    columns: list[tuple[str, str]] = []
+    for segment in rest.split("/"):
+        m = _PARTITION_SEGMENT.match(segment)
+        if m is None:
+            bare = re.fullmatch(r"\{(\w+)\}", segment)
+            hint = (
+                f"name its column: run_{bare.group(1)}={{{bare.group(1)}}} "
+                f"(output = {template.replace(segment, f'run_{bare.group(1)}={segment}', 1)!r})"
+                if bare
+                else "every folder below the table must be key={placeholder}, e.g. run_date={date}"
+            )
+            raise ConfigError(
+                f'output = {template!r} with format = "delta": the table is {root!r} and '
+                f"{segment!r} below it is not a partition folder; {hint}"
+            )
+        if m.group("key") in {c for c, _ in columns}:
+            raise ConfigError(
+                f"output = {template!r}: partition column {m.group('key')!r} appears twice"
+            )
+        columns.append((m.group("key"), m.group("field")))
+    return columns
+
+
+def partition_values(template: str, output: str) -> dict[str, str]:
+    """Column -> value of the partition ``output`` (``template`` filled in) is, in the order
+    of the template's folders; empty for an unpartitioned table."""
+    columns = partition_columns(template)
+    if not columns:
+        return {}
+    root, _ = fixed_part(template)
+    parts = below(root, output).split("/")
+    values = {}
+    for (column, _), segment in zip(columns, parts, strict=True):
+        key, _, value = segment.partition("=")
+        if key != column:
+            raise ValueError(f"{output!r} does not follow {template!r}")
+        values[column] = value
+    return values

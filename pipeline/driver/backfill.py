@@ -42,8 +42,9 @@ from pipeline.core.signals import EarlyStop
 from pipeline.core.statuses import FAILED_PARTITION_STATUSES, PartitionStatus, RunStatus
 from pipeline.driver.run import run
 from pipeline.io import layout, listing, runindex, storage
-from pipeline.io.layout import REPORT_NAME, SUCCESS_NAME
+from pipeline.io.layout import REPORT_NAME
 from pipeline.io.manifest import Manifest
+from pipeline.io.outputs import output_format
 from pipeline.io.parquet import read_footer
 from pipeline.model import registry
 from pipeline.model.bundle import read_bundle
@@ -138,10 +139,11 @@ def _check_some_input(config: JobConfig, days: list[str]) -> None:
 
 
 def _finished(config: JobConfig, sha: str) -> dict[str, Any] | None:
-    """The partition's report if its output is complete and came from this model bundle (and,
+    """The partition's report if its output is complete (the folder's ``_SUCCESS``, a table's
+    last commit) and came from this model bundle (and,
     for a model from a registry, this registered version: ``config.model`` is pinned)."""
     where = layout.for_run(config, "backfill")
-    if not storage.exists(where.output.child(SUCCESS_NAME)):
+    if not output_format(config, where, "backfill").sealed():
         return None
     try:
         found = layout.find_in(where, REPORT_NAME)  # its control folder, or an older one

@@ -31,7 +31,7 @@ from pipeline.driver.status import Decision, Findings, decide, may_succeed
 from pipeline.io import runindex, storage
 from pipeline.io.layout import HTML_NAME, REPORT_NAME, SUCCESS_NAME
 from pipeline.io.locking import LockLostError, RunLock
-from pipeline.io.outputs.base import Reconciliation, Removal
+from pipeline.io.outputs.base import Committed, Reconciliation, Removal
 from pipeline.io.storage import Location
 from pipeline.report import verdict as verdicts
 from pipeline.report.build import Draft, RunReport, build_report, draft_report
@@ -81,6 +81,9 @@ def conclude(prepared: Prepared, locked: Locked, scored: Scored, stop: StopReque
             logger.warning("%s", warning)
         findings = dataclasses.replace(findings, drift_alert=judged.alert_open)
     decision = decide(findings)
+    # A table's removes take effect with its commit: a run that will not commit removed nothing.
+    taken = settled.removed if decision.succeeded or not settled.pending else []
+    removed = [*locked.cleared, *taken]
     report = build_report(
         draft,
         status=decision.status,
@@ -88,7 +91,7 @@ def conclude(prepared: Prepared, locked: Locked, scored: Scored, stop: StopReque
         drift=judged.drift,
         verdict=judged.verdict,
         warnings=[*warnings, *judged.warnings],
-        removed_outputs=[_removed(r) for r in (*locked.cleared, *settled.removed)],
+        removed_outputs=[_removed(r) for r in removed],
         foreign_removed=locked.foreign.removed,
         foreign_kept=foreign_kept,
         output_format=prepared.output_format.describe(None),
@@ -111,6 +114,7 @@ def commit(
     manifest.flush()  # fenced; an error names the file
     _index(prepared, report, warn=True)
     succeeded = report["status"] in SUCCESS_STATUSES
+    committed: Committed | None = None
     if succeeded and not stop.requested:
         lock.assert_held()
         committed = fmt.commit_run(prepared.run_id, manifest.shards)
@@ -119,7 +123,13 @@ def commit(
     _write_report(prepared.control, report, lock)
     if not succeeded:
         return _run_report(prepared, report)
-    if stop.requested:
+    if stop.requested and committed is not None and committed.visible:
+        # A signal after the commit made the data visible (a table's version): the run stands
+        # as committed, and its report says the signal came too late to change anything.
+        report = report.copy()
+        report["warnings"] = [*report["warnings"], _too_late(stop, committed)]
+        _write_report(prepared.control, report, lock)
+    elif stop.requested:
         # A signal while the report was being written: the run was asked to stop before its
         # output was committed, so it is not.
         logger.warning("%s arrived before _SUCCESS was written", stop.signal_name)
@@ -131,6 +141,19 @@ def commit(
     lock.assert_held()
     _naming(prepared.output.child(SUCCESS_NAME), fmt.seal)
     return _run_report(prepared, report)
+
+
+def _too_late(stop: StopRequest, committed: Committed) -> str:
+    """The warning of a run a signal reached after its commit made its data visible: the run
+    stands as committed (a table's version cannot be taken back by a stop)."""
+    version = committed.details.get("version")
+    where = f" as version {version}" if version is not None else ""
+    warning = (
+        f"{stop.signal_name} arrived after the run's output was committed{where}: readers see "
+        "it, and the run stands as committed"
+    )
+    logger.warning("%s", warning)
+    return warning
 
 
 def retract(
@@ -152,6 +175,8 @@ def retract(
         findings = dataclasses.replace(findings, stopped=True, stop_reason=stop.reason)
     error = f"could not commit the run: {describe(e)}"
     report = _decided(concluded.report, decide(dataclasses.replace(findings, error=error)))
+    # What the output holds now: a table whose commit landed before the failure says so.
+    report["output_format"] = cast(OutputFormatSection, prepared.output_format.describe(None))
     if isinstance(e, LockLostError):
         return report
     log_cleanup_error(prepared.output_format.withdraw, "withdrawing the output's completion")

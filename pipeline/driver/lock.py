@@ -13,14 +13,15 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from pipeline.core.errors import log_cleanup_error
+from pipeline.core.errors import LockError, log_cleanup_error
 from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import StopRequest
 from pipeline.driver.phases import Locked, Prepared
 from pipeline.driver.prepare import stop_if_asked
 from pipeline.io import layout, nesting, storage
+from pipeline.io.layout import LOCK_NAME
 from pipeline.io.listing import ShardRef
-from pipeline.io.locking import RunLock
+from pipeline.io.locking import RunLock, holder_text, live_holder
 from pipeline.io.manifest import FencedManifest, Manifest
 from pipeline.io.ownership import ForeignFiles, check_rejects_location
 from pipeline.worker.shard import ShardResult
@@ -39,7 +40,13 @@ def take(prepared: Prepared, stop: StopRequest, cleanup: contextlib.ExitStack) -
     prepared.output_format.check_owner(config.on_foreign_output)
     shard_paths = [s.rel_path for s in prepared.shards]
     check_rejects_location(prepared.rejects, out, opts, shard_paths)
-    lock = RunLock.acquire(out, prepared.run_id, stale_after_s=config.stale_lock_after_s)
+    fmt = prepared.output_format
+    lock = RunLock.acquire(
+        fmt.lock_root,
+        prepared.run_id,
+        stale_after_s=config.stale_lock_after_s,
+        what=f"output {out.uri}",
+    )
     try:
         # Again, now that no other run can change it: a run of another job may have taken the
         # output while this one planned. Refused, it writes nothing (no report either: the
@@ -49,6 +56,14 @@ def take(prepared: Prepared, stop: StopRequest, cleanup: contextlib.ExitStack) -
         log_cleanup_error(lock.release, "releasing the lock")
         raise
     cleanup.callback(_release, lock, prepared)
+    for other in fmt.exclusive_with:  # a table's maintenance lock: taken, then this checked
+        held = live_holder(other, config.stale_lock_after_s)
+        if held is not None:
+            raise LockError(
+                f"output {out.uri}: {other.child(LOCK_NAME).uri} is held by {holder_text(held)} "
+                "(a rollback, optimize or vacuum of its table); nothing was written. Run again "
+                "once it is done."
+            )
     checkpoint("locked")
     stop_if_asked(stop)  # the lock is released on the way out
     return lock
@@ -58,7 +73,7 @@ def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> L
     """Take the output for this run and find what is left to score; ``cleanup`` saves the
     manifest (what was committed, so that a rerun skips it) whatever happens next."""
     config, out, fmt = prepared.config, prepared.output, prepared.output_format
-    layout.claim(prepared.places, lock.assert_held, fmt.withdraw)
+    layout.claim(prepared.places, lock.assert_held, fmt.withdraw, mark=fmt.mark)
     for root in (out, prepared.rejects):
         for path in storage.remove_temporaries(root):
             logger.info("removed a temporary file left by an interrupted run: %s", path)
@@ -67,6 +82,7 @@ def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> L
         loaded.loc,
         loaded.shards,
         verdict=loaded.verdict,
+        format_state=loaded.format_state,
         owner=loaded.owner,
         fence=lock.assert_held,
     )
@@ -82,6 +98,9 @@ def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> L
         manifest.save()
     if loaded.read_from is not None:
         storage.remove(loaded.read_from)
+    # Where the previous run left the output (a table: its snapshot, and whether the previous
+    # run's pending commit landed), before anything below trusts the manifest.
+    fmt.begin(manifest)
     # What earlier runs wrote, before failed shards are forgotten: reconcile's "ours".
     previous = frozenset(manifest.shards)
     foreign = ForeignFiles()

@@ -110,6 +110,8 @@ class Prepared:
             rel_path=s.rel_path,
             input_uri=s.uri,
             output_uri=self.output_format.target(s.rel_path, self.run_id),
+            # What its rejects name as their output: the place a folder's file has, every run.
+            output_name=self.output.child(s.rel_path).uri,
             rejects_uri=self.rejects.child(s.rel_path).uri,
             num_rows=info.num_rows,
             meta_schema=pa.schema(meta).serialize().to_pybytes(),

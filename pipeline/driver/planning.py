@@ -32,9 +32,8 @@ from pipeline.io import layout, nesting, ownership, storage
 from pipeline.io.listing import ShardRef
 from pipeline.io.manifest import Manifest, expectation, fingerprint_hash
 from pipeline.io.outputs import output_format
-from pipeline.io.outputs.base import Expected
+from pipeline.io.outputs.base import Expected, OutputFormat
 from pipeline.io.parquet import ShardInfo
-from pipeline.io.storage import Location
 from pipeline.model import oov, programcache, registry
 from pipeline.model.bundle import read_bundle, rows_of
 from pipeline.model.precision import ExecutionOptions, prepare
@@ -130,7 +129,7 @@ def _shard_entries(
     """One plan entry per shard: rows, row groups, bytes and what a run would do with it."""
     infos, failed, problems = found.infos, found.failed, found.schema_problems
     manifest = Manifest.load(where.control, where.old_controls)
-    out_root = where.output
+    fmt = output_format(config, where, "plan")
     entries: list[dict[str, Any]] = []
     for s in shards:
         info = infos.get(s.rel_path)
@@ -148,7 +147,7 @@ def _shard_entries(
             entry.update(action=action, problem="; ".join(problems[s.rel_path]))
         else:
             assert info is not None
-            done = not config.force and _done(manifest, s, info, out_root, expect_done, config)
+            done = not config.force and _done(manifest, s, info, fmt, expect_done)
             entry["action"] = "skip (done)" if done else "score"
         entries.append(entry)
     return entries
@@ -158,9 +157,8 @@ def _done(
     manifest: Manifest,
     s: ShardRef,
     info: ShardInfo,
-    out_root: Location,
+    fmt: OutputFormat,
     expect_done: tuple[str, str],
-    config: JobConfig,
 ) -> bool:
     """Whether a run would skip ``s``: as the lock phase judges it (pipeline.driver.lock), from
     the manifest entry and what the output format says of the shard's file."""
@@ -171,7 +169,7 @@ def _done(
     want = Expected(
         entry["rows_scored"], *expect_done, s.rel_path, fingerprint_hash(expect["fingerprint"])
     )
-    return not output_format(out_root, config.storage).is_done(s.rel_path, entry, want)
+    return not fmt.is_done(s.rel_path, entry, want)
 
 
 def _calibrate(config: JobConfig, model: Any, sample_from: Any, plan: Plan) -> dict[str, Any]:

@@ -14,14 +14,19 @@ import dataclasses
 import datetime as dt
 import logging
 import time
+from collections.abc import Mapping
+
+import pyarrow as pa
 
 from pipeline.core.config import JobConfig
+from pipeline.core.errors import TableSchemaError
 from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import StopRequest
 from pipeline.core.signals import EarlyStop
 from pipeline.driver.cluster import DaskSession, Plan, thread_plan
 from pipeline.driver.execution import plan_execution
 from pipeline.driver.inspect import (
+    Inspection,
     apply_schema_policy,
     check_job_columns,
     inspect_shards,
@@ -36,6 +41,8 @@ from pipeline.io.outputs import output_format
 from pipeline.model import oov, registry
 from pipeline.model.bundle import BundleSpec, read_bundle
 from pipeline.model.program import resolve_device
+from pipeline.worker.shard import ShardResult
+from pipeline.worker.sink import output_schema
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +114,7 @@ def prepare(
     failed = apply_schema_policy(config, shards, found)
     execution = plan_execution(config, shards, failed, found, plan)
     meta_types = meta_fields(config, found.infos, failed)
+    schema = _output_schema(config, found, meta_types, failed)
     if session is not None and plan.scheduler not in ("local", "threads"):
         # An existing cluster must answer before the run takes the output: an unreachable
         # scheduler fails here, with nothing written.
@@ -119,7 +127,7 @@ def prepare(
         started_at=started_at,
         t0=t0,
         places=places,
-        output_format=output_format(places.output, opts),
+        output_format=output_format(config, places, run_id, schema),
         rejects=rejects,
         source=source,
         shards=tuple(shards),
@@ -135,6 +143,35 @@ def prepare(
         meta_types=meta_types,
         model_warnings=model_warnings,
     )
+
+
+def _output_schema(
+    config: JobConfig,
+    found: Inspection,
+    meta_types: Mapping[str, pa.Field],
+    failed: Mapping[str, ShardResult],
+) -> pa.Schema | None:
+    """The columns every output file of the run has: id, pass-through, outputs, model_version
+    (a table's schema is made from it); None when no shard is left to score. An id or
+    pass-through column whose types no promotion joins across shards keeps each shard's own
+    type in a folder (with a warning); a Delta table holds one type per column, so there it is
+    refused before anything is written."""
+    names = (config.id_column, *config.passthrough)
+    missing = [n for n in names if n not in meta_types]
+    if len(failed) == len(found.infos):
+        return None
+    if missing:
+        if config.format == "delta":
+            raise TableSchemaError(
+                f"input column(s) {', '.join(map(repr, missing))}: the shards' types cannot be "
+                "joined (see the warning above), and a Delta table holds one type per column. "
+                'Cast them to one type upstream, or write a Parquet folder (format = "parquet")',
+                uri=config.output,
+            )
+        return None
+    model = found.model
+    outputs = [(o.name, o.arrow_type(model.out_width)) for o in model.spec.outputs]
+    return output_schema(pa.schema([meta_types[n] for n in names]), outputs)
 
 
 def _start_cluster(

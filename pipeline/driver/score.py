@@ -98,7 +98,7 @@ def _spec(prepared: Prepared, locked: Locked, *, progress: bool) -> WorkerSpec:
         threads_by_host=session.threads_by_host if session is not None else None,
         settings_hash=prepared.settings.hash,
         model_version=reg.pinned if reg is not None else "",
-        fence=Fence(prepared.output.uri, lock.run_id, lock.token),
+        fence=Fence(lock.root.uri, lock.run_id, lock.token),
         signals=run_signals(on_cluster=session is not None, progress=progress),
         file_facts=prepared.output_format.file_facts,
     )

@@ -96,6 +96,8 @@ RUN_INDEX_DIR = "_runs"
 BACKFILL_DIR = "_backfills"
 #: Drift acceptances in the run index (``pipeline.io.runindex``).
 ACCEPTED_DIR = "_accepted"
+#: Rollbacks of a Delta table in the run index (``pipeline.io.runindex``).
+ROLLBACKS_DIR = "_rollbacks"
 
 #: Key-value metadata every output file carries in its Parquet footer: who wrote it and with
 #: which model, so that the final check needs nothing but the files themselves.
@@ -286,15 +288,23 @@ def find_in(where: Places, name: str) -> Location | None:
 # --------------------------------------------------------------------------- taking an output
 
 
-def claim(where: Places, fence: Callable[[], None], withdraw: Callable[[], None]) -> None:
+def claim(
+    where: Places,
+    fence: Callable[[], None],
+    withdraw: Callable[[], None],
+    *,
+    mark: str | None = OUTPUT_MARK,
+) -> None:
     """What a run does first once it holds the output's lock, before anything is scored.
 
-    Marks the folder as ours (:data:`OUTPUT_MARK`); withdraws what says the previous run's
-    output is complete (``withdraw``: the output format's, the folder's ``_SUCCESS``) and its
-    report, which describe the output as it was and would be taken for this run's while it
-    changes it (the run index keeps every run's record); and moves what older versions kept
-    in other places (:func:`migrate`). The manifest in the output itself (the oldest layout)
-    moves on its own (``Manifest.load`` reads it, the run saves to the new place).
+    Marks the folder as ours (``mark``, :data:`OUTPUT_MARK`; None for an output inside which
+    nothing but data may be written, a Delta table's partition); withdraws what says the
+    previous run's output is complete (``withdraw``: the output format's, the folder's
+    ``_SUCCESS``) and its report, which describe the output as it was and would be taken for
+    this run's while it changes it (the run index keeps every run's record); and moves what
+    older versions kept in other places (:func:`migrate`). The manifest in the output itself
+    (the oldest layout) moves on its own (``Manifest.load`` reads it, the run saves to the
+    new place).
     """
     fence()
     out = where.output
@@ -306,9 +316,10 @@ def claim(where: Places, fence: Callable[[], None], withdraw: Callable[[], None]
         where = dataclasses.replace(
             where, old_controls=olds, moves=tuple(m for m in where.moves if m[0] not in kept)
         )
-    mark = out.child(OUTPUT_MARK)
-    if not storage.exists(mark):
-        storage.write_bytes(mark, b"")
+    if mark is not None:
+        marker = out.child(mark)
+        if not storage.exists(marker):
+            storage.write_bytes(marker, b"")
     withdraw()
     for root in (where.control, *where.old_controls):
         for name in (REPORT_NAME, HTML_NAME):

@@ -317,14 +317,21 @@ def _take_over(
         storage.remove(claim)
 
 
+def holder_text(held: Mapping[str, Any]) -> str:
+    """Who holds a lock, for messages: ``run R (pid P on H, since T)``."""
+    return (
+        f"run {held.get('run_id')} (pid {held.get('pid')} on {held.get('host')}, since "
+        f"{held.get('started_at')})"
+    )
+
+
 def _locked_error(
-    root: Location, loc: Location, held: Mapping[str, Any], skew: str | None = None
+    what: str, loc: Location, held: Mapping[str, Any], skew: str | None = None
 ) -> LockError:
     why = f" {skew}." if skew else ""
     return LockError(
-        f"output {root.uri} is locked by run {held.get('run_id')} (pid {held.get('pid')} on "
-        f"{held.get('host')}, since {held.get('started_at')}).{why} Wait for it to finish; if "
-        f"it is dead, delete {loc.uri}."
+        f"{what} is locked by {holder_text(held)}.{why} Wait for it to finish; if it is dead, "
+        f"delete {loc.uri}."
     )
 
 
@@ -394,11 +401,13 @@ class RunLock:
         *,
         stale_after_s: float,
         heartbeat_s: float | None = None,
+        what: str | None = None,
     ) -> RunLock:
         """Take the lock or raise :class:`LockError` naming who holds it.
 
         ``heartbeat_s`` (default ``stale_after_s / 4``, at most a minute) is how often the
-        holder shows it is alive to runs on other hosts.
+        holder shows it is alive to runs on other hosts. ``what`` names the locked thing in
+        that message (default ``output <root>``: a lock kept beside what it locks says so).
         """
         loc = root.child(LOCK_NAME)
         now = time.time()
@@ -427,7 +436,7 @@ class RunLock:
             if reason is None:
                 skewed = beat - now > stale_after_s and not _same_machine(held, _identity())
                 note = _skew_note(held, beat, now, stale_after_s, written) if skewed else None
-                raise _locked_error(root, loc, held, note)
+                raise _locked_error(what or f"output {root.uri}", loc, held, note)
             if _take_over(root, loc, held, me):
                 took_over = {k: v for k, v in held.items() if k != "token"} | {"reason": reason}
                 logger.warning("taking over the stale lock %s: %s", loc.uri, reason)
@@ -533,6 +542,20 @@ def _loss(loc: Location, run_id: str, token: str) -> str | None:
             f"{held.get('host')})"
         )
     return None
+
+
+def live_holder(root: Location, stale_after_s: float) -> dict[str, Any] | None:
+    """The holder of the lock at ``root`` while it may be alive, read only (a stale lock is
+    judged as :meth:`RunLock.acquire` judges it, and left where it is); None when there is no
+    lock or its holder is gone. A lock that cannot be parsed counts as held."""
+    held = _read_lock(root.child(LOCK_NAME))
+    if held is None:
+        return None
+    if not held:
+        return {"run_id": f"unknown ({root.child(LOCK_NAME).uri} cannot be read)"}
+    beat, now = _last_beat(root, held), time.time()
+    written = _last_written(root, held) if beat - now > stale_after_s else None
+    return None if _stale_reason(held, beat, stale_after_s, now, written) else held
 
 
 def assert_holder(

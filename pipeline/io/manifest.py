@@ -87,6 +87,10 @@ class Manifest:
     # The drift verdict on the dataset these entries describe (pipeline.report.verdict), kept with
     # them so that a rerun which leaves the dataset unchanged reports the same verdict.
     verdict: dict[str, Any] | None = field(default=None, repr=False)
+    # What the output format keeps of the output as a whole (pipeline.io.outputs): a Delta
+    # table's app id, its last committed run version and the one pending (recorded before a
+    # commit, so that a resume can tell whether it landed). None for the Parquet folder.
+    format_state: dict[str, Any] | None = field(default=None, repr=False)
     # The job that owns the output these entries describe (pipeline.nesting.owner_record): its
     # name, output template and the output's real path. None in manifests of older versions
     # (the first run of this version adopts the output and records itself).
@@ -103,11 +107,13 @@ class Manifest:
             doc = cls._read(src)
             if doc is not None:
                 verdict, owner = doc.get("verdict"), doc.get("owner")
+                state = doc.get("output_format")
                 return cls(
                     loc,
                     dict(doc.get("shards", {})),
                     read_from=None if src == loc else src,
                     verdict=verdict if isinstance(verdict, dict) else None,
+                    format_state=state if isinstance(state, dict) else None,
                     owner=owner if isinstance(owner, dict) else None,
                 )
         return cls(loc)
@@ -152,6 +158,12 @@ class Manifest:
             self.verdict = verdict
             self._dirty = True
 
+    def set_format_state(self, state: dict[str, Any] | None) -> None:
+        """Keep the output format's ``state`` (saved by the next :meth:`flush` or :meth:`save`)."""
+        if state != self.format_state:
+            self.format_state = None if state is None else dict(state)
+            self._dirty = True
+
     def set_owner(self, owner: dict[str, Any]) -> bool:
         """Record ``owner`` (saved by the next :meth:`flush`); True if it changed."""
         if owner == self.owner:
@@ -182,6 +194,8 @@ class Manifest:
             doc["owner"] = self.owner
         if self.verdict is not None:
             doc["verdict"] = self.verdict
+        if self.format_state is not None:
+            doc["output_format"] = self.format_state  # optional, as the verdict
         try:
             storage.write_json(self.loc, doc, point="manifest-rename", compact=True)
         except OSError as e:

@@ -53,30 +53,41 @@ from pipeline.io.storage import Location
 
 #: Names whose presence in a folder says an output of this tool is (or was) there.
 _SIGNS = (layout.OUTPUT_MARK, MANIFEST_NAME)
+#: A Delta table's log: a table is an output too (``format = "delta"``), or another writer's.
+_LOG = "_delta_log"
 _DATED = re.compile(r"^(?P<key>[^=/]+=)?\d{4}-\d{2}-\d{2}$")
 
 
-def check(out: Location, root: Location | None = None) -> None:
+def check(out: Location, root: Location | None = None, table: Location | None = None) -> None:
     """Refuse ``out`` when it lies inside a control or default rejects area, contains an output
-    of this tool, lies inside one, lies inside the root of another template than its own
-    (``root``: the real fixed part of the run's template; None: not checked), or is the fixed
-    part of a template another job writes under (its run index says so)."""
+    of this tool or a Delta table, lies inside one, lies inside the root of another template
+    than its own (``root``: the real fixed part of the run's template; None: not checked), or
+    is the fixed part of a template another job writes under (its run index says so).
+
+    ``table``: the Delta table ``out`` is a partition of (or is, unpartitioned), for ``format
+    = "delta"``; its own ``_delta_log/`` is no sign of another output. None: a Parquet folder,
+    which no table log may be in, above or below."""
     out = storage.real_path(out)
+    if table is not None:
+        table = storage.real_path(table)
     _refuse_in_area("output", out)
     files = storage.list_files(out)
+    if table is not None and _same(table, out):
+        files = [f for f in files if not f.startswith(_LOG + "/")]
     _refuse_outputs_below(out, files)
-    _refuse_inside_another(out, root)
+    _refuse_inside_another(out, root, table)
     _refuse_template_root(out, files)
 
 
 def check_run(config: JobConfig, where: layout.Places, rejects: Location) -> None:
     """Everything a run checks about its places before it writes anything: its output is in
     no control area, is no other job's (:func:`check_owner`), does not nest
-    (:func:`check`), and its rejects lie in no dataset (:func:`check_rejects`)."""
+    (:func:`check`), and its rejects lie in no dataset (:func:`check_rejects`). A Delta
+    table's partition (``format = "delta"``) lies in its own table: the template's root."""
     root = own_root(config)
     _refuse_in_area("output", storage.real_path(where.output))
     check_owner(where, owner_record(config, where))
-    check(where.output, root)
+    check(where.output, root, root if config.format == "delta" else None)
     check_rejects(rejects, root, config.output, explicit=config.rejects is not None)
 
 
@@ -89,6 +100,8 @@ def own_root(config: JobConfig) -> Location:
 def _nested_in(rel: str) -> str | None:
     """The folder (relative to the output) of another output that ``rel`` is a sign of."""
     parts = rel.split("/")
+    if _LOG in parts[:-1]:
+        return "/".join(parts[: parts.index(_LOG)]) or "."  # a Delta table (or its log)
     if layout.CONTROL_DIR in parts[:-1]:
         # A control folder of outputs below (an older layout kept it beside each output).
         i = parts.index(layout.CONTROL_DIR)
@@ -114,20 +127,37 @@ def _refuse_outputs_below(out: Location, files: list[str]) -> None:
         nested = _nested_in(rel)
         if nested is None:
             continue
+        what = "a Delta table" if f"/{_LOG}/" in f"/{rel}" else "an output of score-catalog"
         raise ConfigError(
-            f"output {out.uri} contains {out.child(nested).uri}, an output of score-catalog "
+            f"output {out.uri} contains {out.child(nested).uri}, {what} "
             f"({out.child(rel).uri} is there): a run into {out.uri} would take its files for "
             f"its own and remove them. Nothing was written. Outputs never nest: "
             f"{_suggestion(out, nested)}."
         )
 
 
-def _refuse_inside_another(out: Location, root: Location | None) -> None:
+def _refuse_inside_another(
+    out: Location, root: Location | None, table: Location | None = None
+) -> None:
     for folder in layout.ancestors(out):
-        sign = _sign_in(folder)
-        if sign is not None:
+        own_table = table is not None and _same(folder, table)
+        sign = _sign_in(folder, with_log=not own_table)
+        if (
+            sign is not None
+            and sign.path.endswith(_LOG)
+            and root is not None
+            and _same(folder, root)
+        ):
             raise ConfigError(
-                f"output {out.uri} lies inside {folder.uri}, an output of score-catalog "
+                f"output {out.uri} lies inside {folder.uri}, a Delta table ({sign.uri} is "
+                "there), which is this template's own root: a table is written as one, with "
+                'format = "delta" (--format delta, SCORE_CATALOG_FORMAT=delta). Nothing was '
+                f"written. Set it, or choose an output outside {folder.uri}."
+            )
+        if sign is not None:
+            what = "a Delta table" if sign.path.endswith(_LOG) else "an output of score-catalog"
+            raise ConfigError(
+                f"output {out.uri} lies inside {folder.uri}, {what} "
                 f"({sign.uri} is there): its next run would remove this run's files, and "
                 f"readers of {folder.uri} would count them as its scores. Nothing was "
                 f"written. Outputs never nest: choose an output outside {folder.uri}."
@@ -139,9 +169,10 @@ def _refuse_inside_another(out: Location, root: Location | None) -> None:
             raise _inside_root(out, folder, area)
 
 
-def _sign_in(folder: Location) -> Location | None:
-    """The mark or manifest in ``folder`` that says it is an output of this tool, or None."""
-    for name in _SIGNS:
+def _sign_in(folder: Location, *, with_log: bool = True) -> Location | None:
+    """The mark or manifest in ``folder`` that says it is an output of this tool, or its
+    ``_delta_log/`` that says it is a Delta table (``with_log``), or None."""
+    for name in (*_SIGNS, _LOG) if with_log else _SIGNS:
         sign = folder.child(name)
         if storage.exists(sign):
             return sign

@@ -21,7 +21,7 @@ from pipeline.core import templates
 from pipeline.core.errors import PipelineError
 from pipeline.core.statuses import RunStatus
 from pipeline.io import storage
-from pipeline.io.layout import ACCEPTED_DIR, RUN_INDEX_DIR
+from pipeline.io.layout import ACCEPTED_DIR, ROLLBACKS_DIR, RUN_INDEX_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,15 @@ def parse_time(value: Any) -> dt.datetime:
     t = dt.datetime.fromisoformat(value[:-1] + "+00:00" if value.endswith("Z") else value)
     # A time without an offset is taken as UTC, which is what every run writes.
     return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
+
+
+def finished_time(entry: Mapping[str, Any]) -> dt.datetime:
+    """When an index entry's run finished (its ``finished_at``); the epoch when it cannot be
+    read (such an entry is never the newest)."""
+    try:
+        return parse_time(entry.get("finished_at"))
+    except (ValueError, TypeError):
+        return dt.datetime.fromtimestamp(0, dt.timezone.utc)
 
 
 def previous_success(
@@ -207,3 +216,39 @@ def acceptance(
         if best is None or str(found.get("at")) > str(best.get("at")):
             best = found
     return best
+
+
+def entry(
+    root: str, options: Mapping[str, Any] | None, job: str | None, run_id: str | None
+) -> dict[str, Any] | None:
+    """The index entry of run ``run_id`` of ``job``; None when there is none (or unreadable)."""
+    if not job or not run_id:
+        return None
+    loc = _job_dir(root, options, job).child(f"{safe_name(run_id)}.json")
+    try:
+        doc = storage.read_json(loc)
+    except (OSError, ValueError, PipelineError) as err:
+        logger.warning("skipping unreadable run index entry %s: %s", loc.uri, err)
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def record_rollback(
+    root: str, options: Mapping[str, Any] | None, job: str, entry: dict[str, Any]
+) -> str:
+    """Write a Delta table's rollback as ``<root>/_runs/<job>/_rollbacks/<at>-v<version>.json``.
+
+    ``entry`` holds at least ``at``, ``version`` (the RESTORE version), ``rolled_back`` (the
+    run ids whose commits it undid) and ``partitions`` (per partition: ``output``, the
+    ``run_id`` whose data it holds again, ``rows_out`` and ``outputs`` sketches), which drift
+    reads (:func:`rollbacks`). One file each, never rewritten. Returns its URI."""
+    stamp = re.sub(r"[^0-9A-Za-z]", "", str(entry["at"]))
+    loc = _job_dir(root, options, job).child(f"{ROLLBACKS_DIR}/{stamp}-v{entry['version']}.json")
+    storage.write_json(loc, entry, point="rollback-rename")
+    return loc.uri
+
+
+def rollbacks(root: str, options: Mapping[str, Any] | None, job: str) -> list[dict[str, Any]]:
+    """Every rollback recorded for ``job`` (unreadable ones skipped with a warning)."""
+    found = _entries(_job_dir(root, options, job).child(ROLLBACKS_DIR), "rollback record")
+    return [doc for _uri, doc in found]

@@ -328,6 +328,16 @@ def modified_time(loc: Location) -> float | None:
     return None
 
 
+def size_of(loc: Location) -> int | None:
+    """Bytes of the file at ``loc``; None when there is none."""
+    try:
+        info = _retry(loc, lambda: loc.fs.info(loc.path), "checking")
+    except FileNotFoundError:
+        return None
+    size = info.get("size")
+    return int(size) if size is not None else None
+
+
 def exists(loc: Location) -> bool:
     """Whether anything (a file or a folder) is at ``loc``."""
     return bool(_retry(loc, lambda: loc.fs.exists(loc.path), "checking"))

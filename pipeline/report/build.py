@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 # 3: the report is described by a committed JSON Schema (pipeline/schemas); keys as in 2.
 # 4: the dataset's drift verdict (``verdict``: pipeline.report.verdict).
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
 STATUSES = (
     RunStatus.SUCCEEDED,

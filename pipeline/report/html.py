@@ -339,6 +339,10 @@ def _environment(r: ReportData) -> str:
         out.append(f"<h3>{title}</h3>" + kv(items))
     out.append("<h3>Locations</h3>")
     out.append(kv([("input", r["input"]), ("output", r["output"]), ("rejects", r["rejects"])]))
+    fmt = r.get("output_format")
+    if fmt is not None and fmt.get("format") == "delta":
+        # The Delta table's commit: the version readers see, and the token that made it once.
+        out.append("<h3>Delta table</h3>" + kv(list(fmt.items())))
     return "".join(out)
 
 

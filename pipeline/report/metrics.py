@@ -137,7 +137,25 @@ def registry_for(
     _drift_gauge(reg, job, report.get("drift"))
     _accepted_gauge(reg, job, report.get("drift"), report.get("verdict"))
     _status_gauge(reg, job, status)
+    _table_gauge(reg, job, report.get("output_format"))
     return reg
+
+
+def _table_gauge(reg: CollectorRegistry, job: str, fmt: Any) -> None:
+    """The Delta table's version after the last run (``format = "delta"``), labelled with the
+    partition it wrote (empty: an unpartitioned table); no sample for a Parquet folder or a
+    run that never read the table."""
+    g = Gauge(
+        f"{PREFIX}_table_version",
+        "Version of the Delta table after the last run (its commit, or the version it left).",
+        [JOB_LABEL, "partition"],
+        registry=reg,
+    )
+    if not isinstance(fmt, Mapping) or fmt.get("format") != "delta":
+        return
+    version = _number(fmt.get("version"))
+    if version is not None:
+        g.labels(job, str(fmt.get("partition") or "")).set(version)
 
 
 def _drift_gauge(reg: CollectorRegistry, job: str, drift: Any) -> None:

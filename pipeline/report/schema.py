@@ -30,8 +30,9 @@ from typing import Any, Literal, TypedDict
 from pipeline.core.statuses import FailureKind, RunStatus, ShardStatus
 
 #: The ``schema_version`` this module and the committed schema describe. 3 added the
-#: ``interrupted`` status and made the report's shape a committed JSON Schema; 4 the ``verdict``.
-SCHEMA_VERSION = 4
+#: ``interrupted`` status and made the report's shape a committed JSON Schema; 4 the ``verdict``;
+#: 5 typed ``output_format`` (the ``delta`` format's table, partition, version and token).
+SCHEMA_VERSION = 5
 #: Where the schema ships inside the package (``pipeline/schemas/report.schema.json``).
 SCHEMA_RESOURCE = "schemas/report.schema.json"
 
@@ -366,15 +367,36 @@ class Verdict(TypedDict):
 # ---------------------------------------------------------------- the report
 
 
-class OutputFormatSection(TypedDict, total=False):
-    """``output_format``: where the scores went (pipeline.io.outputs): the format, and what it
-    says of the run's commit (a table format's version); other keys are the format's own."""
+class RecoveredCommit(TypedDict):
+    """``output_format.recovered``: an earlier run's commit that landed before it stopped."""
 
-    format: str  # "parquet_folder"
+    run_id: str | None
+    table_version: int | None
+
+
+class OutputFormatCore(TypedDict):
+    """The key every ``output_format`` has."""
+
+    format: str  # "parquet_folder" or "delta"
+
+
+class OutputFormatSection(OutputFormatCore, total=False):
+    """``output_format``: where the scores went (pipeline.io.outputs): the format, and, for a
+    Delta table, what it says of the run's commit (``pipeline.io.outputs.delta``)."""
+
+    table: str
+    partition: str | None
+    app_id: str
+    run_version: int | None
+    version: int | None
+    committed: bool
+    files_added: int
+    files_removed: int
+    recovered: RecoveredCommit
 
 
 class ReportCore(TypedDict):
-    """The keys every ``_report.json`` of ``schema_version`` 4 has."""
+    """The keys every ``_report.json`` of ``schema_version`` 5 has."""
 
     schema_version: int
     run_id: str
@@ -427,7 +449,7 @@ class ReportCore(TypedDict):
 
 
 class ReportData(ReportCore, total=False):
-    """Every key of ``_report.json`` (``schema_version`` 4): the core ones, always present, and
+    """Every key of ``_report.json`` (``schema_version`` 5): the core ones, always present, and
     those added since (absent from older reports)."""
 
     output_format: OutputFormatSection
@@ -438,6 +460,7 @@ SCHEMA_OBJECTS: dict[str, type] = {
     "#": ReportData,
     "#/$defs/shard": ShardEntry,
     "#/$defs/output_format": OutputFormatSection,
+    "#/$defs/recovered_commit": RecoveredCommit,
     "#/$defs/error": ErrorEntry,
     "#/$defs/lossy_cast": LossyCastEntry,
     "#/$defs/lossy_cast_example": LossyCastExample,
@@ -496,7 +519,7 @@ def _non_finite(value: Any, path: str = "$") -> Iterator[str]:
 def validate_report(data: Any) -> None:
     """Raise :class:`ReportSchemaError` listing every way ``data`` differs from the schema.
 
-    ``data`` is a parsed ``_report.json`` of ``schema_version`` 4 (older reports are not
+    ``data`` is a parsed ``_report.json`` of ``schema_version`` 5 (older reports are not
     checked against it). Beyond the schema, NaN and infinite numbers are refused: Python's
     ``json`` writes them as ``NaN``/``Infinity`` tokens, which are not JSON and which strict
     parsers (``jq``, browsers, Go, Java) reject.

@@ -88,6 +88,26 @@ def _grouped_errors(d: Mapping[str, Any], errors: list[dict[str, Any]]) -> list[
     return out
 
 
+def _table_lines(d: Mapping[str, Any]) -> list[str]:
+    """``table`` under ``output`` for a Delta table (``format = "delta"``): its version after
+    the run, the partition, and whether this run committed it."""
+    fmt = d.get("output_format") or {}
+    if fmt.get("format") != "delta":
+        return []
+    where = f" partition {fmt['partition']}" if fmt.get("partition") else ""
+    version = fmt.get("version")
+    if fmt.get("committed"):
+        what = f"committed version {version} (run version {fmt.get('run_version')})"
+    elif (fmt.get("recovered") or {}).get("table_version") is not None:
+        rec = fmt["recovered"]
+        what = f"version {version}: committed by run {rec.get('run_id')} before it stopped"
+    elif version is not None:
+        what = f"version {version}, no new commit"
+    else:
+        what = "nothing committed"
+    return [f"  table     {fmt.get('table')}{where}: {what}"]
+
+
 def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
     """A short human summary of the run for the terminal (and cron's mail).
 
@@ -101,6 +121,7 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
         f"  model     {d['model']['name']} v{d['model']['version']} ({d['model']['sha256'][:12]}) "
         f"on {d['device']}, batch {d['batch_size']}",
         f"  output    {d['output']}",
+        *_table_lines(d),
         f"  report    {control_uri(d, report.control)}/{HTML_NAME}",
         f"  shards    {d['shards_total']} total: {d['shards_scored']} scored, "
         f"{d['shards_skipped']} skipped (already done), {d['shards_failed']} failed"

@@ -31,7 +31,7 @@ import logging
 import re
 import socket
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,15 +222,76 @@ def _baseline(
         # With a {date} template the newest day first, then the newest run of that day.
         return (entry_day(config, entry) or "") if day is not None else ""
 
-    return runindex.previous_success(
+    # A Delta table rolled back holds an older run's scores again (score-catalog rollback):
+    # the runs it undid are no baseline, and what it restored counts as of the rollback's time.
+    restores = runindex.rollbacks(index_root, config.storage, config.name)
+    undone = {r for rec in restores for r in rec.get("rolled_back") or []}
+    if config.format == "delta":
+        # A table keeps its versions: a partition's new version is compared with the version
+        # of the same partition it replaces (or, after a rollback, the one restored); only a
+        # partition's first version is compared with the days before it, as a folder is.
+        previous = _newest(
+            index_root,
+            config,
+            data,
+            restores,
+            lambda e: e.get("dataset") == dataset or e.get("output") != output,
+            undone,
+        )
+        if previous is not None:
+            return previous
+    return _newest(index_root, config, data, restores, skip, undone, rank)
+
+
+def _newest(
+    index_root: str,
+    config: JobConfig,
+    data: Mapping[str, Any],
+    restores: list[dict[str, Any]],
+    skip: Callable[[dict[str, Any]], bool],
+    undone: set[str],
+    rank: Callable[[dict[str, Any]], str] | None = None,
+) -> dict[str, Any] | None:
+    """The newest successful run that scored rows, or dataset a rollback restored, that
+    ``skip`` keeps; runs a rollback undid are never one. ``rank`` orders the runs before
+    their finish time does (runindex.previous_success)."""
+    found = runindex.previous_success(
         index_root,
         config.storage,
         config.name,
         exclude_run_id=data["run_id"],
         scored_only=True,
-        skip=skip,
+        skip=lambda e: e.get("run_id") in undone or skip(e),
         rank=rank,
     )
+    restored = [e for e in _restored(restores, config.name) if not skip(e)]
+    candidates = [e for e in (found, *restored) if e is not None]
+    return max(candidates, key=runindex.finished_time, default=None)
+
+
+def _restored(restores: list[dict[str, Any]], job: str) -> list[dict[str, Any]]:
+    """What each rollback made a partition hold again, as a run index entry (its run's score
+    sketches, finished when the rollback was made)."""
+    out = []
+    for rec in restores:
+        for part in rec.get("partitions") or []:
+            if not part.get("run_id") or not part.get("outputs"):
+                continue  # the partition held nothing at that version
+            out.append(
+                {
+                    "run_id": part["run_id"],
+                    "job": job,
+                    "status": "succeeded",
+                    "output": part.get("output"),
+                    "finished_at": rec.get("at"),
+                    "rows_out": part.get("rows_out"),
+                    "rows_processed": part.get("rows_out"),
+                    "outputs": part["outputs"],
+                    "dataset": f"restored:{rec.get('version')}:{part.get('output')}",
+                    "restored_by": rec.get("version"),
+                }
+            )
+    return out
 
 
 def _compare(

@@ -245,7 +245,9 @@ class _Shard:
         footer = footer_metadata(
             spec.model.sha256, spec.io.settings_hash, task.rel_path, task.input_fingerprint
         )
-        self.rejects_meta = rejects_metadata(task.output_uri, task.rel_path, task.input_fingerprint)
+        self.rejects_meta = rejects_metadata(
+            task.output_name or task.output_uri, task.rel_path, task.input_fingerprint
+        )
         self.out_schema = output_schema(self.meta_schema, self.out_fields, footer)
         self.numeric = [
             i for i, (_, t) in enumerate(self.out_fields) if not pa.types.is_fixed_size_list(t)

@@ -156,3 +156,6 @@ class ShardTask:
     # Hash of the input's fingerprint (manifest.fingerprint_hash), written with ``rel_path``
     # into the output's footer: the file names the version of the shard it was scored from.
     input_fingerprint: str = ""
+    # The shard's output as its rejects name it (their footer's owner): the same every run. A
+    # folder's file has that name; a table's file name changes per run (empty: output_uri).
+    output_name: str = ""

@@ -156,6 +156,8 @@ def test_create_once_writes_version_zero(tmp_path: Path) -> None:
     assert table.metadata().configuration == {
         "delta.logRetentionDuration": "interval 30 days",
         "delta.deletedFileRetentionDuration": "interval 30 days",
+        # whose table it is: a run writes only into tables this tool created
+        "score_catalog.writer": "score-catalog",
     }
     assert pa.schema(table.schema().to_arrow()).names == [*SCHEMA.names, PARTITION]
     # an empty table is readable by the readers
@@ -176,6 +178,7 @@ def test_retention_is_configurable_and_consistent(tmp_path: Path) -> None:
     assert DeltaTable(ref.table_uri).metadata().configuration == {
         "delta.logRetentionDuration": "interval 10 days",
         "delta.deletedFileRetentionDuration": "interval 14 days",
+        "score_catalog.writer": "score-catalog",
     }
     with pytest.raises(ValueError, match="must be >= log_retention_days"):
         delta.ensure_table(

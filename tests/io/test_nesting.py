@@ -241,3 +241,52 @@ def test_on_an_object_store_another_job_is_refused_too() -> None:
             nesting.check_owner(where, {**owner, "job": "b"})
     finally:
         fs.rm("/own-bucket", recursive=True)
+
+
+# ---------------------------------------------------------------- Delta tables (format = "delta")
+
+
+def _table(root: Path, *partitions: str) -> None:
+    """A Delta table's folder: its log, and a data file in each partition folder."""
+    (root / "_delta_log").mkdir(parents=True)
+    (root / "_delta_log" / "00000000000000000000.json").write_text("{}\n")
+    for p in partitions:
+        (root / p).mkdir()
+        (root / p / "part-00000-x.parquet").write_bytes(b"PAR1")
+
+
+def test_a_folder_output_inside_a_delta_table_is_refused(tmp_path: Path) -> None:
+    _table(tmp_path / "scored", "run_date=2026-11-28")
+    inner = tmp_path / "scored" / "run_date=2026-11-29"
+    with pytest.raises(ConfigError) as e:
+        nesting.check(storage.locate(str(inner)))
+    assert f"lies inside {tmp_path / 'scored'}, a Delta table" in str(e.value)
+
+
+def test_a_folder_output_containing_a_delta_table_is_refused(tmp_path: Path) -> None:
+    _table(tmp_path / "out" / "scored", "run_date=2026-11-28")
+    with pytest.raises(ConfigError) as e:
+        nesting.check(storage.locate(str(tmp_path / "out")))
+    assert f"contains {tmp_path / 'out' / 'scored'}, a Delta table" in str(e.value)
+
+
+def test_a_partition_of_its_own_table_passes_and_of_another_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "scored"
+    _table(root, "run_date=2026-11-28")
+    part = storage.locate(str(root / "run_date=2026-11-29"))
+    table = storage.locate(str(root))
+    nesting.check(part, table, table)  # its own table's log is no sign of another output
+    nesting.check(table, table, table)  # an unpartitioned table is its own output
+    other = storage.locate(str(tmp_path / "elsewhere"))
+    with pytest.raises(ConfigError, match="a Delta table"):
+        nesting.check(part, other, other)
+
+
+def test_a_folder_run_into_its_own_templates_table_is_told_to_set_the_format(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "scored"
+    _table(root, "run_date=2026-11-28")
+    with pytest.raises(ConfigError) as e:
+        nesting.check(storage.locate(str(root / "run_date=2026-11-29")), storage.locate(str(root)))
+    assert "this template's own root" in str(e.value) and "--format delta" in str(e.value)

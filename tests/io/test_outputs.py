@@ -13,7 +13,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.io import storage
+from pipeline.core.config import JobConfig
+from pipeline.io import layout, storage
 from pipeline.io.layout import SUCCESS_NAME, footer_metadata
 from pipeline.io.outputs import output_format
 from pipeline.io.outputs.base import Expected, OutputFormat
@@ -36,7 +37,8 @@ def _expected(rel: str, rows: int) -> Expected:
 
 
 def _fmt(root: Path) -> OutputFormat:
-    return output_format(storage.locate(str(root)))
+    config = JobConfig(input=str(root.parent / "in"), output=str(root), model="m")
+    return output_format(config, layout.places(str(root), str(root)), "run")
 
 
 def test_the_folder_is_todays_format_and_describes_itself(tmp_path: Path) -> None:

@@ -408,6 +408,28 @@ def test_removed_outputs_are_listed_with_their_reason() -> None:
     assert "part-00009.parquet" in page and "its input shard no longer exists" in page
 
 
+def test_a_delta_tables_version_and_partition_are_on_the_page() -> None:
+    r = full_report()
+    r["output_format"] = {
+        "format": "delta",
+        "table": "s3://bucket/scored",
+        "partition": "run_date=2026-12-01",
+        "app_id": "score-catalog/nightly/run_date=2026-12-01",
+        "run_version": 4,
+        "version": 17,
+        "committed": True,
+        "files_added": 8,
+        "files_removed": 8,
+    }
+    validate_report(r)
+    page = render_html(r)  # type: ignore[arg-type]
+    assert "<h3>Delta table</h3>" in page
+    for text in ("s3://bucket/scored", "run_date=2026-12-01", ">17<"):
+        assert text in page, text
+    r["output_format"] = {"format": "parquet_folder"}
+    assert "Delta table" not in render_html(r)  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------- a page that reads right
 
 

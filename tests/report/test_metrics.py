@@ -104,7 +104,7 @@ def test_file_values_equal_the_report(tmp_path: Path) -> None:
     ) not in found
     # The alert is open: nobody accepted it (the report has no verdict saying so).
     assert value(found, "last_run_drift_accepted") == 0
-    assert len(found) == 8 + 2 + 1 + len(STATUSES)
+    assert len(found) == 8 + 2 + 1 + len(STATUSES)  # no table version: not a Delta table
     assert "# HELP score_catalog_last_success_timestamp_seconds Unix time" in text
     assert "# TYPE score_catalog_last_run_status gauge" in text
 
@@ -122,12 +122,25 @@ def test_drift_accepted_is_1_once_accepted_and_absent_without_an_alert(tmp_path:
     )
 
 
+def test_table_version_is_the_delta_tables_and_absent_for_a_folder(tmp_path: Path) -> None:
+    path = tmp_path / "m.prom"
+    fmt = {"format": "delta", "table": "s3://b/scored", "partition": "run_date=2026-03-01"}
+    write_metrics_file(str(path), report(output_format={**fmt, "version": 7, "committed": True}))
+    found = samples(path.read_text())
+    assert value(found, "table_version", partition="run_date=2026-03-01") == 7
+    for folder in ({"format": "parquet_folder"}, None, {**fmt, "version": None}):
+        write_metrics_file(str(path), report(output_format=folder))
+        names = {name for name, _ in samples(path.read_text())}
+        assert "score_catalog_table_version" not in names
+
+
 # --- Names and labels that fit Prometheus --------------------------------------------------
 
 #: Unit suffixes in Prometheus's naming convention for what a run measures; a name ends in one
 #: unless its value has no unit (an index, a 0/1 state).
 UNITS = ("_timestamp_seconds", "_seconds", "_rows", "_shards", "_rows_per_second")
 UNITLESS = {
+    "score_catalog_table_version",
     "score_catalog_last_run_drift_psi",
     "score_catalog_last_run_drift_accepted",
     "score_catalog_last_run_status",
@@ -143,7 +156,7 @@ def _families(tmp_path: Path, **extra: Any) -> tuple[str, list[Any]]:
 
 def test_names_and_labels_fit_prometheus_conventions(tmp_path: Path) -> None:
     text, families = _families(tmp_path)
-    assert len(families) == 11
+    assert len(families) == 12
     for fam in families:
         # One prefix, units last, `_total` only on counters (there are none: every metric
         # describes the last run, and a batch job's counter would restart at 0 each run).

@@ -69,7 +69,7 @@ def test_schema_file_is_a_valid_draft_2020_12_schema() -> None:
     jsonschema.Draft202012Validator.check_schema(schema)
     assert schema["additionalProperties"] is False
     assert schema["properties"]["schema_version"] == {"const": SCHEMA_VERSION}
-    assert SCHEMA_VERSION == 4
+    assert SCHEMA_VERSION == 5
 
 
 @pytest.mark.parametrize(

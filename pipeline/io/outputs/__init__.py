@@ -1,20 +1,34 @@
 """Output formats: where a run's scores go, behind one small protocol
 (:mod:`pipeline.io.outputs.base`), so that the driver is the same whatever the format. The
-Parquet folder is the first (:mod:`pipeline.io.outputs.folder`). A Delta table's two sides,
+Parquet folder is the first (:mod:`pipeline.io.outputs.folder`); a Delta table's partition the
+second (:mod:`pipeline.io.outputs.delta`), on its two lower sides,
 :mod:`~pipeline.io.outputs.deltastats` (the worker's: stats from a file's footer, pyarrow only)
 and :mod:`~pipeline.io.outputs.deltatable` (the driver's: the one commit per run, snapshot,
-history, maintenance), are here for the second; nothing imports them yet (issue 24)."""
+history, maintenance)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
+from pipeline.io.layout import Places
 from pipeline.io.outputs.base import OutputFormat
 from pipeline.io.outputs.folder import ParquetFolder
-from pipeline.io.storage import Location
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from pipeline.core.config import JobConfig
 
 
-def output_format(root: Location, options: Mapping[str, Any] | None = None) -> OutputFormat:
-    """The format of an output at ``root`` (today always a Parquet folder)."""
-    return ParquetFolder(root, dict(options or {}))
+def output_format(
+    config: JobConfig, places: Places, run_id: str, schema: pa.Schema | None = None
+) -> OutputFormat:
+    """The format of a run's output (``config.format``) at ``places``; ``schema`` is the run's
+    output schema, which a table checks (and creates) its own against."""
+    if config.format == "delta":
+        # Downward and only here: Dask workers import this package (the seam's base) and must
+        # never load deltalake (a forked worker that calls delta-rs after its parent did panics).
+        from pipeline.io.outputs.delta import DeltaOutput
+
+        return DeltaOutput.of(config, places, run_id, schema)
+    return ParquetFolder(places.output, dict(config.storage))

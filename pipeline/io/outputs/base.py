@@ -9,8 +9,14 @@ format is a new implementation, not a fork of the driver. Today's one is the Par
 In the order a run calls them:
 
 * before the lock: :meth:`~OutputFormat.check_owner` refuses an output this tool did not write;
-* ``start`` (once the lock is held): :meth:`~OutputFormat.withdraw` what says the previous run's
-  output is complete (the folder's ``_SUCCESS``; a table keeps its versions), then
+  the run lock is taken at :attr:`~OutputFormat.lock_root` (inside the folder; beside a table,
+  inside which nothing but data may live), and given up at once while a lock in
+  :attr:`~OutputFormat.exclusive_with` is held (a table's maintenance);
+* ``start`` (once the lock is held): the output is marked as this tool's
+  (:attr:`~OutputFormat.mark`, the folder's only), :meth:`~OutputFormat.withdraw` withdraws what
+  says the previous run's output is complete (the folder's ``_SUCCESS``; a table keeps its
+  versions), :meth:`~OutputFormat.begin` reads where the previous run left the output (a table:
+  its snapshot, whether the previous run's pending commit landed, the schema), then
   :meth:`~OutputFormat.replace_foreign` and :meth:`~OutputFormat.clear` (what is in the way);
 * per shard: the worker writes the shard's data file at :meth:`~OutputFormat.target` (the
   folder: a stable name that replaces the old file; a table: a fresh name per run, since older
@@ -26,7 +32,10 @@ In the order a run calls them:
   :meth:`~OutputFormat.seal` marks it complete after the report (the folder: ``_SUCCESS``);
 * on failure: :meth:`~OutputFormat.withdraw` again (a commit that failed half-way).
 
-:meth:`~OutputFormat.describe` is the report's ``output_format`` section.
+:meth:`~OutputFormat.describe` is the report's ``output_format`` section;
+:meth:`~OutputFormat.sealed` says, without a run, whether the output holds a complete run (a
+backfill skips such a day); :attr:`~OutputFormat.dataset` is what readers query as one dataset
+(outputs never nest: ``pipeline.io.nesting``).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pipeline.io.manifest import Manifest
 from pipeline.io.ownership import ForeignFiles
 from pipeline.io.storage import Location
 
@@ -76,6 +86,9 @@ class Reconciliation:
 
     removed: list[Removal] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
+    #: The removals take effect only when the run commits (a table's remove actions): a run
+    #: that does not commit removed nothing, and its report lists none.
+    pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,10 @@ class Committed:
     version), for the report's ``output_format`` section."""
 
     details: Mapping[str, Any] = field(default_factory=dict)
+    #: The run's data is visible to readers now (a table's version): a stop that arrives after
+    #: this cannot undo it, so the run's outcome stands as committed. The folder's data becomes
+    #: complete only with its seal.
+    visible: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +132,31 @@ class OutputFormat(Protocol):
         """What a worker computes of each data file it writes (None: nothing but its size)."""
         ...
 
+    @property
+    def dataset(self) -> Location:
+        """What readers query as one dataset, that this output is part of: the folder itself;
+        the table's root for one of its partitions."""
+        ...
+
+    @property
+    def lock_root(self) -> Location:
+        """The folder holding the run lock (``_lock.json``): the output folder itself; a
+        partition's control folder for a table (nothing but data inside a table)."""
+        ...
+
+    @property
+    def exclusive_with(self) -> tuple[Location, ...]:
+        """Lock folders whose live holder keeps a run out (a table's maintenance lock): checked
+        right after the run took its own lock."""
+        ...
+
+    @property
+    def mark(self) -> str | None:
+        """The empty file that marks the output as this tool's, written when a run takes it
+        (the folder's ``_SCORE_CATALOG``); None: nothing is written inside (a table's log says
+        whose it is)."""
+        ...
+
     def check_owner(self, mode: str) -> None:
         """Refuse, before the lock is taken, an output holding what this tool did not write
         (``mode``: ``on_foreign_output``, "refuse" or "replace")."""
@@ -122,6 +164,12 @@ class OutputFormat(Protocol):
 
     def withdraw(self) -> None:
         """Make the visible dataset stop claiming a complete run (idempotent)."""
+        ...
+
+    def begin(self, manifest: Manifest) -> None:
+        """Once the lock is held and the manifest loaded: read where the previous run left the
+        output and bring ``manifest`` up to date with it (a table: whether its pending commit
+        landed; its schema made or checked). The folder has nothing to do."""
         ...
 
     def replace_foreign(self, ours: set[str]) -> ForeignFiles:
@@ -174,5 +222,11 @@ class OutputFormat(Protocol):
         ...
 
     def describe(self, committed: Committed | None) -> dict[str, Any]:
-        """The report's ``output_format`` section."""
+        """The report's ``output_format`` section (of ``committed``, or of what the output
+        holds when the run committed nothing)."""
+        ...
+
+    def sealed(self) -> bool:
+        """Whether the output holds a complete run now (the folder: ``_SUCCESS``; a table: its
+        partition holds exactly the files of the manifest's last commit), read without a lock."""
         ...

@@ -294,3 +294,14 @@ def _timestamp_bounds(lo: Any, hi: Any, logical: Any) -> tuple[str, str] | None:
 def _iso_ms(ms: int) -> str:
     t = _EPOCH + dt.timedelta(milliseconds=ms)
     return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
+
+
+def delta_facts(metadata: pq.FileMetaData, nan_columns: frozenset[str]) -> dict[str, Any]:
+    """What a worker sends back of a data file it wrote into a Delta table (the output format's
+    ``file_facts``, :data:`pipeline.io.outputs.base.FileFacts`): its rows and its Delta stats,
+    the floating-point columns it saw no NaN in vouched NaN-free (:func:`file_stats`)."""
+    floats = {name for name, typ, _ in _flat_columns(metadata) if pa.types.is_floating(typ)}
+    return {
+        "rows": int(metadata.num_rows),
+        "stats": file_stats(metadata, nan_free=floats - set(nan_columns)),
+    }

@@ -49,7 +49,7 @@ from typing import Any
 import fsspec.utils
 import pyarrow as pa
 import pyarrow.parquet as pq
-from deltalake import DeltaTable, QueryBuilder, Schema
+from deltalake import DeltaTable, Schema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from deltalake.transaction import (
     AddAction,
@@ -87,6 +87,13 @@ DEFAULT_LOG_RETENTION_DAYS = 30
 DEFAULT_DELETED_FILE_RETENTION_DAYS = 30
 _DELTA_DEFAULT_DELETED_FILE_HOURS = 168
 
+#: The table property (in version 0's ``metaData.configuration``) that says this tool created
+#: the table: a run writes only into tables it created (another writer's table is not its to
+#: replace partitions of). Readers ignore properties they do not know (deltalake, Polars and
+#: DuckDB checked); RESTORE keeps it (every version's metadata has it).
+WRITER_PROPERTY = "score_catalog.writer"
+WRITER_PROPERTY_VALUE = "score-catalog"
+
 #: Prefix of every key this tool writes into a commit's ``commitInfo``.
 METADATA_PREFIX = "score_catalog."
 # Keys commit() writes itself; a caller's metadata may not use them.
@@ -116,6 +123,8 @@ MODEL_SHA256 = "model_sha256"
 SETTINGS_HASH = "settings_hash"
 INPUT_FINGERPRINT = "input_fingerprint"
 ROWS = "rows"
+JOB = "job"
+OUTPUTS = "outputs"  # the output columns, comma-separated (drift after a rollback reads them)
 RESTORED_TO = "restored_to"
 _TOKEN = "token"  # a unique value that lets a restore find its own version afterwards
 
@@ -546,6 +555,11 @@ def _first_commit(
 _LOG_ENTRY = re.compile(r"(\d{20}\.(json|checkpoint\b.*)|_last_checkpoint)\Z")
 
 
+def table_exists(ref: TableRef) -> bool:
+    """Whether there is a Delta table at ``ref`` (see :func:`_table_exists`)."""
+    return _table_exists(ref)
+
+
 def _table_exists(ref: TableRef) -> bool:
     """Whether the table has a log: a commit, a checkpoint or ``_last_checkpoint`` in
     ``_delta_log/`` (a creator's leftover temporary file does not count). Not version 0's file
@@ -594,12 +608,40 @@ def ensure_table(
         configuration = {
             "delta.logRetentionDuration": f"interval {log_retention_days} days",
             "delta.deletedFileRetentionDuration": f"interval {deleted_file_retention_days} days",
+            WRITER_PROPERTY: WRITER_PROPERTY_VALUE,
         }
         data = _first_commit(table_schema, partition_by, configuration, metadata or {})
         if storage.exclusive_create(ref.location.child(_FIRST_COMMIT), data):
             logger.info("created Delta table %s (partitioned by %s)", ref.uri, list(partition_by))
             return True
     table = _open(ref)
+    added = _fit(ref, table, table_schema, partition_by, allow_new_columns=allow_new_columns)
+    if added:
+        _add_columns(ref, table, table_schema, added, metadata)
+    return False
+
+
+def check_table(
+    ref: TableRef, schema: pa.Schema, partition_by: Sequence[str], *, allow_new_columns: bool
+) -> list[str]:
+    """What :func:`ensure_table` would refuse, read only (before a run takes any lock): raises
+    :class:`TableSchemaError` where the run's output does not fit the existing table; returns
+    the columns it would add (none when there is no table yet)."""
+    table_schema = _table_schema(ref, schema, partition_by)
+    if not _table_exists(ref):
+        return []
+    return _fit(ref, _open(ref), table_schema, partition_by, allow_new_columns=allow_new_columns)
+
+
+def _fit(
+    ref: TableRef,
+    table: DeltaTable,
+    table_schema: pa.Schema,
+    partition_by: Sequence[str],
+    *,
+    allow_new_columns: bool,
+) -> list[str]:
+    """The columns a run's ``table_schema`` adds to ``table``; raises where it does not fit."""
     have = _partition_columns(table)
     if have != list(partition_by):
         raise TableSchemaError(
@@ -620,12 +662,11 @@ def ensure_table(
         raise TableSchemaError(
             f"this run's output adds column{'s' if len(added) > 1 else ''} "
             f"{', '.join(repr(c) for c in added)} to the Delta table {ref.uri}: allow schema "
-            "evolution to add them (older rows read them as null), or score into another table",
+            "evolution to add them (allow_schema_evolution = true, --allow-schema-evolution; "
+            "older rows read them as null), or score into another table",
             uri=ref.uri,
         )
-    if added:
-        _add_columns(ref, table, table_schema, added, metadata)
-    return False
+    return added
 
 
 def _add_columns(
@@ -708,10 +749,13 @@ def _in_partition(f: TableFile, partition: Mapping[str, str] | None) -> bool:
     return not partition or all(f.partition_values.get(k) == v for k, v in partition.items())
 
 
-def snapshot(ref: TableRef, partition: Mapping[str, str] | None = None) -> Snapshot:
-    """The table's latest version: its files (only ``partition``'s, if given: column -> value)
-    and, through :meth:`Snapshot.transaction_version`, each app's last committed run."""
-    table = _open(ref)
+def snapshot(
+    ref: TableRef, partition: Mapping[str, str] | None = None, *, version: int | None = None
+) -> Snapshot:
+    """The table's latest version (or ``version``): its files (only ``partition``'s, if given:
+    column -> value) and, through :meth:`Snapshot.transaction_version`, each app's last
+    committed run."""
+    table = _open(ref, version)
     with _delta_errors(ref, "reading the log of"):
         columns = _partition_columns(table)
         unknown = sorted(set(partition or {}) - set(columns))
@@ -999,6 +1043,12 @@ def _landed(
     return at
 
 
+def version_of(ref: TableRef, app_id: str, run_version: int) -> int | None:
+    """The table version holding run version ``run_version`` of ``app_id``; None when the log
+    no longer has it (past the log retention) or it never landed."""
+    return _find_version(ref, _open(ref).version(), 0, _holds_txn(app_id, run_version))
+
+
 def _holds_txn(app_id: str, run_version: int) -> Callable[[list[dict[str, Any]]], bool]:
     def match(actions: list[dict[str, Any]]) -> bool:
         return any(
@@ -1279,14 +1329,6 @@ def optimize(
         )
 
 
-def _ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
-def _literal(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
 def read(
     ref: TableRef,
     *,
@@ -1297,28 +1339,33 @@ def read(
     """The table's rows (at ``version``; of ``partition``; ``columns`` only), for checks and
     drift: what any Delta reader sees, typed as the table's schema.
 
-    Read through delta-rs's own query engine, not ``to_pyarrow_table``: that one reads through
-    a pyarrow filesystem wrapping delta-rs, and a process that used it aborts at exit
+    Read with pyarrow, file by file, from the file list in the log (delta-rs reads only the
+    log): none of delta-rs's scans runs in this process. ``to_pyarrow_table`` reads through a
+    pyarrow filesystem wrapping delta-rs, and a process that used it aborts at exit
     ("terminate called without an active exception", SIGABRT, 3 to 5 runs in 6 here; delta-rs
-    #2184, polars #24169), which would replace the exit code cron reads.
+    #2184, polars #24169), which would replace the exit code cron reads. Partition values come
+    from the log, as every reader takes them; a column a file lacks (added by ``ADD COLUMN``
+    after it was written) reads as null, as in every reader.
     """
-    table = _open(ref, version)
-    schema = pa.schema(table.schema().to_arrow())
+    snap = snapshot(ref, partition, version=version)
+    schema = pa.schema(snap._table.schema().to_arrow())
     wanted = list(columns) if columns is not None else schema.names
-    unknown = [c for c in [*wanted, *(partition or {})] if c not in schema.names]
-    not_partitions = sorted(set(partition or {}) - set(_partition_columns(table)))
-    if unknown or not_partitions:
-        raise UsageError(
-            f"the Delta table {ref.uri} has no column {', '.join(map(repr, unknown))}"
-            if unknown
-            else f"{', '.join(map(repr, not_partitions))} of {ref.uri} is not a partition column"
-        )
-    sql = f"SELECT {', '.join(_ident(c) for c in wanted)} FROM t"
-    if partition:
-        sql += " WHERE " + " AND ".join(
-            f"{_ident(k)} = {_literal(v)}" for k, v in partition.items()
-        )
-    with _delta_errors(ref, f"reading version {table.version()} of"):
-        result = pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
-    # DataFusion hands strings back as string_view; the table's own types are what readers expect
-    return result.cast(pa.schema([schema.field(c) for c in wanted]))
+    unknown = [c for c in wanted if c not in schema.names]
+    if unknown:
+        raise UsageError(f"the Delta table {ref.uri} has no column {', '.join(map(repr, unknown))}")
+    out_schema = pa.schema([schema.field(c) for c in wanted])
+    parts = []
+    for f in snap.files:
+        with storage.open_input(ref.location.child(f.path)) as fh:
+            data = pq.read_table(fh)
+        cols = []
+        for field_ in out_schema:
+            if field_.name in snap.partition_columns:
+                value = f.partition_values.get(field_.name)
+                cols.append(pa.array([value] * data.num_rows, field_.type))
+            elif field_.name in data.column_names:
+                cols.append(data.column(field_.name).cast(field_.type))
+            else:
+                cols.append(pa.nulls(data.num_rows, field_.type))
+        parts.append(pa.table(cols, schema=out_schema))
+    return pa.concat_tables(parts) if parts else out_schema.empty_table()

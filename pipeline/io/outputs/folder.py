@@ -43,6 +43,7 @@ from pipeline.io.layout import (
     SETTINGS_KEY,
     is_visible,
 )
+from pipeline.io.manifest import Manifest
 from pipeline.io.outputs.base import (
     Committed,
     Expected,
@@ -319,8 +320,27 @@ class ParquetFolder:
     def file_facts(self) -> FileFacts | None:
         return None  # a file's size is all the folder keeps of it
 
+    @property
+    def dataset(self) -> Location:
+        return self.root
+
+    @property
+    def lock_root(self) -> Location:
+        return self.root
+
+    @property
+    def exclusive_with(self) -> tuple[Location, ...]:
+        return ()
+
+    @property
+    def mark(self) -> str | None:
+        return layout.OUTPUT_MARK
+
     def check_owner(self, mode: str) -> None:
         ownership.check_output_owner(self.root, mode, self.options)
+
+    def begin(self, manifest: Manifest) -> None:
+        return None  # the files themselves are the state: reconcile and verify read them
 
     def withdraw(self) -> None:
         storage.remove(self.root.child(layout.SUCCESS_NAME))
@@ -361,3 +381,6 @@ class ParquetFolder:
 
     def describe(self, committed: Committed | None) -> dict[str, Any]:
         return {"format": self.name, **(committed.details if committed is not None else {})}
+
+    def sealed(self) -> bool:
+        return storage.exists(self.root.child(layout.SUCCESS_NAME))

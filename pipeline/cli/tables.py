@@ -1,0 +1,190 @@
+"""``score-catalog history | rollback | optimize | vacuum OUTPUT``: a Delta table's versions and
+its maintenance (``format = "delta"``, docs/delta.md).
+
+Registered by ``pipeline.cli`` (``main.add_command``). Each command parses its options and calls
+one function of :mod:`pipeline.driver.tables`; OUTPUT is the table's folder, one of its
+partition folders, or a job file.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from pipeline.cli import logs
+from pipeline.cli.accept import _options
+from pipeline.core.errors import EXIT_RUN_FAILED, TABLE_EXIT_CODES_HELP, PipelineError, describe
+from pipeline.core.jsontext import to_json
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+F = TypeVar("F", bound=Callable[..., Any])
+OUTPUT_HELP = "OUTPUT: the table's folder, a partition folder in it, or a job file (JOB.toml)."
+
+
+def _common(f: F) -> F:
+    """OUTPUT and --storage-option, shared by every table command."""
+    f = click.option(
+        "--storage-option",
+        "storage",
+        multiple=True,
+        callback=_options,
+        metavar="KEY=VALUE",
+        help="fsspec option for OUTPUT (repeatable); values never logged.",
+    )(f)
+    return click.argument("output", metavar="OUTPUT")(f)
+
+
+def _fail(e: Exception, what: str) -> NoReturn:
+    console = logs.Console.setup("text", -1)
+    if isinstance(e, PipelineError):
+        console.error(str(e), e.exit_code)
+        sys.exit(e.exit_code)
+    console.error(f"{what} failed: {describe(e)}", EXIT_RUN_FAILED)
+    sys.exit(EXIT_RUN_FAILED)
+
+
+@click.command("history", context_settings=CONTEXT, epilog=TABLE_EXIT_CODES_HELP)
+@_common
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Newest N versions only.")
+@click.option("--json", "as_json", is_flag=True, help="Print the versions as JSON.")
+def history(output: str, storage: dict[str, Any], limit: int | None, as_json: bool) -> None:
+    """List the versions of the Delta table at OUTPUT, newest first: run id, model, rows,
+    status and time of each run's commit, and the restores, compactions and vacuums.
+
+    Pointed at a partition folder, only that partition's commits (and the table-wide
+    operations) are listed. A version that a rollback undid says so. OUTPUT: the table's
+    folder, a partition folder in it, or a job file (JOB.toml).
+    """
+    # Imported here, downward: --help must not pay for pyarrow and deltalake.
+    from pipeline.driver import tables
+
+    logs.Console.setup("text", -1)
+    try:
+        target = tables.locate(output, storage)
+        rows = tables.history(target, limit)
+    except Exception as e:
+        _fail(e, "reading the history")
+    click.echo(to_json(rows) if as_json else tables.history_table(target, rows))
+
+
+@click.command("rollback", context_settings=CONTEXT, epilog=TABLE_EXIT_CODES_HELP)
+@_common
+@click.option(
+    "--to-version",
+    "version",
+    required=True,
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="The table version to restore (see `score-catalog history`).",
+)
+@click.option("--reason", required=True, help="Why (kept in the table's log and the run index).")
+@click.option("--by", default=None, help="Who rolls back (default: user@host).")
+def rollback(
+    output: str, storage: dict[str, Any], version: int, reason: str, by: str | None
+) -> None:
+    """Make version N of the Delta table at OUTPUT the latest again (Delta RESTORE).
+
+    Takes the table lock (refused while a run on any of its partitions is in progress),
+    writes a new version holding version N's files, and records who, when, why and which runs
+    it undid in the table's commit info and in the run index. The next run of each partition
+    it changed scores again the shards the table no longer holds, and its drift compares with
+    what the table holds now. OUTPUT: the table's folder, a partition folder in it, or a job
+    file (JOB.toml).
+    """
+    from pipeline.driver import tables  # downward, as above
+
+    logs.Console.setup("text", -1)
+    try:
+        target = tables.locate(output, storage)
+        done = tables.rollback(target, version, reason, by=by)
+    except Exception as e:
+        _fail(e, "the rollback")
+    undone = ", ".join(done["rolled_back"]) or "no run's commit"
+    click.echo(
+        f"rolled {done['table']} back to version {done['to_version']} as version "
+        f"{done['version']} (it was at {done['from_version']}); undid {undone}\n"
+        f"  by {done['by']} at {done['at']}: {done['reason']}"
+        + "".join(f"\n  recorded in {uri}" for uri in done["index"])
+    )
+
+
+@click.command("optimize", context_settings=CONTEXT, epilog=TABLE_EXIT_CODES_HELP)
+@_common
+@click.option(
+    "--partition",
+    "partition",
+    multiple=True,
+    callback=_options,
+    metavar="COLUMN=VALUE",
+    help="Only this partition (repeatable, one per partition column; default: the one OUTPUT "
+    "points at, or all).",
+)
+@click.option(
+    "--target-size",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="BYTES",
+    help="Size of the compacted files (default: delta-rs's, 100 MiB).",
+)
+def optimize(
+    output: str, storage: dict[str, Any], partition: dict[str, Any], target_size: int | None
+) -> None:
+    """Compact the small files of the Delta table at OUTPUT into one OPTIMIZE version; readers
+    see the same rows. Takes the table lock. The next run of a compacted partition scores
+    it again (its shards' files are no longer in the table): compact partitions no run
+    rewrites, such as past days. OUTPUT: the table's folder, a partition folder in it, or a
+    job file (JOB.toml).
+    """
+    from pipeline.driver import tables  # downward, as above
+
+    logs.Console.setup("text", -1)
+    try:
+        target = tables.locate(output, storage)
+        done = tables.optimize(target, partition or None, target_size)
+    except Exception as e:
+        _fail(e, "optimize")
+    click.echo(
+        f"optimized {done['table']}"
+        + (f" partition {done['partition']}" if done["partition"] else "")
+        + f": {done.get('numFilesRemoved', 0)} file(s) compacted into "
+        f"{done.get('numFilesAdded', 0)}"
+    )
+
+
+@click.command("vacuum", context_settings=CONTEXT, epilog=TABLE_EXIT_CODES_HELP)
+@_common
+@click.option(
+    "--retention-hours",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="H",
+    help="Delete files removed longer ago than this (default and minimum: the table's "
+    "delta.deletedFileRetentionDuration, 30 days).",
+)
+@click.option("--dry-run", is_flag=True, help="List the files it would delete; delete none.")
+def vacuum(
+    output: str, storage: dict[str, Any], retention_hours: int | None, dry_run: bool
+) -> None:
+    """Delete the data files that commits removed from the Delta table at OUTPUT longer ago
+    than the retention. Takes the table lock. A retention shorter than the table's is refused:
+    a rollback, time travel or a reader still on an older version may need those files. Files
+    no version lists (a run's uncommitted output) are never touched. OUTPUT: the table's folder,
+    a partition folder in it, or a job file (JOB.toml).
+    """
+    from pipeline.driver import tables  # downward, as above
+
+    logs.Console.setup("text", -1)
+    try:
+        target = tables.locate(output, storage)
+        done = tables.vacuum(target, retention_hours, dry_run=dry_run)
+    except Exception as e:
+        _fail(e, "vacuum")
+    verb = "would delete" if dry_run else "deleted"
+    click.echo(f"vacuum of {done['table']}: {verb} {len(done['files'])} file(s)")
+    for path in done["files"][:20]:
+        click.echo(f"  {path}")
+    if len(done["files"]) > 20:
+        click.echo(f"  ... and {len(done['files']) - 20} more")
