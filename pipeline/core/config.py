@@ -214,7 +214,7 @@ class JobConfig:
     )
     # torch (the default and the reference) or onnx: ONNX Runtime's CPU provider on the bundle's
     # program exported to ONNX, checked against torch on a sample of rows before scoring. Faster
-    # only for some models on some CPUs (docs/tuning.md#onnx-runtime): measure before choosing it.
+    # only for some models on some CPUs (docs/tuning.md#onnx-runtime-engine): measure first.
     engine: Engine = field(
         default="torch",
         metadata=meta(
