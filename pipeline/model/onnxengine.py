@@ -224,7 +224,14 @@ def _before_fork() -> None:
         module.drop_sessions()
 
 
-os.register_at_fork(before=_before_fork)
+def _in_child() -> None:
+    # A lock another parent thread held at the fork stays held in the child: start afresh.
+    for module in list(_MODULES):
+        module._lock = threading.Lock()
+        module._sessions = {}
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_in_child)
 
 
 def prepare_onnx(model: LoadedModel) -> LoadedModel:
