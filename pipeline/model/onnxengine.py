@@ -2,10 +2,11 @@
 to ONNX once, checked against torch, and run by ONNX Runtime's CPU provider in every worker.
 
 Why: on a 2-core AMD EPYC (avx2, avx512f, avx512_bf16, avx512_vnni, no AMX) the W1 MLP
-(16-256-128-2) ran 1.10-1.9x faster per call under ONNX Runtime 1.32 than under torch 2.13
-at batch 4,096, one thread (torch's 256-wide activations there no longer fit the core's cache;
-ONNX Runtime's fused kernels keep less of them), and a whole W1 run took 0.72x torch's wall
-time; the compute-bound W2 MLP (64-1024-1024-8) ran at 0.9-1.06x, no gain (docs/tuning.md).
+(16-256-128-2) ran 1.62x faster per call under ONNX Runtime 1.32 than under torch 2.13 at batch
+4,096, one thread (torch's 256-wide activations there no longer fit the core's cache), 1.12x at
+1,024, and whole W1 runs 1.04x and 1.23x faster (wall, pair by pair, two rounds on a busy
+machine; 1.17-1.25x fewer CPU seconds); the compute-bound W2 MLP (64-1024-1024-8) gained
+nothing (0.92-1.06x per call, 0.95x a whole run). See docs/tuning.md#onnx-runtime-engine.
 So it is opt-in, never the default, and torch stays the reference: :func:`prepare_onnx` is
 called by :func:`pipeline.model.precision.prepare`, and the driver checks the result against
 torch on real rows before anything is scored (``pipeline.driver.execution``).
