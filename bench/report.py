@@ -277,6 +277,7 @@ def _w1_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
                 f"rows/s = {lib_t.median / hand_t.median:.2f}x."
             )
     summary += _vs_daft(wl, "cli-4096", lines)
+    summary += _vs_onnx(wl, "cli-4096", lines)
     daft = wl.primary("daft")
     for key, how in (
         ("cli-4096-cold", "the bundle loaded from its program file, as save_bundle writes it"),
@@ -407,6 +408,28 @@ def _auto(wl: WorkloadResult, lines: list[str]) -> list[str]:
     return [text]
 
 
+def _vs_onnx(wl: WorkloadResult, ours: str, lines: list[str]) -> list[str]:
+    """``--engine onnx`` against the torch CLI run beside it, and the rule it is adopted by."""
+    onnx, cli = wl.primary("cli-onnx"), wl.primary(ours)
+    if onnx is None or cli is None:
+        return []
+    pa_ms, pb_ms = _p50(wl, ours), _p50(wl, "cli-onnx")
+    gain = onnx.median / cli.median
+    text = (
+        f"{wl.key} `--engine onnx` (ONNX Runtime, CPU) vs torch (`{ours}`): {onnx.median:,.0f} "
+        f"vs {cli.median:,.0f} rows/s end to end = **{gain:.2f}x**, "
+        f"{_x(ratio(wl.timed('cli-onnx'), wl.timed(ours)))} inside the run"
+    )
+    if pa_ms is not None and pb_ms is not None:
+        text += f"; model call p50 {pb_ms.median:.1f} vs {pa_ms.median:.1f} ms per batch"
+    text += (
+        f" (docs/tuning.md: worth choosing for this model on this CPU at >= 1.15x: "
+        f"{'yes' if gain >= 1.15 else 'no'})."
+    )
+    lines += ["", text]
+    return [text]
+
+
 def _vs_daft(wl: WorkloadResult, ours: str, lines: list[str]) -> list[str]:
     """The strongest peer beside us, process to process and timed region to timed region."""
     daft, cli = wl.primary("daft"), wl.primary(ours)
@@ -507,6 +530,7 @@ def _w2_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
         lines += ["", text]
         summary.append(text)
     summary += _vs_daft(wl, "cli-fp32", lines)
+    summary += _vs_onnx(wl, "cli-fp32", lines)
     lines += ["", *_phases(wl, ["cli-fp32", "cli-bf16"])]
     for note in wl.notes:
         lines += ["", note]

@@ -325,6 +325,18 @@ def _loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in psutil.getloadavg())
 
 
+def onnx_engine_available() -> bool:
+    """Whether ``--engine onnx`` can run here (the ``[onnx]`` extra installed)."""
+    from pipeline.core.config import ONNX_PACKAGES, missing_packages
+
+    return not missing_packages(ONNX_PACKAGES)
+
+
+#: ``--engine onnx`` (ONNX Runtime's CPU provider) beside the torch CLI run it is compared with.
+ONNX_KEY = "cli-onnx"
+ONNX_LABEL = "score-catalog CLI --engine onnx (ONNX Runtime, CPU)"
+
+
 def precision_flag_available(cli: str) -> bool:
     """Whether this checkout's CLI has ``run --precision`` (being added in parallel)."""
     try:
@@ -556,6 +568,11 @@ def _score_catalog_w1(runner: Runner, data: Data, sizes: Sizes, batch: int) -> l
             if batch == BATCH
             else []
         ),
+        *(
+            [_cli_onnx_w1(runner, data, sizes)]
+            if batch == BATCH and onnx_engine_available()
+            else []
+        ),
         Comparator(
             f"lib-{batch}",
             "score-catalog library (pipeline.run)",
@@ -574,6 +591,23 @@ def _score_catalog_w1(runner: Runner, data: Data, sizes: Sizes, batch: int) -> l
             digest=score_digest,
         ),
     ]
+
+
+def _cli_onnx_w1(runner: Runner, data: Data, sizes: Sizes) -> Comparator:
+    """``cli-4096`` with ``--engine onnx``: the program's ONNX export is kept in the runner's
+    cache like the torch program (exported in the warm-up run), so both compare warm."""
+    out = runner.out_dir("w1", ONNX_KEY)
+    return Comparator(
+        ONNX_KEY,
+        ONNX_LABEL,
+        "Dask LocalCluster",
+        BATCH,
+        runner.cli_argv(data.w1, out, data.w1_model, BATCH, extra=("--engine", "onnx")),
+        "cli",
+        sizes.w1_rows,
+        output=out,
+        digest=score_digest,
+    )
 
 
 def _cli_auto(runner: Runner, data: Data, sizes: Sizes) -> Comparator:
@@ -799,6 +833,8 @@ def w2(runner: Runner, data: Data, sizes: Sizes, cores: int, precision: bool) ->
     ]
     daft = runner.daft("daft", shards, out("daft"), model, spec, rows, ids_digest)
     comps += [daft] if daft is not None else []
+    if onnx_engine_available():
+        comps.append(cli(ONNX_KEY, ONNX_LABEL, data.w2, rows, ("--engine", "onnx")))
     bf16 = ("--precision", "bf16")
     if precision and native:
         comps.append(cli("cli-bf16", "score-catalog CLI --precision bf16", data.w2, rows, bf16))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import importlib.util
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,6 +45,23 @@ from pipeline.core.templates import default_rejects, fixed_part, index_root, par
 
 Precision = Literal["fp32", "bf16", "fp16", "int8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+Engine = Literal["torch", "onnx"]
+#: What ``engine = "onnx"`` imports: the runtime, and torch.onnx.export's dynamo exporter.
+ONNX_PACKAGES = ("onnxruntime", "onnx", "onnxscript")
+
+
+def missing_packages(names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` that cannot be imported here (found without importing them)."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
 
 # --------------------------------------------------------------------------------------------
 # The job
@@ -192,6 +210,16 @@ class JobConfig:
         metadata=meta(
             "bf16: autocast; fp16: CUDA; int8: dynamic, CPU; checked against fp32 on a sample "
             "of rows before scoring."
+        ),
+    )
+    # torch (the default and the reference) or onnx: ONNX Runtime's CPU provider on the bundle's
+    # program exported to ONNX, checked against torch on a sample of rows before scoring. Faster
+    # only for some models on some CPUs (docs/tuning.md#onnx-runtime-engine): measure first.
+    engine: Engine = field(
+        default="torch",
+        metadata=meta(
+            "onnx: ONNX Runtime on the CPU (pip install 'score-catalog[onnx]'), checked against "
+            "torch on a sample of rows before scoring."
         ),
     )
     # torch.compile the model (compile time is reported).
@@ -548,11 +576,34 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[Keyed]:
             partition_columns(good["output"])
         except ConfigError as e:
             problems += [("output", p) for p in e.problems]
+    if good.get("engine") == "onnx":
+        problems += [("engine", p) for p in _engine_problems(good)]
     if "output" in good and "output" not in bad:
         try:
             index_root(good["output"])  # where the run index lives: checked now, not after scoring
         except ConfigError as e:
             problems += [("output", p) for p in e.problems]
+    return problems
+
+
+def _engine_problems(good: Mapping[str, Any]) -> list[str]:
+    """What ``engine = "onnx"`` cannot run with: a missing package, CUDA, another precision."""
+    problems = []
+    missing = missing_packages(ONNX_PACKAGES)
+    if missing:
+        problems.append(
+            f"engine = 'onnx' needs {', '.join(missing)}, which is not installed here: "
+            "pip install 'score-catalog[onnx]', or use engine 'torch' (the default)"
+        )
+    if str(good.get("device", "")).startswith("cuda"):
+        problems.append("engine = 'onnx' runs on the CPU only: use device 'cpu' with it")
+    if good.get("precision", "fp32") != "fp32":
+        problems.append(
+            f"engine = 'onnx' runs fp32 only, not precision {good['precision']!r}: use one or "
+            "the other"
+        )
+    if good.get("compile"):
+        problems.append("engine = 'onnx' and compile = true do not go together: use one")
     return problems
 
 

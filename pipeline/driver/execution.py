@@ -79,7 +79,7 @@ def plan_execution(
 ) -> Execution:
     """:func:`prepare_execution` with the options of ``config``, sampling real rows from the
     first shard that is neither failed nor empty."""
-    opts = ExecutionOptions(config.precision, config.compile, config.strict_fp32)
+    opts = ExecutionOptions(config.precision, config.compile, config.strict_fp32, config.engine)
     sample_from = next(
         (s for s in shards if s.rel_path not in failed and found.infos[s.rel_path].num_rows),
         None,
@@ -106,6 +106,7 @@ def prepare_execution(
     prepared, compile_s = prepare(model, opts)
     execution: dict[str, Any] = {
         "precision": opts.precision,
+        "engine": opts.engine,
         "compile": opts.compile,
         "compile_s": compile_s,
         "tf32": model.device.type == "cuda" and not opts.strict_fp32,
@@ -113,7 +114,12 @@ def prepare_execution(
         "parity": None,
         "batch_size_auto": None,
     }
-    needs_parity = opts.precision != "fp32" or model.device.type != "cpu" or opts.compile
+    needs_parity = (
+        opts.precision != "fp32"
+        or model.device.type != "cpu"
+        or opts.compile
+        or opts.engine != "torch"
+    )
     if needs_parity:
         # (batch_size = "auto" reads its own sample: the raw rows, for the whole pipeline.)
         x = sample_rows(config, model, sample_from) if sample_from else None
@@ -144,9 +150,9 @@ def _parity(
         "rows": rows_of(rows),
         "tolerance": tol,
         "columns": cols,
-        "reference": "fp32 on the CPU",
+        "reference": "fp32 on the CPU" if opts.engine == "torch" else "torch fp32 on the CPU",
     }
-    check_parity(cols, opts.precision, tol, f"model bundle {config.model}")
+    check_parity(cols, opts.precision, tol, f"model bundle {config.model}", engine=opts.engine)
     return found
 
 
@@ -168,9 +174,13 @@ DEFAULT_BATCH_SIZE = 4096
 SWEEP_ROWS_ENV = "_SCORE_CATALOG_AUTO_SWEEP_ROWS"
 
 
-def auto_cache_key(model: LoadedModel, precision: str, threads: int | None) -> str:
-    """The batch-size cache key of ``batch_size = "auto"``'s choice (``plan`` reads it too)."""
-    return tuning.cache_key(model.sha256, model.device, precision, threads) + "|pipeline"
+def auto_cache_key(
+    model: LoadedModel, precision: str, threads: int | None, engine: str = "torch"
+) -> str:
+    """The batch-size cache key of ``batch_size = "auto"``'s choice (``plan`` reads it too);
+    another engine's best size is its own (torch's keys stay what they were)."""
+    key = tuning.cache_key(model.sha256, model.device, precision, threads) + "|pipeline"
+    return key if engine == "torch" else f"{key}|{engine}"
 
 
 def _auto_batch_size(
@@ -185,7 +195,7 @@ def _auto_batch_size(
     model, device, precision and thread count. The sweep's rows and time are sized by a probe
     batch so that it costs at most :data:`AUTO_BUDGET_S` or :data:`AUTO_JOB_SHARE` of the
     job's ``job_rows`` (:func:`_sweep_rows`)."""
-    key = auto_cache_key(prepared, config.precision, plan.torch_threads)
+    key = auto_cache_key(prepared, config.precision, plan.torch_threads, config.engine)
     # The choice is the CPU's as much as the model's (its caches, its instructions): an entry
     # measured on another CPU model or flags is measured again (tuning.cpu_identity).
     cache = tuning.BatchSizeCache(tuning.default_cache_path())

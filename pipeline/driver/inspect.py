@@ -66,6 +66,11 @@ def run_settings(
     }
     if model_version is not None:
         values["model_version"] = model_version
+    if config.engine != "torch":
+        # Another engine's scores differ from torch's in the last bits: a shard scored by one
+        # is not kept by a run with the other. Absent for torch, so the hash of every earlier
+        # run's settings stays what it was.
+        values["engine"] = config.engine
     return Settings(values, settings_hash(values))
 
 

@@ -180,7 +180,7 @@ def _calibrate(config: JobConfig, model: Any, sample_from: Any, plan: Plan) -> d
     threads = plan.torch_threads
     if batch == "auto":
         # The key the run's own choice is cached under (it was read under another, and missed).
-        key = auto_cache_key(model, config.precision, threads)
+        key = auto_cache_key(model, config.precision, threads, config.engine)
         cached = BatchSizeCache(default_cache_path()).get(key)
         batch = cached or DEFAULT_AUTO_BATCH
         if not cached:
@@ -193,7 +193,7 @@ def _calibrate(config: JobConfig, model: Any, sample_from: Any, plan: Plan) -> d
         threads = max(1, min(threads, int(_free_cores(plan.cores))))
         plan = dataclasses.replace(plan, torch_threads=threads)
     prepared, _ = prepare(
-        model, ExecutionOptions(config.precision, config.compile, config.strict_fp32)
+        model, ExecutionOptions(config.precision, config.compile, config.strict_fp32, config.engine)
     )
     x = sample_rows(config, model, sample_from) if sample_from is not None else None
     if x is None or not rows_of(x):

@@ -43,7 +43,9 @@ def model_spec(
         sha256=sha256,
         device=device,
         widths=widths,
-        execution=ExecutionOptions(config.precision, config.compile, config.strict_fp32),
+        execution=ExecutionOptions(
+            config.precision, config.compile, config.strict_fp32, config.engine
+        ),
         storage_options=dict(config.storage if storage_options is None else storage_options),
         registry_uri=reg.pinned if reg is not None else "",
         tracking_uri=reg.tracking_uri if reg is not None else "",

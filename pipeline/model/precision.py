@@ -1,5 +1,6 @@
 """Model execution options: precision (fp32, bf16, fp16, int8), TF32 on CUDA, torch.compile,
-and the parity check of every non-fp32 run against fp32 on a fixed sample of rows.
+the engine (torch, or ONNX Runtime: :mod:`pipeline.model.onnxengine`), and the parity check of
+every run that is not torch fp32 against it on a fixed sample of rows.
 
 Each option returns a new :class:`~pipeline.model.program.LoadedModel` whose ``module`` runs the
 model that way, so the scoring loop does not change with the option.
@@ -22,6 +23,7 @@ from pipeline.core.config import PRECISIONS
 from pipeline.core.errors import ConfigError, ModelError
 from pipeline.model.bundle import Inputs, as_inputs
 from pipeline.model.engine import output_columns
+from pipeline.model.onnxengine import prepare_onnx
 from pipeline.model.program import LoadedModel, callable_of, forward
 
 logger = logging.getLogger(__name__)
@@ -124,6 +126,7 @@ class ExecutionOptions:
     precision: str = "fp32"
     compile: bool = False
     strict_fp32: bool = False
+    engine: str = "torch"  # or "onnx": ONNX Runtime on the CPU (pipeline.model.onnxengine)
 
 
 # The models this process prepared, by content: the bundle's SHA-256, the device, the input
@@ -150,7 +153,14 @@ def prepare(
         if hit is not None:
             _PREPARED.move_to_end(key)
             return hit
-        prepared = _prepare(model, opts, warm_rows)
+        if opts.engine == "onnx":
+            if opts.precision != "fp32" or opts.compile:
+                raise ConfigError(
+                    "engine 'onnx' runs fp32 without compile only: use one or the other"
+                )
+            prepared: tuple[LoadedModel, float | None] = (prepare_onnx(model), None)
+        else:
+            prepared = _prepare(model, opts, warm_rows)
         _PREPARED[key] = prepared
         while len(_PREPARED) > _KEEP_PREPARED:
             _PREPARED.popitem(last=False)
@@ -237,7 +247,12 @@ def parity(
 
 
 def check_parity(
-    report: dict[str, dict[str, float]], precision: str, tolerance: float, where: str
+    report: dict[str, dict[str, float]],
+    precision: str,
+    tolerance: float,
+    where: str,
+    *,
+    engine: str = "torch",
 ) -> None:
     """Raise :class:`ModelError` naming the column if a difference exceeds ``tolerance``.
 
@@ -255,6 +270,13 @@ def check_parity(
                 f"{col}: {int(d['non_finite_mismatch'])} value(s) finite on one side and NaN "
                 "or infinite on the other"
             )
+    if bad and engine != "torch":
+        raise ModelError(
+            f"{where}: engine {engine!r} differs from torch (fp32, the reference) beyond the "
+            f"tolerance {tolerance:g} on the parity sample ({', '.join(bad)}); nothing was "
+            "scored. Use engine 'torch' (the default), or set a wider parity_tolerance if that "
+            "is acceptable."
+        )
     if bad:
         raise ModelError(
             f"{where}: precision {precision} differs from fp32 beyond the tolerance {tolerance:g} "

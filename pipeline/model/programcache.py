@@ -126,6 +126,12 @@ def _private(path: Path, what: str, st: os.stat_result | None = None, *, warn: b
     return True
 
 
+def is_private(path: Path, what: str, st: os.stat_result | None = None) -> bool:
+    """Whether ``path`` is this user's alone (the rule for every cache this tool reads code or
+    models from: :mod:`pipeline.model.onnxengine` keeps its exports by it too)."""
+    return _private(path, what, st)
+
+
 @dataclass(frozen=True)
 class Cached:
     """A cached program rebuilt on the CPU: ``module`` takes the user's inputs only, with the

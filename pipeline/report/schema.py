@@ -155,14 +155,20 @@ class BatchSizeAutoWithSweep(BatchSizeAuto, total=False):
     sweep: list[BenchRowEntry]
 
 
-class Execution(TypedDict):
+class ExecutionBase(TypedDict):
     precision: Literal["fp32", "bf16", "fp16", "int8"]
     compile: bool
     compile_s: float | None
     tf32: bool
     overlap: bool
-    parity: ParityWithNote | None  # None when running fp32 eager on the CPU
+    parity: ParityWithNote | None  # None when running fp32 torch on the CPU
     batch_size_auto: BatchSizeAutoWithSweep | None  # None for a fixed batch size
+
+
+class Execution(ExecutionBase, total=False):
+    # What ran the model: torch, or ONNX Runtime (engine = "onnx"); absent from reports of
+    # versions before the engine key.
+    engine: Literal["torch", "onnx"]
 
 
 class ThreadsInfo(TypedDict):
@@ -212,6 +218,7 @@ class ScoringSettings(TypedDict):
 
 class ScoringSettingsWithVersion(ScoringSettings, total=False):
     model_version: str  # a model from a registry: models:/NAME/VERSION, as every output row says
+    engine: Literal["onnx"]  # engine = "onnx" (absent for torch, the default)
 
 
 class ErrorBudget(TypedDict):
