@@ -26,6 +26,9 @@ table lock in the table's control area (:func:`table_lock_root`), which a run ch
 taking its own. docs/delta.md describes it all; :mod:`~pipeline.io.outputs.deltatable` is the
 only module that calls delta-rs, and this one is imported by the driver only (a forked Dask
 worker that calls delta-rs after its parent did panics).
+
+Over the ~600-line rule on purpose (665 lines): the run's side of the commit protocol (begin,
+resume, commit, recover) is one sequence read top to bottom; split it with deltatable.py.
 """
 
 from __future__ import annotations
