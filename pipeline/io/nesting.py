@@ -449,7 +449,8 @@ def _example(config: JobConfig) -> str:
 
 def _root_fix(config: JobConfig) -> str:
     rest = "/".join(templates.below_root(config.output))
-    name = config.name if re.fullmatch(r"[A-Za-z0-9_-]+", config.name) else "own"
+    named = config.name != _flags_only_name() and re.fullmatch(r"[A-Za-z0-9_-]+", config.name)
+    name = config.name if named else "v2"
     fixed = templates.fixed_part(config.output)[0]
     suggested = (
         f"{fixed.rstrip('/')}_{name}/{rest}"
@@ -487,7 +488,7 @@ def _refuse_other_templates(config: JobConfig, root: Location) -> None:
         job = doc.get("job", job_dir.name)
         raise ConfigError(
             f"output template {config.output}: its fixed part {root.uri} holds outputs of "
-            f"another template: job {job!r}'s run {doc.get('run_id')} wrote {wrote} (run index "
+            f"another template: job {job!r} (run {doc.get('run_id')}) wrote {wrote} (run index "
             f"entry {entry.uri}), which {config.output} does not name. "
             f"{_ROOT_WHY.format(root=root.uri)} {_root_fix(config)}, or run job "
             f"{job!r} with its own output template; if that template no longer writes there, "
