@@ -120,9 +120,49 @@ def default_rejects(template: str, output: str) -> str | None:
     return None if area is None else _join(area, below(root, output))
 
 
+#: What a placeholder expands to, as a regex for one folder name: ``{date}`` is a YYYY-MM-DD
+#: date (``JobConfig.date`` is checked to be one); ``{run_id}`` (and a placeholder with a
+#: format spec) any text without a ``/``.
+_VALUES = {"date": r"\d{4}-\d{2}-\d{2}"}
+
+
+def _segment_regex(segment: str) -> str:
+    """A regex for the folder names one template segment (``run_date={date}``) expands to."""
+    out = []
+    for text, field_name, spec, conv in string.Formatter().parse(segment):
+        out.append(re.escape(text))
+        if field_name is not None:
+            plain = not spec and not conv
+            out.append(_VALUES.get(field_name, "[^/]+") if plain else "[^/]+")
+    return "".join(out)
+
+
+def below_root(template: str) -> list[str]:
+    """The segments of ``template`` below its fixed part (``["run_date={date}", "v2"]`` for
+    ``data/scored/run_date={date}/v2``); empty for a template without placeholders."""
+    root, templated = fixed_part(template)
+    if not templated:
+        return []
+    return [s for s in below(root, template.rstrip("/")).split("/") if s]
+
+
+def segment_pattern(template: str, depth: int = 1) -> re.Pattern[str] | None:
+    """A regex for the relative paths of the first ``depth`` folders below the template's root
+    (``run_date=\\d{4}-\\d{2}-\\d{2}`` for ``data/scored/run_date={date}``, depth 1); all of
+    them when ``depth`` is 0 (the paths of its outputs below the root). None without
+    placeholders."""
+    segments = below_root(template)
+    if not segments:
+        return None
+    chosen = segments if depth == 0 else segments[:depth]
+    return re.compile("/".join(_segment_regex(s) for s in chosen))
+
+
 def single_segment_pattern(template: str, root: str) -> re.Pattern[str] | None:
     """A regex for the names of the outputs of ``template`` when they are single folders right
-    below its root (``run_date=[^/]+`` for ``data/scored/run_date={date}``); None otherwise."""
+    below its root (``run_date=[^/]+`` for ``data/scored/run_date={date}``); None otherwise.
+    Loose on purpose (the older-layout migration it serves judges each folder by its manifest
+    or report); :func:`segment_pattern` is the strict one."""
     literal: list[str] = []
     fields = 0
     for text, field_name, _spec, _conv in string.Formatter().parse(template.rstrip("/")):

@@ -349,6 +349,21 @@ def _describes_another(folder: Location, out: Location) -> bool:
     return False
 
 
+def _ours(root: Location, name: str, area: Location) -> bool:
+    """Whether ``<root>/<name>`` is an output whose older-layout folders may move: a control
+    folder of it (``<root>/_score_catalog/<name>`` or ``<area>/<name>``) holds a manifest or
+    report, and none describes another output."""
+    out = root.child(name)
+    found = False
+    for folder in (root.child(CONTROL_DIR).child(name), area.child(name)):
+        if not any(storage.exists(folder.child(n)) for n in (MANIFEST_NAME, REPORT_NAME)):
+            continue
+        if _describes_another(folder, out):
+            return False
+        found = True
+    return found
+
+
 def migrate(where: Places, fence: Callable[[], None]) -> None:
     """Move what older versions kept under the template's root (or inside the output) to its
     place now: this output's control folder and default rejects, the run index and backfill
@@ -366,12 +381,15 @@ def migrate(where: Places, fence: Callable[[], None]) -> None:
             entries = storage.ls(old_parent)
         except (FileNotFoundError, NotADirectoryError):
             continue
-        # The control folder of <root>/<name> (its rejects have no control files to judge).
+        # The control folder or default rejects of <root>/<name>: moved only when a control
+        # folder of that output (the older one, or the one it moved to) has a manifest or
+        # report describing it; a folder without one may be another template's (data/{date}
+        # must not take data/_score_catalog/scored, the control area of data/scored).
         outputs = ancestors(old_parent)[0]
         pairs += [
             (e, new_parent.child(e.name))
             for e in entries
-            if pattern.fullmatch(e.name) and not _describes_another(e, outputs.child(e.name))
+            if pattern.fullmatch(e.name) and _ours(outputs, e.name, where.index)
         ]
     # The JSON files that move (manifests, reports, run index entries) name rejects and
     # reports by their old places: they name the new ones once moved.

@@ -86,6 +86,10 @@ def nearest_existing(loc: Location) -> tuple[Location, str, list[str]] | None:
     return None
 
 
+#: How many partitions a "holds no ..." hint lists in full.
+_LISTED = 5
+
+
 def missing_hint(loc: Location, *, literal: str | None = None) -> str:
     """``"; <folder> holds no 'x': did you mean <folder>/y?"``: where the missing ``loc``
     stops existing, for the end of a "does not exist" message ("" when nothing above it does).
@@ -102,8 +106,10 @@ def missing_hint(loc: Location, *, literal: str | None = None) -> str:
     close = difflib.get_close_matches(name, visible, n=1, cutoff=0.7) if guess else []
     if close:
         return f"; {folder.uri} holds no {name!r}: did you mean {folder.child(close[0]).uri}?"
-    shown = ", ".join(visible[:3])
-    if len(visible) > 3:
+    # A few are listed in full; more are cut to the first three and the last (a "..." that
+    # elides nothing, with four, read as if some were left out).
+    shown = ", ".join(visible if len(visible) <= _LISTED else visible[:3])
+    if len(visible) > _LISTED:
         shown += f", ... {visible[-1]} ({len(visible)} in all)"
     return f"; {folder.uri} holds no {name!r}, only {shown}"
 

@@ -326,12 +326,21 @@ def holder_text(held: Mapping[str, Any]) -> str:
 
 
 def _locked_error(
-    what: str, loc: Location, held: Mapping[str, Any], skew: str | None = None
+    what: str,
+    loc: Location,
+    held: Mapping[str, Any],
+    stale_after_s: float,
+    skew: str | None = None,
 ) -> LockError:
     why = f" {skew}." if skew else ""
+    # A dead holder is no reason to delete the lock by hand: the next run takes it over (and a
+    # hand deletion while the holder lives lets two runs write at once; the fence stops one).
     return LockError(
-        f"{what} is locked by {holder_text(held)}.{why} Wait for it to finish; if it is dead, "
-        f"delete {loc.uri}."
+        f"{what} is locked by {holder_text(held)}.{why} Wait for it to finish, then run again: "
+        "a holder that is gone is taken over by the next run (on its host once its process is "
+        f"dead; from another host once its heartbeat is older than stale_lock_after_s = "
+        f"{stale_after_s:g} s). Delete {loc.uri} only if that run is gone and cannot be "
+        "judged (its host unreachable)."
     )
 
 
@@ -436,7 +445,7 @@ class RunLock:
             if reason is None:
                 skewed = beat - now > stale_after_s and not _same_machine(held, _identity())
                 note = _skew_note(held, beat, now, stale_after_s, written) if skewed else None
-                raise _locked_error(what or f"output {root.uri}", loc, held, note)
+                raise _locked_error(what or f"output {root.uri}", loc, held, stale_after_s, note)
             if _take_over(root, loc, held, me):
                 took_over = {k: v for k, v in held.items() if k != "token"} | {"reason": reason}
                 logger.warning("taking over the stale lock %s: %s", loc.uri, reason)

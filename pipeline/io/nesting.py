@@ -89,6 +89,7 @@ def check_run(config: JobConfig, where: layout.Places, rejects: Location) -> Non
     check_owner(where, owner_record(config, where))
     check(where.output, root, root if config.format == "delta" else None)
     check_rejects(rejects, root, config.output, explicit=config.rejects is not None)
+    check_root(config, root)
 
 
 def own_root(config: JobConfig) -> Location:
@@ -366,6 +367,133 @@ def _refuse_template_root(out: Location, files: list[str]) -> None:
                 f"choose an output outside {out.uri}; if that job no longer writes there, "
                 f"delete its run index folder {job_dir.uri} first."
             )
+
+
+# --------------------------------------------------------------------------- the template root
+
+#: What this tool keeps inside a template's root: its control files when the root has no
+#: parent (a bucket root), and older layouts' control folders, run index and rejects, which
+#: the run's migration moves beside the root (pipeline.io.layout).
+_OWN_IN_ROOT = frozenset(
+    {layout.CONTROL_DIR, layout.REJECTS_DIR, layout.RUN_INDEX_DIR, layout.BACKFILL_DIR}
+)
+#: How many offending names a refusal lists before it counts the rest.
+_SHOWN = 5
+
+
+def check_root(config: JobConfig, root: Location) -> None:
+    """Refuse (exit 2, before anything is written or moved) a template whose fixed part ``root``
+    (real path) holds anything but this template's outputs.
+
+    Readers query the root as one dataset (every date below it at once), so the root holds one
+    template's outputs and nothing else. Two checks, one listing each:
+
+    * the root's direct children: each must be a folder named as the template's first segment
+      below the root expands (``run_date=<YYYY-MM-DD>`` for ``data/scored/run_date={date}``);
+      names starting with ``.`` (readers skip them), this tool's own folders (a root without a
+      parent keeps its control files there; older layouts are moved out by the run) and, for
+      ``format = "delta"``, the table's ``_delta_log`` are allowed. A file is foreign.
+    * the run index in the root's control area: the newest entry of each job must have written
+      an output this template names (another template with the same first segment,
+      ``run_date={date}/v2``, passes the first check).
+
+    A template without placeholders is its own output: the output checks cover it.
+    """
+    first = templates.segment_pattern(config.output)
+    if first is None:
+        return
+    try:
+        entries = storage.ls_typed(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # the first run: nothing there yet
+    foreign = [
+        loc.name + ("" if is_dir else " (a file)")
+        for loc, is_dir in entries
+        if not _root_child_ok(loc.name, is_dir, first, delta=config.format == "delta")
+    ]
+    if foreign:
+        shown = ", ".join(foreign[:_SHOWN])
+        more = f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else ""
+        raise ConfigError(
+            f"output template {config.output}: its fixed part {root.uri} holds "
+            f"{len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} that this template did "
+            f"not write ({shown}{more}); below it there must be only folders named like "
+            f"{_example(config)}. {_ROOT_WHY.format(root=root.uri)} {_root_fix(config)}, or "
+            f"move {'it' if len(foreign) == 1 else 'them'} out of {root.uri}."
+        )
+    _refuse_other_templates(config, root)
+
+
+_ROOT_WHY = (
+    "Readers of {root} (DuckDB, Polars, pyarrow, pandas, Dask) read everything below it as one "
+    "dataset and would count that with this job's scores, or fail on it. Nothing was written. "
+    "A template's fixed part holds that template's outputs and nothing else:"
+)
+
+
+def _root_child_ok(name: str, is_dir: bool, first: re.Pattern[str], *, delta: bool) -> bool:
+    if name.startswith("."):
+        return True  # hidden: every reader skips it
+    if not is_dir:
+        return False
+    if name in _OWN_IN_ROOT or (delta and name == _LOG):
+        return True
+    return first.fullmatch(name) is not None
+
+
+def _example(config: JobConfig) -> str:
+    """The template's first segment below its root, for this run (``run_date=2026-11-02``)."""
+    segment = templates.below_root(config.output)[0]
+    return segment.format(date=config.run_date, run_id="<run_id>")
+
+
+def _root_fix(config: JobConfig) -> str:
+    rest = "/".join(templates.below_root(config.output))
+    named = config.name != _flags_only_name() and re.fullmatch(r"[A-Za-z0-9_-]+", config.name)
+    name = config.name if named else "v2"
+    fixed = templates.fixed_part(config.output)[0]
+    suggested = (
+        f"{fixed.rstrip('/')}_{name}/{rest}"
+        if templates.beside(fixed, layout.CONTROL_DIR) is not None
+        else f"<a folder of its own>/{rest}"
+    )
+    return (
+        "choose an output template whose fixed part holds only this job's outputs (e.g. "
+        f"--output '{suggested}')"
+    )
+
+
+def _refuse_other_templates(config: JobConfig, root: Location) -> None:
+    """Refuse when the newest run index entry of a job (this one included) under the root's
+    control area wrote an output that this template does not name."""
+    index = storage.locate(templates.index_root(config.output), config.storage)
+    index = index.child(layout.RUN_INDEX_DIR)
+    try:
+        jobs = storage.ls(index)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    full = templates.segment_pattern(config.output, depth=0)
+    assert full is not None  # a template with placeholders
+    fixed = templates.fixed_part(config.output)[0]
+    bases = {b.rstrip("/") + "/" for b in (root.uri, storage.locate(fixed, config.storage).uri)}
+    for job_dir in jobs:
+        found = _newest_entry(job_dir)
+        if found is None:
+            continue
+        entry, doc = found
+        wrote = str(doc.get("output") or "").rstrip("/")
+        rel = next((wrote[len(b) :] for b in bases if wrote.startswith(b)), None)
+        if rel is None or full.fullmatch(rel):
+            continue  # elsewhere (another check's business), or an output of this template
+        job = doc.get("job", job_dir.name)
+        raise ConfigError(
+            f"output template {config.output}: its fixed part {root.uri} holds outputs of "
+            f"another template: job {job!r} (run {doc.get('run_id')}) wrote {wrote} (run index "
+            f"entry {entry.uri}), which {config.output} does not name. "
+            f"{_ROOT_WHY.format(root=root.uri)} {_root_fix(config)}, or run job "
+            f"{job!r} with its own output template; if that template no longer writes there, "
+            f"move its outputs out of {root.uri} and delete its run index folder {job_dir.uri}."
+        )
 
 
 # --------------------------------------------------------------------------- ownership

@@ -224,6 +224,24 @@ def ls(loc: Location) -> list[Location]:
     return children
 
 
+def ls_typed(loc: Location) -> list[tuple[Location, bool]]:
+    """The entries directly below ``loc``, sorted by name, each with whether it is a folder:
+    one listing (on object storage a folder is a common prefix).
+
+    :class:`FileNotFoundError` when ``loc`` does not exist.
+    """
+    infos = _retry(loc, lambda: loc.fs.ls(loc.path, detail=True), "listing")
+    own = loc.path.rstrip("/")
+    children = {}
+    for info in infos:
+        name = str(info["name"]).rstrip("/")
+        base = posixpath.basename(name)
+        if name == own or not base:
+            continue  # some filesystems list the folder itself
+        children[base] = info.get("type") == "directory"
+    return [(loc.child(base), children[base]) for base in sorted(children)]
+
+
 def names_once(loc: Location) -> list[str] | None:
     """The names of the entries of the folder ``loc`` (sorted), or None when it is not a folder;
     one attempt, not retried (for hints in messages, which must not hold a failing run)."""

@@ -136,12 +136,15 @@ def test_every_days_rejected_rows_are_kept(
     assert {p["status"] for p in _summary(tmp_path)["partitions"]} == {OK}
 
 
-def test_a_day_whose_output_is_a_file_fails_alone(
+def test_a_day_that_cannot_take_its_output_fails_alone(
     tmp_path: Path, bundle_dir: Path, archive: dict[str, int]
 ) -> None:
-    blocker = tmp_path / "scored" / f"dt={DAYS[1]}"
+    # In the day's own folder: a file directly in the template's root is refused for every day
+    # (readers of the root fail on it: pipeline.io.nesting.check_root).
+    blocker = tmp_path / "scored" / f"dt={DAYS[1]}" / "_lock.json"
     blocker.parent.mkdir(parents=True)
-    blocker.write_text("not a folder\n")
+    blocker.mkdir()
+    (blocker / "not-a-lock").write_text("not a folder\n")
     job = _job(tmp_path, bundle_dir, rejects=None)
     r = cli("backfill", str(job), "--from", DAYS[0], "--to", DAYS[-1])
     assert r.returncode == 1, r.output  # the worst of the days'
@@ -157,7 +160,7 @@ def test_a_day_whose_output_is_a_file_fails_alone(
     ]
     assert str(blocker) in parts[DAYS[1]]["message"]
     assert parts[DAYS[1]]["exit_code"] == 1
-    assert blocker.read_text() == "not a folder\n"  # left as it was
+    assert (blocker / "not-a-lock").read_text() == "not a folder\n"  # left as it was
     for day in (DAYS[0], DAYS[2]):  # the days on either side ran in full
         out = tmp_path / "scored" / f"dt={day}"
         assert (out / "_SUCCESS").exists() and report(out)["rows_out"] == 2100 - archive[day]

@@ -250,6 +250,9 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
         r = _run(catalog, out, bundle_dir)
         assert r.returncode == 1
         assert "locked by run other-run" in r.output and f"pid {holder.pid}" in r.output
+        # What the next line shows: a dead holder is taken over, no hand deletion asked for.
+        assert "a holder that is gone is taken over by the next run" in r.output
+        assert "if it is dead, delete" not in r.output
         assert not data_files(out)
     finally:
         holder.kill()

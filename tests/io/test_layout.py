@@ -258,3 +258,31 @@ def test_claim_leaves_an_older_place_holding_another_output_s_control_files(
     (old / "_manifest.json").write_text(json.dumps({"shards": {}}))
     layout.claim(where, lambda: None, lambda: None)
     assert not old.exists() and (Path(where.control.path) / "_manifest.json").is_file()
+
+
+def test_a_template_one_level_too_high_moves_no_other_template_s_folders(tmp_path: Path) -> None:
+    """Review 22, C3: ``data/{date}`` has the root ``data``, where the nightly
+    ``data/scored/run_date={date}`` keeps its control area ``data/_score_catalog/scored`` and
+    rejects ``data/_rejects/scored``. Their names fit a bare ``{date}`` loosely, but no manifest
+    or report there describes ``data/scored`` as an output of ``data/{date}``: nothing moves
+    (the run itself is refused before this: pipeline.io.nesting.check_root)."""
+    data = tmp_path / "data"
+    nightly = data / "_score_catalog" / "scored"
+    (nightly / "run_date=2026-11-01").mkdir(parents=True)
+    (nightly / "run_date=2026-11-01" / "_manifest.json").write_text(json.dumps({"d": 1}))
+    (nightly / "_runs" / "nightly").mkdir(parents=True)
+    (nightly / "_runs" / "nightly" / "r1.json").write_text('{"run_id": "r1"}')
+    rejects = data / "_rejects" / "scored" / "run_date=2026-11-01"
+    rejects.mkdir(parents=True)
+    (rejects / "part-0.parquet").write_bytes(b"the nightly's rejects")
+    before = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+
+    where = layout.places(f"{data}/{{date}}", f"{data}/2026-11-03")
+    layout.claim(where, lambda: None, withdraw=lambda: None)
+
+    after = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    assert [p for p in after if p not in before] == [
+        "data/2026-11-03",
+        "data/2026-11-03/_SCORE_CATALOG",
+    ]
+    assert [p for p in before if p not in after] == []

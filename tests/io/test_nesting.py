@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.core.config import JobConfig
 from pipeline.core.errors import ConfigError
 from pipeline.io import layout, nesting, storage
 
@@ -290,3 +291,65 @@ def test_a_folder_run_into_its_own_templates_table_is_told_to_set_the_format(
     with pytest.raises(ConfigError) as e:
         nesting.check(storage.locate(str(root / "run_date=2026-11-29")), storage.locate(str(root)))
     assert "this template's own root" in str(e.value) and "--format delta" in str(e.value)
+
+
+# ---------------------------------------------------------------- a template root's children
+
+
+def _config(root: Path, rest: str = "run_date={date}", **keys: object) -> JobConfig:
+    return JobConfig(input="in", output=f"{root}/{rest}", model="m", date="2026-11-02", **keys)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("rest", "names", "fmt"),
+    [
+        (
+            "run_date={date}",
+            ["run_date=2026-11-01", ".hidden", "_score_catalog", "_runs"],
+            "parquet",
+        ),
+        ("{date}", ["2026-11-01", "2026-11-02", ".DS_Store"], "parquet"),
+        ("{date}_{run_id}", ["2026-11-01_20261101T021500Z-3f9a1c"], "parquet"),
+        ("run_date={date}", ["run_date=2026-11-01", "_delta_log"], "delta"),
+    ],
+)
+def test_a_root_holding_only_its_template_s_outputs_passes(
+    tmp_path: Path, rest: str, names: list[str], fmt: str
+) -> None:
+    root = tmp_path / "scored"
+    for name in names:
+        (root / name).mkdir(parents=True)
+    nesting.check_root(_config(root, rest, format=fmt), storage.locate(str(root)))
+
+
+@pytest.mark.parametrize(
+    ("rest", "names", "files", "named"),
+    [
+        ("run_date={date}", ["2026-11-01"], [], "(2026-11-01)"),
+        ("{date}", ["run_date=2026-11-01"], [], "(run_date=2026-11-01)"),
+        ("{date}", ["2026-11"], [], "(2026-11)"),  # a date is YYYY-MM-DD
+        ("run_date={date}", ["run_date=2026-11-01"], ["_SUCCESS"], "(_SUCCESS (a file))"),
+        ("run_date={date}", [], ["run_date=2026-11-01"], "(run_date=2026-11-01 (a file))"),
+        ("run_date={date}", ["_delta_log"], [], "(_delta_log)"),  # a Parquet folder's root
+        ("run_date={date}", [f"x{i}" for i in range(7)], [], "(x0, x1, x2, x3, x4 and 2 more)"),
+    ],
+)
+def test_a_root_holding_anything_else_is_refused(
+    tmp_path: Path, rest: str, names: list[str], files: list[str], named: str
+) -> None:
+    root = tmp_path / "scored"
+    root.mkdir()
+    for name in names:
+        (root / name).mkdir()
+    for name in files:
+        (root / name).write_text("")
+    with pytest.raises(ConfigError) as e:
+        nesting.check_root(_config(root, rest), storage.locate(str(root)))
+    assert f"its fixed part {root} holds" in str(e.value)
+    assert named in str(e.value)
+
+
+def test_a_template_without_placeholders_has_no_root_check(tmp_path: Path) -> None:
+    (tmp_path / "latest").mkdir()
+    (tmp_path / "latest" / "README.txt").write_text("the output's own business")
+    nesting.check_root(_config(tmp_path, "latest"), storage.locate(str(tmp_path / "latest")))

@@ -387,3 +387,21 @@ def test_rejects_overlapping_the_output_is_refused(tmp_path: Path, rejects: str)
     rej = storage.locate(str(tmp_path / rejects))
     with pytest.raises(ConfigError, match="overlaps the output"):
         listing.check_disjoint(str(tmp_path / "in"), out, rej)
+
+
+@pytest.mark.parametrize("count", [2, 4, 5, 6, 9])
+def test_a_missing_partition_hint_lists_a_few_in_full_and_cuts_only_many(
+    tmp_path: Path, count: int
+) -> None:
+    """Review 22: "only dt=1, dt=2, dt=3, ... dt=4" with four partitions elided nothing."""
+    from pipeline.io import listing
+
+    days = [f"dt=2025-01-0{i + 1}" for i in range(count)]
+    for day in days:
+        (tmp_path / day).mkdir()
+    hint = listing.missing_hint(storage.locate(str(tmp_path / "dt=2025-02-01")), literal="02-01")
+    if count <= 5:
+        assert hint.endswith(f"only {', '.join(days)}")
+        assert "..." not in hint
+    else:
+        assert hint.endswith(f"only {', '.join(days[:3])}, ... {days[-1]} ({count} in all)")
