@@ -227,15 +227,20 @@ def _baseline(
     restores = runindex.rollbacks(index_root, config.storage, config.name)
     undone = {r for rec in restores for r in rec.get("rolled_back") or []}
     if config.format == "delta":
-        # A table keeps its versions: a partition's new version is compared with the version
-        # of the same partition it replaces (or, after a rollback, the one restored); only a
+        # A table keeps its versions: a partition's new version is compared with the newest
+        # clean or accepted version of the same partition (or, after a rollback, the one
+        # restored); only a
         # partition's first version is compared with the days before it, as a folder is.
         previous = _newest(
             index_root,
             config,
             data,
             restores,
-            lambda e: e.get("dataset") == dataset or e.get("output") != output,
+            # A version whose drift alert is open is no baseline here either (as for days):
+            # else a rerun would be compared with the very scores it alerted on.
+            lambda e: (
+                e.get("dataset") == dataset or e.get("output") != output or not accepted.settled(e)
+            ),
             undone,
         )
         if previous is not None:

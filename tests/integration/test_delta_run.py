@@ -405,6 +405,32 @@ def test_after_a_rollback_drift_compares_with_the_restored_version(
     assert report(out / f"dt={day}")["drift"]["baseline"]["run_id"] == first
 
 
+def test_a_version_whose_drift_alert_is_open_is_no_baseline_for_its_partition(
+    tmp_path: Path, archive: Path, models: dict[str, Path]
+) -> None:
+    """A rescore that alerts, left open, then a rerun over re-exported input: compared with the
+    partition's last clean version again, so it alerts again (a break-it review found it
+    compared with the open version itself and exit 0)."""
+    out = tmp_path / "scored"
+    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}", drift=True)
+    # Any change of model is drift at this threshold: the test does not depend on how far apart
+    # two seeds' scores happen to be.
+    job.write_text(job.read_text() + "psi_threshold = 1e-9\nks_threshold = 1e-9\n")
+    day = DAYS[0]
+    assert run(job, day).returncode == 0
+    first = report(out / f"dt={day}")["run_id"]
+    drifted = run(job, day, "--model", str(models["2"]))
+    assert drifted.returncode == 4, drifted.output
+    assert report(out / f"dt={day}")["drift"]["baseline"]["run_id"] == first
+
+    # Upstream re-exports one shard with the same rows: a new dataset, judged again.
+    shard = sorted((archive / f"dt={day}").glob("*.parquet"))[0]
+    pq.write_table(pq.read_table(shard), shard, row_group_size=500)
+    again = run(job, day, "--model", str(models["2"]))
+    assert again.returncode == 4, again.output
+    assert report(out / f"dt={day}")["drift"]["baseline"]["run_id"] == first
+
+
 def test_optimize_and_vacuum_keep_every_row_and_take_the_table_lock(
     tmp_path: Path, archive: Path, models: dict[str, Path]
 ) -> None:
