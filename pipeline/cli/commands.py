@@ -378,7 +378,14 @@ def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_j
     """
     # Imported here, downward: --help must not pay for numpy and fsspec (the report needs no
     # torch either: tests/cli/test_commands.py).
-    from pipeline.report.text import diff_table, find_report, load_report, summary_table
+    from pipeline.report.text import (
+        diff_table,
+        find_report,
+        load_report,
+        rolled_back_by,
+        rolled_back_line,
+        summary_table,
+    )
 
     console = logs.Console.setup("text", -1)
     try:
@@ -393,6 +400,9 @@ def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_j
     if as_json:
         click.echo(to_json(current if previous is None else [current, previous]))
     elif previous is None:
+        undone = rolled_back_by(current, storage or {})
+        if undone is not None:
+            click.echo(rolled_back_line(undone))
         click.echo(summary_table(found))  # names the page where it is (found.control)
     else:
         click.echo(diff_table(current, previous))

@@ -12,7 +12,7 @@ from typing import Any
 from pipeline.core import templates
 from pipeline.core.errors import UsageError
 from pipeline.core.statuses import FailureKind
-from pipeline.io import layout, storage
+from pipeline.io import layout, runindex, storage
 from pipeline.io.layout import HTML_NAME, REPORT_NAME
 from pipeline.report import drift as drift_mod
 from pipeline.report.build import NOT_SCORED_KINDS, RunReport
@@ -183,6 +183,36 @@ def _shard_lines(shards: list[dict[str, Any]], max_shards: int) -> list[str]:
     if len(shards) > max_shards:
         lines.append(f"  ... {len(shards) - max_shards} more shards in {REPORT_NAME}")
     return lines
+
+
+def rolled_back_by(
+    data: Mapping[str, Any], options: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The rollback that undid this run's Delta commit (``score-catalog rollback``, recorded in
+    the run index beside the table), or None: the run's report still describes its run, and
+    without this line a reader of the report would take rows the table no longer holds as
+    served. None for a Parquet folder, or when the index cannot be read."""
+    fmt = data.get("output_format")
+    if not isinstance(fmt, Mapping) or fmt.get("format") != "delta" or not fmt.get("table"):
+        return None
+    try:
+        records = runindex.rollbacks(
+            runindex.index_root(str(fmt["table"])), options, str(data.get("job"))
+        )
+    except Exception:  # a hint on top of the report: never the reason it cannot be shown
+        return None
+    undone = [r for r in records if data.get("run_id") in (r.get("rolled_back") or [])]
+    return min(undone, key=lambda r: str(r.get("at")), default=None)
+
+
+def rolled_back_line(record: Mapping[str, Any]) -> str:
+    """The line :func:`summary_table`'s caller puts first for a run a rollback undid."""
+    return (
+        f"ROLLED BACK: rollback to version {record.get('to_version')} (table version "
+        f"{record.get('version')}, {record.get('at')}, by {record.get('by')}: "
+        f"{record.get('reason')!r}) undid this run; the table no longer serves its rows "
+        f"(score-catalog history {record.get('table')})"
+    )
 
 
 def load_report(uri: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:

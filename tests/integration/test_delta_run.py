@@ -397,6 +397,11 @@ def test_after_a_rollback_drift_compares_with_the_restored_version(
     back = cli("rollback", str(out / f"dt={day}"), "--to-version", str(v1), "--reason", "bad")
     assert back.returncode == 0, back.output
     assert second["run_id"] in back.stdout  # the run it undid
+    # Its report still describes it; `report` says first that the table no longer serves it.
+    shown = cli("report", str(out / f"dt={day}"))
+    assert shown.returncode == 0, shown.output
+    assert shown.stdout.startswith(f"ROLLED BACK: rollback to version {v1} "), shown.stdout
+    assert f"score-catalog run {second['run_id']}" in shown.stdout
 
     # Model 3 now: its drift is against what the table holds again (model 1's scores), not
     # against the rolled-back run.
