@@ -184,9 +184,35 @@ def history(target: Target, limit: int | None = None) -> list[dict[str, Any]]:
                 "partition": info.partition,
                 "detail": info.detail,
                 "reason": info.metadata.get("reason"),
+                "job": info.metadata.get("job"),
             }
         )
-    return rows[:limit] if limit else rows
+    rows = rows[:limit] if limit else rows
+    _mark_drift(target, rows)
+    return rows
+
+
+def _mark_drift(target: Target, rows: list[dict[str, Any]]) -> None:
+    """A committed run whose drift alert is open, or was accepted, says so in its status (from
+    its run index entry beside the table): a drifted night must not read as a clean one."""
+    accepted: dict[str, set[Any]] = {}
+    opts = target.ref.storage_options
+    for r in rows:
+        if r["status"] != "committed" or not r.get("job"):
+            continue
+        found = runindex.entry(target.area.uri, opts, str(r["job"]), r["run_id"])
+        if not found or not found.get("drift_alert"):
+            continue
+        job = str(r["job"])
+        if job not in accepted:
+            accepted[job] = {
+                a.get("dataset") for a in runindex.acceptances(target.area.uri, opts, job)
+            }
+        verdict = found.get("verdict")
+        ok = (isinstance(verdict, dict) and verdict.get("accepted")) or (
+            found.get("dataset") in accepted[job]
+        )
+        r["status"] = "committed, drift accepted" if ok else "committed, DRIFT"
 
 
 def history_table(target: Target, rows: list[dict[str, Any]]) -> str:
@@ -194,7 +220,7 @@ def history_table(target: Target, rows: list[dict[str, Any]]) -> str:
     where = f" partition {target.label}" if target.label else ""
     lines = [
         f"Delta table {target.ref.uri}{where}: {len(rows)} version(s), newest first",
-        f"  {'version':>7}  {'time (UTC)':<25} {'status':<24} {'run':<24} {'model':<12} "
+        f"  {'version':>7}  {'time (UTC)':<25} {'status':<26} {'run':<24} {'model':<12} "
         f"{'rows':>10}  partition / detail",
     ]
     for r in rows:
@@ -203,7 +229,7 @@ def history_table(target: Target, rows: list[dict[str, Any]]) -> str:
         if r["operation"] not in ("WRITE",) and r["detail"]:
             note = r["detail"] + (f" ({r['reason']})" if r.get("reason") else "")
         lines.append(
-            f"  {r['version']:>7}  {r['time']:<25} {r['status']:<24} {r['run_id'] or '-':<24} "
+            f"  {r['version']:>7}  {r['time']:<25} {r['status']:<26} {r['run_id'] or '-':<24} "
             f"{(r['model_sha256'] or '-')[:12]:<12} {rows_text:>10}  {note}"
         )
     return "\n".join(lines)

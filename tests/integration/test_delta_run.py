@@ -434,6 +434,13 @@ def test_a_version_whose_drift_alert_is_open_is_no_baseline_for_its_partition(
     again = run(job, day, "--model", str(models["2"]))
     assert again.returncode == 4, again.output
     assert report(out / f"dt={day}")["drift"]["baseline"]["run_id"] == first
+    # history does not show the drifted commits as clean ones.
+    shown = cli("history", str(out), "--json")
+    assert shown.returncode == 0, shown.output
+    rows = json.loads(shown.stdout)
+    status = {r["run_id"]: r["status"] for r in rows if r["operation"] == "WRITE"}
+    assert status[first] == "committed"
+    assert status[report(out / f"dt={day}")["run_id"]] == "committed, DRIFT"
 
 
 def test_optimize_and_vacuum_keep_every_row_and_take_the_table_lock(
