@@ -75,7 +75,8 @@ TABLE_LOCK_DIR = "_table"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # Why a file of the partition that this run does not keep goes, when no shard names it.
 _UNKNOWN_REASON = (
-    "replaced: not in this output's manifest (a rollback restored it, or OPTIMIZE compacted it)"
+    "replaced: no shard in this output's manifest lists it (an earlier run's file whose record "
+    "was replaced, one a rollback restored, or one OPTIMIZE compacted)"
 )
 _STALE_REASON = (
     "its input shard no longer exists"  # as the folder says it (pipeline.io.outputs.folder)
