@@ -17,9 +17,12 @@ that conftest modules are not imported by tests).
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +78,31 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
     """One MLflow tracking server per test module (registered model names keep tests apart)."""
     with start_mlflow_server(tmp_path_factory.mktemp("mlflow")) as server:
         yield server
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    def do_PUT(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        server: Any = self.server
+        server.requests.append((self.path, self.rfile.read(length)))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:  # keep test output clean
+        pass
+
+
+@pytest.fixture
+def gateway() -> Iterator[Any]:
+    """A real HTTP server standing in for a Pushgateway: records every PUT."""
+    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    server.requests = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

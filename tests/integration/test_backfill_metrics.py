@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -181,34 +178,6 @@ def test_a_drifted_backfill_says_drift_everywhere_and_counts_skipped_rows(
     samples = _samples((tmp_path / "bf.prom").read_text())
     assert _status(samples) == "succeeded_with_warnings"
     assert samples[("score_catalog_last_run_scored_rows", ())] == rows
-
-
-class _Recorder(BaseHTTPRequestHandler):
-    def do_PUT(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        server: Any = self.server
-        server.requests.append((self.path, self.rfile.read(length)))
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:  # keep test output clean
-        pass
-
-
-@pytest.fixture
-def gateway() -> Iterator[Any]:
-    """A real HTTP server standing in for a Pushgateway: records every PUT."""
-    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    server.requests = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 def test_a_failed_backfill_pushes_one_outcome_without_a_new_success(

@@ -11,9 +11,6 @@ command line Click refuses before any of them is read.
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -189,34 +186,6 @@ def test_a_backfill_with_a_bad_config_writes_failed_metrics(
     r = cli("backfill", str(job), "--from", "2026-11-01", "--to", "2026-11-02")
     assert r.returncode == 2, r.output
     assert _status(metrics) == "failed" and _job_name(metrics) == "days"
-
-
-class _Recorder(BaseHTTPRequestHandler):
-    def do_PUT(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        server: Any = self.server
-        server.requests.append((self.path, self.rfile.read(length)))
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:  # keep test output clean
-        pass
-
-
-@pytest.fixture
-def gateway() -> Iterator[Any]:
-    """A real HTTP server standing in for a Pushgateway: records every PUT."""
-    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    server.requests = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 def test_a_config_error_is_pushed_to_the_pushgateway(
