@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if "W1" in results:
         _maybe_big_batch(runner, data, sizes, results["W1"], args.budget_min * 60, t0)
 
+    # The raw samples first: a report that fails to render must not lose a long run's figures.
+    (ROOT / "results.json").write_text(json.dumps(report.as_json(results), indent=1))
     text = report.render(
         facts=report.machine_facts(REPO),
         sizes=sizes,
@@ -190,7 +192,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(text)
     (REPO / args.output).write_text(text)
-    (ROOT / "results.json").write_text(json.dumps(report.as_json(results), indent=1))
     _log(f"wrote {args.output} in {(time.perf_counter() - t0) / 60:.1f} min")
     failed = any(wl.failures for wl in results.values()) or bool(runner.leaks)
     return 1 if failed else 0

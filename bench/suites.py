@@ -85,7 +85,9 @@ class WorkloadResult:
 
     def primary(self, key: str) -> Summary | None:
         """The comparator's headline rows/s: process wall, or the timed region for ceilings."""
-        comp = next(c for c in self.comparators if c.key == key)
+        comp = next((c for c in self.comparators if c.key == key), None)
+        if comp is None:  # not measured in this run (skipped by the time budget, or --only)
+            return None
         samples = self.samples.get(key, [])
         if comp.primary == "timed":
             return summarize(samples, lambda s: s.timed_rate)
