@@ -84,7 +84,7 @@ archive-demo: install
 	$(BIN)/score-catalog backfill jobs/rescore_archive.toml --from 2025-01-01 --to 2025-01-04 \
 	  --allow-missing-partitions
 
-# The suite without the tests marked slow (each over ~8 s here: S3 outages, races, killed
+# The suite without the tests marked slow (each over ~5 s here: S3 outages, races, killed
 # servers): under 10 minutes on 2 cores. `make test-slow` runs the rest; CI (.ci/run) runs both.
 TEST_ENV = MLFLOW_SERVER_BIN=$(abspath $(MLFLOW_VENV))/bin/mlflow \
   DUCKDB_DELTA_PYTHON=$(abspath $(DUCKDB_DELTA_VENV))/bin/python

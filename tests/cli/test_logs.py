@@ -682,6 +682,7 @@ _FAILING_TASK = textwrap.dedent(
 @pytest.mark.parametrize(
     ("fmt", "verbosity", "lines"), [("text", -1, 0), ("text", 0, 3), ("json", 0, 3)]
 )
+@pytest.mark.slow
 def test_a_dask_task_that_raised_is_one_warning_line_per_try(
     fmt: str, verbosity: int, lines: int, tmp_path: Path
 ) -> None:

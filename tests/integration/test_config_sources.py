@@ -28,6 +28,7 @@ def job(tmp_path: Path, catalog: Path, bundle_dir: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_an_environment_or_flag_mistake_is_not_reported_in_the_job_file(job: Path) -> None:
     r = cli("run", str(job), env={"SCORE_CATALOG_WORKERS": "0"})
     assert r.returncode == EXIT_USAGE, r.output

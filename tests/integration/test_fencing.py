@@ -130,6 +130,7 @@ def test_a_superseded_run_commits_no_rejects(tmp_path: Path, torchscript_bundle_
     assert not rej.exists() or data_files(rej) == []
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_one_writes(tmp_path: Path, torchscript_bundle_dir: Path) -> None:
     cat = tmp_path / "catalog"
     # Long enough (small batches) that the first run still holds the lock when the other,

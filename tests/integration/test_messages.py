@@ -179,6 +179,7 @@ def test_unknown_storage_option_is_exit_2_naming_the_key(
     assert local.returncode == 0, local.output
 
 
+@pytest.mark.slow
 def test_missing_output_bucket_is_an_error_unless_creating_it_is_asked_for(
     moto_server: MotoServer, catalog: Path, bundle_dir: Path
 ) -> None:

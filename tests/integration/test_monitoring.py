@@ -217,6 +217,7 @@ def test_plan_names_a_broken_shard_and_scores_nothing(
     assert plan["calibration"]["rows_per_s"] > 0 and plan["estimated_scoring_s"] > 0
 
 
+@pytest.mark.slow
 def test_plan_says_what_a_resume_would_skip(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:
@@ -283,6 +284,7 @@ def test_report_vs_shows_sane_changes_against_a_base_near_zero(
     assert "%" not in "".join(rows[f"score {q}"][2] for q in ("p05", "p50", "p95"))
 
 
+@pytest.mark.slow
 def test_report_command_summary_and_side_by_side(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:

@@ -37,6 +37,7 @@ def _read(root: Path) -> pa.Table:
     return pads.dataset([str(p) for p in data_files(root)]).to_table().sort_by("item_id")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["sync", "local"])
 def test_a_three_input_ranker_scores_every_row_once(tmp_path: Path, scheduler: str) -> None:
     module = Ranker()

@@ -181,6 +181,7 @@ def _with_rejects(tmp_path: Path) -> Path:
     return job
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["its manifest", "control folder deleted", "another name"])
 def test_a_hand_run_inside_the_nightly_root_is_refused_and_the_root_reads_only_scores(
     bundle_dir: Path, tmp_path: Path, case: str
@@ -253,6 +254,7 @@ def test_rejects_inside_the_job_s_own_template_root_are_refused_before_scoring(
     assert not (tmp_path / "scored").exists() and not (tmp_path / "_score_catalog").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("other", ["an output", "a template root"])
 def test_rejects_inside_another_job_s_dataset_are_refused(
     catalog: Path, bundle_dir: Path, tmp_path: Path, other: str

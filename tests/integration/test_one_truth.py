@@ -102,6 +102,7 @@ def test_a_full_disk_at_each_finish_step_leaves_report_metrics_and_exit_code_agr
     assert all(e["status"] == status for e in entries)
 
 
+@pytest.mark.slow
 def test_a_rerun_after_a_failed_commit_succeeds(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:
@@ -174,6 +175,7 @@ def test_a_flag_click_refuses_still_writes_failed_metrics(
     assert _status(flag) == "failed"
 
 
+@pytest.mark.slow
 def test_a_backfill_with_a_bad_config_writes_failed_metrics(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:

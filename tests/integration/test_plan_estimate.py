@@ -51,6 +51,7 @@ def test_the_estimate_spreads_the_timed_cost_over_the_worker_slots(
     assert planning._estimate(_config("tcp://127.0.0.1:8786"), ext, calibration, [10]) is None
 
 
+@pytest.mark.slow
 def test_plan_times_the_workers_whole_path_and_says_what_it_leaves_out(
     catalog: Path, bundle_dir: Path, tmp_path: Path
 ) -> None:

@@ -84,6 +84,7 @@ def _assert_scores(bundle: Path, t_in: pa.Table, t_out: pa.Table) -> None:
     np.testing.assert_array_equal(t_out.column("label").to_numpy(), label)
 
 
+@pytest.mark.slow
 def test_cli_scores_an_s3_catalog_into_s3(
     s3_bucket: S3Bucket, bundle_dir: Path, tmp_path: Path
 ) -> None:

@@ -59,6 +59,7 @@ def test_units_and_time_zones_are_promoted_to_one_type(tmp_path: Path, bundle_di
         assert got.to_pylist() == expected.tolist()  # every instant kept
 
 
+@pytest.mark.slow
 def test_a_zone_in_some_shards_and_none_in_others_is_refused_naming_both(
     tmp_path: Path, bundle_dir: Path
 ) -> None:

@@ -154,6 +154,7 @@ def test_a_partial_rerun_judges_the_whole_dataset_against_the_previous_day(
     assert rep["verdict"]["dataset"] != first["verdict"]["dataset"]
 
 
+@pytest.mark.slow
 def test_accept_drift_is_recorded_and_the_rerun_exits_0(
     drifted: tuple[Path, Path, CliResult], bundle_dir: Path, tmp_path: Path
 ) -> None:
@@ -202,6 +203,7 @@ def test_accept_drift_refuses_what_it_cannot_accept(
     assert not _acceptances(root)
 
 
+@pytest.mark.slow
 def test_changed_data_after_an_acceptance_is_judged_again(
     drifted: tuple[Path, Path, CliResult], bundle_dir: Path, tmp_path: Path
 ) -> None:

@@ -382,6 +382,7 @@ def superseded_holder(
     return holder, taken[0]
 
 
+@pytest.mark.slow
 def test_a_silent_remote_holder_is_superseded_and_fenced(
     tmp_path: Path, contenders: Callable[..., Contender]
 ) -> None:
@@ -407,6 +408,7 @@ def test_a_silent_remote_holder_is_superseded_and_fenced(
         lock.release()
 
 
+@pytest.mark.slow
 def test_a_remote_holder_whose_clock_is_ahead_is_judged_by_the_storage_clock(
     tmp_path: Path, contenders: Callable[..., Contender]
 ) -> None:

@@ -245,6 +245,7 @@ def test_bundle_check_plan_and_run_say_it_once(tmp_path: Path) -> None:
     assert sum(said in w for w in run.report["warnings"]) == 1
 
 
+@pytest.mark.slow
 def test_an_oov_beyond_the_models_embedding_is_refused_before_scoring(tmp_path: Path) -> None:
     bundle = tmp_path / "b"
     _write_brands_bundle(bundle, oov=7)  # the embedding has 5 rows: ids 0..4

@@ -222,6 +222,7 @@ def test_a_program_returning_a_tuple_is_not_cached(tmp_path: Path, own_cache: Pa
     assert entries(own_cache) == []
 
 
+@pytest.mark.slow
 def test_a_warm_load_imports_nothing_of_torch_export(bundle_dir: Path, tmp_path: Path) -> None:
     # The point of the cache: a fresh interpreter loads the bundle without torch._dynamo.
     uri = str(shutil.copytree(bundle_dir, tmp_path / "b"))

@@ -378,6 +378,7 @@ def test_errors_are_capped_with_a_count() -> None:
     assert "25 more errors" in page and "Errors (45)" in page
 
 
+@pytest.mark.slow
 def test_ten_thousand_shards_the_table_and_chart_are_capped() -> None:
     r = full_report()
     r["shards"] = [_shard(i, duration=0.2 + (i % 97) / 100) for i in range(10_000)]

@@ -99,6 +99,7 @@ def _check_layout(path: Path, table: pa.Table, expected_rg: np.ndarray, batch_si
     batch_size=st.integers(1, 1200),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 @example(n_rows=0, rg_rows=1, batch_size=1, seed=0)
 @example(n_rows=1, rg_rows=1, batch_size=1200, seed=0)
 @example(n_rows=3000, rg_rows=600, batch_size=600, seed=0)  # batch == row group: no concat
