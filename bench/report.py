@@ -307,7 +307,18 @@ def _w1_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
         )
         lines += ["", text]
         summary.append(text)
-    phases = _phases(wl, ["cli-4096", "cli-4096-overlap", "lib-4096"])
+    phases = _phases(
+        wl,
+        [
+            "cli-4096",
+            "cli-4096-overlap",
+            "cli-4096-cold",
+            "cli-4096-cold-export",
+            "cli-auto",
+            "cli-auto-cold",
+            "cli-onnx",
+        ],
+    )
     if phases:
         lines += ["", "### Where the time goes", "", *phases]
         rate = _window_rate(wl, "cli-4096")
@@ -366,46 +377,41 @@ def _phases(wl: WorkloadResult, keys: list[str]) -> list[str]:
     return [*lines, ""]
 
 
+AUTO_CACHED_TARGET = 0.98  # issue 25: never slower than the default beyond noise, cached
+AUTO_COLD_TARGET = 0.90  # and by at most 10% on its first run (the sweep paid)
+
+
 def _auto(wl: WorkloadResult, lines: list[str]) -> list[str]:
-    """``--batch-size auto`` against the fixed sizes measured beside it: round 1 with a cold
-    cache (the sweep paid), later rounds with the choice cached."""
-    auto = wl.primary("cli-auto")
-    fixed = {k: v for k in ("cli-4096", "cli-65536") if (v := wl.primary(k)) is not None}
-    if auto is None or not fixed:
-        return []
-    best_key = max(fixed, key=lambda k: fixed[k].median)
-    best = fixed[best_key]
-    samples = wl.samples.get("cli-auto", [])
+    """``--batch-size auto`` against the default (batch 4,096) measured beside it: cached (an
+    untimed first run made the choice) against ``cli-4096``; with an empty cache in every run
+    (the sweep paid) against ``cli-4096-cold``, which pays the same program-file load."""
+    out: list[str] = []
+    samples = [*wl.samples.get("cli-auto", []), *wl.samples.get("cli-auto-cold", [])]
     chosen = sorted({int(s.extra["batch_size"]) for s in samples if s.extra.get("batch_size")})
     sweeps = [
         float(a["sweep_s"])
-        for s in samples
+        for s in wl.samples.get("cli-auto-cold", [])
         if (a := s.extra.get("auto")) and not a.get("cached") and "sweep_s" in a
     ]
-    sweep = float(np.median(sweeps)) if sweeps else None
-    cold = samples[0].wall_rate if samples else None
-    cold_s = samples[0].wall_s if samples else None
-    share = (
-        f"{sweep:.2f} s = {sweep / cold_s * 100:.0f}% of the cold run"
-        if sweep and cold_s
-        else "not reported"
-    )
-    warm = [s.wall_rate for s in samples[1:]]
-    warm_text = (
-        f"cached (rounds 2-{len(samples)}) {float(np.median(warm)):,.0f} rows/s = "
-        f"**{float(np.median(warm)) / best.median:.2f}x**"
-        if warm
-        else "no cached round"
-    )
-    cold_text = f"{cold:,.0f} rows/s = {cold / best.median:.2f}x" if cold else "failed"
-    text = (
-        f"W1 `--batch-size auto` against the best fixed size measured beside it (`{best_key}`, "
-        f"{best.median:,.0f} rows/s end to end): {warm_text}; cold caches (round 1: the sweep "
-        f"and torch.export's load of the bundle paid) {cold_text}; chose "
-        f"{', '.join(f'{c:,}' for c in chosen) or '?'}; sweep {share}."
-    )
-    lines += ["", text]
-    return [text]
+    for key, ref_key, target, what in (
+        ("cli-auto", "cli-4096", AUTO_CACHED_TARGET, "its choice cached"),
+        ("cli-auto-cold", "cli-4096-cold", AUTO_COLD_TARGET, "an empty cache in every run"),
+    ):
+        auto, ref = wl.primary(key), wl.primary(ref_key)
+        if auto is None or ref is None:
+            continue
+        gain = auto.median / ref.median
+        text = (
+            f"W1 `--batch-size auto`, {what}: {auto.median:,.0f} vs {ref.median:,.0f} rows/s "
+            f"for the default batch 4,096 (`{ref_key}`) end to end = **{gain:.2f}x** "
+            f"(target >= {target:.2f}x: {'MET' if gain >= target else 'NOT MET'})"
+        )
+        if key == "cli-auto-cold" and sweeps:
+            text += f"; the sweep took {float(np.median(sweeps)):.2f} s"
+        out.append(text + f"; chose {', '.join(f'{c:,}' for c in chosen) or '?'}.")
+    for text in out:
+        lines += ["", text]
+    return out
 
 
 def _vs_onnx(wl: WorkloadResult, ours: str, lines: list[str]) -> list[str]:
@@ -446,27 +452,61 @@ def _vs_daft(wl: WorkloadResult, ours: str, lines: list[str]) -> list[str]:
     return [text]
 
 
-def _w1x10_section(wl: WorkloadResult, w1: WorkloadResult | None) -> tuple[list[str], list[str]]:
+def _w1x10_section(
+    wl: WorkloadResult, w1: WorkloadResult | None, cores: int
+) -> tuple[list[str], list[str]]:
     lines = [f"## {wl.title}", "", *[f"- {d}" for d in wl.description], ""]
+    lim = machine_limit(w1, cores) if w1 is not None else None
+    best = hand_best(wl)
+    daft = wl.primary("daft")
+    refs: list[tuple[str, Callable[[Summary | None], float | None]]] = [
+        ("÷ W1's limit", lambda s: None if s is None or lim is None else s.median / lim.rows_per_s),
+        ("÷ hand-rolled", lambda s: ratio(s, best[1] if best else None)),
+        ("÷ Daft", lambda s: ratio(s, daft)),
+    ]
+    lines += [*_throughput_table(wl, refs), ""]
+    summary = _vs_daft(wl, "cli-4096", lines)
+    cli = wl.primary("cli-4096")
+    if cli is not None and best is not None:
+        text = (
+            f"W1X10 CLI vs the best {_label(wl, best[0])}: {cli.median:,.0f} vs "
+            f"{best[1].median:,.0f} rows/s process to process = "
+            f"**{cli.median / best[1].median:.2f}x**."
+        )
+        lines += ["", text]
+        summary.append(text)
+    rate = _window_rate(wl, "cli-4096")
+    if rate is not None:
+        text = (
+            f"W1X10 scoring window (first shard start to last shard end, CLI): {rate:,.0f} rows/s"
+            + (
+                f" = **{rate / lim.rows_per_s:.2f}x** the machine's limit measured in W1"
+                if lim is not None
+                else " (W1's limit not measured in this run)"
+            )
+            + "."
+        )
+        lines += ["", text]
+        summary.append(text)
+    lines += ["", *_phases(wl, ["cli-4096"])]
     big, small = wl.wall("cli-4096"), w1.wall("cli-4096") if w1 is not None else None
     rows_big = next(c.rows for c in wl.comparators if c.key == "cli-4096")
     rows_small = next((c.rows for c in w1.comparators if c.key == "cli-4096"), 0) if w1 else 0
     if big is None or small is None or big.median <= small.median:
         lines += ["Marginal rate: not computed (a run of the pair failed or W1 did not run).", ""]
-        return lines, []
-    marginal = (rows_big - rows_small) / (big.median - small.median)
-    fixed = small.median - rows_small / marginal
-    text = (
-        f"W1 x 10 marginal rate (CLI, process wall): ({rows_big:,} - {rows_small:,}) rows / "
-        f"({big.median:.2f} - {small.median:.2f}) s = **{marginal:,.0f} rows/s** in the steady "
-        f"state; fixed costs (start-up, planning, finish) about {fixed:.2f} s per run; whole "
-        f"process {rows_big / big.median:,.0f} rows/s on the 10x run."
-    )
-    peak = wl.rss("cli-4096")
-    lines += [text, "", *_phases(wl, ["cli-4096"])]
-    if peak is not None:
-        lines += [f"Peak RSS of the 10x run's process tree: {peak.median / 2**20:,.0f} MiB.", ""]
-    return lines, [text]
+    else:
+        marginal = (rows_big - rows_small) / (big.median - small.median)
+        fixed = small.median - rows_small / marginal
+        text = (
+            f"W1 x 10 marginal rate (CLI, process wall): ({rows_big:,} - {rows_small:,}) rows / "
+            f"({big.median:.2f} - {small.median:.2f}) s = **{marginal:,.0f} rows/s** in the "
+            f"steady state; fixed costs (start-up, planning, finish) about {fixed:.2f} s per run; "
+            f"whole process {rows_big / big.median:,.0f} rows/s on the 10x run."
+        )
+        lines += [text, ""]
+        summary.append(text)
+    lines += ["### Checks", "", *[f"- {c}" for c in wl.checks], ""]
+    return lines, summary
 
 
 def _w2_section(wl: WorkloadResult, cores: int) -> tuple[list[str], list[str]]:
@@ -733,7 +773,7 @@ def render(
     summary: list[str] = []
     builders: dict[str, Callable[[WorkloadResult], tuple[list[str], list[str]]]] = {
         "W1": lambda wl: _w1_section(wl, cores),
-        "W1X10": lambda wl: _w1x10_section(wl, results.get("W1")),
+        "W1X10": lambda wl: _w1x10_section(wl, results.get("W1"), cores),
         "W2": lambda wl: _w2_section(wl, cores),
         "W3": _w3_section,
         "TINY": _tiny_section,

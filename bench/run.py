@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if "W1" in selected:
         results["W1"] = suites.w1(runner, data, sizes, cores)
     if "W1X10" in selected:
-        results["W1X10"] = suites.w1x10(runner, data, sizes)
+        results["W1X10"] = suites.w1x10(runner, data, sizes, cores)
     if "W2" in selected:
         results["W2"] = suites.w2(runner, data, sizes, cores, precision)
     if "W3" in selected:
