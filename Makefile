@@ -60,9 +60,10 @@ $(DAFT_VENV)/.installed:
 	$(DAFT_VENV)/bin/python -m pip install -q "daft==0.7.26" numpy
 	touch $@
 
-# Daft's write_deltalake needs deltalake beside it (bench DELTA: Daft's Delta write).
+# Daft's write_deltalake needs deltalake beside it (bench DELTA: Daft's Delta write), and
+# pyiceberg: Daft 0.7.26's writer module imports its Iceberg writer for any table write.
 $(DAFT_VENV)/.installed-deltalake: $(DAFT_VENV)/.installed
-	$(DAFT_VENV)/bin/python -m pip install -q "deltalake==1.6.6"
+	$(DAFT_VENV)/bin/python -m pip install -q "deltalake==1.6.6" "pyiceberg==0.12.0"
 	touch $@
 
 # Two versions side by side on W1 (alternating runs): make bench-ab BASE=<git revision>

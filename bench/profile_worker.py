@@ -125,7 +125,9 @@ def instrumented(timers: Timers) -> Iterator[None]:
             setattr(owner, name, old)
 
 
-def _spec_and_task(shard: Path, model_dir: Path, batch: int, overlap: int, tmp: str) -> Any:
+def _spec_and_task(
+    shard: Path, model_dir: Path, batch: int, overlap: int, tmp: str, call_rows: int | None = None
+) -> Any:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
@@ -143,7 +145,7 @@ def _spec_and_task(shard: Path, model_dir: Path, batch: int, overlap: int, tmp: 
     wspec = WorkerSpec(
         model=ModelSpec(str(model_dir), sha, "cpu", widths=loaded.widths),
         threads=Threads(torch=1),
-        scoring=Scoring(batch_size=batch, overlap_depth=overlap),
+        scoring=Scoring(batch_size=batch, overlap_depth=overlap, call_rows=call_rows),
         io=ShardIO(id_column="item_id"),
     )
     torch.set_num_threads(1)
@@ -156,15 +158,34 @@ def _spec_and_task(shard: Path, model_dir: Path, batch: int, overlap: int, tmp: 
     return wspec, task, rows
 
 
+def _call_rows(model_dir: Path, batch: int) -> int | None:
+    """Rows per model call as a run on this CPU chooses them (pipeline.driver.execution, one
+    torch thread): None when one call per batch is as fast."""
+    import torch
+
+    from pipeline.model import tuning
+    from pipeline.model.program import forward, load_model
+
+    torch.set_num_threads(1)
+    m = load_model(str(model_dir), "cpu")
+    n = min(batch, tuning.CALL_SAMPLE_ROWS)
+    chosen, _, _ = tuning.choose_call_rows(
+        lambda xs: forward(m, xs), m.example(n, random=True), m.device, batch=n, budget_s=0.2
+    )
+    return chosen if chosen < n else None
+
+
 def profile(shard: Path, model_dir: Path, batch: int, rounds: int) -> dict[str, Any]:
     """Per-stage seconds (medians over ``rounds``) of one shard, overlap off; and the shard's
     wall time with overlap on and off, alternating."""
     from pipeline.worker.shard import OVERLAP_DEPTH, score_shard
 
     result: dict[str, Any] = {"shard": str(shard), "batch_size": batch, "rounds": rounds}
+    calls = _call_rows(model_dir, batch)
+    result["call_rows"] = calls
     with tempfile.TemporaryDirectory(prefix="profile-worker-") as tmp:
-        spec_off, task, rows = _spec_and_task(shard, model_dir, batch, 0, tmp)
-        spec_on, _, _ = _spec_and_task(shard, model_dir, batch, OVERLAP_DEPTH, tmp)
+        spec_off, task, rows = _spec_and_task(shard, model_dir, batch, 0, tmp, calls)
+        spec_on, _, _ = _spec_and_task(shard, model_dir, batch, OVERLAP_DEPTH, tmp, calls)
         result["rows"] = rows
         score_shard(spec_off, task(0))  # warm: first calls, page cache
         per_round: list[dict[str, float]] = []
@@ -182,7 +203,7 @@ def profile(shard: Path, model_dir: Path, batch: int, rounds: int) -> dict[str, 
             st["rest"] = wall - sum(st.get(k, 0.0) for k, _ in STAGES)
             st["wall"] = wall
             per_round.append(st)
-            result["batches"] = timers.calls["model"]
+            result["batches"] = timers.calls["engine+model"]  # one score() per batch
             # Plain walls (no timers), overlap off and on, alternating.
             for mode, spec in (("off", spec_off), ("on", spec_on)):
                 t0 = time.perf_counter()
@@ -259,7 +280,9 @@ def markdown(res: dict[str, Any]) -> list[str]:
     wall = st["wall"]
     lines = [
         f"One shard, `{_short(res['shard'])}` ({res['rows']:,} rows, {res['batches']} "
-        f"batches of {res['batch_size']:,}) "
+        f"batches of {res['batch_size']:,}"
+        + (f", model calls of {res['call_rows']:,} rows" if res.get("call_rows") else "")
+        + ") "
         "scored in one process through `pipeline.worker.shard.score_shard`, one torch thread, "
         f"overlap off, each stage timed with `perf_counter` (median of {res['rounds']} rounds; "
         "`python -m bench.profile_worker`).",

@@ -60,14 +60,19 @@ def machine_facts(repo: Path) -> dict[str, str]:
     import torch
 
     model, flags = cpu_info()
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    simd = [f for f in wanted if f in flags]
+    # A ratio measured on one CPU class does not carry to another (issue 25: 1.44x Daft with
+    # AMX, 0.97x without): say outright whether this one has AMX.
+    if flags:
+        simd.append("AMX" if any(f.startswith("amx") for f in flags) else "no AMX")
     commit = _git(repo, "rev-parse", "--short=12", "HEAD")
     dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
     env = ", ".join(f"{k}={os.environ[k]}" for k in THREAD_ENV if k in os.environ)
     return {
         "date (UTC)": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "CPU": model,
-        "SIMD flags": ", ".join(simd) or "none of avx2/avx512/amx",
+        "SIMD flags": ", ".join(simd) or "unknown (no /proc/cpuinfo)",
         "cores (affinity / os.cpu_count)": f"{available_cores()} / {os.cpu_count()}",
         "RAM": f"{_mem_total_gib():.1f} GiB",
         "kernel": platform.release(),
@@ -734,7 +739,13 @@ def _profile_section(res: dict[str, Any] | None) -> tuple[list[str], list[str]]:
     st = res["stages_s"]
     pct = {k: st[k] / st["wall"] * 100 for k in ("model", "decode", "write")}
     summary = [
-        f"W1 worker, per batch of {res['batch_size']:,}: the model call is "
+        f"W1 worker, per batch of {res['batch_size']:,}"
+        + (
+            f" (model calls of {res['call_rows']:,} rows, as a run on this CPU chooses)"
+            if res.get("call_rows")
+            else " (one model call per batch, as a run on this CPU chooses)"
+        )
+        + ": the model call is "
         f"{pct['model']:.0f}% of the shard's wall, decode {pct['decode']:.0f}%, write "
         f"{pct['write']:.0f}%, everything else {100 - sum(pct.values()):.0f}% "
         "(`python -m bench.profile_worker`)."

@@ -37,7 +37,7 @@ from pipeline.model.precision import (
     parity,
     prepare,
 )
-from pipeline.model.program import LoadedModel, check_batch_size, load_model
+from pipeline.model.program import LoadedModel, check_batch_size, forward, load_model
 from pipeline.worker.batching import ShardBatches
 from pipeline.worker.shard import ShardResult, score_shard
 from pipeline.worker.spec import ShardTask
@@ -64,10 +64,12 @@ def sample_rows(config: JobConfig, model: LoadedModel, shard: ShardRef) -> Input
 
 
 class Execution(NamedTuple):
-    """How the model runs: the batch size, and the ``execution`` section of the report."""
+    """How the model runs: the batch size, the rows per model call (None: one call per batch),
+    and the ``execution`` section of the report."""
 
     batch_size: int
     report: dict[str, Any]
+    call_rows: int | None = None
 
 
 def plan_execution(
@@ -113,6 +115,7 @@ def prepare_execution(
         "overlap": plan.overlap,
         "parity": None,
         "batch_size_auto": None,
+        "call_rows": None,
     }
     needs_parity = (
         opts.precision != "fp32"
@@ -125,12 +128,19 @@ def prepare_execution(
         x = sample_rows(config, model, sample_from) if sample_from else None
         execution["parity"] = _parity(config, prepared, opts, x)
     if config.batch_size != "auto":
-        check_batch_size(model, int(config.batch_size))
-        return Execution(int(config.batch_size), execution)
-    chosen, execution["batch_size_auto"] = _auto_batch_size(
-        config, prepared, sample_from, plan, job_rows
-    )
-    return Execution(chosen, execution)
+        batch = int(config.batch_size)
+        check_batch_size(model, batch)
+    else:
+        batch = _default_batch(prepared)
+    measured, calls = _call_rows(config, prepared, opts, plan, batch, job_rows)
+    if config.batch_size == "auto":
+        batch, execution["batch_size_auto"] = _auto_batch_size(
+            config, prepared, sample_from, plan, job_rows, measured
+        )
+    call_rows = measured if measured is not None and measured < batch else None
+    if calls is not None:
+        execution["call_rows"] = {**calls, "rows": call_rows or batch}
+    return Execution(batch, execution, call_rows)
 
 
 def _parity(
@@ -189,6 +199,7 @@ def _auto_batch_size(
     sample_from: ShardRef | None,
     plan: Plan,
     job_rows: int,
+    call_rows: int | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """``batch_size = "auto"``: the size the whole pipeline scores fastest at, measured on
     real rows (:func:`pipeline.model.tuning.choose_by_rate` on :func:`pipeline_step`), cached per
@@ -203,16 +214,15 @@ def _auto_batch_size(
     cached = cache.get(key)
     if cached is not None:
         return cached, {"cached": True, "key": key, "batch_size": cached, "cpu": cpu}
-    # Never past what the program was exported for (model.check_batch_size).
     limit = prepared.max_batch
-    default = DEFAULT_BATCH_SIZE if limit is None else min(DEFAULT_BATCH_SIZE, limit)
+    default = _default_batch(prepared)
     sizes = [b for b in tuning.PIPELINE_SIZES if limit is None or b <= limit]
     if sample_from is None:
         logger.info("batch size auto: no readable rows to measure; using %d", default)
         return default, {"cached": False, "key": key, "batch_size": default, "cpu": cpu}
     before = torch.get_num_threads()
     try:
-        with pipeline_step(config, prepared, sample_from, plan) as (step, rows):
+        with pipeline_step(config, prepared, sample_from, plan, call_rows) as (step, rows):
             t0 = time.perf_counter()
             probe = min(rows, default)
             per_row = step(default, probe) / probe
@@ -268,6 +278,89 @@ def _auto_batch_size(
     }
 
 
+def _default_batch(model: LoadedModel) -> int:
+    """The default batch size, never past what the program was exported for
+    (model.check_batch_size)."""
+    limit = model.max_batch
+    return DEFAULT_BATCH_SIZE if limit is None else min(DEFAULT_BATCH_SIZE, limit)
+
+
+#: What measuring the rows per model call may cost on a cold cache: 0.2 s, or
+#: :data:`AUTO_JOB_SHARE` of the job's estimated scoring time when that is more. The demo MLP
+#: measures its five sizes four times in about 0.15 s here; a model whose two rounds do not fit
+#: (a 64-1024-1024-8 MLP: 0.15 s per 4,096-row call) keeps one call per batch, and the
+#: decision is cached all the same. A job of fewer than :data:`CALL_MIN_BATCHES` batches is
+#: not worth measuring for.
+CALL_BUDGET_S = 0.2
+CALL_MIN_BATCHES = 8
+
+
+def _call_rows(
+    config: JobConfig,
+    prepared: LoadedModel,
+    opts: ExecutionOptions,
+    plan: Plan,
+    batch: int,
+    job_rows: int,
+) -> tuple[int | None, dict[str, Any] | None]:
+    """Rows per model call on this CPU (:func:`pipeline.model.tuning.choose_call_rows`), cached
+    per model, precision, engine, torch threads and CPU like the batch size; (None, None) where
+    it is not measured: a CUDA device (big calls are what a GPU wants), ``--compile`` (every
+    call size would be a graph to compile) or a job of fewer than CALL_MIN_BATCHES batches."""
+    n = min(batch, tuning.CALL_SAMPLE_ROWS)
+    small = job_rows < CALL_MIN_BATCHES * n or n <= min(tuning.CALL_SIZES)
+    if prepared.device.type != "cpu" or opts.compile or small:
+        return None, None
+    key = auto_cache_key(prepared, config.precision, plan.torch_threads, config.engine)
+    key += f"|calls{n}"
+    cache = tuning.BatchSizeCache(tuning.default_cache_path())
+    cpu = tuning.cpu_summary(cache.cpu)
+    cached = cache.get(key)
+    if cached is not None:
+        return (cached if cached < n else None), {"cached": True, "key": key, "cpu": cpu}
+    before = torch.get_num_threads()
+    try:
+        if plan.torch_threads:  # measured as the workers will run (plan.torch_threads)
+            torch.set_num_threads(plan.torch_threads)
+        x = prepared.example(n, random=True, device="cpu")
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            forward(prepared, x)  # first call at this shape: allocations, kernel choice
+            t1 = time.perf_counter()
+            forward(prepared, x)
+        probe = time.perf_counter() - t1
+        budget = max(CALL_BUDGET_S, AUTO_JOB_SHARE * probe / n * job_rows / (plan.workers or 1))
+        sizes = 1 + sum(1 for c in tuning.CALL_SIZES if c < n)
+        if 2 * sizes * probe > budget:
+            note = f"not measured: one {n}-row call takes {probe:.3f}s"
+            sweep: list[tuning.BenchRow] = []
+            facts: dict[str, Any] = {"note": note}
+            chosen = n
+        else:
+            chosen, sweep, facts = tuning.choose_call_rows(
+                lambda xs: forward(prepared, xs),
+                x,
+                prepared.device,
+                batch=n,
+                budget_s=budget - (time.perf_counter() - t0),
+            )
+        facts["sweep_s"] = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(before)
+    try:
+        cache.put(key, chosen, sweep)
+    except OSError as e:  # a read-only cache folder costs a new measurement next time, no more
+        logger.warning("rows per model call: cannot write %s (%s)", cache.path, e)
+    return (chosen if chosen < n else None), {
+        "cached": False,
+        "key": key,
+        "cpu": cpu,
+        **{k: facts[k] for k in ("noise", "note") if k in facts},
+        "sweep_s": facts["sweep_s"],
+        "sweep": [dataclasses.asdict(r) for r in sweep],
+    }
+
+
 def _sweep_rows(
     rows: int, per_row: float, budget_s: float, n_sizes: int, default: int
 ) -> int | None:
@@ -280,7 +373,11 @@ def _sweep_rows(
 
 @contextlib.contextmanager
 def pipeline_step(
-    config: JobConfig, model: LoadedModel, shard: ShardRef, plan: Plan
+    config: JobConfig,
+    model: LoadedModel,
+    shard: ShardRef,
+    plan: Plan,
+    call_rows: int | None = None,
 ) -> Iterator[tuple[Callable[[int, int], float], int]]:
     """``step(batch, rows)``: score a local copy of the first ``rows`` (up to
     :data:`AUTO_SAMPLE_ROWS`) rows of ``shard`` through the workers' own code
@@ -329,6 +426,7 @@ def pipeline_step(
                 overlap=plan.overlap,
                 torch_threads=plan.torch_threads,
                 storage_options=local,
+                call_rows=call_rows if call_rows is not None and call_rows < batch else None,
             )
             t0 = time.perf_counter()
             result = score_shard(spec, task)

@@ -92,6 +92,7 @@ def _spec(prepared: Prepared, locked: Locked, *, progress: bool) -> WorkerSpec:
         config,
         model,
         batch_size=prepared.execution.batch_size,
+        call_rows=prepared.execution.call_rows,
         overlap=prepared.plan.overlap,
         torch_threads=prepared.plan.torch_threads,
         # An existing cluster's hosts, known since it answered (the prepare phase asked).

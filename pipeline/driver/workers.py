@@ -66,6 +66,7 @@ def worker_spec(  # noqa: PLR0913  (keyword-only: each is one part of the contra
     signals: StopSignals | None = None,
     storage_options: Mapping[str, Any] | None = None,
     file_facts: FileFacts | None = None,
+    call_rows: int | None = None,
 ) -> WorkerSpec:
     """What every shard of a run of ``config`` is scored with."""
     return WorkerSpec(
@@ -75,6 +76,7 @@ def worker_spec(  # noqa: PLR0913  (keyword-only: each is one part of the contra
             batch_size=batch_size,
             overlap_depth=OVERLAP_DEPTH if overlap else 0,
             on_invalid_rows=config.errors.on_invalid_rows,
+            call_rows=call_rows,
         ),
         io=ShardIO(
             id_column=config.id_column,

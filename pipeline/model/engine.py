@@ -58,7 +58,13 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def score(model: LoadedModel, x: Inputs | torch.Tensor, *, proven: bool = False) -> Scored:
+def score(
+    model: LoadedModel,
+    x: Inputs | torch.Tensor,
+    *,
+    proven: bool = False,
+    call_rows: int | None = None,
+) -> Scored:
     """Run the model on ``x`` (one tensor per input) under ``inference_mode``; outputs come back
     on the CPU.
 
@@ -68,7 +74,9 @@ def score(model: LoadedModel, x: Inputs | torch.Tensor, *, proven: bool = False)
     rejected one by one.
 
     The host-to-device copy is ``non_blocking`` (the loader pins memory on CUDA) and outputs come
-    back once per batch.
+    back once per batch. ``call_rows``: the model is called on consecutive slices of at most this
+    many rows (the driver measures what runs fastest on this CPU:
+    :func:`pipeline.model.tuning.choose_call_rows`); a slice that raises is bisected alone.
     """
     t0 = time.perf_counter()
     x = as_inputs(x)
@@ -98,8 +106,9 @@ def score(model: LoadedModel, x: Inputs | torch.Tensor, *, proven: bool = False)
         run(lo, mid)
         run(mid, hi)
 
-    if n:
-        run(0, n)
+    step = max(1, n if call_rows is None else call_rows)
+    for lo in range(0, n, step):
+        run(lo, min(n, lo + step))
     if n > SMALL_BATCH and not ok.any() and not proven:
         first = errors[min(errors)]
         raise ModelFailedEverywhere(f"the model failed on every row of a {n}-row batch ({first})")

@@ -155,6 +155,25 @@ class BatchSizeAutoWithSweep(BatchSizeAuto, total=False):
     sweep: list[BenchRowEntry]
 
 
+class CallRows(TypedDict):
+    """``execution.call_rows``: the rows per model call on this CPU (a batch may run faster in
+    slices: :func:`pipeline.model.tuning.choose_call_rows`)."""
+
+    rows: int  # rows per model call; the batch size when batches are not split
+    cached: bool
+    key: str
+    cpu: str
+
+
+class CallRowsWithSweep(CallRows, total=False):
+    # Only when measured now (not cached): each call size's fastest pass over one batch, the
+    # noise between passes, what the measurement cost, or why it was not measured.
+    noise: float
+    note: str
+    sweep_s: float
+    sweep: list[BenchRowEntry]
+
+
 class ExecutionBase(TypedDict):
     precision: Literal["fp32", "bf16", "fp16", "int8"]
     compile: bool
@@ -169,6 +188,9 @@ class Execution(ExecutionBase, total=False):
     # What ran the model: torch, or ONNX Runtime (engine = "onnx"); absent from reports of
     # versions before the engine key.
     engine: Literal["torch", "onnx"]
+    # Rows per model call (None on CUDA, with --compile, or for a job of under 8 batches);
+    # absent from reports of versions before it.
+    call_rows: CallRowsWithSweep | None
 
 
 class ThreadsInfo(TypedDict):
@@ -475,6 +497,7 @@ SCHEMA_OBJECTS: dict[str, type] = {
     "#/$defs/execution": Execution,
     "#/$defs/parity": ParityWithNote,
     "#/$defs/batch_size_auto": BatchSizeAutoWithSweep,
+    "#/$defs/call_rows": CallRowsWithSweep,
     "#/$defs/bench_row": BenchRowEntry,
     "#/$defs/threads": ThreadsInfo,
     "#/$defs/model": ModelInfoWithRegistry,

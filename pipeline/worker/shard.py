@@ -343,7 +343,12 @@ class _Shard:
     def _run_model(self, batch: Batch, x: Inputs) -> Scored:
         try:
             grace = self.failed_unproven < UNPROVEN_ROWS
-            scored = score(self.model, x, proven=self.proven or grace)
+            scored = score(
+                self.model,
+                x,
+                proven=self.proven or grace,
+                call_rows=self.spec.scoring.call_rows,
+            )
         except ModelFailedEverywhere as e:
             raise ShardError(
                 f"shard {self.task.input_uri}, rows {batch.start}-"

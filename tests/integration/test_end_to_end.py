@@ -381,3 +381,55 @@ def test_every_option_keeps_order_and_exactly_once(
         score, _ = reference_scores(bundle_dir, pq.read_table(cat / p.name))
         if len(score):
             assert np.abs(t_out.column("score").to_numpy() - score).max() <= tol
+
+
+def test_rows_per_model_call_are_measured_once_per_cpu_then_cached(
+    bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 10,000 rows in batches of 1,024: enough batches to measure whether calls of 256 or 512
+    # rows run faster on this CPU; the choice is the machine's, so the test checks what holds
+    # whatever it is: one of the sizes measured, the fastest within the noise, reused by the
+    # next run, and the scores those of the model.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cat = tmp_path / "cat"
+    write_shards(cat, [5000, 5000], row_group_rows=1000)
+    reps = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        res = cli(
+            *_args(cat, out, bundle_dir, "--scheduler", "sync", "--batch-size", "1024"),
+            in_process=True,
+        )
+        assert res.returncode == 0, res.output
+        reps.append(report(out))
+    first, second = (r["execution"]["call_rows"] for r in reps)
+    assert first["cached"] is False and second["cached"] is True
+    assert first["key"] == second["key"] and first["key"].endswith("|calls1024")
+    assert first["cpu"] == tuning.cpu_summary(tuning.cpu_identity())
+    sweep = {r["batch"]: r["samples_per_s"] for r in first["sweep"]}
+    assert sorted(sweep) == [256, 512, 1024]
+    assert first["rows"] in sweep and sweep[first["rows"]] * (1 + first["noise"]) >= max(
+        sweep.values()
+    )
+    assert second["rows"] == first["rows"] and "sweep" not in second
+    for name in ("a", "b"):
+        got = pq.read_table(tmp_path / name / "part-00000.parquet")
+        want, _ = reference_scores(bundle_dir, pq.read_table(cat / "part-00000.parquet"))
+        np.testing.assert_allclose(got.column("score").to_numpy(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", ["256", "4096"])
+def test_rows_per_model_call_are_not_measured_for_a_small_job_or_batch(
+    bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: str
+) -> None:
+    # Batches of 256 have no smaller call size to try; 3,000 rows are under 8 batches of 4,096.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cat = tmp_path / "cat"
+    write_shards(cat, [3000], row_group_rows=1000)
+    out = tmp_path / "out"
+    res = cli(
+        *_args(cat, out, bundle_dir, "--scheduler", "sync", "--batch-size", batch),
+        in_process=True,
+    )
+    assert res.returncode == 0, res.output
+    assert report(out)["execution"]["call_rows"] is None

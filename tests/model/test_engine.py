@@ -433,3 +433,48 @@ def test_a_row_s_output_columns_do_not_depend_on_where_it_sits_in_the_batch(widt
                     assert a.slice(offset).equals(b), (threads, offset)
     finally:
         torch.set_num_threads(before)
+
+
+# --- call_rows: a batch scored in slices ----------------------------------------------------
+
+
+@pytest.mark.parametrize("call_rows", [1, 7, 64, 256, 300, 10_000])
+def test_a_batch_scored_in_slices_gives_the_same_scores(
+    demo_model: LoadedModel, call_rows: int
+) -> None:
+    # The driver splits a batch into calls of call_rows rows where that runs faster on the CPU
+    # (tuning.choose_call_rows); a row's output depends on its own row only. Calls of the sizes
+    # it uses (powers of two from 256) give the same bits; a call of a few rows may take another
+    # kernel and round a row's last bit differently (6e-8 here at 1-3 and 7 rows a call).
+    x = _x(300, 5)
+    whole, sliced = score(demo_model, x), score(demo_model, x, call_rows=call_rows)
+    if call_rows >= 64:
+        assert torch.equal(whole.outputs, sliced.outputs)
+    else:
+        torch.testing.assert_close(sliced.outputs, whole.outputs, rtol=0, atol=1e-6)
+    assert sliced.ok.all() and sliced.errors == {}
+
+
+def test_bad_rows_in_slices_are_isolated_as_in_one_call(
+    raising_model: LoadedModel, raising_bundle: Path
+) -> None:
+    x = _x(64, 2)
+    bad = [0, 5, 15, 16, 63]  # at slice edges (16 rows a call) and inside them
+    x[bad, 0] = BAD_F0
+    whole = score(raising_model, x)
+    sliced = score(raising_model, x, call_rows=16)
+    assert np.flatnonzero(~sliced.ok).tolist() == bad
+    assert sliced.errors == whole.errors
+    assert torch.equal(sliced.outputs, whole.outputs)
+
+
+def test_a_slice_failing_everywhere_is_a_broken_model_only_when_every_row_fails(
+    raising_model: LoadedModel,
+) -> None:
+    x = _x(64, 3)
+    x[:16, 0] = BAD_F0  # the whole first slice fails: bad rows, the others score
+    s = score(raising_model, x, call_rows=16)
+    assert np.flatnonzero(~s.ok).tolist() == list(range(16))
+    x[:, 0] = BAD_F0
+    with pytest.raises(ModelFailedEverywhere):
+        score(raising_model, x, call_rows=16)

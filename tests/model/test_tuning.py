@@ -529,3 +529,52 @@ def test_choose_by_rate_on_a_real_model_keeps_the_default_within_the_measured_no
         assert chosen == default
     else:
         assert chosen != default
+
+
+# --- rows per model call ----------------------------------------------------------------------
+
+
+def _cost_model(per_call_s: float, per_row2_s: float) -> tuple[Any, list[int]]:
+    """A model whose call costs ``per_call_s + rows**2 * per_row2_s`` (sleeps): a fixed cost
+    per call favours one big call; a cost growing faster than the rows (activations that
+    outgrow the cache) favours slices. Returns the callable and the row count of each call."""
+    sizes: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        n = int(x.shape[0])
+        sizes.append(n)
+        time.sleep(per_call_s + n * n * per_row2_s)
+        return x[:, :1]
+
+    return fn, sizes
+
+
+def test_choose_call_rows_splits_a_batch_whose_cost_grows_faster_than_its_rows() -> None:
+    # 4,096 rows in one call: 17 ms; in calls of 256: 16 x 0.07 ms. Far beyond any noise.
+    fn, seen = _cost_model(0.0, 1e-9)
+    chosen, table, facts = tuning.choose_call_rows(
+        fn, torch.zeros(100, 3), torch.device("cpu"), batch=8192, budget_s=0.3
+    )
+    assert [r.batch for r in table] == [256, 512, 1024, 2048, 4096]  # at most 4,096 rows
+    assert chosen < 4096
+    rate = {r.batch: r.samples_per_s for r in table}
+    assert rate[chosen] == max(rate.values())
+    assert facts["rounds"] >= 1 and set(seen) == {256, 512, 1024, 2048, 4096}
+
+
+def test_choose_call_rows_keeps_one_call_when_each_call_costs_the_most() -> None:
+    # 2 ms per call whatever its rows: calls of 256 take 16x as long as one call of 4,096.
+    fn, _ = _cost_model(0.002, 0.0)
+    chosen, table, _ = tuning.choose_call_rows(
+        fn, torch.zeros(5000, 3), torch.device("cpu"), batch=4096, budget_s=0.1
+    )
+    assert chosen == 4096 and table[-1].batch == 4096
+
+
+def test_choose_call_rows_measures_below_a_small_batch_only() -> None:
+    fn, seen = _cost_model(0.0, 0.0)
+    chosen, table, _ = tuning.choose_call_rows(
+        fn, torch.zeros(10, 3), torch.device("cpu"), batch=1000, budget_s=0.0
+    )
+    assert [r.batch for r in table] == [256, 512, 1000]
+    assert max(seen) == 1000 and chosen in (256, 512, 1000)

@@ -260,3 +260,32 @@ def test_a_shard_sends_back_its_file_with_the_facts_its_output_format_asks_for(
     assert result.written.uri == str(out / shard.name)
     assert result.written.size == (out / shard.name).stat().st_size
     assert result.written.facts == ({} if facts is None else {"rows": 1200, "nan": []})
+
+
+def test_call_rows_splits_each_batch_into_model_calls_with_the_same_scores(
+    bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The driver's measured rows per model call travel in the spec; the worker's batches stay
+    # 700 rows (reading, checks, writing), the model sees calls of at most 256. A spy around the
+    # real forward records the calls' sizes.
+    from pipeline.model import engine
+
+    (shard,) = write_shards(tmp_path / "in", [2500], row_group_rows=1000)
+    plain = score_shard(_spec(bundle_dir), _task(shard, tmp_path / "plain"))
+    sizes: list[int] = []
+    real = engine.forward
+
+    def spy(model, xs):  # type: ignore[no-untyped-def]
+        sizes.append(int(xs[0].shape[0]))
+        return real(model, xs)
+
+    monkeypatch.setattr(engine, "forward", spy)
+    spec = _spec(bundle_dir)
+    spec = dataclasses.replace(spec, scoring=dataclasses.replace(spec.scoring, call_rows=256))
+    sliced = score_shard(spec, _task(shard, tmp_path / "sliced"))
+    assert sliced.status == plain.status == ShardStatus.SCORED
+    # 700-row batches (3 x 700 + 400) in calls of 256, 256 and the rest.
+    assert sizes == [256, 256, 188] * 3 + [256, 144]
+    a, b = (pq.read_table(tmp_path / d / shard.name) for d in ("plain", "sliced"))
+    assert a.column("item_id").equals(b.column("item_id"))
+    np.testing.assert_array_equal(a.column("score").to_numpy(), b.column("score").to_numpy())
