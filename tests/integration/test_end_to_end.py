@@ -408,9 +408,8 @@ def test_rows_per_model_call_are_measured_once_per_cpu_then_cached(
     assert first["cpu"] == tuning.cpu_summary(tuning.cpu_identity())
     sweep = {r["batch"]: r["samples_per_s"] for r in first["sweep"]}
     assert sorted(sweep) == [256, 512, 1024]
-    assert first["rows"] in sweep and sweep[first["rows"]] * (1 + first["noise"]) >= max(
-        sweep.values()
-    )
+    # The fastest size, or one call per batch when the fastest did not win twice over.
+    assert first["rows"] in (max(sweep, key=lambda b: sweep[b]), 1024)
     assert second["rows"] == first["rows"] and "sweep" not in second
     for name in ("a", "b"):
         got = pq.read_table(tmp_path / name / "part-00000.parquet")

@@ -578,3 +578,55 @@ def test_choose_call_rows_measures_below_a_small_batch_only() -> None:
     )
     assert [r.batch for r in table] == [256, 512, 1000]
     assert max(seen) == 1000 and chosen in (256, 512, 1000)
+
+
+def _scripted_passes(monkeypatch: pytest.MonkeyPatch, seconds: dict[int, list[float]]) -> None:
+    """``_one_pass`` returns these seconds per call size, in order (the warm-up pass first):
+    the decision rule apart from the machine's timing."""
+    left = {c: list(v) for c, v in seconds.items()}
+    monkeypatch.setattr(
+        tuning, "_one_pass", lambda fn, data, device, c: left[c].pop(0) if left[c] else 1.0
+    )
+
+
+def test_choose_call_rows_splits_despite_one_slow_pass_of_the_faster_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Calls of 1,024 win in three passes of four; one pass hit by the workers starting beside
+    # it took 3x as long: the largest spread (200%) is not the noise of the best passes.
+    whole = [9.0, 1.0, 1.0, 1.02, 1.01]
+    _scripted_passes(
+        monkeypatch,
+        {
+            256: [9.0, 0.9, 0.9, 0.9, 0.9],
+            512: [9.0, 0.8, 0.8, 0.8, 0.8],
+            1024: [9.0, 0.7, 2.1, 0.7, 0.71],
+            2048: [9.0, 0.85, 0.85, 0.85, 0.85],
+            4096: whole,
+        },
+    )
+    chosen, _, facts = tuning.choose_call_rows(
+        lambda x: x, torch.zeros(4096, 2), CPU, batch=4096, budget_s=60.0
+    )
+    assert chosen == 1024 and facts["rounds"] == 4
+
+
+def test_choose_call_rows_does_not_split_on_one_lucky_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One pass of 512 rows a call was fast; its others were no faster than the whole batch.
+    _scripted_passes(
+        monkeypatch,
+        {
+            256: [9.0, 1.1, 1.1],
+            512: [9.0, 0.6, 1.0],
+            1024: [9.0, 1.05, 1.05],
+            2048: [9.0, 1.03, 1.03],
+            4096: [9.0, 1.0, 1.0],
+        },
+    )
+    chosen, table, facts = tuning.choose_call_rows(
+        lambda x: x, torch.zeros(4096, 2), CPU, batch=4096, budget_s=0.0
+    )
+    assert chosen == 4096 and facts["rounds"] == 2  # two rounds even on a spent budget
+    assert min(table, key=lambda r: r.ms).batch == 512  # the table shows the lucky pass
