@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import tempfile
 import time
@@ -344,6 +345,20 @@ def _call_rows(
                 batch=n,
                 budget_s=budget - (time.perf_counter() - t0),
             )
+            if chosen < n and (gap := _slicing_gap(prepared, x, chosen)) > SLICE_TOLERANCE:
+                logger.warning(
+                    "model bundle %s: a row's output depends on the other rows in its call "
+                    "(max difference %.3g between one call of %d rows and calls of %d): kept "
+                    "at one call per batch. Such a model's scores also change with the batch "
+                    "size; export it in eval mode (model.eval(): BatchNorm and dropout) so "
+                    "that each row is scored on its own.",
+                    config.model,
+                    gap,
+                    n,
+                    chosen,
+                )
+                facts["note"] = f"not split: outputs depend on the call's other rows ({gap:.3g})"
+                chosen = n
         facts["sweep_s"] = time.perf_counter() - t0
     finally:
         torch.set_num_threads(before)
@@ -359,6 +374,26 @@ def _call_rows(
         "sweep_s": facts["sweep_s"],
         "sweep": [dataclasses.asdict(r) for r in sweep],
     }
+
+
+#: The largest difference between a batch's outputs called whole and in slices that is still
+#: rounding: on the bench's MLPs the two were the same bits; a model that normalises over its
+#: batch differs by far more.
+SLICE_TOLERANCE = 1e-5
+
+
+def _slicing_gap(model: LoadedModel, x: Inputs, call_rows: int) -> float:
+    """Max |difference| between ``x``'s outputs in one call and in calls of ``call_rows``."""
+    n = rows_of(x)
+    with torch.inference_mode():
+        whole = forward(model, x).float()
+        parts = [
+            forward(model, tuple(t[i : i + call_rows] for t in x)) for i in range(0, n, call_rows)
+        ]
+        sliced = torch.cat(parts).float()
+    if whole.shape != sliced.shape:
+        return math.inf
+    return float((whole - sliced).abs().nan_to_num(nan=0.0).max()) if n else 0.0
 
 
 def _sweep_rows(

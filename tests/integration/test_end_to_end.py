@@ -432,3 +432,54 @@ def test_rows_per_model_call_are_not_measured_for_a_small_job_or_batch(
     )
     assert res.returncode == 0, res.output
     assert report(out)["execution"]["call_rows"] is None
+
+
+class _BatchCentred(torch.nn.Module):
+    """Scores each row against its call's mean: a row's output depends on the other rows in
+    its call (as a BatchNorm left in training mode does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x - x.mean(dim=0, keepdim=True))
+
+
+@pytest.mark.parametrize("row_dependent", [False, True])
+def test_rows_per_model_call_are_not_split_for_a_model_whose_rows_depend_on_each_other(
+    bundle_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    row_dependent: bool,
+) -> None:
+    # Which size wins is the machine's; here calls of 256 are made the winner (in this process)
+    # so that what follows is tested: the split is checked against one call per batch on the
+    # same rows, and a model whose outputs change with it keeps one call per batch, with a
+    # warning that says why and what to do.
+    from pipeline.cli.demo import export_bundle
+    from tests.conftest import demo_toml
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(
+        tuning, "choose_call_rows", lambda *a, **k: (256, [], {"rounds": 2, "noise": 0.0})
+    )
+    bundle = bundle_dir
+    if row_dependent:
+        bundle = tmp_path / "centred"
+        export_bundle(_BatchCentred().eval(), bundle, demo_toml(), n_in=16)
+    cat = tmp_path / "cat"
+    write_shards(cat, [9000], row_group_rows=1000)
+    out = tmp_path / "out"
+    args = _args(cat, out, bundle, "--scheduler", "sync", "--batch-size", "1024")
+    res = cli(*args, in_process=True)
+    assert res.returncode == 0, res.output
+    calls = report(out)["execution"]["call_rows"]
+    if row_dependent:
+        assert calls["rows"] == 1024 and "depend" in calls["note"]
+        assert "depends on the other rows in its call" in res.output
+        assert "model.eval()" in res.output
+    else:
+        assert calls["rows"] == 256 and "note" not in calls
+        assert "depends on the other rows" not in res.output
