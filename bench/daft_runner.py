@@ -100,7 +100,8 @@ def run_daft(
     if sink == "delta":
         from deltalake import DeltaTable  # only the log: no delta-rs scan
 
-        files = [os.path.join(out_dir, p) for p in DeltaTable(out_dir).files()]
+        # deltalake 1.x names the live files by URI (file_uris; files() was removed).
+        files = [u.removeprefix("file://") for u in DeltaTable(out_dir).file_uris()]
         rows = ds.dataset(files, format="parquet").count_rows()
     else:
         rows = ds.dataset(out_dir, format="parquet").count_rows()
