@@ -166,14 +166,16 @@ class JobConfig:
             metavar="NAME",
         ),
     )
-    # Rows per model call (the last batch of a shard may be shorter), or "auto": the size the
+    # Rows per batch, read, scored and written together (the last batch of a shard may be
+    # shorter; on the CPU the model may be called on slices of it: execution.call_rows), or
+    # "auto": the size the
     # whole worker path scores fastest at, measured on real rows of the first shard (1,024 to
     # 32,768; the default 4,096 unless another is faster beyond the noise), cached per
     # model/device/precision/threads (pipeline.driver.execution).
     batch_size: int | Literal["auto"] = field(
         default=4096,
         metadata=meta(
-            "Rows per model call; auto: measured on real rows, cached.",
+            "Rows per batch; auto: measured on real rows, cached.",
             checks=(batch_size_rule,),
             metavar="N|auto",
         ),
