@@ -71,6 +71,7 @@ class Execution(NamedTuple):
     batch_size: int
     report: dict[str, Any]
     call_rows: int | None = None
+    warnings: tuple[str, ...] = ()  # said before scoring, kept for the report
 
 
 def plan_execution(
@@ -133,7 +134,7 @@ def prepare_execution(
         check_batch_size(model, batch)
     else:
         batch = _default_batch(prepared)
-    measured, calls = _call_rows(config, prepared, opts, plan, batch, job_rows)
+    measured, calls, warned = _call_rows(config, prepared, opts, plan, batch, job_rows)
     if config.batch_size == "auto":
         batch, execution["batch_size_auto"] = _auto_batch_size(
             config, prepared, sample_from, plan, job_rows, measured
@@ -141,7 +142,7 @@ def prepare_execution(
     call_rows = measured if measured is not None and measured < batch else None
     if calls is not None:
         execution["call_rows"] = {**calls, "rows": call_rows or batch}
-    return Execution(batch, execution, call_rows)
+    return Execution(batch, execution, call_rows, warned)
 
 
 def _parity(
@@ -212,12 +213,12 @@ def _auto_batch_size(
     # measured on another CPU model or flags is measured again (tuning.cpu_identity).
     cache = tuning.BatchSizeCache(tuning.default_cache_path())
     cpu = tuning.cpu_summary(cache.cpu)
-    cached = cache.get(key)
-    if cached is not None:
-        return cached, {"cached": True, "key": key, "batch_size": cached, "cpu": cpu}
     limit = prepared.max_batch
     default = _default_batch(prepared)
     sizes = [b for b in tuning.PIPELINE_SIZES if limit is None or b <= limit]
+    cached = cache.get(key, allowed={*sizes, default})
+    if cached is not None:
+        return cached, {"cached": True, "key": key, "batch_size": cached, "cpu": cpu}
     if sample_from is None:
         logger.info("batch size auto: no readable rows to measure; using %d", default)
         return default, {"cached": False, "key": key, "batch_size": default, "cpu": cpu}
@@ -226,7 +227,9 @@ def _auto_batch_size(
         with pipeline_step(config, prepared, sample_from, plan, call_rows) as (step, rows):
             t0 = time.perf_counter()
             probe = min(rows, default)
-            per_row = step(default, probe) / probe
+            # The first pass is cold (allocations, first writes): timed alone it made the sweep
+            # look 3-5x too slow to fit its budget, and the size was never measured.
+            per_row = min(step(default, probe), step(default, probe)) / probe
             workers = plan.workers or 1
             budget = max(AUTO_BUDGET_S, AUTO_JOB_SHARE * per_row * job_rows / workers)
             fixed = os.environ.get(SWEEP_ROWS_ENV, "")
@@ -258,7 +261,10 @@ def _auto_batch_size(
     finally:
         torch.set_num_threads(before)  # the sweep ran as the workers will (plan.torch_threads)
     if len(sweep) > 1:
-        cache.put(key, chosen, sweep)
+        try:
+            cache.put(key, chosen, sweep)
+        except OSError as e:  # a cache must never stop a run: it measures again next time
+            logger.warning("batch size auto: cannot write %s (%s)", cache.path, e)
     elif n is not None:
         # A first shard smaller than every other size: nothing was compared, and a later run
         # over bigger shards must measure instead of reusing this.
@@ -303,79 +309,96 @@ def _call_rows(
     plan: Plan,
     batch: int,
     job_rows: int,
-) -> tuple[int | None, dict[str, Any] | None]:
+) -> tuple[int | None, dict[str, Any] | None, tuple[str, ...]]:
     """Rows per model call on this CPU (:func:`pipeline.model.tuning.choose_call_rows`), cached
-    per model, precision, engine, torch threads and CPU like the batch size; (None, None) where
-    it is not measured: a CUDA device (big calls are what a GPU wants), ``--compile`` (every
-    call size would be a graph to compile) or a job of fewer than CALL_MIN_BATCHES batches."""
+    per model, precision, engine, torch threads and CPU like the batch size, with the report's
+    ``call_rows`` and any warning for the report; (None, None, ()) where it is not measured: a
+    CUDA device (big calls are what a GPU wants), ``--compile`` (every call size would be a
+    graph to compile) or a job of fewer than CALL_MIN_BATCHES batches."""
     n = min(batch, tuning.CALL_SAMPLE_ROWS)
     small = job_rows < CALL_MIN_BATCHES * n or n <= min(tuning.CALL_SIZES)
     if prepared.device.type != "cpu" or opts.compile or small:
-        return None, None
+        return None, None, ()
     key = auto_cache_key(prepared, config.precision, plan.torch_threads, config.engine)
     key += f"|calls{n}"
     cache = tuning.BatchSizeCache(tuning.default_cache_path())
-    cpu = tuning.cpu_summary(cache.cpu)
-    cached = cache.get(key)
-    if cached is not None:
-        return (cached if cached < n else None), {"cached": True, "key": key, "cpu": cpu}
+    found: dict[str, Any] = {"key": key, "cpu": tuning.cpu_summary(cache.cpu)}
     before = torch.get_num_threads()
     try:
         if plan.torch_threads:  # measured as the workers will run (plan.torch_threads)
             torch.set_num_threads(plan.torch_threads)
+        # In every run, cached or not, before anything is split: 2 calls of 256 rows.
         x = prepared.example(n, random=True, device="cpu")
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            forward(prepared, x)  # first call at this shape: allocations, kernel choice
-            t1 = time.perf_counter()
-            forward(prepared, x)
-        probe = time.perf_counter() - t1
-        budget = max(CALL_BUDGET_S, AUTO_JOB_SHARE * probe / n * job_rows / (plan.workers or 1))
-        sizes = 1 + sum(1 for c in tuning.CALL_SIZES if c < n)
-        if 2 * sizes * probe > budget:
-            note = f"not measured: one {n}-row call takes {probe:.3f}s"
-            sweep: list[tuning.BenchRow] = []
-            facts: dict[str, Any] = {"note": note}
-            chosen = n
-        else:
-            chosen, sweep, facts = tuning.choose_call_rows(
-                lambda xs: forward(prepared, xs),
-                x,
-                prepared.device,
-                batch=n,
-                budget_s=budget - (time.perf_counter() - t0),
+        gap = _slicing_gap(prepared, tuple(t[:CHECK_ROWS] for t in x), CHECK_ROWS // 4)
+        if gap > SLICE_TOLERANCE:
+            warning = (
+                f"model bundle {config.model}: a row's output depends on the other rows in its "
+                f"call (max difference {gap:.3g} between one call of {CHECK_ROWS} rows and "
+                f"calls of {CHECK_ROWS // 4}), so its scores change with the batch size and "
+                "with where a row sits in its shard; batches are not split. Export the model "
+                "after model.eval() (BatchNorm, dropout) so that each row is scored on its own."
             )
-            if chosen < n and (gap := _slicing_gap(prepared, x, chosen)) > SLICE_TOLERANCE:
-                logger.warning(
-                    "model bundle %s: a row's output depends on the other rows in its call "
-                    "(max difference %.3g between one call of %d rows and calls of %d): kept "
-                    "at one call per batch. Such a model's scores also change with the batch "
-                    "size; export it in eval mode (model.eval(): BatchNorm and dropout) so "
-                    "that each row is scored on its own.",
-                    config.model,
-                    gap,
-                    n,
-                    chosen,
-                )
-                facts["note"] = f"not split: outputs depend on the call's other rows ({gap:.3g})"
-                chosen = n
-        facts["sweep_s"] = time.perf_counter() - t0
+            logger.warning("%s", warning)
+            note = f"not split: outputs depend on the call's other rows ({gap:.3g})"
+            return None, {**found, "cached": False, "note": note}, (warning,)
+        sizes = [c for c in tuning.CALL_SIZES if c < n] + [n]
+        cached = cache.get(key, allowed=sizes)
+        if cached is not None:
+            return (cached if cached < n else None), {**found, "cached": True}, ()
+        chosen, sweep, facts = _measure_call_rows(prepared, plan, x, job_rows)
     finally:
         torch.set_num_threads(before)
+    logger.info(
+        "rows per model call: %s (%s)",
+        f"{chosen:,} of every {n:,}-row batch" if chosen < n else "one call per batch",
+        facts.get("note") or f"measured in {facts['sweep_s']:.2f}s",
+    )
     try:
         cache.put(key, chosen, sweep)
     except OSError as e:  # a read-only cache folder costs a new measurement next time, no more
         logger.warning("rows per model call: cannot write %s (%s)", cache.path, e)
-    return (chosen if chosen < n else None), {
-        "cached": False,
-        "key": key,
-        "cpu": cpu,
-        **{k: facts[k] for k in ("noise", "note") if k in facts},
-        "sweep_s": facts["sweep_s"],
-        "sweep": [dataclasses.asdict(r) for r in sweep],
-    }
+    return (
+        (chosen if chosen < n else None),
+        {
+            **found,
+            "cached": False,
+            **{k: facts[k] for k in ("noise", "note") if k in facts},
+            "sweep_s": facts["sweep_s"],
+            "sweep": [dataclasses.asdict(r) for r in sweep],
+        },
+        (),
+    )
 
 
+def _measure_call_rows(
+    prepared: LoadedModel, plan: Plan, x: Inputs, job_rows: int
+) -> tuple[int, list[tuning.BenchRow], dict[str, Any]]:
+    """The measurement behind :func:`_call_rows`, within its budget (CALL_BUDGET_S)."""
+    n = rows_of(x)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        forward(prepared, x)  # first call at this shape: allocations, kernel choice
+        t1 = time.perf_counter()
+        forward(prepared, x)
+    probe = time.perf_counter() - t1
+    budget = max(CALL_BUDGET_S, AUTO_JOB_SHARE * probe / n * job_rows / (plan.workers or 1))
+    sizes = 1 + sum(1 for c in tuning.CALL_SIZES if c < n)
+    if 2 * sizes * probe > budget:
+        note = f"not measured: one {n}-row call takes {probe:.3f}s"
+        return n, [], {"note": note, "sweep_s": time.perf_counter() - t0}
+    chosen, sweep, facts = tuning.choose_call_rows(
+        lambda xs: forward(prepared, xs),
+        x,
+        prepared.device,
+        batch=n,
+        budget_s=budget - (time.perf_counter() - t0),
+    )
+    facts["sweep_s"] = time.perf_counter() - t0
+    return chosen, sweep, facts
+
+
+#: Rows of the check that a model scores each row on its own (one call, then four calls).
+CHECK_ROWS = 256
 #: The largest difference between a batch's outputs called whole and in slices that is still
 #: rounding: on the bench's MLPs the two were the same bits; a model that normalises over its
 #: batch differs by far more.

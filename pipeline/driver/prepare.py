@@ -113,6 +113,7 @@ def prepare(
     stop_if_asked(stop)
     failed = apply_schema_policy(config, shards, found)
     execution = plan_execution(config, shards, failed, found, plan)
+    model_warnings += execution.warnings  # logged when found
     meta_types = meta_fields(config, found.infos, failed)
     schema = _output_schema(config, found, meta_types, failed)
     if session is not None and plan.scheduler not in ("local", "threads"):

@@ -137,7 +137,14 @@ def export(model: LoadedModel) -> bytes:
     return data
 
 
+def _checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
 def _read_cached(path: Path) -> bytes | None:
+    """The kept export, or None: missing, not private, unreadable, or not the bytes that were
+    written (its SHA-256 is kept beside it: an initializer edited in the file scored with the
+    wrong weights, and the parity check's first 2,048 rows never read that embedding row)."""
     try:
         if not path.exists() or not programcache.is_private(path.parent, "folder"):
             return None
@@ -145,10 +152,19 @@ def _read_cached(path: Path) -> bytes | None:
         with os.fdopen(fd, "rb") as f:
             if not programcache.is_private(path, "file", os.fstat(fd)):
                 return None
-            return f.read()
+            data = f.read()
+        want = _checksum_path(path).read_text(encoding="ascii").strip()
     except OSError as e:
-        logger.warning("ignoring the ONNX export %s: %s", path, e)
+        logger.warning("ignoring the ONNX export %s: %s: exporting again", path, e)
         return None
+    if hashlib.sha256(data).hexdigest() != want:
+        logger.warning(
+            "ignoring the ONNX export %s: its bytes do not match the SHA-256 kept with it "
+            "(changed after it was written): exporting again",
+            path,
+        )
+        return None
+    return data
 
 
 def _write_cached(path: Path, data: bytes) -> None:
@@ -159,6 +175,8 @@ def _write_cached(path: Path, data: bytes) -> None:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+            # The checksum first: a reader that finds the new export finds its checksum too.
+            _checksum_path(path).write_text(hashlib.sha256(data).hexdigest() + "\n", "ascii")
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):

@@ -236,28 +236,57 @@ def _encode_graph(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
 def load(spec: BundleSpec, sha256: str, options: Mapping[str, Any] | None) -> Any:
     """The bundle's program rebuilt from its program file (a :class:`programcache.Cached`), or
     None: no file (silently), or one that fails a check (with a warning)."""
-    loc = storage.locate(spec.uri, options).child(file_name(spec))
+    folder = storage.locate(spec.uri, options)
+    loc = folder.child(file_name(spec))
+    refresh = f"score-catalog bundle check --write-program-file {spec.uri}"
     try:
         data = storage.read_bytes(loc)
     except (FileNotFoundError, NotADirectoryError):
+        _stale_files(folder, spec, refresh)
         return None
     except Exception as e:  # unreadable: the slow load, as for a cache
-        logger.warning("ignoring the program file %s: cannot read it (%s)", loc, e)
+        logger.warning("ignoring the program file %s: cannot read it (%s)", loc.uri, e)
         return None
     try:
         entry = decode(data)
-        if entry.get("sha256") != sha256 or entry.get("torch") != torch.__version__:
+        if entry.get("sha256") != sha256:
             raise ValueError(
-                f"written for another bundle or torch version (torch {entry.get('torch')}, "
-                f"this is {torch.__version__}; save the bundle again to refresh it)"
+                f"written for another bundle (SHA-256 {str(entry.get('sha256'))[:12]}..., this "
+                f"bundle's is {sha256[:12]}...): the weights changed after it was written; "
+                f"refresh it with `{refresh}`"
+            )
+        if entry.get("torch") != torch.__version__:
+            raise ValueError(
+                f"written by torch {entry.get('torch')}, this is {torch.__version__}; refresh "
+                f"it with `{refresh}`"
             )
         cached = programcache.rebuild(entry, sha256)
     except Exception as e:
-        logger.warning("ignoring the program file %s: %s: %s", loc, type(e).__name__, e)
+        logger.warning("ignoring the program file %s: %s: %s", loc.uri, type(e).__name__, e)
         return None
     if cached is None:
-        logger.warning("ignoring the program file %s: it does not reproduce its probe", loc)
+        logger.warning("ignoring the program file %s: it does not reproduce its probe", loc.uri)
     return cached
+
+
+def _stale_files(folder: storage.Location, spec: BundleSpec, refresh: str) -> None:
+    """Warn when the bundle has program files for other torch versions only: after a torch
+    upgrade every fresh container would otherwise pay torch.export's loader (2-5 s) in
+    silence."""
+    try:
+        others = storage.glob_names(folder, f"{spec.file}.torch")
+    except Exception:  # a listing that fails says nothing worth a warning
+        return
+    names = [o.path.rsplit("/", 1)[-1] for o in others if o.path.endswith(".program")]
+    if names:
+        logger.warning(
+            "model bundle %s: no program file for torch %s (found %s); loading through "
+            "torch.export, slower on a machine with an empty cache; write one with `%s`",
+            spec.uri,
+            torch.__version__,
+            ", ".join(names),
+            refresh,
+        )
 
 
 def decode(data: bytes) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -335,9 +335,12 @@ class BatchSizeCache:
             return {}
         return doc
 
-    def get(self, key: str) -> int | None:
+    def get(self, key: str, allowed: Collection[int] | None = None) -> int | None:
         """The cached batch size for ``key`` measured on this CPU, or None (missing, measured
-        on another CPU or by a version that did not record it, or an unusable entry)."""
+        on another CPU or by a version that did not record it, or an unusable entry: not an
+        integer >= 1, or not one of the ``allowed`` sizes the caller measures, so that a value
+        edited by hand never reaches a run: a model exported for at most 2,000 rows took a
+        cached 8,192)."""
         entry = self._load().get(key)
         if entry is None:
             return None
@@ -348,6 +351,16 @@ class BatchSizeCache:
                 key,
                 self.path,
                 size,
+            )
+            return None
+        if allowed is not None and size not in allowed:
+            logger.warning(
+                "ignoring batch-size cache entry %r in %s: %d is not one of the sizes measured "
+                "here (%s); measuring again",
+                key,
+                self.path,
+                size,
+                ", ".join(f"{b:,}" for b in sorted(allowed)),
             )
             return None
         assert isinstance(entry, dict)
@@ -529,9 +542,9 @@ def choose_call_rows(
         for c in sizes
     ]
     facts = {"rounds": rounds, "noise": noise, "sweep_s": time.perf_counter() - t0}
-    logger.info(
-        "rows per model call %d: %.0f rows/s (one call per batch of %d: %.0f rows/s; %d rounds "
-        "in %.2fs)",
+    logger.debug(
+        "fastest rows per model call %d: %.0f rows/s (one call per batch of %d: %.0f rows/s; "
+        "%d rounds in %.2fs)",
         chosen,
         n / fastest[chosen][0],
         n,

@@ -455,9 +455,9 @@ def test_rows_per_model_call_are_not_split_for_a_model_whose_rows_depend_on_each
     row_dependent: bool,
 ) -> None:
     # Which size wins is the machine's; here calls of 256 are made the winner (in this process)
-    # so that what follows is tested: the split is checked against one call per batch on the
-    # same rows, and a model whose outputs change with it keeps one call per batch, with a
-    # warning that says why and what to do.
+    # so that what follows is tested: every run checks that a row's output does not depend on
+    # the other rows of its call, and a model whose outputs do keeps one call per batch, with a
+    # warning (in the log and the report, every night) that says why and what to do.
     from pipeline.cli.demo import export_bundle
     from tests.conftest import demo_toml
 
@@ -471,15 +471,54 @@ def test_rows_per_model_call_are_not_split_for_a_model_whose_rows_depend_on_each
         export_bundle(_BatchCentred().eval(), bundle, demo_toml(), n_in=16)
     cat = tmp_path / "cat"
     write_shards(cat, [9000], row_group_rows=1000)
+    for night in ("1", "2"):  # the second finds the first's choice cached: checked all the same
+        out = tmp_path / f"out{night}"
+        args = _args(cat, out, bundle, "--scheduler", "sync", "--batch-size", "1024")
+        res = cli(*args, in_process=True)
+        assert res.returncode == 0, res.output
+        rep = report(out)
+        calls = rep["execution"]["call_rows"]
+        said = [w for w in rep["warnings"] if "depends on the other rows in its call" in w]
+        if row_dependent:
+            assert calls["rows"] == 1024 and "depend" in calls["note"]
+            assert "depends on the other rows in its call" in res.output
+            assert "model.eval()" in res.output and len(said) == 1
+        else:
+            assert calls["rows"] == 256 and "note" not in calls and not said
+            assert calls["cached"] is (night == "2")
+            assert "depends on the other rows" not in res.output
+
+
+def test_batch_size_auto_runs_when_its_cache_cannot_be_written(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cache must never stop a run: here the file's name is taken by a folder, so the
+    # atomic replace fails (a break-it review: exit 1, nothing written).
+    cache = tmp_path / "cache"
+    (cache / "score-catalog" / "batch_sizes.json").mkdir(parents=True)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.setenv(SWEEP_ROWS_ENV, str(AUTO_SAMPLE_ROWS))
     out = tmp_path / "out"
-    args = _args(cat, out, bundle, "--scheduler", "sync", "--batch-size", "1024")
-    res = cli(*args, in_process=True)
+    res = cli(
+        *_args(catalog, out, bundle_dir, "--scheduler", "sync", "--batch-size", "auto"),
+        in_process=True,
+    )
     assert res.returncode == 0, res.output
-    calls = report(out)["execution"]["call_rows"]
-    if row_dependent:
-        assert calls["rows"] == 1024 and "depend" in calls["note"]
-        assert "depends on the other rows in its call" in res.output
-        assert "model.eval()" in res.output
-    else:
-        assert calls["rows"] == 256 and "note" not in calls
-        assert "depends on the other rows" not in res.output
+    assert "batch size auto: cannot write" in res.output
+    assert report(out)["rows_out"] == 7300
+
+
+def test_a_cached_batch_size_edited_by_hand_is_measured_again(
+    catalog: Path, bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(SWEEP_ROWS_ENV, str(AUTO_SAMPLE_ROWS))
+    _two_auto_runs(catalog, bundle_dir, tmp_path / "before")
+    path = tmp_path / "cache" / "score-catalog" / "batch_sizes.json"
+    doc = json.loads(path.read_text())
+    (key,) = doc
+    doc[key]["batch_size"] = 1_000_000_000  # an integer, but no size the sweep measures
+    path.write_text(json.dumps(doc))
+    again = _two_auto_runs(catalog, bundle_dir, tmp_path / "after")[0]["execution"]
+    assert again["batch_size_auto"]["cached"] is False
+    assert again["batch_size_auto"]["batch_size"] in (1024, 2048, 4096)

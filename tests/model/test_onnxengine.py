@@ -147,6 +147,40 @@ def test_the_export_is_kept_and_a_damaged_one_replaced(
         assert float((score(m, x).outputs - score(loaded, x).outputs).abs().max()) <= TOL
 
 
+def test_an_export_whose_weights_changed_after_it_was_kept_is_exported_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A valid ONNX model with one weight changed loads and scores: only the checksum kept beside
+    # it tells (a break-it review scored with an edited embedding row, silently).
+    import onnx
+    from onnx import numpy_helper
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    save_bundle(
+        make_model(seed=6),
+        tmp_path / "mlp",
+        inputs=FEATURES16,
+        outputs={"score": "softmax:1"},
+        example={"features": torch.randn(4, 16)},
+        name="m",
+        version="1",
+    )
+    loaded = load_model(str(tmp_path / "mlp"))
+    onnxengine.prepare_onnx(loaded)
+    path = onnxengine.cache_path(loaded)
+    kept = path.read_bytes()
+    proto = onnx.load_from_string(kept)
+    init = proto.graph.initializer[0]
+    changed = numpy_helper.to_array(init) + 5.0
+    init.CopyFrom(numpy_helper.from_array(changed, init.name))
+    path.write_bytes(proto.SerializeToString())
+    again = onnxengine.prepare_onnx(loaded)
+    assert "do not match the SHA-256 kept with it" in caplog.text
+    assert path.read_bytes() == kept and again.module.data == kept
+    x = loaded.example(300, random=True)
+    assert float((score(again, x).outputs - score(loaded, x).outputs).abs().max()) <= TOL
+
+
 def _score_in_child(model: LoadedModel, x: torch.Tensor, q: multiprocessing.Queue[object]) -> None:
     q.put(score(model, x).outputs.numpy())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import struct
@@ -215,7 +216,26 @@ def test_a_program_file_for_another_torch_version_is_ignored(
 
     rewrite(program_file(uri), older)
     ignored(uri, tmp_path, monkeypatch, caplog)
-    assert "another bundle or torch version" in caplog.text
+    assert f"written by torch 2.12.0, this is {torch.__version__}" in caplog.text
+    assert "bundle check --write-program-file" in caplog.text  # how to refresh it
+
+
+def test_a_bundle_with_program_files_for_other_torch_versions_only_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # After a torch upgrade the file's name no longer matches: every fresh container would pay
+    # torch.export's loader without a word (a break-it review).
+    uri = saved(tmp_path, make_model())
+    old = program_file(uri)
+    old.rename(old.with_name("model.pt2.torch2.12.0_cpu.program"))
+    fresh_machine(monkeypatch, tmp_path, uri)
+    with caplog.at_level(logging.WARNING):
+        m = load_model(str(uri))
+    assert programcache.facts_of(m.module) is None  # torch.export's loader
+    assert "no program file for torch" in caplog.text
+    assert "model.pt2.torch2.12.0_cpu.program" in caplog.text
+    assert "bundle check --write-program-file" in caplog.text
+    assert "Location(" not in caplog.text
 
 
 def test_another_bundle_s_program_file_is_ignored(

@@ -630,3 +630,15 @@ def test_choose_call_rows_does_not_split_on_one_lucky_pass(
     )
     assert chosen == 4096 and facts["rounds"] == 2  # two rounds even on a spent budget
     assert min(table, key=lambda r: r.ms).batch == 512  # the table shows the lucky pass
+
+
+def test_a_cached_size_the_caller_does_not_measure_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = BatchSizeCache(tmp_path / "batch_sizes.json")
+    cache.put("k", 8192, [])
+    assert cache.get("k") == 8192
+    with caplog.at_level(logging.WARNING):
+        assert cache.get("k", allowed={1024, 2048, 4096}) is None
+    assert "8192 is not one of the sizes measured here (1,024, 2,048, 4,096)" in caplog.text
+    assert cache.get("k", allowed={8192}) == 8192
