@@ -510,26 +510,7 @@ def w1(runner: Runner, data: Data, sizes: Sizes, cores: int) -> WorkloadResult:
             output=out("hand-1p"),
             digest=score_digest,
         ),
-        Comparator(
-            "hand-np",
-            "hand-rolled loop",
-            half,
-            BATCH,
-            runner.loop_argv(
-                "hand_rolled",
-                shards=shards,
-                out_dir=str(out("hand-np")),
-                bundle=model,
-                spec=spec,
-                batch=BATCH,
-                procs=cores,
-                threads=1,
-            ),
-            "loop",
-            rows,
-            output=out("hand-np"),
-            digest=score_digest,
-        ),
+        _hand_np(runner, shards, out("hand-np"), model, spec, rows, cores),
         Comparator(
             "textbook",
             "textbook (pandas + per-row Dataset + DataLoader)",
@@ -562,6 +543,38 @@ def w1(runner: Runner, data: Data, sizes: Sizes, cores: int) -> WorkloadResult:
     runner.run_alternating(wl, sizes.repeats)
     _check_digests(wl, [c.key for c in comps if c.digest is not None])
     return wl
+
+
+def _hand_np(
+    runner: Runner,
+    shards: list[str],
+    out: Path,
+    model: str,
+    spec: dict[str, Any],
+    rows: int,
+    cores: int,
+) -> Comparator:
+    """The hand-rolled loop forked once per core, one torch thread each (W1 and W1 x 10)."""
+    return Comparator(
+        "hand-np",
+        "hand-rolled loop",
+        f"{cores} proc x 1 thread",
+        BATCH,
+        runner.loop_argv(
+            "hand_rolled",
+            shards=shards,
+            out_dir=str(out),
+            bundle=model,
+            spec=spec,
+            batch=BATCH,
+            procs=cores,
+            threads=1,
+        ),
+        "loop",
+        rows,
+        output=out,
+        digest=score_digest,
+    )
 
 
 def _score_catalog_w1(runner: Runner, data: Data, sizes: Sizes, batch: int) -> list[Comparator]:
@@ -752,26 +765,7 @@ def w1x10(runner: Runner, data: Data, sizes: Sizes, cores: int) -> WorkloadResul
             output=out("cli-4096"),
             digest=score_digest,
         ),
-        Comparator(
-            "hand-np",
-            "hand-rolled loop",
-            f"{cores} proc x 1 thread",
-            BATCH,
-            runner.loop_argv(
-                "hand_rolled",
-                shards=shards,
-                out_dir=str(out("hand-np")),
-                bundle=model,
-                spec=spec,
-                batch=BATCH,
-                procs=cores,
-                threads=1,
-            ),
-            "loop",
-            rows,
-            output=out("hand-np"),
-            digest=score_digest,
-        ),
+        _hand_np(runner, shards, out("hand-np"), model, spec, rows, cores),
     ]
     daft = runner.daft("daft", shards, out("daft"), model, spec, rows, score_digest)
     comps += [daft] if daft is not None else []

@@ -328,8 +328,8 @@ def _call_rows(
         if plan.torch_threads:  # measured as the workers will run (plan.torch_threads)
             torch.set_num_threads(plan.torch_threads)
         # In every run, cached or not, before anything is split: 2 calls of 256 rows.
-        x = prepared.example(n, random=True, device="cpu")
-        gap = _slicing_gap(prepared, tuple(t[:CHECK_ROWS] for t in x), CHECK_ROWS // 4)
+        check = prepared.example(CHECK_ROWS, random=True, device="cpu")
+        gap = _slicing_gap(prepared, check, CHECK_ROWS // 4)
         if gap > SLICE_TOLERANCE:
             warning = (
                 f"model bundle {config.model}: a row's output depends on the other rows in its "
@@ -345,6 +345,7 @@ def _call_rows(
         cached = cache.get(key, allowed=sizes)
         if cached is not None:
             return (cached if cached < n else None), {**found, "cached": True}, ()
+        x = prepared.example(n, random=True, device="cpu")
         chosen, sweep, facts = _measure_call_rows(prepared, plan, x, job_rows)
     finally:
         torch.set_num_threads(before)

@@ -414,6 +414,20 @@ PIPELINE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_NOISE = 0.05
 
 
+def _table(seconds: Mapping[int, float], rows: int) -> list[BenchRow]:
+    """One :class:`BenchRow` per size: a pass over ``rows`` rows in ``seconds[size]``."""
+    return [
+        BenchRow(
+            batch=b,
+            calls=math.ceil(rows / b),
+            ms=t * 1e3,
+            samples_per_s=rows / t,
+            ms_per_sample=t * 1e3 / max(rows, 1),
+        )
+        for b, t in seconds.items()
+    ]
+
+
 def choose_by_rate(
     step: Callable[[int], float],
     sizes: Sequence[int],
@@ -452,16 +466,7 @@ def choose_by_rate(
     noise = max([0.02, *spreads]) if spreads else DEFAULT_NOISE
     best = min(medians, key=lambda b: medians[b])
     chosen = default if medians[default] <= medians[best] * (1 + noise) else best
-    table = [
-        BenchRow(
-            batch=b,
-            calls=math.ceil(rows / b),
-            ms=medians[b] * 1e3,
-            samples_per_s=rows / medians[b],
-            ms_per_sample=medians[b] * 1e3 / max(rows, 1),
-        )
-        for b in sizes
-    ]
+    table = _table(medians, rows)
     facts = {"rounds": rounds, "noise": noise, "sweep_s": time.perf_counter() - t0}
     logger.info(
         "batch size %d by the pipeline's rate: %.0f rows/s (best %d at %.0f rows/s, noise "
@@ -531,16 +536,7 @@ def choose_call_rows(
     best = min(sizes, key=lambda c: fastest[c][0])
     chosen = best if fastest[best][1] * 1.02 < fastest[n][0] else n
     noise = max((b - a) / a for a, b in fastest.values())
-    table = [
-        BenchRow(
-            batch=c,
-            calls=math.ceil(n / c),
-            ms=fastest[c][0] * 1e3,
-            samples_per_s=n / fastest[c][0],
-            ms_per_sample=fastest[c][0] * 1e3 / n,
-        )
-        for c in sizes
-    ]
+    table = _table({c: ts[0] for c, ts in fastest.items()}, n)
     facts = {"rounds": rounds, "noise": noise, "sweep_s": time.perf_counter() - t0}
     logger.debug(
         "fastest rows per model call %d: %.0f rows/s (one call per batch of %d: %.0f rows/s; "

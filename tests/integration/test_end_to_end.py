@@ -248,8 +248,11 @@ def test_empty_shard_gets_an_empty_output_with_the_schema(bundle_dir: Path, tmp_
     assert report(out)["rows_out"] == 900
 
 
-def _two_auto_runs(catalog: Path, bundle: Path, tmp_path: Path) -> list[dict[str, Any]]:
-    """The reports of two `--batch-size auto` runs of ``catalog`` (outputs a and b).
+def _two_auto_runs(
+    catalog: Path, bundle: Path, tmp_path: Path, batch: str = "auto"
+) -> list[dict[str, Any]]:
+    """The reports of two `--batch-size auto` (or ``batch``) runs of ``catalog`` (outputs a
+    and b).
 
     Each sweep pass scores the whole sample (the first shard's rows, up to 16,384): sized by the
     probe's speed instead, a busy machine measured fewer sizes, or none (SWEEP_ROWS_ENV)."""
@@ -257,7 +260,7 @@ def _two_auto_runs(catalog: Path, bundle: Path, tmp_path: Path) -> list[dict[str
     for name in ("a", "b"):
         out = tmp_path / name
         res = cli(
-            *_args(catalog, out, bundle, "--scheduler", "sync", "--batch-size", "auto"),
+            *_args(catalog, out, bundle, "--scheduler", "sync", "--batch-size", batch),
             in_process=True,
         )
         assert res.returncode == 0, res.output
@@ -393,15 +396,7 @@ def test_rows_per_model_call_are_measured_once_per_cpu_then_cached(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cat = tmp_path / "cat"
     write_shards(cat, [5000, 5000], row_group_rows=1000)
-    reps = []
-    for name in ("a", "b"):
-        out = tmp_path / name
-        res = cli(
-            *_args(cat, out, bundle_dir, "--scheduler", "sync", "--batch-size", "1024"),
-            in_process=True,
-        )
-        assert res.returncode == 0, res.output
-        reps.append(report(out))
+    reps = _two_auto_runs(cat, bundle_dir, tmp_path, batch="1024")
     first, second = (r["execution"]["call_rows"] for r in reps)
     assert first["cached"] is False and second["cached"] is True
     assert first["key"] == second["key"] and first["key"].endswith("|calls1024")

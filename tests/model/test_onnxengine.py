@@ -116,12 +116,11 @@ def test_a_model_that_does_not_export_is_refused_by_name(tmp_path: Path) -> None
         assert score(loaded, loaded.example(8, random=True)).ok.all()
 
 
-def test_the_export_is_kept_and_a_damaged_one_replaced(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _cached_mlp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int) -> LoadedModel:
+    """An MLP bundle saved under ``tmp_path`` and loaded, with a cache folder of its own."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     save_bundle(
-        make_model(seed=5),
+        make_model(seed=seed),
         tmp_path / "mlp",
         inputs=FEATURES16,
         outputs={"score": "softmax:1"},
@@ -129,7 +128,13 @@ def test_the_export_is_kept_and_a_damaged_one_replaced(
         name="m",
         version="1",
     )
-    loaded = load_model(str(tmp_path / "mlp"))
+    return load_model(str(tmp_path / "mlp"))
+
+
+def test_the_export_is_kept_and_a_damaged_one_replaced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = _cached_mlp(tmp_path, monkeypatch, seed=5)
     path = onnxengine.cache_path(loaded)
     assert not path.exists()
     first = onnxengine.prepare_onnx(loaded)
@@ -155,17 +160,7 @@ def test_an_export_whose_weights_changed_after_it_was_kept_is_exported_again(
     import onnx
     from onnx import numpy_helper
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    save_bundle(
-        make_model(seed=6),
-        tmp_path / "mlp",
-        inputs=FEATURES16,
-        outputs={"score": "softmax:1"},
-        example={"features": torch.randn(4, 16)},
-        name="m",
-        version="1",
-    )
-    loaded = load_model(str(tmp_path / "mlp"))
+    loaded = _cached_mlp(tmp_path, monkeypatch, seed=6)
     onnxengine.prepare_onnx(loaded)
     path = onnxengine.cache_path(loaded)
     kept = path.read_bytes()
