@@ -148,6 +148,10 @@ class DeltaOutput:
     _committed: Committed | None = field(default=None, repr=False)
     _owners: dict[str, str] = field(default_factory=dict, repr=False)  # file -> shard, at begin
     _recovered: dict[str, Any] | None = field(default=None, repr=False)
+    # Committed files of the partition that storage no longer holds (a lost object, a hand
+    # cleanup), found with the snapshot by one listing: their shards are scored again and the
+    # commit removes the dangling paths.
+    _missing: frozenset[str] = field(default=frozenset(), repr=False)
 
     @classmethod
     def of(
@@ -279,6 +283,7 @@ class DeltaOutput:
             )
         snap = self._read_snapshot() if delta.table_exists(self.table) else None
         self._snapshot = snap
+        self._missing = self._not_in_storage(snap)
         self._owners = {str(e["file"]): rel for rel, e in manifest.shards.items() if "file" in e}
         state = dict(manifest.format_state or {})
         if state.get("app_id") not in (None, self.app_id):
@@ -372,6 +377,12 @@ class DeltaOutput:
             return ["its manifest entry names no file of the table"]
         snap = self._current()
         found = {f.path: f for f in snap.files} if snap is not None else {}
+        if path in self._missing:
+            return [
+                f"its file {self.table.location.child(path).uri} is in the table but missing "
+                "from storage (deleted by hand, or a lost object): it is scored again, and the "
+                "run's commit removes the dangling file from the table"
+            ]
         if path in found:
             size = entry.get("size")
             if size is not None and found[path].size != size:
@@ -635,6 +646,8 @@ class DeltaOutput:
         if snap.transaction_version(self.app_id) != state["committed"]:
             return False
         files = {f.path for f in snap.files}
+        if self._not_in_storage(snap):
+            return False  # a committed file is gone: the day is work to do (rescored)
         return bool(files) and files == {e.get("file") for e in found.shards.values()}
 
     # -- helpers ---------------------------------------------------------------------------
@@ -646,7 +659,25 @@ class DeltaOutput:
         """The snapshot read under the lock, or (``plan``, no lock) one read now."""
         if self._snapshot is None and self._manifest is None:
             self._snapshot = self._read_snapshot() if delta.table_exists(self.table) else None
+            self._missing = self._not_in_storage(self._snapshot)
         return self._snapshot
+
+    def _not_in_storage(self, snap: Snapshot | None) -> frozenset[str]:
+        """The files ``snap`` lists in this partition that storage does not hold: one listing
+        of the partition's folder (every data file of a partition lies directly in it: ours,
+        OPTIMIZE's and a rollback's), not a request per file."""
+        if snap is None or not snap.files:
+            return frozenset()
+        try:
+            names = {e.name for e in storage.ls(self.root)}
+        except FileNotFoundError:
+            names = set()
+        prefix = "".join(f"{k}={v}/" for k, v in self.partition.items())
+        return frozenset(
+            f.path
+            for f in snap.files
+            if not (f.path.startswith(prefix) and f.path[len(prefix) :] in names)
+        )
 
     def _need_manifest(self) -> Manifest:
         if self._manifest is None:
