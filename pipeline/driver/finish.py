@@ -52,6 +52,15 @@ class Concluded:
     record: dict[str, Any] | None  # the dataset's verdict, kept with the manifest (a success)
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A failed run's report, for the metrics, and whether ``_report.json`` holds it (the
+    run's error line then points at it)."""
+
+    report: ReportData | None
+    written: bool = False
+
+
 def conclude(prepared: Prepared, locked: Locked, scored: Scored, stop: StopRequest) -> Concluded:
     """Reconcile, account, check what readers see, judge drift, and decide the status once."""
     ordered = scored.ordered(prepared)
@@ -156,13 +165,26 @@ def _too_late(stop: StopRequest, committed: Committed) -> str:
     return warning
 
 
+def landed_commit(prepared: Prepared) -> str | None:
+    """What a run whose table commit landed must say when it fails afterwards (its store died
+    before the run recorded it): readers see its scores, and the next run records the commit
+    (its token is still pending). None when the run made no such commit."""
+    d = prepared.output_format.describe(None)
+    if d.get("committed") is not True or d.get("version") is None:
+        return None
+    return (
+        f"its commit landed as version {d['version']} of {d.get('table')} (readers see this "
+        "run's scores; the next run records the commit as recovered and scores nothing again)"
+    )
+
+
 def retract(
     prepared: Prepared,
     locked: Locked,
     concluded: Concluded,
     stop: StopRequest,
     e: Exception,
-) -> ReportData:
+) -> Failure:
     """The run failed while committing: say so wherever it already said otherwise.
 
     Returns the failed report (the metrics publish it). Where the run-index entry, the report
@@ -173,12 +195,17 @@ def retract(
     findings = concluded.findings
     if stop.requested:
         findings = dataclasses.replace(findings, stopped=True, stop_reason=stop.reason)
-    error = f"could not commit the run: {describe(e)}"
+    landed = landed_commit(prepared)
+    error = (
+        f"{landed}, but recording the run failed: {describe(e)}"
+        if landed
+        else f"could not commit the run: {describe(e)}"
+    )
     report = _decided(concluded.report, decide(dataclasses.replace(findings, error=error)))
     # What the output holds now: a table whose commit landed before the failure says so.
     report["output_format"] = cast(OutputFormatSection, prepared.output_format.describe(None))
     if isinstance(e, LockLostError):
-        return report
+        return Failure(report)
     log_cleanup_error(prepared.output_format.withdraw, "withdrawing the output's completion")
     if not _index(prepared, report):
         config = prepared.config
@@ -191,17 +218,19 @@ def retract(
         (REPORT_NAME, write_report),
         (HTML_NAME, write_html),
     ]
+    written = []
     for name, write in writers:
         try:
             locked.lock.assert_held()
             write(prepared.control, report)
+            written.append(name)
         except Exception as again:
             # A warning: the run's own error line says what failed (one line under -q).
             logger.warning(
                 "no %s is left: it could not be written as failed (%s)", name, describe(again)
             )
             _remove(prepared.control.child(name))
-    return report
+    return Failure(report, REPORT_NAME in written)
 
 
 def report_failure(
@@ -210,15 +239,15 @@ def report_failure(
     cleared: Iterable[Removal],
     results: Mapping[str, ShardResult],
     e: Exception,
-) -> ReportData | None:
+) -> Failure:
     """A failed ``_report.json`` for an error after planning, where it can be written.
 
     Only while the run holds the output's lock (a run refused the lock, or one that lost it,
     writes nothing there). Best effort: a failure to write it is logged. Returns the report
-    (for the metrics), or None when none was built.
+    (for the metrics; None when none was built) and whether it was written.
     """
     if lock is None or isinstance(e, LockLostError):
-        return None
+        return Failure(None)
     on_storage = retries.is_storage_failure(e)
     why = describe(e) if on_storage else f"unexpected error: {describe(e)}"
     if on_storage and not why.startswith("storage failure: "):
@@ -248,10 +277,11 @@ def report_failure(
             report["errors"] = [entry, *report["errors"]]
         lock.assert_held()
         write_report(prepared.control, report)
-        write_html(prepared.control, report)
     except Exception as report_error:
         logger.error("could not write the report: %s", describe(report_error))
-    return report
+        return Failure(report)
+    write_html(prepared.control, report)  # logs, never raises
+    return Failure(report, written=True)
 
 
 def storage_failure_before(scored_fatal: ShardResult | None, e: Exception) -> StorageError | None:

@@ -33,6 +33,7 @@ from pipeline.core.statuses import FailureKind, RunStatus
 from pipeline.driver import finish, lock, prepare, score
 from pipeline.driver.phases import Locked, Prepared, Scored
 from pipeline.driver.score import OnRows, OnShard, OnStart
+from pipeline.io.layout import REPORT_NAME
 from pipeline.io.locking import RunLock
 from pipeline.report import metrics
 from pipeline.report.build import RunReport
@@ -70,8 +71,8 @@ class ScoringRun:
         self.scored: Scored | None = None
         # Every shard's result as soon as it is known (the score phase adds to it).
         self.results: dict[str, ShardResult] = {}
-        # The failed report written for an error after planning, for the metrics (see run()).
-        self.failure_data: dict[str, Any] | None = None
+        # The failed report built for an error after planning, for the metrics (see run()).
+        self.failure: finish.Failure | None = None
 
     def execute(self) -> RunReport:
         """All phases in order; the cluster and the lock are released whatever happens.
@@ -98,7 +99,7 @@ class ScoringRun:
             except Exception as e:
                 fatal = self.scored.fatal if self.scored is not None else _fatal(self.results)
                 first = finish.storage_failure_before(fatal, e)
-                if self.failure_data is None:  # else finish already rewrote its report as failed
+                if self.failure is None:  # else finish already rewrote its report as failed
                     self._report_failure(prepared, first or e)
                 if first is not None or retries.is_storage_failure(e):
                     raise self._storage_failure(first or e) from e
@@ -111,7 +112,7 @@ class ScoringRun:
         try:
             return finish.commit(prepared, locked, concluded, self.stop)
         except Exception as e:
-            self.failure_data = dict(finish.retract(prepared, locked, concluded, self.stop, e))
+            self.failure = finish.retract(prepared, locked, concluded, self.stop, e)
             raise
 
     def _storage_failure(self, e: Exception) -> StorageError:
@@ -122,12 +123,19 @@ class ScoringRun:
         if not why.startswith("storage failure: "):
             why = f"storage failure: {why}"
         where = getattr(e, "uri", None) or getattr(e, "filename", None)
-        return StorageError(f"run {self.run_id} failed: {why}", uri=where)
+        report = ""
+        if self.failure is not None and self.failure.written and self.prepared is not None:
+            report = f" (report: {self.prepared.control.child(REPORT_NAME).uri})"
+        return StorageError(f"run {self.run_id} failed: {why}{self._landed()}{report}", uri=where)
+
+    def _landed(self) -> str:
+        """A run that failed after its table commit landed says so (finish.landed_commit)."""
+        landed = finish.landed_commit(self.prepared) if self.prepared is not None else None
+        return f"; {landed}" if landed else ""
 
     def _report_failure(self, prepared: Prepared, e: Exception) -> None:
         cleared = self.locked.cleared if self.locked is not None else ()
-        data = finish.report_failure(prepared, self.lock, cleared, self.results, e)
-        self.failure_data = dict(data) if data is not None else None
+        self.failure = finish.report_failure(prepared, self.lock, cleared, self.results, e)
 
 
 def _fatal(results: dict[str, ShardResult]) -> ShardResult | None:
@@ -173,7 +181,8 @@ def run(
         scoring = ScoringRun(config, on_shard, on_start, stop, run_id, on_rows)
         report = scoring.execute()
     except BaseException as e:  # Aborted (a second signal) too: the metrics say how it ended
-        summary = scoring.failure_data if scoring is not None else None
+        failure = scoring.failure if scoring is not None else None
+        summary: Any = dict(failure.report) if failure and failure.report is not None else None
         if summary is None:
             status = RunStatus.FAILED if isinstance(e, Exception) else RunStatus.INTERRUPTED
             duration = time.perf_counter() - t0

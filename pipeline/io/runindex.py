@@ -233,6 +233,38 @@ def entry(
     return doc if isinstance(doc, dict) else None
 
 
+def settle_commit(
+    root: str,
+    options: Mapping[str, Any] | None,
+    job: str,
+    run_id: str,
+    *,
+    landed: bool,
+    by: str,
+    table_version: int | None = None,
+) -> bool:
+    """Bring the entry of run ``run_id``, whose table commit was left pending when it stopped,
+    in line with what the table holds, as run ``by`` found it: its commit ``landed`` (readers
+    see its scores: a success, ``recovered`` by ``by`` at ``table_version``) or did not (a
+    failure, whatever the entry said: it is written before the commit). Whether the entry
+    changed; an entry that was never written stays absent."""
+    found = entry(root, options, job, run_id)
+    if found is None:
+        return False
+    was = dict(found)
+    if landed:
+        if found.get("status") not in SUCCESS_STATUSES:
+            found["status"] = RunStatus.SUCCEEDED
+        found["recovered"] = {"by": by, "table_version": table_version}
+    else:
+        found["status"] = RunStatus.FAILED
+        found["commit"] = f"its commit did not land; run {by} found it pending"
+    if found == was:
+        return False
+    record(root, options, job, found)
+    return True
+
+
 def record_rollback(
     root: str, options: Mapping[str, Any] | None, job: str, entry: dict[str, Any]
 ) -> str:

@@ -187,7 +187,9 @@ def test_a_failed_commit_is_retracted_everywhere_it_was_written(
     stop = StopRequest()
     concluded = finish.conclude(prepared, locked, _scored(prepared, locked), stop)
     finish.commit(prepared, locked, concluded, stop)
-    failed = finish.retract(prepared, locked, concluded, stop, OSError(28, "No space left"))
+    retracted = finish.retract(prepared, locked, concluded, stop, OSError(28, "No space left"))
+    assert retracted.written and retracted.report is not None
+    failed = retracted.report
     assert failed["status"] == RunStatus.FAILED
     reason = "could not commit the run: OSError: [Errno 28] No space left"
     assert failed["failure_reasons"][0] == reason

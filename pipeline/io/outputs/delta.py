@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from pipeline.core.errors import CommitRefused, ConfigError
+from pipeline.core.errors import CommitRefused, ConfigError, PipelineError
 from pipeline.core.faults import checkpoint
 from pipeline.core.templates import below, fixed_part, partition_columns
-from pipeline.io import layout, storage
+from pipeline.io import layout, runindex, storage
 from pipeline.io.layout import Places
 from pipeline.io.manifest import Manifest, fingerprint_hash
 from pipeline.io.outputs import deltatable as delta
@@ -327,6 +327,7 @@ class DeltaOutput:
                 runs=[r for r in state.get("runs", []) if r != pending.get("run_id")],
             )
             self._recovered = {"run_id": pending.get("run_id"), "table_version": version}
+            self._settle_index(pending, landed=True, version=version)
             logger.warning(
                 "the commit of run %s (run version %s of %s) landed as version %s of %s before "
                 "it stopped: the manifest is brought up to date, nothing is committed again",
@@ -344,11 +345,35 @@ class DeltaOutput:
                 pending["run_version"],
                 self.app_id,
             )
+            self._settle_index(pending, landed=False)
         for entry in manifest.shards.values():
             if entry.get("committed") and entry.get("file") not in files:
                 # Rolled back, compacted or removed since: scored again (is_done says why).
                 entry["committed"] = False
                 entry["gone_from_table"] = True
+
+    def _settle_index(
+        self, pending: Mapping[str, Any], *, landed: bool, version: int | None = None
+    ) -> None:
+        """The pending run's entry in the run index says what became of its commit: it is
+        written before the commit, and a run whose storage died after (or during) the commit
+        could not rewrite it. Best effort: the index is a record on top of the table."""
+        run_id = pending.get("run_id")
+        if not isinstance(run_id, str):
+            return
+        opts = dict(self.table.storage_options)
+        try:
+            changed = runindex.settle_commit(
+                self.area.uri, opts, self.job, run_id, landed=landed, by=self._run_id,
+                table_version=version,
+            )
+        except (OSError, PipelineError) as e:
+            logger.warning("could not record the outcome of run %s in the run index: %s", run_id, e)
+            return
+        if changed:
+            logger.info(
+                "run index: run %s recorded as %s", run_id, "committed" if landed else "failed"
+            )
 
     def withdraw(self) -> None:
         return None  # a table keeps its versions: the previous one stays whole until a commit
@@ -510,13 +535,10 @@ class DeltaOutput:
                 entry["committed"] = True
                 entry.pop("gone_from_table", None)
         state = dict(manifest.format_state or {})
-        state.update(
-            committed=self._run_version,
-            table_version=version,
-            run_id=run_id,
-            pending=None,
-            runs=[],
-        )
+        # The token stays pending until the run's report names the commit (seal): a run that
+        # stops in between (its store died after the commit landed) leaves it for the next
+        # run, which records the commit as landed (recovered) and its run-index entry with it.
+        state.update(committed=self._run_version, table_version=version, run_id=run_id, runs=[])
         manifest.set_format_state(state)
         manifest.save()
         self._remove_rejects()
@@ -606,7 +628,15 @@ class DeltaOutput:
             remove_rejects(rejects, output, opts)
 
     def seal(self) -> None:
-        return None  # the commit is the success marker: a table has no _SUCCESS
+        """The run's report names its commit: the pending token is settled. (The commit is the
+        success marker: a table has no ``_SUCCESS``.)"""
+        manifest = self._manifest
+        state = dict(manifest.format_state or {}) if manifest is not None else {}
+        if manifest is None or state.get("pending") is None:
+            return
+        state["pending"] = None
+        manifest.set_format_state(state)
+        manifest.save()
 
     def describe(self, committed: Committed | None) -> dict[str, Any]:
         found = committed or self._committed

@@ -59,7 +59,7 @@ from deltalake.transaction import (
     Transaction,
 )
 
-from pipeline.core import storage_options
+from pipeline.core import retries, storage_options
 from pipeline.core.errors import (
     AlreadyCommitted,
     CommitConflict,
@@ -71,6 +71,7 @@ from pipeline.core.errors import (
     TableSchemaError,
     UsageError,
 )
+from pipeline.core.faults import checkpoint
 from pipeline.io import storage
 from pipeline.io.outputs.deltastats import NewFile, check_partition_values, file_stats
 from pipeline.io.storage import Location
@@ -301,7 +302,9 @@ class TableRef:
         return loc.path if loc.is_local else self.uri.rstrip("/")
 
     def _scrub(self, text: str) -> str:
-        """``text`` with every credential of this table's options blanked."""
+        """``text`` (a delta-rs message: :func:`one_line`) with every credential of this
+        table's options blanked."""
+        text = one_line(text)
         secrets = [self.delta_options.get(k, "") for k in _SECRET_OPTIONS]
         secrets += [str(self.storage_options.get(k) or "") for k in ("key", "secret", "token")]
         for s in sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True):
@@ -309,8 +312,26 @@ class TableRef:
         return text
 
 
-def _open(ref: TableRef, version: int | None = None) -> DeltaTable:
-    """A fresh ``DeltaTable`` at the latest (or the given) version."""
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def one_line(text: str) -> str:
+    """A delta-rs error as one plain line, its innermost cause first.
+
+    delta-rs chains its causes over several lines with ANSI colour codes ("Generic
+    LocalFileSystem error", then "↳ Unable to copy data to file", then "↳ No space left on
+    device (os error 28)"): under ``-q`` that was three lines of cron mail with the cause last,
+    and the escape codes went into ``_report.json``. Here: ``No space left on device (os error
+    28) (Generic LocalFileSystem error: Unable to copy data to file)``.
+    """
+    parts = [p.strip().lstrip("↳").strip() for p in _ANSI.sub("", text).splitlines()]
+    parts = [p for p in parts if p]
+    if len(parts) <= 1:
+        return parts[0] if parts else ""
+    return f"{parts[-1]} ({': '.join(parts[:-1])})"
+
+
+def _open_once(ref: TableRef, version: int | None) -> DeltaTable:
     try:
         return DeltaTable(
             ref.table_uri, version=version, storage_options=dict(ref.delta_options) or None
@@ -330,6 +351,27 @@ def _open(ref: TableRef, version: int | None = None) -> DeltaTable:
         raise StorageError(
             f"opening the Delta table {ref.uri} failed: {ref._scrub(str(e))}", uri=ref.uri
         ) from e
+    except OSError as e:  # the object store's (errno None: transient, retried by _open)
+        raise OSError(ref._scrub(str(e))) from e
+
+
+def _open(ref: TableRef, version: int | None = None) -> DeltaTable:
+    """A fresh ``DeltaTable`` at the latest (or the given) version.
+
+    A store that does not answer is retried within the run's retry deadline
+    (:mod:`pipeline.core.retries`, one clock per store, shared with every fsspec call on it):
+    delta-rs's own object store gives up on a refused connection after 10 quick retries (2-4 s
+    measured against a closed port), so without this a blip of a few seconds failed a read that
+    every fsspec call around it survived.
+    """
+    loc = ref.location
+    return retries.with_retries(
+        lambda: _open_once(ref, version),
+        what=f"opening the Delta table {ref.uri}",
+        deadline_s=loc.retry_deadline_s,
+        store=retries.store_key(loc.fs),
+        uri=ref.uri,
+    )
 
 
 @contextlib.contextmanager
@@ -1006,16 +1048,60 @@ def commit(
         custom_metadata=info,
         app_transactions=[Transaction(app_id, run_version, last_updated=_now_ms())],
     )
-    with _delta_errors(ref, "committing to"):
-        table.create_write_transaction(
-            [*remove_actions, *add_actions],
-            mode="append",
-            schema=table.schema(),
-            partition_by=partition_by or None,
-            commit_properties=properties,
-            post_commithook_properties=_hooks(),
-        )
-    return _landed(ref, app_id, run_version, read_version, len(adds), len(remove_actions))
+    try:
+        with _delta_errors(ref, "committing to"):
+            table.create_write_transaction(
+                [*remove_actions, *add_actions],
+                mode="append",
+                schema=table.schema(),
+                partition_by=partition_by or None,
+                commit_properties=properties,
+                post_commithook_properties=_hooks(),
+            )
+    except StorageError as e:
+        _landed_all_the_same(ref, app_id, run_version, e)
+    checkpoint("delta-committed")  # landed; not yet read back
+    try:
+        return _landed(ref, app_id, run_version, read_version, len(adds), len(remove_actions))
+    except StorageError as e:
+        raise StorageError(
+            f"run version {run_version} of {app_id!r} was committed to {ref.uri}, but reading "
+            f"the table back failed: {e}. Readers see this run's scores; the next run records "
+            "the commit (it is pending in the manifest) and commits nothing again",
+            uri=ref.uri,
+        ) from e
+
+
+def _landed_all_the_same(ref: TableRef, app_id: str, run_version: int, failure: Exception) -> None:
+    """The commit call failed on storage: return if the commit landed all the same (the
+    request reached the store, its answer was lost), raise saying what is known otherwise.
+
+    The table is read again (:func:`_open`: retried within the run's retry deadline) for the
+    app's run version, which only our commit can have set: the run holds the partition's lock.
+    """
+    try:
+        done = _open(ref).transaction_version(app_id)
+    except PipelineError as again:
+        raise StorageError(
+            f"{failure}; whether the commit landed is unknown: the table could not be read "
+            f"again ({again}). It is recorded as pending: the next run reads the table, records "
+            "the commit if it landed and commits the run otherwise",
+            uri=ref.uri,
+        ) from failure
+    if done is None or done < run_version:
+        raise StorageError(
+            f"{failure}. Nothing was committed: the table does not hold run version "
+            f"{run_version} of {app_id!r}",
+            uri=ref.uri,
+        ) from failure
+    logger.warning(
+        "committing to %s failed (%s), but the table holds run version %d of %s: the commit "
+        "landed and its answer was lost",
+        ref.uri,
+        failure,
+        run_version,
+        app_id,
+    )
 
 
 def _landed(
