@@ -100,6 +100,7 @@ def test_storage_options_map_to_delta_rs() -> None:
         "AWS_REGION": "eu-west-1",
         "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false",
         "AWS_REQUEST_PAYER": "true",
+        "retry_timeout": "30s",  # the job's retry deadline bounds delta-rs's own retries
     }
     https = delta.delta_storage_options(
         "s3a://b/t", {"endpoint_url": "https://s3.example", "anon": True, "profile": "p"}
@@ -108,6 +109,7 @@ def test_storage_options_map_to_delta_rs() -> None:
         "AWS_ENDPOINT_URL": "https://s3.example",
         "AWS_SKIP_SIGNATURE": "true",
         "AWS_PROFILE": "p",
+        "retry_timeout": "60s",
     }
     assert delta.delta_storage_options("/data/scored", opts) == {}
     assert delta.delta_storage_options("file:///data/scored", {}) == {}

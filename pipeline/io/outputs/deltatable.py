@@ -147,7 +147,6 @@ _S3 = frozenset({"s3", "s3a"})
 # retry bound, fsspec's caches, botocore's retry settings (delta-rs retries on its own).
 _DROPPED = frozenset(
     {
-        storage_options.RETRY_DEADLINE_OPTION,
         "skip_instance_cache",
         "use_listings_cache",
         "listings_expiry_time",
@@ -181,8 +180,15 @@ def _s3_options(options: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
     out: dict[str, str] = {}
     unknown: list[str] = []
     endpoints: set[str] = set()
+    # delta-rs retries each request on its own (10 tries, then up to 180 s by default): bounded
+    # by the job's retry deadline, as every fsspec call is (a dead endpoint ends the run about
+    # retry_deadline_s after it died, not three minutes per delta-rs call).
+    deadline = options.get(
+        storage_options.RETRY_DEADLINE_OPTION, storage_options.DEFAULT_RETRY_DEADLINE_S
+    )
+    out["retry_timeout"] = f"{max(1, math.ceil(float(deadline)))}s"
     for key, value in options.items():
-        if key in _DROPPED:
+        if key in _DROPPED or key == storage_options.RETRY_DEADLINE_OPTION:
             continue
         if key in _DIRECT:
             if value not in (None, ""):
