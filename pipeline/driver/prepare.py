@@ -37,6 +37,7 @@ from pipeline.driver.inspect import (
 from pipeline.driver.phases import Prepared
 from pipeline.driver.workers import model_spec
 from pipeline.io import layout, listing, nesting, ownership, storage
+from pipeline.io.locking import refuse_if_held
 from pipeline.io.outputs import output_format
 from pipeline.model import oov, registry
 from pipeline.model.bundle import BundleSpec, read_bundle
@@ -67,6 +68,8 @@ def prepare(
     # Manifest, report, HTML page, run index and default rejects: outside the template's fixed
     # part, which readers query as one dataset (pipeline.io.layout).
     places = layout.for_run(config, run_id)
+    lock_root = output_format(config, places, run_id).lock_root
+    refuse_if_held(lock_root, config.stale_lock_after_s, f"output {places.output.uri}")
     rejects = storage.locate(config.rejects_uri(run_id), config.storage)
     # A models:/ URI: ask the registry once, here; from now on the run, its workers and its
     # manifest see the downloaded bundle folder (the report names both).

@@ -254,6 +254,8 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
         assert "a holder that is gone is taken over by the next run" in r.output
         assert "if it is dead, delete" not in r.output
         assert not data_files(out)
+        # Refused before its start-up: no cluster started, no model loaded (that took ~7 s).
+        assert "loaded model" not in r.output and "overlap threads" not in r.output, r.output
     finally:
         holder.kill()
         holder.wait()
