@@ -413,7 +413,7 @@ def _module_of(
     if spec.format == "exported_program":
         for source, kept in (
             ("the program cache", lambda: programcache.load(sha)),
-            ("its program file", lambda: sidecar.load(spec, sha, options)),
+            ("its program file", lambda: sidecar.load(spec, sha, options, weights)),
         ):
             found = kept()
             if found is None:

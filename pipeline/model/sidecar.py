@@ -82,6 +82,7 @@ def encode(
     call: programcache.GraphCall,
     facts: programcache.ProgramFacts,
     probe: tuple[torch.Tensor, ...],
+    weights_sha256: str | None = None,
 ) -> bytes:
     """The program file's bytes for ``call`` (raises :class:`Unsupported` for a graph it cannot
     describe: a submodule, a Python function outside :data:`_PYTHON_OPS`, an odd constant)."""
@@ -106,6 +107,9 @@ def encode(
     header = {
         "format": FORMAT,
         "sha256": sha256,
+        # The weights file's own hash: a load that finds another bundle SHA-256 can then say
+        # whether the weights or only model.toml / a vocabulary changed since.
+        "weights_sha256": weights_sha256,
         "torch": torch.__version__,
         "byteorder": sys.byteorder,
         "graph": _encode_graph(call.graph),
@@ -137,7 +141,9 @@ def write(
     """Write the program file into the bundle ``folder``; None (logged) when the graph is not
     one this format describes."""
     try:
-        data = encode(sha256, call, facts, probe)
+        weights_file = folder / spec.file
+        weights = hashlib.sha256(weights_file.read_bytes()).hexdigest()
+        data = encode(sha256, call, facts, probe, weights)
     except Unsupported as e:
         logger.info("no program file for %s: %s (it loads through torch.export)", folder, e)
         return None
@@ -233,9 +239,16 @@ def _encode_graph(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
 # Reading
 
 
-def load(spec: BundleSpec, sha256: str, options: Mapping[str, Any] | None) -> Any:
+def load(
+    spec: BundleSpec,
+    sha256: str,
+    options: Mapping[str, Any] | None,
+    weights: bytes | None = None,
+) -> Any:
     """The bundle's program rebuilt from its program file (a :class:`programcache.Cached`), or
-    None: no file (silently), or one that fails a check (with a warning)."""
+    None: no file (silently), or one that fails a check (with a warning). ``weights``: the
+    weights file's bytes, to say what changed when the file was written for another version
+    of the bundle."""
     folder = storage.locate(spec.uri, options)
     loc = folder.child(file_name(spec))
     refresh = f"score-catalog bundle check --write-program-file {spec.uri}"
@@ -252,8 +265,8 @@ def load(spec: BundleSpec, sha256: str, options: Mapping[str, Any] | None) -> An
         if entry.get("sha256") != sha256:
             raise ValueError(
                 f"written for another bundle (SHA-256 {str(entry.get('sha256'))[:12]}..., this "
-                f"bundle's is {sha256[:12]}...): the weights changed after it was written; "
-                f"refresh it with `{refresh}`"
+                f"bundle's is {sha256[:12]}...): {_what_changed(entry, weights)} after it was "
+                f"written; refresh it with `{refresh}`"
             )
         if entry.get("torch") != torch.__version__:
             raise ValueError(
@@ -267,6 +280,17 @@ def load(spec: BundleSpec, sha256: str, options: Mapping[str, Any] | None) -> An
     if cached is None:
         logger.warning("ignoring the program file %s: it does not reproduce its probe", loc.uri)
     return cached
+
+
+def _what_changed(entry: Mapping[str, Any], weights: bytes | None) -> str:
+    """Which part of the bundle (its SHA-256 covers model.toml, the weights and every
+    vocabulary) changed since the program file was written, as far as the file can tell."""
+    recorded = entry.get("weights_sha256")
+    if recorded is None or weights is None:
+        return "model.toml, a vocabulary or the weights changed"
+    if hashlib.sha256(weights).hexdigest() == recorded:
+        return "model.toml or a vocabulary changed (the weights are the same)"
+    return "the weights changed"
 
 
 def _stale_files(folder: storage.Location, spec: BundleSpec, refresh: str) -> None:
@@ -327,6 +351,7 @@ def decode(data: bytes) -> dict[str, Any]:
     return {
         "format": programcache.FORMAT,
         "sha256": head.get("sha256"),
+        "weights_sha256": head.get("weights_sha256"),
         "torch": head.get("torch"),
         "graph": _decode_graph(head["graph"]),
         "weights": [tensor(r) for r in head["weights"]],

@@ -246,6 +246,18 @@ def test_another_bundle_s_program_file_is_ignored(
     shutil.copyfile(program_file(other), program_file(uri))
     ignored(uri, tmp_path, monkeypatch, caplog)
     assert "another bundle" in caplog.text
+    assert "the weights changed after it was written" in caplog.text
+
+
+def test_an_edited_model_toml_is_not_called_a_weights_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri = saved(tmp_path, make_model(seed=1))
+    toml = uri / "model.toml"
+    toml.write_text(toml.read_text().replace('version = "1"', 'version = "1b"'))
+    ignored(uri, tmp_path, monkeypatch, caplog)
+    assert "model.toml or a vocabulary changed (the weights are the same)" in caplog.text
+    assert "the weights changed" not in caplog.text
 
 
 def test_a_truncated_program_file_is_ignored(
