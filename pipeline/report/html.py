@@ -112,6 +112,11 @@ def _status(r: ReportData) -> str:
     return "".join(out)
 
 
+#: What a run that scored nothing shows for its speed (a rerun over a finished output): not
+#: "0 rows/s", which read on the morning-after page as a night that crawled.
+NOTHING_SCORED = "— (nothing scored in this run)"
+
+
 def _totals(r: ReportData) -> str:
     return kv(
         [
@@ -124,7 +129,7 @@ def _totals(r: ReportData) -> str:
             ("shards skipped (already done)", fmt(r["shards_skipped"])),
             ("shards failed", fmt(r["shards_failed"])),
             ("duration", fmt(r["duration_s"], 1, " s")),
-            ("rows/s", fmt(r["rows_per_s"])),
+            ("rows/s", fmt(r["rows_per_s"]) if r["rows_processed"] else NOTHING_SCORED),
             ("batch size", fmt(r["batch_size"])),
             ("device", r["device"]),
         ]
@@ -182,6 +187,12 @@ def _first_start(r: ReportData) -> float | None:
 
 
 def _throughput(r: ReportData) -> str:
+    if not r["rows_processed"] and r["shards_skipped"]:
+        return para(
+            f"Nothing was scored in this run: all {r['shards_skipped']:,} shards were already "
+            "done by an earlier run (skipped below). The totals, scores and drift on this page "
+            "are of the whole output; its speed is in that run's log and metrics."
+        )
     pts = sorted((float(p["t_s"]), float(p["rows"])) for p in r["throughput"])
     start = _first_start(r)
     if start is not None and len(pts) > 1:

@@ -133,10 +133,16 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
         # Only where there are some: rejects are written for the shards that had any, so a
         # clean night's folder does not exist, and its summary stays as short as before.
         lines.append(f"  rejects   {d['rejects']}")
-    lines += [
-        f"  speed     {d['rows_per_s']:,.0f} rows/s over {d['rows_processed']:,} rows scored in "
-        f"{d['duration_s']:.1f}s",
-    ]
+    if d["rows_processed"]:
+        speed = (
+            f"{d['rows_per_s']:,.0f} rows/s over {d['rows_processed']:,} rows scored in "
+            f"{d['duration_s']:.1f}s"
+        )
+    else:  # a rerun over a finished output, say: no speed to speak of, not "0 rows/s"
+        speed = f"nothing scored in this run ({d['duration_s']:.1f}s)"
+        if d["shards_skipped"]:
+            speed += f": {d['shards_skipped']} shard(s) already done"
+    lines.append(f"  speed     {speed}")
     reg = d["model"].get("registry")
     if reg:
         alias = f" (alias {reg['alias']})" if reg["alias"] else ""

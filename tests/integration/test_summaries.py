@@ -193,3 +193,21 @@ def test_the_summary_names_the_html_page_and_where_the_rejects_are(
     again = cli("report", str(out), in_process=True)
     assert _line(again.stdout, "report") == _line(r.stdout, "report")
     assert _line(again.stdout, "rejects") == where
+
+
+def test_a_rerun_that_scores_nothing_says_so_instead_of_zero_rows_per_second(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "o"
+    assert _run(catalog, out, bundle_dir).returncode == 0
+    again = _run(catalog, out, bundle_dir)
+    assert again.returncode == 0, again.output
+    rep = report(out)
+    assert rep["shards_skipped"] == rep["shards_total"] == 3 and rep["rows_processed"] == 0
+    (speed,) = [line for line in again.stdout.splitlines() if line.startswith("  speed ")]
+    assert speed.startswith("  speed     nothing scored in this run (")
+    assert speed.endswith("): 3 shard(s) already done"), speed
+    page = (report_path(out).parent / "_report.html").read_text()
+    assert "nothing scored in this run" in page
+    assert "Nothing was scored in this run: all 3 shards were already done" in page
+    assert ">0 rows/s<" not in page and "0 rows/s" not in again.stdout
