@@ -268,3 +268,27 @@ def test_a_full_disk_at_the_commit_is_one_plain_line_naming_the_cause_and_the_re
         again = run(job, day, "--model", str(models["2"]))
         assert again.returncode == 0, again.output
         assert rows_of(ref) == expected_rows(archive, {day: "2"}, models)
+
+
+# --------------------------------------------------------------------------- a format change
+
+
+def test_a_table_where_a_folder_output_was_moved_away_starts_without_a_warning(
+    tmp_path: Path, archive: Path, models: dict[str, Path]
+) -> None:
+    """The README's way from a Parquet folder to a table: move the folder away, run with
+    ``--format delta``. The folder's manifest (in the control area beside it) describes no file
+    of the table: one INFO line, no warning per shard, every row scored into the table."""
+    out = tmp_path / "scored"
+    folder_job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}", fmt=None)
+    day = DAYS[0]
+    assert run(folder_job, day).returncode == 0
+    (out).rename(tmp_path / "old_scored")
+    table_job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}", name="nightly")
+    first = run(table_job, day)
+    assert first.returncode == 0, first.output
+    assert "WARNING" not in first.stderr, first.stderr
+    assert "described a Parquet folder output that is no longer here" in first.stderr
+    rep = report(out / f"dt={day}")
+    assert rep["shards_scored"] == 2 and rep["warnings"] == []
+    assert rows_of(TableRef.of(str(out))) == expected_rows(archive, {day: "1"}, models)

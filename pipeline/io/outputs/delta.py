@@ -284,6 +284,7 @@ class DeltaOutput:
         snap = self._read_snapshot() if delta.table_exists(self.table) else None
         self._snapshot = snap
         self._missing = self._not_in_storage(snap)
+        self._forget_another_outputs(manifest)
         self._owners = {str(e["file"]): rel for rel, e in manifest.shards.items() if "file" in e}
         state = dict(manifest.format_state or {})
         if state.get("app_id") not in (None, self.app_id):
@@ -307,6 +308,23 @@ class DeltaOutput:
         )
         manifest.set_format_state(state)
         manifest.save()
+
+    def _forget_another_outputs(self, manifest: Manifest) -> None:
+        """Entries a manifest kept for another output at this place (a Parquet folder moved
+        away before the table was made here, as the README says to do) describe no file of
+        this table: forgotten with one line, instead of a warning per shard that its entry
+        names no file of the table."""
+        state = manifest.format_state or {}
+        if not manifest.shards or state.get("format") == self.name:
+            return
+        logger.info(
+            "the manifest %s described a Parquet folder output that is no longer here: its %d "
+            "entries are not this table's; every shard is scored",
+            manifest.loc.uri,
+            len(manifest.shards),
+        )
+        for rel in list(manifest.shards):
+            manifest.forget(rel)
 
     def _settle_pending(
         self, manifest: Manifest, state: dict[str, Any], snap: Snapshot | None, done: int | None
