@@ -165,12 +165,23 @@ def optimize(
     "delta.deletedFileRetentionDuration, 30 days).",
 )
 @click.option("--dry-run", is_flag=True, help="List the files it would delete; delete none.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Allow a --retention-hours shorter than the table's: a rollback to, time travel to "
+    "or a reader still on a version older than it then fails.",
+)
 def vacuum(
-    output: str, storage: dict[str, Any], retention_hours: int | None, dry_run: bool
+    output: str,
+    storage: dict[str, Any],
+    retention_hours: int | None,
+    dry_run: bool,
+    force: bool,
 ) -> None:
     """Delete the data files that commits removed from the Delta table at OUTPUT longer ago
-    than the retention. Takes the table lock. A retention shorter than the table's is refused:
-    a rollback, time travel or a reader still on an older version may need those files. Files
+    than the retention. Takes the table lock. A retention shorter than the table's is refused
+    unless --force: a rollback, time travel or a reader still on an older version may need
+    those files. Files
     no version lists (a run's uncommitted output) are never touched. OUTPUT: the table's folder,
     a partition folder in it, or a job file (JOB.toml).
     """
@@ -179,7 +190,7 @@ def vacuum(
     logs.Console.setup("text", -1)
     try:
         target = tables.locate(output, storage)
-        done = tables.vacuum(target, retention_hours, dry_run=dry_run)
+        done = tables.vacuum(target, retention_hours, dry_run=dry_run, force=force)
     except Exception as e:
         _fail(e, "vacuum")
     verb = "would delete" if dry_run else "deleted"

@@ -366,10 +366,19 @@ def optimize(
     }
 
 
-def vacuum(target: Target, retention_hours: int | None, *, dry_run: bool) -> dict[str, Any]:
+def vacuum(
+    target: Target, retention_hours: int | None, *, dry_run: bool, force: bool = False
+) -> dict[str, Any]:
     """Delete the files removed from the table longer ago than the retention (default: the
-    table's ``delta.deletedFileRetentionDuration``; a shorter one is refused), under the table
-    lock. Files no version lists (a run's uncommitted output) are never touched."""
+    table's ``delta.deletedFileRetentionDuration``; a shorter one is refused unless ``force``),
+    under the table lock. Files no version lists (a run's uncommitted output) are never
+    touched."""
     with maintenance(target, "vacuum"):
-        files = delta.vacuum(target.ref, retention_hours, dry_run, metadata={"by": default_actor()})
+        files = delta.vacuum(
+            target.ref,
+            retention_hours,
+            dry_run,
+            force=force,
+            metadata={"by": default_actor()},
+        )
     return {"table": target.ref.uri, "dry_run": dry_run, "files": files}

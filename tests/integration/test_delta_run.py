@@ -608,3 +608,26 @@ def test_on_s3_two_runs_are_two_versions_and_racing_runs_commit_once(
     assert back.returncode == 0, back.output
     assert rows_of(ref) == expected_rows(archive, {day: "1"}, models)
     assert s3_bucket.secret not in shown.output + back.output
+
+
+def test_vacuum_below_the_retention_is_refused_unless_forced(
+    tmp_path: Path, archive: Path, models: dict[str, Path]
+) -> None:
+    out = tmp_path / "scored"
+    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
+    ref = TableRef.of(str(out))
+    day = DAYS[0]
+    assert run(job, day).returncode == 0
+    assert run(job, day, "--model", str(models["2"])).returncode == 0  # removes v1's 2 files
+    want = expected_rows(archive, {day: "2"}, models)
+
+    short = cli("vacuum", str(out), "--retention-hours", "0")
+    assert short.returncode == 2, short.output
+    assert "pass --force to shorten that window" in short.output, short.output
+    assert len(list((out / f"dt={day}").glob("*.parquet"))) == 4  # nothing deleted
+
+    forced = cli("vacuum", str(out), "--retention-hours", "0", "--force")
+    assert forced.returncode == 0, forced.output
+    assert "deleted 2 file(s)" in forced.stdout, forced.stdout
+    assert len(list((out / f"dt={day}").glob("*.parquet"))) == 2
+    assert rows_of(ref) == want  # the latest version is whole

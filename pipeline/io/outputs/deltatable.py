@@ -1377,7 +1377,8 @@ def vacuum(
             f"vacuum of {ref.uri} with a retention of {hours} h refused: the table keeps removed "
             f"files {minimum:g} h (delta.deletedFileRetentionDuration), the window in which a "
             "rollback, time travel or a long-running reader may still need them. Use the "
-            "default, or force it (shortening that window)"
+            "default, or pass --force to shorten that window (a rollback to, or a reader on, a "
+            "version older than the retention then fails)"
         )
     with _delta_errors(ref, "vacuuming"):
         files = table.vacuum(
