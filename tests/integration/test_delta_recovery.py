@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pyarrow.dataset as pads
 import pytest
 
 from pipeline.io.outputs.deltatable import TableRef
@@ -292,3 +293,19 @@ def test_a_table_where_a_folder_output_was_moved_away_starts_without_a_warning(
     rep = report(out / f"dt={day}")
     assert rep["shards_scored"] == 2 and rep["warnings"] == []
     assert rows_of(TableRef.of(str(out))) == expected_rows(archive, {day: "1"}, models)
+
+
+def test_a_parquet_reader_over_a_tables_folder_reads_older_versions_files(
+    tmp_path: Path, archive: Path, models: dict[str, Path]
+) -> None:
+    """What README "Reading the output" warns of: after a rescore, a plain Parquet reader over
+    the table's folder counts the day twice; Delta readers read the latest version exactly."""
+    out = tmp_path / "scored"
+    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
+    day = DAYS[0]
+    assert run(job, day).returncode == 0
+    assert run(job, day, "--model", str(models["2"])).returncode == 0
+    want = expected_rows(archive, {day: "2"}, models)
+    assert rows_of(TableRef.of(str(out))) == want  # deltalake and Polars scan_delta
+    plain = pads.dataset(str(out), format="parquet", partitioning="hive")
+    assert plain.count_rows() == 2 * len(want)
