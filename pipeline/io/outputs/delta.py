@@ -382,7 +382,12 @@ class DeltaOutput:
         opts = dict(self.table.storage_options)
         try:
             changed = runindex.settle_commit(
-                self.area.uri, opts, self.job, run_id, landed=landed, by=self._run_id,
+                self.area.uri,
+                opts,
+                self.job,
+                run_id,
+                landed=landed,
+                by=self._run_id,
                 table_version=version,
             )
         except (OSError, PipelineError) as e:
