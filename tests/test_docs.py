@@ -136,6 +136,10 @@ def test_flag_reference_matches_help() -> None:
             "bundle register",
             "bundle check",
             "accept-drift",
+            "history",
+            "rollback",
+            "optimize",
+            "vacuum",
         )
     }
     # Every option in the flag table is an option of `run`...

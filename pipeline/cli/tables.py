@@ -55,8 +55,10 @@ def history(output: str, storage: dict[str, Any], limit: int | None, as_json: bo
     status and time of each run's commit, and the restores, compactions and vacuums.
 
     Pointed at a partition folder, only that partition's commits (and the table-wide
-    operations) are listed. A version that a rollback undid says so. OUTPUT: the table's
-    folder, a partition folder in it, or a job file (JOB.toml).
+    operations) are listed. A rollback says which partitions it restored (a partition's
+    rollback: status "restore", its partition); a version a rollback undid says "rolled back
+    (version V)" (with --json: restored_to, rolled_back_by). OUTPUT: the table's folder, a
+    partition folder in it, or a job file (JOB.toml).
     """
     # Imported here, downward: --help must not pay for pyarrow and deltalake.
     from pipeline.driver import tables
@@ -80,35 +82,77 @@ def history(output: str, storage: dict[str, Any], limit: int | None, as_json: bo
     metavar="N",
     help="The table version to restore (see `score-catalog history`).",
 )
-@click.option("--reason", required=True, help="Why (kept in the table's log and the run index).")
+@click.option(
+    "--partition",
+    "partition",
+    multiple=True,
+    callback=_options,
+    metavar="COLUMN=VALUE",
+    help="Roll back only this partition (repeatable, one per partition column), e.g. "
+    "run_date=2026-12-01: with a job file, the way to name a day. Default: the partition OUTPUT "
+    "points at, else the whole table.",
+)
+@click.option(
+    "--reason",
+    default="",
+    help="Why (kept in the table's log and the run index); required unless --dry-run.",
+)
 @click.option("--by", default=None, help="Who rolls back (default: user@host).")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print what it would change, partition by partition; change nothing.",
+)
 def rollback(
-    output: str, storage: dict[str, Any], version: int, reason: str, by: str | None
+    output: str,
+    storage: dict[str, Any],
+    version: int,
+    partition: dict[str, Any],
+    reason: str,
+    by: str | None,
+    dry_run: bool,
 ) -> None:
-    """Make version N of the Delta table at OUTPUT the latest again (Delta RESTORE).
+    """Roll the Delta table at OUTPUT, or one partition of it, back to version N.
 
-    Takes the table lock (refused while a run on any of its partitions is in progress),
-    writes a new version holding version N's files, and records who, when, why and which runs
-    it undid in the table's commit info and in the run index. The next run of each partition
-    it changed scores again the shards the table no longer holds, and its drift compares with
-    what the table holds now. OUTPUT: the table's folder, a partition folder in it, or a job
-    file (JOB.toml).
+    A partition (OUTPUT a partition folder, or --partition COLUMN=VALUE): only its files become
+    version N's again, in one new version; every other partition stays as it is.
+
+    The whole table (OUTPUT the table's folder, or a job file: a job file names its output
+    template's table, not a day; add --partition to name one): Delta RESTORE, every partition
+    as at version N, so partitions written since are removed and the schema reverts.
+
+    Before it acts it prints each partition it changes, rows now -> after (partitions it
+    leaves as they are are counted, not listed); --dry-run stops there. It takes the table
+    lock (refused while a run on any partition is in progress) and records who, when, why,
+    which partitions and which runs it undid in the commit info and the run index. Run
+    versions are not rolled back: a retry of an undone run is still refused. The next run of
+    a partition it changed scores again the shards the table no longer holds, and its drift
+    compares with what the partition holds now. OUTPUT: the table's folder, a partition folder
+    in it, or a job file (JOB.toml).
     """
-    from pipeline.driver import tables  # downward, as above
+    from pipeline.driver import rollback as rb  # downward, as above
+    from pipeline.driver import tables
 
     logs.Console.setup("text", -1)
+
+    def announce(plan: rb.Plan) -> None:
+        click.echo(rb.plan_text(plan, dry_run=dry_run))
+
     try:
         target = tables.locate(output, storage)
-        done = tables.rollback(target, version, reason, by=by)
+        done = rb.rollback(
+            target,
+            version,
+            reason,
+            by=by,
+            partition=partition or None,
+            dry_run=dry_run,
+            announce=announce,
+        )
     except Exception as e:
         _fail(e, "the rollback")
-    undone = ", ".join(done["rolled_back"]) or "no run's commit"
-    click.echo(
-        f"rolled {done['table']} back to version {done['to_version']} as version "
-        f"{done['version']} (it was at {done['from_version']}); undid {undone}\n"
-        f"  by {done['by']} at {done['at']}: {done['reason']}"
-        + "".join(f"\n  recorded in {uri}" for uri in done["index"])
-    )
+    if not dry_run:
+        click.echo(rb.done_text(done))
 
 
 @click.command("optimize", context_settings=CONTEXT, epilog=TABLE_EXIT_CODES_HELP)

@@ -1,38 +1,31 @@
-"""A Delta table's history and maintenance: ``history``, ``rollback``, ``optimize``, ``vacuum``.
+"""A Delta table's history and maintenance: ``history``, ``optimize``, ``vacuum`` (and the
+lock and versions ``rollback`` shares: :mod:`pipeline.driver.rollback`).
 
 What a command is pointed at (``OUTPUT``) is a table's root, one of its partitions' folders,
 or a job file (its output template's table): :func:`locate`. Rollback, optimize and vacuum
-change the table for every partition at once, so each takes the *table lock* in the table's
-control area (:func:`pipeline.io.outputs.delta.table_lock_root`) and refuses, naming the
+change the table's log for every partition at once, so each takes the *table lock* in the
+table's control area (:func:`pipeline.io.outputs.delta.table_lock_root`) and refuses, naming the
 holder, while any partition's run lock is held by a live run (:func:`maintenance`). Runs check
 the table lock right after taking their own: the two never overlap, while runs on different
 partitions of one table still run at once.
 
-A rollback is Delta's RESTORE: a new version with the old one's files. It is recorded in the
-table (the commit info says who, why and which runs it rolled back) and in the run index of
-each job whose runs it touched (``_runs/<job>/_rollbacks/``, :func:`pipeline.io.runindex.
-record_rollback`), with the score sketches of what each partition holds again, so that the
-next run's drift compares with what the table holds (:mod:`pipeline.report.verdict`). The
-manifests of the partitions it changed name files that are no longer in the table: their next
-run reconciles with the table and scores those shards again.
+``history`` marks each run commit a rollback undid (:func:`rolled_back`): every later version
+for a RESTORE of the whole table, only the commits of its own partitions for a partition's
+rollback.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-
 from pipeline.core import config as cfg
 from pipeline.core import jobfile, runcontext
-from pipeline.core.errors import LockError, NotATableError, UsageError
+from pipeline.core.errors import LockError, NotATableError
 from pipeline.core.templates import below, control_area, fixed_part
 from pipeline.io import layout, runindex, storage
 from pipeline.io.layout import LOCK_NAME
@@ -42,7 +35,6 @@ from pipeline.io.outputs.delta import TABLE_LOCK_DIR, partition_label, table_loc
 from pipeline.io.outputs.deltatable import TableRef, VersionInfo
 from pipeline.io.storage import Location
 from pipeline.report.verdict import default_actor
-from pipeline.worker.sketch import sketch
 
 logger = logging.getLogger(__name__)
 
@@ -139,17 +131,36 @@ def maintenance(target: Target, command: str) -> Iterator[RunLock]:
 # --------------------------------------------------------------------------- history
 
 
-def _rolled_back(infos: list[VersionInfo]) -> dict[int, int]:
-    """version -> the RESTORE version that rolled it back (newest first ``infos``)."""
-    out: dict[int, int] = {}
-    for info in infos:
-        if info.operation == "RESTORE":
-            to = info.metadata.get("restored_to")
-            if to is None:
-                continue
-            for later in infos:
-                if int(to) < later.version < info.version:
-                    out.setdefault(later.version, info.version)
+def labels_of(info: VersionInfo) -> list[str]:
+    """The partitions a commit touched (``run_date=2026-12-01`` each; ``""`` for an
+    unpartitioned table's)."""
+    return [p for p in (info.partition or "").split(",") if p] or [""]
+
+
+def rolled_back(infos: list[VersionInfo]) -> dict[int, VersionInfo]:
+    """version -> the rollback that undid it, as of the newest of ``infos`` (newest first).
+
+    A RESTORE of the whole table undoes every version after the one it restores; a partition's
+    rollback (a commit with ``restored_to`` that is no RESTORE) only the commits of the
+    partitions it changed. Each rollback also serves again what it restores: a version undone
+    by a later rollback that this one undoes counts as served again."""
+    by_version = {i.version: i for i in infos}
+    out: dict[int, VersionInfo] = {}
+    for info in reversed(infos):
+        to = info.metadata.get("restored_to")
+        if to is None:
+            continue
+        whole, mine = info.operation == "RESTORE", set(labels_of(info))
+
+        def in_scope(v: VersionInfo, whole: bool = whole, mine: set[str] = mine) -> bool:
+            return whole or bool(v.partition and mine & set(labels_of(v)))
+
+        for version, by in list(out.items()):
+            if version <= int(to) < by.version and in_scope(by_version[version]):
+                del out[version]  # undone by a rollback this one undoes: served again
+        for later in infos:
+            if int(to) < later.version < info.version and in_scope(later):
+                out.setdefault(later.version, info)
     return out
 
 
@@ -162,16 +173,18 @@ def history(target: Target, limit: int | None = None) -> list[dict[str, Any]]:
     that is not a run's commit: restores, compactions, vacuums), each as ``score-catalog
     history`` shows it."""
     infos = delta.history(target.ref)
-    undone = _rolled_back(infos)
+    undone = rolled_back(infos)
     rows = []
     for info in infos:
         if target.label and not _touches(info, target.label):
             continue
-        status = info.operation.lower()
+        restored_to = info.metadata.get("restored_to")
+        status = "restore" if restored_to is not None else info.operation.lower()
         if info.run_id is not None and info.operation == "WRITE":
             status = "committed"
-        if info.version in undone:
-            status = f"rolled back (version {undone[info.version]})"
+        by = undone.get(info.version)
+        if by is not None:
+            status = f"rolled back (version {by.version})"
         rows.append(
             {
                 "version": info.version,
@@ -185,6 +198,10 @@ def history(target: Target, limit: int | None = None) -> list[dict[str, Any]]:
                 "detail": info.detail,
                 "reason": info.metadata.get("reason"),
                 "job": info.metadata.get("job"),
+                # A rollback: the version it restored (of `partition` alone, for a commit that
+                # is no RESTORE); a version a rollback undid: that rollback's version.
+                "restored_to": int(restored_to) if restored_to is not None else None,
+                "rolled_back_by": by.version if by is not None else None,
             }
         )
     rows = rows[:limit] if limit else rows
@@ -226,126 +243,16 @@ def history_table(target: Target, rows: list[dict[str, Any]]) -> str:
     for r in rows:
         rows_text = "-" if r["rows"] is None else f"{r['rows']:,}"
         note = r["partition"] or r["detail"] or ""
-        if r["operation"] not in ("WRITE",) and r["detail"]:
-            note = r["detail"] + (f" ({r['reason']})" if r.get("reason") else "")
+        if (r["operation"] != "WRITE" or r["restored_to"] is not None) and r["detail"]:
+            note = r["detail"]
+            if r["operation"] == "RESTORE" and r["partition"]:
+                note += f", changing {r['partition'].replace(',', ', ')}"
+            note += f" ({r['reason']})" if r.get("reason") else ""
         lines.append(
             f"  {r['version']:>7}  {r['time']:<25} {r['status']:<26} {r['run_id'] or '-':<24} "
             f"{(r['model_sha256'] or '-')[:12]:<12} {rows_text:>10}  {note}"
         )
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- rollback
-
-
-def rollback(
-    target: Target, to_version: int, reason: str, *, by: str | None = None
-) -> dict[str, Any]:
-    """Restore version ``to_version`` of the table as a new version, under the table lock;
-    recorded in the commit info and in the run index (see the module doc). Returns what
-    was done: ``{table, from_version, to_version, version, rolled_back, partitions, index}``."""
-    if not reason.strip():
-        raise UsageError("--reason must say why the table is rolled back (it is kept)")
-    who = by or default_actor()
-    with maintenance(target, "rollback"):
-        infos = delta.history(target.ref)
-        latest = infos[0].version if infos else 0
-        if not 0 <= to_version < latest:
-            raise UsageError(
-                f"cannot roll {target.ref.uri} back to version {to_version}: its versions run "
-                f"from 0 to {latest} (the latest)"
-            )
-        undone = [i for i in infos if i.version > to_version and i.run_id]
-        restored = _restored_runs(infos, to_version, {p for i in undone for p in _labels(i)})
-        version = delta.restore(
-            target.ref,
-            to_version,
-            metadata={
-                "reason": reason.strip(),
-                "by": who,
-                "rolled_back_runs": ",".join(i.run_id or "" for i in undone),
-            },
-        )
-        at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        entry = {
-            "event": "rollback",
-            "table": target.ref.uri,
-            "from_version": latest,
-            "to_version": to_version,
-            "version": version,
-            "by": who,
-            "at": at,
-            "reason": reason.strip(),
-            "rolled_back": sorted({str(i.run_id) for i in undone}),
-            "partitions": [
-                _partition_record(target, label, info, to_version)
-                for label, info in sorted(restored.items())
-            ],
-        }
-        touched = [*undone, *(i for i in restored.values() if i is not None)]
-        jobs = sorted({str(i.metadata["job"]) for i in touched if i.metadata.get("job")})
-        entry["index"] = [
-            runindex.record_rollback(target.area.uri, target.ref.storage_options, str(j), entry)
-            for j in jobs
-        ]
-    logger.info(
-        "rolled %s back to version %d as version %d (%s)", target.ref.uri, to_version, version, who
-    )
-    return entry
-
-
-def _labels(info: VersionInfo) -> list[str]:
-    return [p for p in (info.partition or "").split(",") if p] or [""]
-
-
-def _restored_runs(
-    infos: list[VersionInfo], to_version: int, labels: set[str]
-) -> dict[str, VersionInfo | None]:
-    """For each partition ``labels`` names: the newest run commit at or before ``to_version``
-    that touched it (what that partition holds again), or None (it held nothing then)."""
-    found: dict[str, VersionInfo | None] = {}
-    for label in labels:
-        found[label] = next(
-            (i for i in infos if i.version <= to_version and i.run_id and label in _labels(i)),
-            None,
-        )
-    return found
-
-
-def _partition_record(
-    target: Target, label: str, info: VersionInfo | None, version: int
-) -> dict[str, Any]:
-    """What a partition holds again after the rollback, for the next run's drift: its run, its
-    rows and score sketches (from that run's index entry, else read back from the table)."""
-    output = target.ref.location.child(label).uri if label else target.ref.location.uri
-    record: dict[str, Any] = {"partition": label or None, "output": output}
-    if info is None:
-        return {**record, "run_id": None, "rows_out": 0, "outputs": {}}
-    record["run_id"] = info.run_id
-    job = info.metadata.get("job")
-    found = runindex.entry(target.area.uri, target.ref.storage_options, job, info.run_id)
-    if found is not None and found.get("outputs"):
-        record["rows_out"] = found.get("rows_out")
-        record["outputs"] = found["outputs"]
-        return record
-    columns = [c for c in (info.metadata.get("outputs") or "").split(",") if c]
-    values = dict(s.partition("=")[::2] for s in label.split("/") if s) if label else None
-    table = delta.read(target.ref, version=version, partition=values, columns=columns or None)
-    record["rows_out"] = table.num_rows
-    record["outputs"] = _sketches(table, columns)
-    return record
-
-
-def _sketches(table: pa.Table, columns: list[str]) -> dict[str, Any]:
-    """``{column: {count, sketch}}`` of the numeric output columns, as a run index entry has."""
-    out: dict[str, Any] = {}
-    for name in columns:
-        col = table.column(name)
-        if not (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)):
-            continue
-        values = np.asarray(col.to_numpy(zero_copy_only=False), dtype=float)
-        out[name] = {"count": int(np.isfinite(values).sum()), "sketch": sketch(values)}
-    return out
 
 
 # --------------------------------------------------------------------------- optimize, vacuum

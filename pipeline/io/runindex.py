@@ -270,10 +270,13 @@ def record_rollback(
 ) -> str:
     """Write a Delta table's rollback as ``<root>/_runs/<job>/_rollbacks/<at>-v<version>.json``.
 
-    ``entry`` holds at least ``at``, ``version`` (the RESTORE version), ``rolled_back`` (the
-    run ids whose commits it undid) and ``partitions`` (per partition: ``output``, the
+    ``entry`` holds at least ``at``, ``version`` (the rollback's table version), ``scope``
+    (``table``: a RESTORE of the whole table; ``partition``: of ``partition`` alone),
+    ``rolled_back`` (the run ids whose commits it undid: of that partition alone, for a
+    partition's rollback) and ``partitions`` (per partition it changed: ``output``, the
     ``run_id`` whose data it holds again, ``rows_out`` and ``outputs`` sketches), which drift
-    reads (:func:`rollbacks`). One file each, never rewritten. Returns its URI."""
+    reads (:func:`rollbacks`); a partition it did not change is in neither list, so its runs
+    and baselines stand. One file each, never rewritten. Returns its URI."""
     stamp = re.sub(r"[^0-9A-Za-z]", "", str(entry["at"]))
     loc = _job_dir(root, options, job).child(f"{ROLLBACKS_DIR}/{stamp}-v{entry['version']}.json")
     storage.write_json(loc, entry, point="rollback-rename")

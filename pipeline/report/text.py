@@ -213,8 +213,10 @@ def rolled_back_by(
 
 def rolled_back_line(record: Mapping[str, Any]) -> str:
     """The line :func:`summary_table`'s caller puts first for a run a rollback undid."""
+    # A partition's rollback names it: the table's other partitions still serve their runs.
+    of = f" of partition {record['partition']}" if record.get("partition") else ""
     return (
-        f"ROLLED BACK: rollback to version {record.get('to_version')} (table version "
+        f"ROLLED BACK: rollback{of} to version {record.get('to_version')} (table version "
         f"{record.get('version')}, {record.get('at')}, by {record.get('by')}: "
         f"{record.get('reason')!r}) undid this run; the table no longer serves its rows "
         f"(score-catalog history {record.get('table')})"

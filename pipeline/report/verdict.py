@@ -224,6 +224,8 @@ def _baseline(
 
     # A Delta table rolled back holds an older run's scores again (score-catalog rollback):
     # the runs it undid are no baseline, and what it restored counts as of the rollback's time.
+    # A partition's rollback lists only that partition's runs and scores: the other
+    # partitions' baselines stand.
     restores = runindex.rollbacks(index_root, config.storage, config.name)
     undone = {r for rec in restores for r in rec.get("rolled_back") or []}
     if config.format == "delta":
@@ -271,7 +273,13 @@ def _newest(
     )
     restored = [e for e in _restored(restores, config.name) if not skip(e)]
     candidates = [e for e in (found, *restored) if e is not None]
-    return max(candidates, key=runindex.finished_time, default=None)
+    # Ranked as runindex.previous_success ranks the runs: a partition a rollback restored is
+    # no newer *day* for having been restored lately (the rollback's time is its finish time).
+    return max(
+        candidates,
+        key=lambda e: (rank(e) if rank is not None else "", runindex.finished_time(e)),
+        default=None,
+    )
 
 
 def _restored(restores: list[dict[str, Any]], job: str) -> list[dict[str, Any]]:

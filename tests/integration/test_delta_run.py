@@ -400,7 +400,9 @@ def test_after_a_rollback_drift_compares_with_the_restored_version(
     # Its report still describes it; `report` says first that the table no longer serves it.
     shown = cli("report", str(out / f"dt={day}"))
     assert shown.returncode == 0, shown.output
-    assert shown.stdout.startswith(f"ROLLED BACK: rollback to version {v1} "), shown.stdout
+    assert shown.stdout.startswith(
+        f"ROLLED BACK: rollback of partition dt={day} to version {v1} "
+    ), shown.stdout
     assert f"score-catalog run {second['run_id']}" in shown.stdout
 
     # Model 3 now: its drift is against what the table holds again (model 1's scores), not

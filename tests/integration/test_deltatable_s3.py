@@ -181,3 +181,32 @@ def test_schema_changes_are_refused_on_s3(s3_bucket: S3Bucket) -> None:
         )
     with pytest.raises(TableSchemaError, match="partitioned by"):
         delta.ensure_table(ref, SCHEMA, [], allow_new_columns=False)
+
+
+def test_a_partition_rolls_back_alone_on_s3(s3_bucket: S3Bucket) -> None:
+    """One partition back to version 1 on S3: its files as they were, the other partition as
+    it is now, the run's token kept; a file a VACUUM deleted is refused, nothing committed."""
+    ref = _table(s3_bucket)
+    delta.ensure_table(ref, SCHEMA, [PARTITION], allow_new_columns=False)
+    a = [write_file(ref, rows(range(40), "m1"), day("d1"), row_group_rows=9)]
+    _commit(ref, [*a, write_file(ref, rows(range(900, 920), "m1"), day("d2"))], [], 1)
+    d2 = [write_file(ref, rows(range(900, 930), "m2"), day("d2"))]
+    replaced = [f.path for f in delta.snapshot(ref, day("d2")).files]
+    _commit(ref, d2, replaced, 2)
+    _commit(ref, [write_file(ref, rows(range(40), "m2"), day("d1"))], [a[0].path], 3)
+
+    assert delta.restore_partition(ref, 1, day("d1"), {"reason": "m2 bad"}) == 4
+    want = expected({"d1": (range(40), "m1"), "d2": (range(900, 930), "m2")})
+    assert deltalake_rows(ref) == polars_rows(ref) == sorted_rows(delta.read(ref)) == want
+    assert (
+        DeltaTable(ref.table_uri, storage_options=dict(ref.delta_options)).transaction_version(
+            "nightly"
+        )
+        == 3
+    )
+
+    delta.vacuum(ref, 0, dry_run=False, force=True)  # deletes d1's m2 file, d2's m1 file
+    with pytest.raises(UsageError, match="gone or changed"):
+        delta.restore_partition(ref, 3, day("d1"))
+    assert delta.history(ref, 1)[0].operation == "VACUUM END"
+    assert deltalake_rows(ref) == want

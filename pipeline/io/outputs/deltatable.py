@@ -27,10 +27,12 @@ What delta-rs does not check, this module does (each found on deltalake 1.6.6):
 
 # Over the ~600-line rule on purpose, for now: merged whole from issue 24 while that work goes on
 # in another worktree; it splits along its sections (storage options, schema, create, snapshot,
-# commit, history, maintenance) when issue 24 puts it behind pipeline.io.outputs.base.
+# commit, history, maintenance, partition rollback) when issue 24 puts it behind
+# pipeline.io.outputs.base.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import functools
 import io
@@ -45,6 +47,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import fsspec.utils
 import pyarrow as pa
@@ -1222,7 +1225,19 @@ def _detail(entry: Mapping[str, Any]) -> str:
         return f"added column(s) {', '.join(names) or '?'}"
     if op == "CREATE TABLE":
         return f"created, partitioned by {params.get('partitionBy', '[]')}"
-    ours = {k[len(METADATA_PREFIX) :]: v for k, v in entry.items() if k.startswith(METADATA_PREFIX)}
+    return _our_detail(
+        {k[len(METADATA_PREFIX) :]: v for k, v in entry.items() if k.startswith(METADATA_PREFIX)}
+    )
+
+
+def _our_detail(ours: Mapping[str, Any]) -> str:
+    """:func:`_detail` of a commit of ours: a run's, or a partition's rollback."""
+    if RESTORED_TO in ours:  # restore_partition: a WRITE that says what it restored
+        return (
+            f"restored {ours.get(PARTITION) or '?'} to version {ours[RESTORED_TO]}: "
+            f"{ours.get(FILES_ADDED, '?')} file(s) added back, {ours.get(FILES_REMOVED, '?')} "
+            "removed"
+        )
     if FILES_ADDED in ours:
         return f"{ours[FILES_ADDED]} file(s) added, {ours.get(FILES_REMOVED, 0)} removed"
     return ""
@@ -1302,21 +1317,27 @@ def deleted_file_retention_hours(table_properties: Mapping[str, str]) -> float:
     return _DELTA_DEFAULT_DELETED_FILE_HOURS if hours is None else hours
 
 
-def restore(ref: TableRef, version: int, metadata: Mapping[str, str] | None = None) -> int:
+def restore(
+    ref: TableRef,
+    version: int,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    partitions: Sequence[str] = (),
+) -> int:
     """Make ``version``'s content the latest again (Delta RESTORE: a new version that adds
     back its files and removes the later ones; the schema reverts too). App versions are not
-    rolled back: a run that was rolled back is not committed again by a retry. Returns the new
+    rolled back: a run that was rolled back is not committed again by a retry. ``partitions``
+    (the labels the caller found it changes, :func:`restore_changes`) go into the commit info
+    as ``score_catalog.partition``, as a run's commit names its own. Returns the new
     version."""
     table = _open(ref)
     latest = table.version()
-    if not 0 <= version < latest:
-        raise UsageError(
-            f"cannot restore {ref.uri} to version {version}: the table's versions run from 0 "
-            f"to {latest} (the latest; restoring it changes nothing)"
-        )
+    _check_restorable(ref, version, latest)
     token = uuid.uuid4().hex
     info = {**_prefixed(metadata), METADATA_PREFIX + RESTORED_TO: str(version)}
     info[METADATA_PREFIX + _TOKEN] = token
+    if partitions:
+        info[METADATA_PREFIX + PARTITION] = ",".join(partitions)
     try:
         with _delta_errors(ref, f"restoring version {version} of"):
             table.restore(
@@ -1348,6 +1369,345 @@ def restore(ref: TableRef, version: int, metadata: Mapping[str, str] | None = No
         )
     logger.info("restored %s to version %d as version %d", ref.uri, version, at)
     return at
+
+
+# ------------------------------------------------------------------ rollback of one partition
+
+
+@dataclass(frozen=True)
+class PartitionChange:
+    """One partition's data files now and at the version a rollback restores: what
+    :func:`restore` (the whole table) or :func:`restore_partition` (this partition) changes."""
+
+    label: str  # run_date=2026-12-01 ('/'-joined for several columns; '' unpartitioned)
+    now: tuple[TableFile, ...]
+    then: tuple[TableFile, ...]
+
+    @property
+    def removed(self) -> tuple[TableFile, ...]:
+        """The files it holds now that it did not hold then."""
+        then = {f.path for f in self.then}
+        return tuple(f for f in self.now if f.path not in then)
+
+    @property
+    def re_added(self) -> tuple[TableFile, ...]:
+        """The files it held then that it no longer holds."""
+        now = {f.path for f in self.now}
+        return tuple(f for f in self.then if f.path not in now)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.removed or self.re_added)
+
+    @property
+    def rows_now(self) -> int | None:
+        return _rows_of(self.now)
+
+    @property
+    def rows_then(self) -> int | None:
+        return _rows_of(self.then)
+
+
+def _rows_of(files: Sequence[TableFile]) -> int | None:
+    counts = [f.rows for f in files]
+    return None if any(c is None for c in counts) else sum(c for c in counts if c is not None)
+
+
+def _label_of(f: TableFile, columns: Sequence[str]) -> str:
+    return "/".join(f"{c}={f.partition_values.get(c)}" for c in columns)
+
+
+def _counted(ref: TableRef, files: Sequence[TableFile]) -> list[TableFile]:
+    """``files``, a file without a row count in its stats (another writer's) with its footer's
+    (unknown, None, if it is gone: a rollback that needs it says so)."""
+    out = []
+    for f in files:
+        if f.rows is None:
+            with contextlib.suppress(FileNotFoundError):
+                f = dataclasses.replace(f, rows=_footer(ref.location.child(f.path))[1].num_rows)
+        out.append(f)
+    return out
+
+
+def _check_restorable(ref: TableRef, version: int, latest: int) -> None:
+    if not 0 <= version < latest:
+        raise UsageError(
+            f"cannot restore {ref.uri} to version {version}: the table's versions run from 0 "
+            f"to {latest} (the latest; restoring it changes nothing)"
+        )
+
+
+def restore_changes(
+    ref: TableRef, version: int, partition: Mapping[str, str] | None = None
+) -> tuple[int, list[PartitionChange]]:
+    """(the latest version, what rolling the table, or ``partition`` of it, back to ``version``
+    changes): every partition holding files now or then, by label, unchanged ones too
+    (:attr:`PartitionChange.changed`). Reads the log (and the footer of a file without
+    stats), changes nothing."""
+    now = snapshot(ref, partition)
+    _check_restorable(ref, version, now.version)
+    then = snapshot(ref, partition, version=version)
+    columns = now.partition_columns
+    groups: dict[str, tuple[list[TableFile], list[TableFile]]] = {}
+    for f in _counted(ref, now.files):
+        groups.setdefault(_label_of(f, columns), ([], []))[0].append(f)
+    for f in _counted(ref, then.files):
+        groups.setdefault(_label_of(f, columns), ([], []))[1].append(f)
+    changes = [PartitionChange(k, tuple(a), tuple(b)) for k, (a, b) in sorted(groups.items())]
+    return now.version, changes
+
+
+def restore_schema(ref: TableRef, version: int) -> tuple[list[str], list[str]]:
+    """(columns the table gained after ``version``, problems): how ``version``'s files fit the
+    table's schema now (:func:`_schema_fit`). A whole-table RESTORE drops the gained columns
+    again (the schema reverts); a partition's restored files read them as null."""
+    return _schema_fit(_open(ref), _open(ref, version), version)
+
+
+def _schema_fit(now: DeltaTable, then: DeltaTable, version: int) -> tuple[list[str], list[str]]:
+    """A column of ``then`` the table no longer has, or has with another type, is a problem:
+    the files restored from it would not be read as they were written (their values hidden,
+    or unreadable), so a partition rollback to that version is refused."""
+    have, had = _delta_types(now.schema()), _delta_types(then.schema())
+    gained = [c for c in have if c not in had]
+    problems = [
+        f"column {c!r} is {_type_name(t)} at version {version} and {_type_name(have[c])} now"
+        for c, t in had.items()
+        if c in have and have[c] != t
+    ]
+    lost = [c for c in had if c not in have]
+    if lost:
+        problems.append(
+            f"version {version} has column(s) {', '.join(map(repr, lost))}, which the table "
+            "no longer has (a rollback of the whole table reverted its schema since)"
+        )
+    if _partition_columns(now) != _partition_columns(then):
+        problems.append(
+            f"the table was partitioned by {_partition_columns(then)} at version {version}, "
+            f"by {_partition_columns(now)} now"
+        )
+    return gained, problems
+
+
+def restore_partition(
+    ref: TableRef,
+    version: int,
+    partition: Mapping[str, str],
+    metadata: Mapping[str, str] | None = None,
+) -> int | None:
+    """Make ``partition``'s files those of ``version`` again in ONE new version, every other
+    partition left as it is; returns that version, or None when they already are (nothing
+    committed).
+
+    The commit removes the partition's files that ``version`` did not hold and adds back the
+    ones it held that the table no longer does, each with its original size, partition values,
+    modification time and stats (from the add action that added it, read from the log), and
+    carries no ``txn``: app versions are not rolled back, so a retry of a rolled-back run is
+    still refused. Its commit info says what it was: ``score_catalog.restored_to``,
+    ``.partition`` (each partition label it changed), file and row counts, and ``metadata``
+    (reason, by, runs). Refused, nothing committed (:class:`UsageError`): a version whose
+    schema the table cannot read its files with (:func:`_schema_fit`; a column the table
+    gained since is fine: null in those rows), and a file to add back that is gone or changed
+    (a VACUUM deleted it)."""
+    if not partition:
+        raise ValueError("restore_partition needs a partition; restore() rolls the table back")
+    table = _open(ref)
+    latest = table.version()
+    _check_restorable(ref, version, latest)
+    label = "/".join(f"{k}={v}" for k, v in partition.items())
+    _gained, problems = _schema_fit(table, _open(ref, version), version)
+    if problems:
+        raise UsageError(
+            f"cannot roll {label} of {ref.uri} back to version {version}: "
+            f"{'; '.join(problems)}. Nothing was committed; roll the whole table back to that "
+            "version instead (its schema reverts with it)"
+        )
+    with _delta_errors(ref, "reading the log of"):
+        columns = _partition_columns(table)
+        unknown = sorted(set(partition) - set(columns))
+        if unknown:
+            raise UsageError(
+                f"the Delta table {ref.uri} has no partition column {', '.join(unknown)} "
+                f"(its partition columns: {columns or 'none'})"
+            )
+        now = [f for f in _files(table) if _in_partition(f, partition)]
+        then = [f for f in _files(_open(ref, version)) if _in_partition(f, partition)]
+    change = PartitionChange(label, tuple(now), tuple(then))
+    if not change.changed:
+        return None
+    _check_re_added(ref, change, table, version)
+    # A file another writer added without stats gets its footer's (no float bounds: NaN).
+    stats = {
+        path: found if found is not None else file_stats(_footer(ref.location.child(path))[1])
+        for path, found in _log_stats(ref, version, [f.path for f in change.re_added]).items()
+    }
+    token = uuid.uuid4().hex
+    info = _partition_info(change, columns, version, metadata, token)
+    with _delta_errors(ref, f"rolling back {label} of"):
+        table.create_write_transaction(
+            _partition_actions(change, stats),
+            mode="append",
+            schema=table.schema(),
+            partition_by=columns or None,
+            commit_properties=CommitProperties(custom_metadata=info),
+            post_commithook_properties=_hooks(),
+        )
+    at = _find_version(ref, _open(ref).version(), latest + 1, _holds_info(_TOKEN, token))
+    if at is None:
+        raise StorageError(
+            f"rolled {label} of {ref.uri} back to version {version}, but cannot find the "
+            "commit reading it back",
+            uri=ref.uri,
+        )
+    logger.info("restored %s of %s to version %d as version %d", label, ref.uri, version, at)
+    return at
+
+
+def _partition_info(
+    change: PartitionChange,
+    columns: Sequence[str],
+    version: int,
+    metadata: Mapping[str, str] | None,
+    token: str,
+) -> dict[str, str]:
+    """The commit info of a partition's rollback (docs/delta.md: Commit info)."""
+    touched = {_label_of(f, columns) for f in (*change.removed, *change.re_added)}
+    info = _prefixed(metadata)
+    info.update(
+        {
+            METADATA_PREFIX + RESTORED_TO: str(version),
+            METADATA_PREFIX + PARTITION: ",".join(sorted(touched)),
+            METADATA_PREFIX + FILES_ADDED: str(len(change.re_added)),
+            METADATA_PREFIX + FILES_REMOVED: str(len(change.removed)),
+            METADATA_PREFIX + _TOKEN: token,
+        }
+    )
+    for key, files in ((ROWS_ADDED, change.re_added), (ROWS_REMOVED, change.removed)):
+        rows = _rows_of(files)
+        if rows is not None:
+            info[METADATA_PREFIX + key] = str(rows)
+    return info
+
+
+def _partition_actions(
+    change: PartitionChange, stats: Mapping[str, str]
+) -> list[AddAction | RemoveAction]:
+    """The removes of the files ``change`` takes out, then the adds of those it puts back, each
+    as the log had it (``stats``: path -> its stats JSON)."""
+    now = _now_ms()
+    removes: list[AddAction | RemoveAction] = [
+        RemoveAction(
+            path=f.path,
+            data_change=True,
+            deletion_timestamp=now,
+            size=f.size,
+            partition_values=dict(f.partition_values),
+        )
+        for f in change.removed
+    ]
+    adds = [
+        AddAction(
+            path=f.path,
+            size=f.size,
+            partition_values=dict(f.partition_values),
+            modification_time=f.modification_time,
+            data_change=True,
+            stats=stats[f.path],
+        )
+        for f in change.re_added
+    ]
+    return removes + adds
+
+
+def _check_re_added(
+    ref: TableRef, change: PartitionChange, table: DeltaTable, version: int
+) -> None:
+    """Refuse (nothing committed) when a file to add back is gone or no longer the one the log
+    lists: delta-rs would commit it anyway, and every reader would then fail on it."""
+
+    def problem(f: TableFile) -> str | None:
+        try:
+            size = _footer(ref.location.child(f.path))[0]
+        except FileNotFoundError:
+            return "missing"
+        except (OSError, pa.ArrowException) as e:
+            return f"unreadable: {ref._scrub(str(e))}"
+        return None if size == f.size else f"{size} bytes, the log says {f.size}"
+
+    files = change.re_added
+    with ThreadPoolExecutor(max(1, min(_FOOTER_THREADS, len(files)))) as pool:
+        problems = list(pool.map(problem, files))
+    found = [f"{f.path} ({p})" for f, p in zip(files, problems, strict=True) if p]
+    if not found:
+        return
+    kept = deleted_file_retention_hours(table.metadata().configuration)
+    more = f" (and {len(found) - _MAX_LISTED} more)" if len(found) > _MAX_LISTED else ""
+    raise UsageError(
+        f"cannot roll {change.label} of {ref.uri} back to version {version}: {len(found)} of "
+        f"the {len(files)} file(s) it would add back are gone or changed: "
+        f"{'; '.join(found[:_MAX_LISTED])}{more}. A VACUUM deletes removed files "
+        f"{kept:g} h after their removal; nothing was committed. Roll the partition back to a "
+        "later version (score-catalog history lists them)"
+    )
+
+
+_CHECKPOINT = re.compile(r"(\d{20})\.checkpoint(\.\d{10}\.\d{10})?\.parquet\Z")
+
+
+def _log_stats(ref: TableRef, version: int, paths: Sequence[str]) -> dict[str, str | None]:
+    """path -> the ``stats`` of the add action that put it in the table, for files live at
+    ``version``: from the commit files after the newest checkpoint at or before ``version``
+    (newest first), then that checkpoint (its add actions are every file live at it). delta-rs
+    hands stats back only parsed to the table's types, not as the JSON the log holds."""
+    wanted = set(paths)
+    found: dict[str, str | None] = {}
+    if not wanted:
+        return found
+    checkpoint, parts = _checkpoint_parts(ref, version)
+    oldest = 0 if checkpoint is None else checkpoint + 1
+    log = ref.location.child("_delta_log")
+    commits = [log.child(f"{v:020d}.json") for v in range(version, oldest - 1, -1)]
+    blobs = storage.read_many(commits)
+    for loc in commits:
+        raw = blobs[loc.uri]
+        if isinstance(raw, BaseException):
+            raise StorageError(f"reading {loc.uri} failed: {ref._scrub(str(raw))}", uri=ref.uri)
+        for line in raw.splitlines():
+            add = json.loads(line).get("add") if line.strip() else None
+            if add and unquote(add["path"]) in wanted:
+                found.setdefault(unquote(add["path"]), add.get("stats"))
+    for part in parts:
+        if len(found) < len(wanted):
+            with storage.open_input(part) as fh:
+                adds = pq.read_table(fh, columns=["add"]).column("add").drop_null().to_pylist()
+            for add in adds:
+                if unquote(add["path"]) in wanted:
+                    found.setdefault(unquote(add["path"]), add.get("stats"))
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise StorageError(
+            f"the log of {ref.uri} has no add action for {len(missing)} file(s) of version "
+            f"{version} ({', '.join(missing[:_MAX_LISTED])}): nothing was committed",
+            uri=ref.uri,
+        )
+    return found
+
+
+def _checkpoint_parts(ref: TableRef, version: int) -> tuple[int | None, list[Location]]:
+    """The newest checkpoint at or before ``version`` (classic or multi-part), and its files."""
+    try:
+        entries = storage.ls(ref.location.child("_delta_log"))
+    except FileNotFoundError:
+        return None, []
+    found: dict[int, list[Location]] = {}
+    for e in entries:
+        m = _CHECKPOINT.match(e.name)
+        if m and int(m.group(1)) <= version:
+            found.setdefault(int(m.group(1)), []).append(e)
+    if not found:
+        return None, []
+    best = max(found)
+    return best, found[best]
 
 
 def vacuum(
