@@ -71,6 +71,23 @@ def missing_packages(names: tuple[str, ...]) -> list[str]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeltaSettings:
+    """``format = "delta"``: the table's retentions (the ``[delta]`` table), set as its
+    properties when a run creates it and brought back to these values by a run that finds them
+    changed (docs/delta.md#retention-and-maintenance)."""
+
+    # Commit JSONs older than this are deleted at the next checkpoint
+    # (delta.logRetentionDuration): history, time travel and rollback reach back this far.
+    log_retention_days: int = field(default=30, metadata=meta(checks=(at_least(1),), flag=None))
+    # A file a commit removed is kept at least this long by VACUUM
+    # (delta.deletedFileRetentionDuration; Delta's own default is 7). Never shorter than the log
+    # retention: every version whose log is kept can still be read and restored.
+    deleted_file_retention_days: int = field(
+        default=30, metadata=meta(checks=(at_least(1),), flag=None)
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class ErrorPolicy:
     """How much can go wrong before a run counts as failed (the ``[errors]`` table)."""
 
@@ -369,6 +386,7 @@ class JobConfig:
     )
     errors: ErrorPolicy = field(default_factory=ErrorPolicy)
     monitoring: Monitoring = field(default_factory=Monitoring)
+    delta: DeltaSettings = field(default_factory=DeltaSettings)
     # Options passed unchanged to fsspec for every URI of the job (endpoint_url, key, ...).
     storage: Mapping[str, Any] = field(
         default_factory=dict,
@@ -576,6 +594,16 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[Keyed]:
             pass  # a template with no fixed root: index_root below says so
     if good.get("storage"):
         problems += [("storage", p) for p in _storage_problems(good)]
+    log_days, file_days = (good.get(f"delta.{k}_retention_days") for k in ("log", "deleted_file"))
+    if isinstance(log_days, int) and isinstance(file_days, int) and file_days < log_days:
+        problems.append(
+            (
+                "delta.deleted_file_retention_days",
+                f"delta.deleted_file_retention_days = {file_days} is shorter than "
+                f"delta.log_retention_days = {log_days}: a version whose log is kept must keep "
+                "its files, or a rollback to it fails",
+            )
+        )
     if good.get("format") == "delta" and "output" in good and "output" not in bad:
         try:
             partition_columns(good["output"])

@@ -182,6 +182,17 @@ def test_retention_is_configurable_and_consistent(tmp_path: Path) -> None:
         "delta.deletedFileRetentionDuration": "interval 14 days",
         "score_catalog.writer": "score-catalog",
     }
+    # The job's [delta] table changed since: the next run brings the table's properties to it.
+    delta.ensure_table(
+        ref, SCHEMA, [], allow_new_columns=False, log_retention_days=20,
+        deleted_file_retention_days=20,
+    )  # fmt: skip
+    table = DeltaTable(ref.table_uri)
+    assert table.metadata().configuration["delta.logRetentionDuration"] == "interval 20 days"
+    assert table.metadata().configuration["delta.deletedFileRetentionDuration"] == (
+        "interval 20 days"
+    )
+    assert table.history(1)[0]["operation"] == "SET TBLPROPERTIES"
     with pytest.raises(ValueError, match="must be >= log_retention_days"):
         delta.ensure_table(
             TableRef.of(str(tmp_path / "u")),

@@ -137,6 +137,8 @@ class DeltaOutput:
     schema: pa.Schema | None = None  # the run's output schema (None: nothing will be written)
     allow_new_columns: bool = False
     stale_after_s: float = 6 * 3600.0
+    log_retention_days: int = delta.DEFAULT_LOG_RETENTION_DAYS
+    deleted_file_retention_days: int = delta.DEFAULT_DELETED_FILE_RETENTION_DAYS
     # The run's state, filled in as the driver calls the methods below.
     _manifest: Manifest | None = field(default=None, repr=False)
     _snapshot: Snapshot | None = field(default=None, repr=False)
@@ -181,6 +183,8 @@ class DeltaOutput:
             schema=schema,
             allow_new_columns=config.allow_schema_evolution,
             stale_after_s=config.stale_lock_after_s,
+            log_retention_days=config.delta.log_retention_days,
+            deleted_file_retention_days=config.delta.deleted_file_retention_days,
             _run_id=run_id,
         )
 
@@ -279,6 +283,8 @@ class DeltaOutput:
                 self.schema,
                 list(self.partition),
                 allow_new_columns=self.allow_new_columns,
+                log_retention_days=self.log_retention_days,
+                deleted_file_retention_days=self.deleted_file_retention_days,
                 metadata=meta,
             )
         snap = self._read_snapshot() if delta.table_exists(self.table) else None

@@ -657,8 +657,7 @@ def ensure_table(
         check_partition_values({col: "x"})
     if not _table_exists(ref):
         configuration = {
-            "delta.logRetentionDuration": f"interval {log_retention_days} days",
-            "delta.deletedFileRetentionDuration": f"interval {deleted_file_retention_days} days",
+            **_retention_properties(log_retention_days, deleted_file_retention_days),
             WRITER_PROPERTY: WRITER_PROPERTY_VALUE,
         }
         data = _first_commit(table_schema, partition_by, configuration, metadata or {})
@@ -669,7 +668,39 @@ def ensure_table(
     added = _fit(ref, table, table_schema, partition_by, allow_new_columns=allow_new_columns)
     if added:
         _add_columns(ref, table, table_schema, added, metadata)
+    _keep_retentions(ref, table, log_retention_days, deleted_file_retention_days, metadata)
     return False
+
+
+def _retention_properties(log_days: int, file_days: int) -> dict[str, str]:
+    return {
+        "delta.logRetentionDuration": f"interval {log_days} days",
+        "delta.deletedFileRetentionDuration": f"interval {file_days} days",
+    }
+
+
+def _keep_retentions(
+    ref: TableRef,
+    table: DeltaTable,
+    log_days: int,
+    file_days: int,
+    metadata: Mapping[str, str] | None,
+) -> None:
+    """Set the job's retentions on a table whose properties say otherwise (the job's
+    ``[delta]`` table changed since the table was made): one SET TBLPROPERTIES version."""
+    want = _retention_properties(log_days, file_days)
+    have = table.metadata().configuration
+    changed = {k: v for k, v in want.items() if have.get(k) != v}
+    if not changed:
+        return
+    with _delta_errors(ref, "setting the retention properties of"):
+        table.alter.set_table_properties(
+            changed,
+            commit_properties=CommitProperties(custom_metadata=_prefixed(metadata)),
+        )
+    logger.info(
+        "set %s on Delta table %s", ", ".join(f"{k}={v}" for k, v in changed.items()), ref.uri
+    )
 
 
 def check_table(
