@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import decimal
 import functools
 import io
 import json
@@ -839,9 +840,14 @@ def _file_problem(ref: TableRef, new: NewFile, data_schema: pa.Schema) -> str | 
     ]
     if diff:
         return "another schema: " + ", ".join(diff)
-    claimed = json.loads(new.stats) if new.stats else {}
-    nan_free = set(claimed.get("minValues", {}))
-    if claimed != json.loads(file_stats(footer, nan_free=nan_free)):
+    # Decimals parsed exactly: bounds that differ past a float's 17 digits differ.
+    claimed = json.loads(new.stats, parse_float=decimal.Decimal) if new.stats else {}
+    # The one fact a footer cannot show is NaN (Parquet leaves it out of min/max): bounds in the
+    # claim mean the worker saw none in any float column (with one, a file gets no bounds at
+    # all), so they are recomputed as NaN-free and must then match the footer's exactly.
+    nan_free = footer.schema.names if "minValues" in claimed else ()
+    recomputed = json.loads(file_stats(footer, nan_free=nan_free), parse_float=decimal.Decimal)
+    if claimed != recomputed:
         return "its stats do not match its footer"
     return None
 
