@@ -7,21 +7,10 @@ character and long ones sharing 32-character prefixes, U+10FFFF included), writt
 worker writes them (2-4 files in two partitions, 1-5 rows per row group, stats from
 :mod:`pipeline.io.outputs.deltastats`) and committed by :func:`deltatable.commit` (whose re-check
 of every file's stats runs). Then random predicates (=, !=, <, <=, >, >=, between, is null) on
-every column and the partition column go through:
-
-- deltalake 1.6.6 ``to_pyarrow_table(filters=)`` (tuple filters, as users write them), against
-  pyarrow's filter of the whole table (NaN compares false, ``NaN != x`` is true);
-- Polars ``scan_delta(...).filter(...)``, against Polars' filter (NaN above every number and
-  equal to itself);
-- DuckDB 1.4.4 ``delta_scan`` (:mod:`tests.duckdb_delta`), against DuckDB's filter of the table
-  read whole (NaN as in Polars).
-
-Two known reader faults are no stats' to fix, and each is pinned by a test of its own that fails
-once the reader is fixed: pyarrow's and DuckDB's Parquet readers lose NaN rows (they skip row
-groups on Parquet min/max, which leave NaN out), so a difference is accepted only on the float
-column, where the reader's Parquet reader alone (no Delta log) returns exactly the same rows and
-every missing row is a NaN; and deltalake answers ``x <= NaN`` with every row of a file that has
-bounds, so such predicates are not put to it.
+every column and the partition column go through deltalake ``to_pyarrow_table(filters=)``,
+Polars ``scan_delta`` and DuckDB 1.4.4 ``delta_scan``, each against its own in-memory filter
+(:mod:`tests.delta_readers`, which also says which two known reader faults it accepts; the
+fixed tests at the end pin them, and fail once the readers are fixed).
 
 deltalake is read through a pyarrow filesystem of ours: through its default one the process
 aborts at exit now and then (SIGABRT, delta-rs#2184).
@@ -37,7 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -49,6 +37,14 @@ from hypothesis import strategies as st
 from pipeline.io.outputs import deltatable as delta
 from pipeline.io.outputs.deltatable import TableRef
 from tests.delta_helpers import arrow_filesystem, write_file
+from tests.delta_readers import (
+    OPS,
+    arrow_expr,
+    check_deltalake,
+    check_duckdb,
+    check_polars,
+    data_files,
+)
 from tests.duckdb_delta import DuckDBDelta, duckdb_python
 
 PARTITION = "run_date"
@@ -68,20 +64,6 @@ SCHEMA = pa.schema(
         ("title", pa.string()),
     ]
 )
-POLARS: dict[str, pl.DataType] = {
-    "id": pl.Int64(),
-    "flag": pl.Boolean(),
-    "n": pl.Int64(),
-    "x": pl.Float64(),
-    "day": pl.Date(),
-    "at": pl.Datetime("us", "UTC"),
-    "local": pl.Datetime("us"),
-    "money": pl.Decimal(38, 9),
-    "code": pl.String(),
-    "title": pl.String(),
-    PARTITION: pl.String(),
-}
-OPS = ("=", "!=", "<", "<=", ">", ">=", "between", "is null")
 
 _T0, _T1 = dt.datetime(1, 1, 2), dt.datetime(9999, 12, 30)
 _MONEY_MAX = decimal.Decimal(10**28 - 1)
@@ -170,141 +152,22 @@ def _whole(files: list[tuple[str, pa.Table, int]]) -> pa.Table:
     return pa.concat_tables(parts)
 
 
-def _scalar(name: str, v: Any) -> pa.Scalar:
-    typ = pa.string() if name == PARTITION else SCHEMA.field(name).type
-    return pa.scalar(v, typ)
-
-
 def _arrow(name: str, op: str, a: Any, b: Any) -> pc.Expression:
-    f = pc.field(name)
-    if op == "is null":
-        return f.is_null()
-    if op == "between":
-        return (f >= _scalar(name, a)) & (f <= _scalar(name, b))
-    s = _scalar(name, a)
-    exprs = {"=": f == s, "!=": f != s, "<": f < s, "<=": f <= s, ">": f > s, ">=": f >= s}
-    return exprs[op]
-
-
-def _tuples(name: str, op: str, a: Any, b: Any) -> Any:
-    """deltalake's tuple filters, as a user writes them (is null has none: an expression)."""
-    if op == "is null":
-        return pc.field(name).is_null()
-    if op == "between":
-        return [(name, ">=", a), (name, "<=", b)]
-    return [(name, op, a)]
-
-
-def _polars(name: str, op: str, a: Any, b: Any) -> pl.Expr:
-    c = pl.col(name)
-    if op == "is null":
-        return c.is_null()
-    x, y = pl.lit(a, dtype=POLARS[name]), pl.lit(b, dtype=POLARS[name])
-    if op == "between":
-        return c.is_between(x, y)
-    exprs = {"=": c == x, "!=": c != x, "<": c < x, "<=": c <= x, ">": c > x, ">=": c >= x}
-    return exprs[op]
-
-
-def _sql(name: str, op: str, a: Any, b: Any) -> tuple[str, list[Any]]:
-    col = f'"{name}"'  # "at" is a keyword
-    if op == "is null":
-        return f"{col} IS NULL", []
-    if op == "between":
-        return f"{col} BETWEEN ? AND ?", [a, b]
-    return f"{col} {'<>' if op == '!=' else op} ?", [a]
+    return arrow_expr(SCHEMA.append(pa.field(PARTITION, pa.string())), (name, op, a, b))
 
 
 def _ids(table: pa.Table) -> list[int]:
     return sorted(table.column("id").to_pylist())
 
 
-def _label(p: tuple[str, str, Any, Any]) -> str:
-    name, op, a, b = p
-    shown = f"{a!r} and {b!r}" if op == "between" else "" if op == "is null" else repr(a)
-    return f"{name} {op} {shown}"[:160]
-
-
-def _nan_above(p: tuple[str, str, Any, Any]) -> bool:
-    """``x < NaN``, ``x <= NaN`` or ``x BETWEEN v AND NaN``: pyarrow's filter says no row,
-    while its pruning, ordering NaN above every number, takes a file's max as proof that every
-    row holds (:func:`test_deltalake_nan_literal_upper_bounds_hold_for_every_row`)."""
-    _, op, a, b = p
-    upper = b if op == "between" else a if op in ("<", "<=") else None
-    return isinstance(upper, float) and math.isnan(upper)
-
-
-def _data_files(ref: TableRef) -> list[str]:
-    root = Path(ref.location.path)
-    return sorted(str(p) for p in root.rglob("*.parquet") if "_delta_log" not in p.parts)
-
-
-def _parquet_lost_nan(
-    p: tuple[str, str, Any, Any], want: list[int], got: list[int], alone: Any, nan_ids: set[int]
-) -> bool:
-    """Whether a reader's difference from its own filter is its Parquet reader's, not the Delta
-    stats': on the float column, the reader's Parquet reader alone (no Delta log) returned
-    exactly the same rows, and every row missing is a NaN. Parquet leaves NaN out of a row
-    group's min/max and both pyarrow and DuckDB skip row groups on them (pyarrow: a group of
-    0.0 and NaN skipped for ``x != 0.0``; DuckDB: a NaN-free max skips for ``x > v``)."""
-    lost, extra = set(want) - set(got), set(got) - set(want)
-    return p[0] == "x" and alone == got and not extra and lost <= nan_ids
-
-
-def _nan_ids(whole: pa.Table) -> set[int]:
-    return set(whole.filter(pc.is_nan(whole.column("x"))).column("id").to_pylist())
-
-
-def check_deltalake(ref: TableRef, whole: pa.Table, preds: list[Any]) -> list[str]:
-    table = DeltaTable(ref.table_uri)
-    fs = arrow_filesystem(ref)
-    files = ds.dataset(_data_files(ref), format="parquet")
-    nan_ids = _nan_ids(whole)
-    wrong = []
-    for p in preds:
-        if _nan_above(p):
-            continue
-        want = _ids(whole.filter(_arrow(*p)))
-        got = _ids(table.to_pyarrow_table(columns=["id"], filesystem=fs, filters=_tuples(*p)))
-        if got == want:
-            continue
-        alone = _ids(files.to_table(columns=["id"], filter=_arrow(*p))) if p[0] == "x" else None
-        if not _parquet_lost_nan(p, want, got, alone, nan_ids):
-            wrong.append(f"{_label(p)}: deltalake {len(got)} rows, pyarrow's filter {len(want)}")
-    return wrong
-
-
-def check_polars(ref: TableRef, whole: pa.Table, preds: list[Any]) -> list[str]:
-    frame = pl.from_arrow(whole)
-    assert isinstance(frame, pl.DataFrame)
-    wrong = []
-    for p in preds:
-        want = sorted(frame.filter(_polars(*p))["id"].to_list())
-        scan = pl.scan_delta(ref.table_uri).filter(_polars(*p)).select("id").collect()
-        got = sorted(scan["id"].to_list())
-        if got != want:
-            wrong.append(f"{_label(p)}: scan_delta {len(got)} rows, Polars' filter {len(want)}")
-    return wrong
-
-
-def check_duckdb(
-    duck: DuckDBDelta, ref: TableRef, whole: pa.Table, preds: list[Any]
-) -> tuple[list[str], int]:
-    """Wrong answers, and how many differences were DuckDB's own Parquet reader losing NaN rows
-    (accepted: ``read_parquet`` of the same files lost exactly the same rows, all NaN)."""
-    answers = duck.query(ref.table_uri, [_sql(*p) for p in preds], files=_data_files(ref))
-    nan_ids = _nan_ids(whole)
-    wrong, parquet_nan = [], 0
-    for p, (want, got, alone) in zip(preds, answers, strict=True):
-        if got == want:
-            continue
-        if isinstance(got, str) or want is None:
-            wrong.append(f"{_label(p)}: DuckDB refused it: {got}")
-        elif _parquet_lost_nan(p, want, got, alone, nan_ids):
-            parquet_nan += 1
-        else:
-            wrong.append(f"{_label(p)}: delta_scan {len(got)} rows, DuckDB's filter {len(want)}")
-    return wrong, parquet_nan
+def _check(
+    reader: str, ref: TableRef, whole: pa.Table, preds: list[Any], request: Any
+) -> list[str]:
+    if reader == "deltalake":
+        return check_deltalake(ref, whole, preds, "id")
+    if reader == "polars":
+        return check_polars(ref, whole, preds, "id")
+    return check_duckdb(request.getfixturevalue("duckdb"), ref, whole, preds, "id")[0]
 
 
 @pytest.fixture(scope="module")
@@ -322,13 +185,7 @@ def _run(reader: str, files: Any, data: Any, count: int, request: pytest.Fixture
     whole = _whole(files)
     preds = data.draw(predicates(whole, count))
     with tempfile.TemporaryDirectory() as tmp:
-        ref = _write_table(Path(tmp), files)
-        if reader == "deltalake":
-            wrong = check_deltalake(ref, whole, preds)
-        elif reader == "polars":
-            wrong = check_polars(ref, whole, preds)
-        else:
-            wrong, _ = check_duckdb(request.getfixturevalue("duckdb"), ref, whole, preds)
+        wrong = _check(reader, _write_table(Path(tmp), files), whole, preds, request)
     assert not wrong, f"{len(wrong)} of {len(preds)} predicates wrong: " + "; ".join(wrong[:8])
 
 
@@ -418,7 +275,8 @@ def test_every_type_has_bounds_that_deltalake_skips_files_on(tmp_path: Path) -> 
                 kept = list(data.get_fragments(filter=expr))
                 assert len(kept) == 1, (name, side, v, [f.path for f in kept])
                 assert _ids(data.to_table(filter=expr)) == _ids(whole.filter(expr)), (name, v)
-    assert check_deltalake(ref, whole, [(c, "=", v, None) for c in VALUES for v in _LOW[c]]) == []
+    preds = [(c, "=", v, None) for c in VALUES for v in _LOW[c]]
+    assert check_deltalake(ref, whole, preds, "id") == []
     nan = _file(20, x=[math.nan, 5.0], n=[1, 2])
     ref = _write_table(tmp_path / "nan", [*files, ("2026-12-01", nan, 1)])
     data = DeltaTable(ref.table_uri).to_pyarrow_dataset(filesystem=arrow_filesystem(ref))
@@ -438,13 +296,7 @@ def test_characters_of_every_plane_bound_right(
     ref = _write_table(tmp_path, files)
     whole = _whole(files)
     preds = [("code", op, c, None) for c in chars for op in ("=", ">=", "<=")]
-    if reader == "deltalake":
-        wrong = check_deltalake(ref, whole, preds)
-    elif reader == "polars":
-        wrong = check_polars(ref, whole, preds)
-    else:
-        wrong, _ = check_duckdb(request.getfixturevalue("duckdb"), ref, whole, preds)
-    assert wrong == []
+    assert _check(reader, ref, whole, preds, request) == []
 
 
 def test_deltalake_nan_literal_upper_bounds_hold_for_every_row(tmp_path: Path) -> None:
@@ -473,12 +325,12 @@ def test_parquet_readers_lose_nan_rows_with_no_delta_bounds(
     whole = _whole(files)
     assert "minValues" not in DeltaTable(ref.table_uri).get_add_actions(flatten=True).column_names
     expr = pc.field("x") != 0.0
-    plain = ds.dataset(_data_files(ref), format="parquet")
+    plain = ds.dataset(data_files(ref), format="parquet")
     assert _ids(whole.filter(expr)) == [2] and _ids(plain.to_table(filter=expr)) == []
     got = DeltaTable(ref.table_uri).to_pyarrow_table(filesystem=arrow_filesystem(ref), filters=expr)
     assert _ids(got) == []
     duck = request.getfixturevalue("duckdb")
     [(want, scanned, alone)] = duck.query(
-        ref.table_uri, [('"x" > ?', [0.5])], files=_data_files(ref)
+        ref.table_uri, [('"x" > ?', [0.5])], files=data_files(ref)
     )
     assert (want, scanned, alone) == ([2], [], [])
