@@ -24,8 +24,8 @@ predicates answered wrong, deltalake / Polars / DuckDB:
 - numRecords only; numRecords and nullCount only; no stats at all: 0 / 0 / 0 (read whole);
 - a NaN, with the footer's NaN-free bounds: 3 / 0 / 4 (deltalake returns the NaN rows for
   ``f <= max``: its pruning takes the bounds as proof; DuckDB: its Parquet reader, below);
-- a NaN max written as the string ``"NaN"``: 24 / 0 / 4; a bare ``NaN`` in the JSON: delta-rs
-  cannot open the table ("Json error: Encountered unexpected 'N'");
+- a NaN max written as the string ``"NaN"``: 24 / 0 / 4; a bare ``NaN`` (not JSON): delta-rs
+  failed to open one such table, DuckDB failed every filtered query ("unexpected 'N'");
 - a string max cut to 32 characters, no tie-breaker: 6 / 3 / 3; cut with its last character
   incremented (written here), or with U+10FFFF appended, or whole: 0 / 0 / 0;
 - a character of an even plane (U+20000-2FFFF, ..., U+100000-10FFFF) escaped as ``\\uXXXX``
