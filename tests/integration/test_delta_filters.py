@@ -13,6 +13,8 @@ files carry bounds for every column and one carries none.
 from __future__ import annotations
 
 import decimal
+import json
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +39,7 @@ from tests.delta_readers import (
     check_polars,
 )
 from tests.duckdb_delta import DuckDBDelta, duckdb_python
-from tests.integration.helpers import cli
+from tests.integration.helpers import KILL_AT, cli, manifest_path
 
 pytestmark = pytest.mark.integration
 
@@ -221,3 +223,34 @@ def test_filters_match_rows_in_both_days(table: tuple[TableRef, pa.Table]) -> No
     assert sum(h.num_rows > 0 for h in hits) >= len(hits) - 3
     days = set(pc.unique(pa.concat_tables(hits).column("run_date")).to_pylist())
     assert days == set(DAYS)
+
+
+def test_a_resumed_run_scores_again_a_file_whose_recorded_stats_are_stale(
+    tmp_path: Path, bundle_dir: Path
+) -> None:
+    """A run killed right before its commit, resumed by a version of the tool whose stats rules
+    differ: its manifest holds stats without the bool column's bounds (as before issue 29),
+    which the commit's check refuses. The resume scores those shards again instead of
+    reusing their files (and being refused by every rerun)."""
+    job = _job(tmp_path, _archive(tmp_path), bundle_dir)
+    day = DAYS[1]
+    killed = cli("run", str(job), "--date", day, env={KILL_AT: "delta-before-commit"})
+    assert killed.returncode == -signal.SIGKILL, killed.output
+    path = manifest_path(tmp_path / "scored" / f"run_date={day}")
+    manifest = json.loads(path.read_text())
+    for entry in manifest["shards"].values():
+        stats = json.loads(entry["stats"])
+        for side in ("minValues", "maxValues"):
+            del stats[side]["flag"]
+        entry["stats"] = json.dumps(stats)
+    path.write_text(json.dumps(manifest))
+
+    resumed = cli("run", str(job), "--date", day)
+    assert resumed.returncode == EXIT_OK, resumed.output
+    assert resumed.report is not None and resumed.report["shards_skipped"] == 0
+    assert "recorded by another version?" in resumed.output
+    ref = TableRef.of(str(tmp_path / "scored"))
+    assert [("flag" in b) for b in _bounds(ref)] == [True, True]
+    whole = DeltaTable(ref.table_uri).to_pyarrow_table(filesystem=arrow_filesystem(ref))
+    preds: list[Predicate] = [("flag", "=", True, None), ("flag", "=", False, None)]
+    assert check_deltalake(ref, whole, preds, ID) == []

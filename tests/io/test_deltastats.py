@@ -33,6 +33,7 @@ from pipeline.io.outputs.deltastats import (
     file_stats,
     nan_columns,
     new_file,
+    stats_problem,
 )
 
 D = decimal.Decimal
@@ -290,6 +291,30 @@ def test_stats_keep_characters_as_they_are(tmp_path: Path) -> None:
     text = file_stats(_write(tmp_path, pa.table({"s": values}), row_group_rows=2))
     assert "\\u" not in text
     assert json.loads(text)["maxValues"]["s"] == "\U0010ffff"
+
+
+def test_the_drivers_check_of_a_workers_stats(tmp_path: Path) -> None:
+    # stats_problem is what the driver asks of every file before committing it.
+    big = D("12345678901234567890123456.123456789")
+    table = pa.table({"x": [1.0, 2.5], "money": pa.array([big, D(0)], pa.decimal128(38, 9))})
+    md = _write(tmp_path, table, row_group_rows=1)
+    vouched = file_stats(md, nan_free={"x"})
+    assert stats_problem(vouched, md) is None
+    # a claim without bounds: a NaN seen by the worker, which no footer shows; taken as said
+    unvouched = file_stats(md)
+    assert "minValues" not in json.loads(unvouched) and stats_problem(unvouched, md) is None
+    # a decimal bound off in its 36th digit (a float would not tell them apart)
+    off = vouched.replace(
+        "12345678901234567890123456.123456789", "12345678901234567890123456.123456788"
+    )
+    assert off != vouched and stats_problem(off, md) == "its stats do not match its footer"
+    # no floats: a claim without bounds is not what the footer gives
+    ints = _write(tmp_path, pa.table({"n": [1, 2]}), row_group_rows=1)
+    bare = json.dumps({"numRecords": 2, "nullCount": {"n": 0}})
+    assert stats_problem(bare, ints) == "its stats do not match its footer"
+    assert stats_problem(file_stats(ints), ints) is None
+    assert stats_problem("{not json", ints) == "its stats are not JSON"
+    assert stats_problem("", ints) == "its stats do not match its footer"
 
 
 _TIME = st.datetimes(dt.datetime(1, 1, 2), dt.datetime(9999, 12, 30))

@@ -235,6 +235,24 @@ def file_stats(metadata: pq.FileMetaData, *, nan_free: Collection[str] = ()) -> 
     return "{" + ",".join(parts) + "}"
 
 
+def stats_problem(stats: str, metadata: pq.FileMetaData) -> str | None:
+    """Why ``stats``, a worker's claim about the file whose footer is ``metadata``, are not what
+    :func:`file_stats` makes of that footer today, or None.
+
+    The one fact a footer cannot show is NaN (Parquet leaves it out of min/max): bounds in the
+    claim mean the worker saw none in any float column (with one, a file gets no bounds at all),
+    so they are recomputed as NaN-free and must then match the footer's exactly; a claim
+    without bounds must match the footer's without float bounds. Decimals compare exactly.
+    """
+    try:
+        claimed = json.loads(stats, parse_float=decimal.Decimal) if stats else {}
+    except ValueError:
+        return "its stats are not JSON"
+    nan_free = metadata.schema.names if isinstance(claimed, dict) and "minValues" in claimed else ()
+    recomputed = json.loads(file_stats(metadata, nan_free=nan_free), parse_float=decimal.Decimal)
+    return None if claimed == recomputed else "its stats do not match its footer"
+
+
 def _json_object(values: Mapping[str, Any]) -> str:
     """``values`` as compact JSON, a :class:`_Number` as its own text (a decimal, exact); the
     decimals first (one ``json.dumps`` for the rest: a call per value cost 0.1 ms a file).

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import decimal
 import functools
 import io
 import json
@@ -73,7 +72,7 @@ from pipeline.core.errors import (
     UsageError,
 )
 from pipeline.io import storage
-from pipeline.io.outputs.deltastats import NewFile, check_partition_values, file_stats
+from pipeline.io.outputs.deltastats import NewFile, check_partition_values, stats_problem
 from pipeline.io.storage import Location
 
 logger = logging.getLogger(__name__)
@@ -840,16 +839,7 @@ def _file_problem(ref: TableRef, new: NewFile, data_schema: pa.Schema) -> str | 
     ]
     if diff:
         return "another schema: " + ", ".join(diff)
-    # Decimals parsed exactly: bounds that differ past a float's 17 digits differ.
-    claimed = json.loads(new.stats, parse_float=decimal.Decimal) if new.stats else {}
-    # The one fact a footer cannot show is NaN (Parquet leaves it out of min/max): bounds in the
-    # claim mean the worker saw none in any float column (with one, a file gets no bounds at
-    # all), so they are recomputed as NaN-free and must then match the footer's exactly.
-    nan_free = footer.schema.names if "minValues" in claimed else ()
-    recomputed = json.loads(file_stats(footer, nan_free=nan_free), parse_float=decimal.Decimal)
-    if claimed != recomputed:
-        return "its stats do not match its footer"
-    return None
+    return stats_problem(new.stats, footer)
 
 
 def _add_actions(
