@@ -328,7 +328,8 @@ _VALUES: dict[str, tuple[pa.DataType, st.SearchStrategy[Any]]] = {
     "date": (pa.date32(), st.dates()),
     "ntz": (pa.timestamp("us"), _TIME),
     "utc": (pa.timestamp("us", "UTC"), _TIME.map(lambda t: t.replace(tzinfo=dt.timezone.utc))),
-    "decimal": (pa.decimal128(38, 9), st.decimals(-D(10**29 - 1), D(10**29 - 1), places=9)),
+    # within 38 digits: hypothesis may round a bound of 10**29 - 1 out to 10**29
+    "decimal": (pa.decimal128(38, 9), st.decimals(-D(10**28), D(10**28), places=9)),
 }
 
 
