@@ -27,7 +27,7 @@ taking its own. docs/delta.md describes it all; :mod:`~pipeline.io.outputs.delta
 only module that calls delta-rs, and this one is imported by the driver only (a forked Dask
 worker that calls delta-rs after its parent did panics).
 
-Over the ~600-line rule on purpose (665 lines): the run's side of the commit protocol (begin,
+Over the ~600-line rule on purpose (688 lines): the run's side of the commit protocol (begin,
 resume, commit, recover) is one sequence read top to bottom; split it with deltatable.py.
 """
 
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from pipeline.core.errors import CommitRefused, ConfigError, PipelineError
+from pipeline.core.errors import CommitRefused, ConfigError, PipelineError, ShardError
 from pipeline.core.faults import checkpoint
 from pipeline.core.templates import below, fixed_part, partition_columns
 from pipeline.io import layout, runindex, storage
@@ -58,10 +58,16 @@ from pipeline.io.outputs.base import (
     Removal,
     WrittenFile,
 )
-from pipeline.io.outputs.deltastats import NewFile, check_partition_values, delta_facts
+from pipeline.io.outputs.deltastats import (
+    NewFile,
+    check_partition_values,
+    delta_facts,
+    stats_problem,
+)
 from pipeline.io.outputs.deltatable import Snapshot, TableRef
 from pipeline.io.outputs.folder import file_problems
 from pipeline.io.ownership import ForeignFiles, remove_rejects
+from pipeline.io.parquet import open_parquet
 from pipeline.io.storage import Location
 
 if TYPE_CHECKING:
@@ -449,10 +455,11 @@ class DeltaOutput:
             ]
         # Written by a run that did not commit: reused if its footer says it is this shard's.
         loc = self.table.location.child(path)
-        problems = file_problems(loc, expected, dict(self.table.storage_options))
+        options = dict(self.table.storage_options)
+        problems = file_problems(loc, expected, options)
         if not problems and storage.size_of(loc) != entry.get("size"):
             problems = [f"{loc.uri} has another size than its worker reported"]
-        return problems
+        return problems or _stale_stats(loc, entry, options)
 
     def commit_shard(self, written: WrittenFile | None) -> dict[str, Any]:
         if written is None:
@@ -742,6 +749,18 @@ class DeltaOutput:
         if self._manifest is None:
             raise RuntimeError("DeltaOutput.begin was not called")
         return self._manifest
+
+
+def _stale_stats(loc: Location, entry: Mapping[str, Any], options: Mapping[str, Any]) -> list[str]:
+    """A file a run wrote but never committed is reused only if the stats its worker recorded
+    are what its footer gives today: stats recorded under other rules (an older version of this
+    tool, before a resume) would make every commit refuse it, so the shard is scored again."""
+    try:
+        with open_parquet(loc.uri, options) as pf:
+            problem = stats_problem(str(entry.get("stats") or ""), pf.metadata)
+    except ShardError as e:
+        return [f"{loc.uri} cannot be read back: {e}"]
+    return [f"{loc.uri}: {problem} (recorded by another version?)"] if problem else []
 
 
 def _is_new(entry: Mapping[str, Any], in_table: set[str]) -> bool:

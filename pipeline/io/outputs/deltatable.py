@@ -76,7 +76,7 @@ from pipeline.core.errors import (
 )
 from pipeline.core.faults import checkpoint
 from pipeline.io import storage
-from pipeline.io.outputs.deltastats import NewFile, check_partition_values, file_stats
+from pipeline.io.outputs.deltastats import NewFile, check_partition_values, stats_problem
 from pipeline.io.storage import Location
 
 logger = logging.getLogger(__name__)
@@ -921,11 +921,7 @@ def _file_problem(ref: TableRef, new: NewFile, data_schema: pa.Schema) -> str | 
     ]
     if diff:
         return "another schema: " + ", ".join(diff)
-    claimed = json.loads(new.stats) if new.stats else {}
-    nan_free = set(claimed.get("minValues", {}))
-    if claimed != json.loads(file_stats(footer, nan_free=nan_free)):
-        return "its stats do not match its footer"
-    return None
+    return stats_problem(new.stats, footer)
 
 
 def _add_actions(
