@@ -62,6 +62,7 @@ def test_options_reach_delta_rs(s3_bucket: S3Bucket) -> None:
         "AWS_ENDPOINT_URL": s3_bucket.endpoint,
         "AWS_ALLOW_HTTP": "true",
         "AWS_REGION": "us-east-1",
+        "retry_timeout": "60s",  # the default retry deadline bounds delta-rs's own retries
     }
     assert delta.ensure_table(ref, SCHEMA, [PARTITION], allow_new_columns=False)
     keys = sorted(s3_bucket.fs.find(f"{s3_bucket.name}/scored/"))

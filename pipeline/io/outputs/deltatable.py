@@ -76,7 +76,12 @@ from pipeline.core.errors import (
 )
 from pipeline.core.faults import checkpoint
 from pipeline.io import storage
-from pipeline.io.outputs.deltastats import NewFile, check_partition_values, stats_problem
+from pipeline.io.outputs.deltastats import (
+    NewFile,
+    check_partition_values,
+    file_stats,
+    stats_problem,
+)
 from pipeline.io.storage import Location
 
 logger = logging.getLogger(__name__)
