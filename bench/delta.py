@@ -8,7 +8,7 @@ this machine (4 runs in 5 when the issue was filed): its result line is printed 
 exit, so such a run still counts, and the section says how many aborted.
 
 ``commit`` (``python -m bench.loops`` kind ``delta_commit``) writes N small files into a new
-table's folder the way the workers do, then times ``pipeline.io.outputs.deltatable.commit`` of
+table's folder the way the workers do, then times ``pipeline.sinks.delta.table.commit`` of
 them: checking every file (its footer, its stats) and delta-rs's commit, then reading back.
 """
 
@@ -38,9 +38,9 @@ def delta_commit(files: int, out_dir: str) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from pipeline.io import storage
-    from pipeline.io.outputs import deltatable as delta
-    from pipeline.io.outputs.deltastats import data_file_path, new_file
-    from pipeline.io.outputs.deltatable import TableRef
+    from pipeline.sinks.delta import table as delta
+    from pipeline.sinks.delta.stats import data_file_path, new_file
+    from pipeline.sinks.delta.table import TableRef
 
     schema = pa.schema(
         [("item_id", pa.int64()), ("score", pa.float32()), ("model_version", pa.string())]

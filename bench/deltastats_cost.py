@@ -4,7 +4,7 @@ float32, short and 57-character strings, date, decimal, integers), in 1 and in 8
 
 ``python -m bench.deltastats_cost [--against OLD.py]`` prints the median and minimum per call over
 rounds of 200 calls; with ``--against`` (another copy of the module, e.g. ``git show
-main:pipeline/io/outputs/deltastats.py > /tmp/old.py``) the rounds alternate between the two in
+main:pipeline/sinks/delta/stats.py > /tmp/old.py``) the rounds alternate between the two in
 one process, so that a busy machine slows both alike. The work is the footer's: no row data.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.io.outputs import deltastats
+from pipeline.sinks.delta import stats as deltastats
 
 ROWS = 65_536
 CALLS = 200

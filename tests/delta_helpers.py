@@ -3,7 +3,7 @@
 A "worker" here writes a real Parquet file (several row groups) through
 ``pipeline.io.storage.staged_open`` (a hidden temporary file renamed into place locally; an upload
 that completes on close on S3), under a fresh unique name in its partition's folder, and
-describes it with :func:`pipeline.io.outputs.deltastats.new_file` from the writer's own footer.
+describes it with :func:`pipeline.sinks.delta.stats.new_file` from the writer's own footer.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from deltalake import DeltaTable
 
 from pipeline.core.errors import PipelineError
 from pipeline.io import storage
-from pipeline.io.outputs import deltatable as delta
-from pipeline.io.outputs.deltastats import NewFile, data_file_path, nan_columns, new_file
-from pipeline.io.outputs.deltatable import TableRef
+from pipeline.sinks.delta import table as delta
+from pipeline.sinks.delta.stats import NewFile, data_file_path, nan_columns, new_file
+from pipeline.sinks.delta.table import TableRef
 
 SCHEMA = pa.schema([("id", pa.int64()), ("score", pa.float32()), ("model_version", pa.string())])
 PARTITION = "run_date"

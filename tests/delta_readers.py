@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from deltalake import DeltaTable
 
-from pipeline.io.outputs.deltatable import TableRef
+from pipeline.sinks.delta.table import TableRef
 from tests.delta_helpers import arrow_filesystem
 from tests.duckdb_delta import DuckDBDelta
 

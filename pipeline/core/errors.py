@@ -157,7 +157,7 @@ class ShardError(PipelineError):
 
 
 # --------------------------------------------------------------------------- Delta tables
-# (pipeline.io.outputs.deltatable)
+# (pipeline.sinks.delta.table)
 
 
 class TableError(PipelineError):

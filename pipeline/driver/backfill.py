@@ -44,12 +44,12 @@ from pipeline.driver.run import run
 from pipeline.io import layout, listing, runindex, storage
 from pipeline.io.layout import REPORT_NAME
 from pipeline.io.manifest import Manifest
-from pipeline.io.outputs import output_format
 from pipeline.io.parquet import read_footer
 from pipeline.model import registry
 from pipeline.model.bundle import read_bundle
 from pipeline.report import metrics, verdict
 from pipeline.report.build import RunReport
+from pipeline.sinks import output_format
 from pipeline.worker.shard import ShardResult
 
 logger = logging.getLogger(__name__)

@@ -31,12 +31,12 @@ from pipeline.driver.status import Decision, Findings, decide, may_succeed
 from pipeline.io import runindex, storage
 from pipeline.io.layout import HTML_NAME, REPORT_NAME, SUCCESS_NAME
 from pipeline.io.locking import LockLostError, RunLock
-from pipeline.io.outputs.base import Committed, Reconciliation, Removal
 from pipeline.io.storage import Location
 from pipeline.report import verdict as verdicts
 from pipeline.report.build import Draft, RunReport, build_report, draft_report
 from pipeline.report.html import render_html
 from pipeline.report.schema import ErrorEntry, OutputFormatSection, RemovedOutput, ReportData
+from pipeline.sinks.base import Committed, Reconciliation, Removal
 from pipeline.worker.shard import ShardResult
 
 logger = logging.getLogger(__name__)

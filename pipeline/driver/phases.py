@@ -31,12 +31,12 @@ from pipeline.io.layout import Places
 from pipeline.io.listing import ShardRef
 from pipeline.io.locking import RunLock
 from pipeline.io.manifest import FencedManifest, expectation, fingerprint_hash
-from pipeline.io.outputs.base import Expected, OutputFormat, Removal
 from pipeline.io.ownership import ForeignFiles
 from pipeline.io.storage import Location
 from pipeline.model.program import LoadedModel
 from pipeline.model.registry import ModelSource
 from pipeline.report.build import RunFacts, model_section
+from pipeline.sinks.base import Expected, OutputFormat, Removal
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.spec import ShardTask
 
@@ -51,7 +51,7 @@ class Prepared:
     started_at: dt.datetime  # wall clock, for the report
     t0: float  # time.perf_counter() at the start, for durations
     places: Places  # the output, its control folder, the run index, older layouts' places
-    output_format: OutputFormat  # where the scores go (pipeline.io.outputs)
+    output_format: OutputFormat  # where the scores go (pipeline.sinks)
     rejects: Location
     source: ModelSource  # where the model came from (a bundle, or a registry version)
     shards: tuple[ShardRef, ...]  # the input, sorted by path

@@ -31,14 +31,14 @@ from pipeline.driver.inspect import (
 from pipeline.io import layout, nesting, ownership, storage
 from pipeline.io.listing import ShardRef
 from pipeline.io.manifest import Manifest, expectation, fingerprint_hash
-from pipeline.io.outputs import output_format
-from pipeline.io.outputs.base import Expected, OutputFormat
 from pipeline.io.parquet import ShardInfo
 from pipeline.model import oov, programcache, registry
 from pipeline.model.bundle import read_bundle, rows_of
 from pipeline.model.precision import ExecutionOptions, prepare
 from pipeline.model.program import forward, resolve_device
 from pipeline.model.tuning import BatchSizeCache, bench_batch_sizes, default_cache_path
+from pipeline.sinks import output_format
+from pipeline.sinks.base import Expected, OutputFormat
 
 # Time spent timing, roughly: half of it the model alone, then the worker's whole path (each of
 # its passes sized to a quarter of it, after one cold pass).

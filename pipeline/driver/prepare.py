@@ -38,10 +38,10 @@ from pipeline.driver.phases import Prepared
 from pipeline.driver.workers import model_spec
 from pipeline.io import layout, listing, nesting, ownership, storage
 from pipeline.io.locking import refuse_if_held
-from pipeline.io.outputs import output_format
 from pipeline.model import oov, registry
 from pipeline.model.bundle import BundleSpec, read_bundle
 from pipeline.model.program import resolve_device
+from pipeline.sinks import output_format
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.sink import output_schema
 

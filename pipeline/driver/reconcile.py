@@ -1,7 +1,7 @@
 """What the output should hold after a run, from its shards' results (:func:`wanted`): the
 shards whose output stays (scored or skipped), those the run did not get to (left alone), and
 those whose previous output must go, with why. The output format does the taking away
-(``pipeline.io.outputs``, ``settle``)."""
+(``pipeline.sinks``, ``settle``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Pointed at a partition (a partition folder as OUTPUT, or ``--partition COLUMN=VALUE``), a
 rollback restores only that partition's files to what the version held, as ONE new commit,
-and leaves every other partition as it is (:func:`pipeline.io.outputs.deltatable.
+and leaves every other partition as it is (:func:`pipeline.sinks.delta.table.
 restore_partition`). Pointed at the table (its folder, or a job file: its output template's
 table), it is Delta's RESTORE of the whole table. Either way it first works out what it changes,
 partition by partition, with row counts (:func:`plan`), and hands that to ``announce`` before
@@ -33,9 +33,9 @@ import pyarrow as pa
 from pipeline.core.errors import UsageError
 from pipeline.driver.tables import Target, labels_of, maintenance, rolled_back
 from pipeline.io import runindex
-from pipeline.io.outputs import deltatable as delta
-from pipeline.io.outputs.deltatable import PartitionChange, VersionInfo
 from pipeline.report.verdict import default_actor
+from pipeline.sinks.delta import table as delta
+from pipeline.sinks.delta.table import PartitionChange, VersionInfo
 from pipeline.worker.sketch import sketch
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ lock and versions ``rollback`` shares: :mod:`pipeline.driver.rollback`).
 What a command is pointed at (``OUTPUT``) is a table's root, one of its partitions' folders,
 or a job file (its output template's table): :func:`locate`. Rollback, optimize and vacuum
 change the table's log for every partition at once, so each takes the *table lock* in the
-table's control area (:func:`pipeline.io.outputs.delta.table_lock_root`) and refuses, naming the
+table's control area (:func:`pipeline.sinks.delta.sink.table_lock_root`) and refuses, naming the
 holder, while any partition's run lock is held by a live run (:func:`maintenance`). Runs check
 the table lock right after taking their own: the two never overlap, while runs on different
 partitions of one table still run at once.
@@ -30,11 +30,11 @@ from pipeline.core.templates import below, control_area, fixed_part
 from pipeline.io import layout, runindex, storage
 from pipeline.io.layout import LOCK_NAME
 from pipeline.io.locking import RunLock, holder_text, live_holder
-from pipeline.io.outputs import deltatable as delta
-from pipeline.io.outputs.delta import TABLE_LOCK_DIR, partition_label, table_lock_root
-from pipeline.io.outputs.deltatable import TableRef, VersionInfo
 from pipeline.io.storage import Location
 from pipeline.report.verdict import default_actor
+from pipeline.sinks.delta import table as delta
+from pipeline.sinks.delta.sink import TABLE_LOCK_DIR, partition_label, table_lock_root
+from pipeline.sinks.delta.table import TableRef, VersionInfo
 
 logger = logging.getLogger(__name__)
 

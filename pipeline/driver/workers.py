@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.core.config import JobConfig
-from pipeline.io.outputs.base import FileFacts
 from pipeline.model.precision import ExecutionOptions
 from pipeline.model.registry import ModelSource
+from pipeline.sinks.base import FileFacts
 from pipeline.worker.shard import OVERLAP_DEPTH
 from pipeline.worker.spec import (
     Fence,

@@ -87,7 +87,7 @@ class Manifest:
     # The drift verdict on the dataset these entries describe (pipeline.report.verdict), kept with
     # them so that a rerun which leaves the dataset unchanged reports the same verdict.
     verdict: dict[str, Any] | None = field(default=None, repr=False)
-    # What the output format keeps of the output as a whole (pipeline.io.outputs): a Delta
+    # What the output format keeps of the output as a whole (pipeline.sinks): a Delta
     # table's app id, its last committed run version and the one pending (recorded before a
     # commit, so that a resume can tell whether it landed). None for the Parquet folder.
     format_state: dict[str, Any] | None = field(default=None, repr=False)

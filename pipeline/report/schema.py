@@ -410,8 +410,8 @@ class OutputFormatCore(TypedDict):
 
 
 class OutputFormatSection(OutputFormatCore, total=False):
-    """``output_format``: where the scores went (pipeline.io.outputs): the format, and, for a
-    Delta table, what it says of the run's commit (``pipeline.io.outputs.delta``)."""
+    """``output_format``: where the scores went (pipeline.sinks): the format, and, for a
+    Delta table, what it says of the run's commit (``pipeline.sinks.delta.sink``)."""
 
     table: str
     partition: str | None

@@ -28,9 +28,9 @@ from pipeline.core.statuses import FailureKind, ShardStatus
 from pipeline.io import storage
 from pipeline.io.layout import footer_metadata, rejects_metadata
 from pipeline.io.locking import LOCK_LOST_KIND, LockLostError
-from pipeline.io.outputs.base import WrittenFile
 from pipeline.model.bundle import Inputs
 from pipeline.model.engine import SMALL_BATCH, ModelFailedEverywhere, Scored, output_columns, score
+from pipeline.sinks.base import WrittenFile
 from pipeline.worker import events
 from pipeline.worker.batching import Batch, ShardBatches, make_loader, to_device_ahead
 from pipeline.worker.loading import load, set_threads
@@ -76,7 +76,7 @@ class ShardResult:
     started_at: float | None = None  # wall clock (epoch seconds) of the worker's start ...
     finished_at: float | None = None  # ... and finish on this shard; None when not scored
     # The data file the shard's output went to, with what the output format wanted to know of
-    # it (pipeline.io.outputs); None unless scored now. Not in the report.
+    # it (pipeline.sinks); None unless scored now. Not in the report.
     written: WrittenFile | None = None
 
     @classmethod

@@ -63,7 +63,7 @@ class StagedParquetWriter:
         self._buffer: list[pa.RecordBatch] = []
         self._buffered = 0
         # Once committed: the file's size in bytes and its footer (for the output format's
-        # facts about it, pipeline.io.outputs.base.WrittenFile).
+        # facts about it, pipeline.sinks.base.WrittenFile).
         self.size = 0
         self.metadata: pq.FileMetaData | None = None
         # The floating-point columns that hold a NaN, when asked (``watch_nan``): footers leave
@@ -156,7 +156,7 @@ class SinkRun:
     # The run's id, in the names of the staged files: the run deletes what a killed worker left.
     tag: str = ""
     # Note which floating-point output columns hold a NaN (the output format's file_facts need
-    # it: pipeline.io.outputs.base.FileFacts); off for the Parquet folder, which needs no stats.
+    # it: pipeline.sinks.base.FileFacts); off for the Parquet folder, which needs no stats.
     watch_nan: bool = False
 
 

@@ -10,7 +10,7 @@ and never patched afterwards:
 * :class:`Threads`: torch threads per worker thread;
 * :class:`Scoring`: batch size, read-ahead / write-behind depth, what an invalid row does;
 * :class:`ShardIO`: the columns copied through, what each output file's footer says, storage
-  options, and how the output format wants its files (``pipeline.io.outputs``);
+  options, and how the output format wants its files (``pipeline.sinks``);
 * :class:`Fence`: the run lock each commit checks;
 * :class:`StopSignals`: the flags the driver raises on every worker when a signal stops the run,
   and the topic workers report rows on.
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.io.locking import LockLostError, assert_holder
-from pipeline.io.outputs.base import FileFacts
 from pipeline.model.precision import ExecutionOptions
+from pipeline.sinks.base import FileFacts
 from pipeline.worker import events
 
 

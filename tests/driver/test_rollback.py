@@ -13,7 +13,7 @@ from pipeline.core.errors import UsageError
 from pipeline.driver.rollback import scope
 from pipeline.driver.tables import Target, rolled_back
 from pipeline.io import storage
-from pipeline.io.outputs.deltatable import TableRef, VersionInfo
+from pipeline.sinks.delta.table import TableRef, VersionInfo
 
 T0 = dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)
 

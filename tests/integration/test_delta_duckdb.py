@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.io.outputs import deltatable as delta
-from pipeline.io.outputs.deltatable import TableRef
+from pipeline.sinks.delta import table as delta
+from pipeline.sinks.delta.table import TableRef
 from tests.delta_helpers import PARTITION, SCHEMA, day, expected, rows, write_file
 
 pytestmark = pytest.mark.integration

@@ -28,7 +28,7 @@ import pytest
 from deltalake import DeltaTable
 
 from pipeline.core.errors import EXIT_OK
-from pipeline.io.outputs.deltatable import TableRef
+from pipeline.sinks.delta.table import TableRef
 from tests.conftest import write_shards
 from tests.delta_helpers import arrow_filesystem
 from tests.delta_readers import (

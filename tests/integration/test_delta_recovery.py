@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.dataset as pads
 import pytest
 
-from pipeline.io.outputs.deltatable import TableRef
+from pipeline.sinks.delta.table import TableRef
 from tests.integration import test_delta_run as delta_run
 from tests.integration.diskfaults import pause_env, resume, small_disk, wait_until_paused
 from tests.integration.helpers import cli, report, start_cli

@@ -22,9 +22,9 @@ from deltalake import DeltaTable
 
 from pipeline.cli.demo import export_bundle
 from pipeline.core.errors import AlreadyCommitted
-from pipeline.io.outputs import deltatable as delta
-from pipeline.io.outputs.delta import app_id_of
-from pipeline.io.outputs.deltatable import TableRef
+from pipeline.sinks.delta import table as delta
+from pipeline.sinks.delta.sink import app_id_of
+from pipeline.sinks.delta.table import TableRef
 from tests.conftest import demo_toml, make_model, write_shards
 from tests.delta_helpers import arrow_filesystem
 from tests.integration.helpers import cli, report

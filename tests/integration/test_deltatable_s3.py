@@ -1,6 +1,6 @@
 """A Delta table on the S3 test server (moto over HTTP on 127.0.0.1), through delta-rs's own
 object store, with the job's s3fs-style ``[storage]`` options translated by
-``pipeline.io.outputs.deltatable``; data files written through ``pipeline.io.storage`` (s3fs),
+``pipeline.sinks.delta.table``; data files written through ``pipeline.io.storage`` (s3fs),
 as workers do.
 
 Racing writers are real processes (spawned: a forked child that calls delta-rs after its
@@ -17,8 +17,8 @@ import pytest
 from deltalake import DeltaTable
 
 from pipeline.core.errors import AlreadyCommitted, TableSchemaError, UsageError
-from pipeline.io.outputs import deltatable as delta
-from pipeline.io.outputs.deltatable import TableRef
+from pipeline.sinks.delta import table as delta
+from pipeline.sinks.delta.table import TableRef
 from tests.delta_helpers import (
     PARTITION,
     SCHEMA,

@@ -1,12 +1,12 @@
 """``format = "delta"``: a run's scores as one commit to a Delta Lake table, the seam's second
-implementation (:class:`DeltaOutput`, beside :class:`~pipeline.io.outputs.folder.ParquetFolder`).
+implementation (:class:`DeltaOutput`, beside :class:`~pipeline.sinks.folder.sink.ParquetFolder`).
 
 The table is the output template's fixed part; a run's output is one partition of it (the
 template's ``key={placeholder}`` folders filled in), or the whole table when the template has
 no placeholder. Workers write each shard's data file exactly as for a folder (staged, atomic,
 footer marks), but under a name no other run uses, directly in the partition's folder
 (:meth:`DeltaOutput.target`), and send back its size, rows and Delta stats
-(:func:`~pipeline.io.outputs.deltastats.delta_facts`). The manifest, in the partition's control
+(:func:`~pipeline.sinks.delta.stats.delta_facts`). The manifest, in the partition's control
 folder beside the table, records each shard's file and whether it is committed. Nothing is
 visible to a reader until :meth:`DeltaOutput.commit_run`: ONE Delta version that adds the run's
 new files and removes every file of the partition it does not keep (rescored shards' old files,
@@ -23,7 +23,7 @@ The run lock lives in the partition's control folder: inside a table nothing but
 (a ``VACUUM ... FULL`` deletes unlisted files, ``_``-names in partition folders included).
 Maintenance (``rollback``, ``optimize``, ``vacuum``: :mod:`pipeline.driver.tables`) takes the
 table lock in the table's control area (:func:`table_lock_root`), which a run checks right after
-taking its own. docs/delta.md describes it all; :mod:`~pipeline.io.outputs.deltatable` is the
+taking its own. docs/delta.md describes it all; :mod:`~pipeline.sinks.delta.table` is the
 only module that calls delta-rs, and this one is imported by the driver only (a forked Dask
 worker that calls delta-rs after its parent did panics).
 
@@ -49,8 +49,10 @@ from pipeline.core.templates import below, fixed_part, partition_columns
 from pipeline.io import layout, runindex, storage
 from pipeline.io.layout import Places
 from pipeline.io.manifest import Manifest, fingerprint_hash
-from pipeline.io.outputs import deltatable as delta
-from pipeline.io.outputs.base import (
+from pipeline.io.ownership import ForeignFiles, remove_rejects
+from pipeline.io.parquet import open_parquet
+from pipeline.io.storage import Location
+from pipeline.sinks.base import (
     Committed,
     Expected,
     FileFacts,
@@ -58,17 +60,15 @@ from pipeline.io.outputs.base import (
     Removal,
     WrittenFile,
 )
-from pipeline.io.outputs.deltastats import (
+from pipeline.sinks.delta import table as delta
+from pipeline.sinks.delta.stats import (
     NewFile,
     check_partition_values,
     delta_facts,
     stats_problem,
 )
-from pipeline.io.outputs.deltatable import Snapshot, TableRef
-from pipeline.io.outputs.folder import file_problems
-from pipeline.io.ownership import ForeignFiles, remove_rejects
-from pipeline.io.parquet import open_parquet
-from pipeline.io.storage import Location
+from pipeline.sinks.delta.table import Snapshot, TableRef
+from pipeline.sinks.folder.sink import file_problems
 
 if TYPE_CHECKING:
     from pipeline.core.config import JobConfig
@@ -85,7 +85,7 @@ _UNKNOWN_REASON = (
     "was replaced, one a rollback restored, or one OPTIMIZE compacted)"
 )
 _STALE_REASON = (
-    "its input shard no longer exists"  # as the folder says it (pipeline.io.outputs.folder)
+    "its input shard no longer exists"  # as the folder says it (pipeline.sinks.folder.sink)
 )
 
 
@@ -129,7 +129,7 @@ def _now_ms() -> int:
 class DeltaOutput:
     """One run's output as a Delta table's partition (see the module doc).
 
-    Made once per run by :func:`pipeline.io.outputs.output_format`; the run's state (the
+    Made once per run by :func:`pipeline.sinks.output_format`; the run's state (the
     manifest, the snapshot it read under the lock, the commit it planned and made) lives on it.
     """
 
@@ -419,7 +419,7 @@ class DeltaOutput:
     def clear(self, rejects: Location, wanted: Iterable[str], ours: set[str]) -> list[Removal]:
         # Data files are plain names in the partition folder: a shard that changed shape is
         # in nobody's way there. Its rejects still are, in the rejects folder.
-        from pipeline.io.outputs.folder import _clear_rejects_way
+        from pipeline.sinks.folder.sink import _clear_rejects_way
 
         _clear_rejects_way(self.root, rejects, list(wanted), dict(self.table.storage_options))
         return []

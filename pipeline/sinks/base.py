@@ -4,7 +4,7 @@ An :class:`OutputFormat` is to a run what Ray Data's ``Datasink`` (``on_write_st
 ``on_write_complete``, ``on_write_failed``) and Daft's ``DataSink`` (``start``, ``write``,
 ``finalize``) are to theirs: the driver calls the same methods whatever the format, and a new
 format is a new implementation, not a fork of the driver. Today's one is the Parquet folder
-(:class:`pipeline.io.outputs.folder.ParquetFolder`); a table format (Delta Lake) is the next.
+(:class:`pipeline.sinks.folder.sink.ParquetFolder`); a table format (Delta Lake) is the next.
 
 In the order a run calls them:
 

@@ -1,4 +1,4 @@
-"""The driver side of a Delta table (pipeline.io.outputs.deltatable) on local disk, with real
+"""The driver side of a Delta table (pipeline.sinks.delta.table) on local disk, with real
 delta-rs.
 
 Data files are real Parquet files with several row groups, written into the table's folder
@@ -31,9 +31,9 @@ from pipeline.core.errors import (
     TableSchemaError,
     UsageError,
 )
-from pipeline.io.outputs import deltatable as delta
-from pipeline.io.outputs.deltastats import NewFile
-from pipeline.io.outputs.deltatable import TableRef
+from pipeline.sinks.delta import table as delta
+from pipeline.sinks.delta.stats import NewFile
+from pipeline.sinks.delta.table import TableRef
 from tests.delta_helpers import (
     PARTITION,
     SCHEMA,

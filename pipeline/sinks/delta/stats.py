@@ -4,7 +4,7 @@ record of one written file that a worker sends to the driver.
 pyarrow only, on purpose: this module is imported by Dask workers, which are forked from the
 driver (``pipeline.driver.cluster``), and a forked process that calls ``deltalake`` after its parent
 has used it dies with a Rust panic (its tokio runtime does not survive a fork). Only the driver
-imports ``deltalake`` (:mod:`pipeline.io.outputs.deltatable`).
+imports ``deltalake`` (:mod:`pipeline.sinks.delta.table`).
 
 Statistics are what Delta readers skip files with, so every bound written here is a true bound of
 every value in the file (a max below a value loses that row in every reader), and a file whose
@@ -118,7 +118,7 @@ class NewFile:
     """One data file a worker wrote into the table's folder, not yet in the table.
 
     Small and picklable: workers return it to the driver, which commits every file of a run in
-    one Delta version (:func:`pipeline.io.outputs.deltatable.commit`).
+    one Delta version (:func:`pipeline.sinks.delta.table.commit`).
     """
 
     #: Relative to the table's root, '/'-separated:
@@ -457,7 +457,7 @@ def _iso_ms(ms: int) -> str:
 
 def delta_facts(metadata: pq.FileMetaData, nan_columns: frozenset[str]) -> dict[str, Any]:
     """What a worker sends back of a data file it wrote into a Delta table (the output format's
-    ``file_facts``, :data:`pipeline.io.outputs.base.FileFacts`): its rows and its Delta stats,
+    ``file_facts``, :data:`pipeline.sinks.base.FileFacts`): its rows and its Delta stats,
     the floating-point columns it saw no NaN in vouched NaN-free (:func:`file_stats`)."""
     return {
         "rows": int(metadata.num_rows),

@@ -19,9 +19,9 @@ import pytest
 from deltalake import DeltaTable
 
 from pipeline.core.errors import AlreadyCommitted, UsageError
-from pipeline.io.outputs import deltatable as delta
-from pipeline.io.outputs.deltastats import NewFile
-from pipeline.io.outputs.deltatable import TableRef
+from pipeline.sinks.delta import table as delta
+from pipeline.sinks.delta.stats import NewFile
+from pipeline.sinks.delta.table import TableRef
 from tests.delta_helpers import (
     PARTITION,
     SCHEMA,

@@ -1,6 +1,6 @@
 """The Parquet folder: today's output format, one scored Parquet file per input shard.
 
-The first implementation of the seam (:class:`pipeline.io.outputs.base.OutputFormat`):
+The first implementation of the seam (:class:`pipeline.sinks.base.OutputFormat`):
 :class:`ParquetFolder`. A worker writes each shard's file under a stable name (its input's
 relative path) that replaces the previous run's file in one rename; the visible dataset is
 complete when ``_SUCCESS`` is there, written last.
@@ -44,7 +44,10 @@ from pipeline.io.layout import (
     is_visible,
 )
 from pipeline.io.manifest import Manifest
-from pipeline.io.outputs.base import (
+from pipeline.io.ownership import REPLACE_FLAG, ForeignFiles, is_data, remove_rejects
+from pipeline.io.parquet import read_footer
+from pipeline.io.storage import Location
+from pipeline.sinks.base import (
     Committed,
     Expected,
     FileFacts,
@@ -52,9 +55,6 @@ from pipeline.io.outputs.base import (
     Removal,
     WrittenFile,
 )
-from pipeline.io.ownership import REPLACE_FLAG, ForeignFiles, is_data, remove_rejects
-from pipeline.io.parquet import read_footer
-from pipeline.io.storage import Location
 
 logger = logging.getLogger(__name__)
 

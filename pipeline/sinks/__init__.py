@@ -1,9 +1,9 @@
 """Output formats: where a run's scores go, behind one small protocol
-(:mod:`pipeline.io.outputs.base`), so that the driver is the same whatever the format. The
-Parquet folder is the first (:mod:`pipeline.io.outputs.folder`); a Delta table's partition the
-second (:mod:`pipeline.io.outputs.delta`), on its two lower sides,
-:mod:`~pipeline.io.outputs.deltastats` (the worker's: stats from a file's footer, pyarrow only)
-and :mod:`~pipeline.io.outputs.deltatable` (the driver's: the one commit per run, snapshot,
+(:mod:`pipeline.sinks.base`), so that the driver is the same whatever the format. The
+Parquet folder is the first (:mod:`pipeline.sinks.folder.sink`); a Delta table's partition the
+second (:mod:`pipeline.sinks.delta.sink`), on its two lower sides,
+:mod:`~pipeline.sinks.delta.stats` (the worker's: stats from a file's footer, pyarrow only)
+and :mod:`~pipeline.sinks.delta.table` (the driver's: the one commit per run, snapshot,
 history, maintenance)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pipeline.io.layout import Places
-from pipeline.io.outputs.base import OutputFormat
-from pipeline.io.outputs.folder import ParquetFolder
+from pipeline.sinks.base import OutputFormat
+from pipeline.sinks.folder.sink import ParquetFolder
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -28,7 +28,7 @@ def output_format(
     if config.format == "delta":
         # Downward and only here: Dask workers import this package (the seam's base) and must
         # never load deltalake (a forked worker that calls delta-rs after its parent did panics).
-        from pipeline.io.outputs.delta import DeltaOutput
+        from pipeline.sinks.delta.sink import DeltaOutput
 
         return DeltaOutput.of(config, places, run_id, schema)
     return ParquetFolder(places.output, dict(config.storage))

@@ -5,7 +5,7 @@ Tables hold every type catalogs carry (bool, int64, float64 with NaN, infinities
 nulls, date32, timestamps with and without a time zone, decimal128(38, 9), short strings of any
 character and long ones sharing 32-character prefixes, U+10FFFF included), written the way a
 worker writes them (2-4 files in two partitions, 1-5 rows per row group, stats from
-:mod:`pipeline.io.outputs.deltastats`) and committed by :func:`deltatable.commit` (whose re-check
+:mod:`pipeline.sinks.delta.stats`) and committed by :func:`deltatable.commit` (whose re-check
 of every file's stats runs). Then random predicates (=, !=, <, <=, >, >=, between, is null) on
 every column and the partition column go through deltalake ``to_pyarrow_table(filters=)``,
 Polars ``scan_delta`` and DuckDB 1.4.4 ``delta_scan``, each against its own in-memory filter
@@ -34,8 +34,8 @@ from deltalake import DeltaTable
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pipeline.io.outputs import deltatable as delta
-from pipeline.io.outputs.deltatable import TableRef
+from pipeline.sinks.delta import table as delta
+from pipeline.sinks.delta.table import TableRef
 from tests.delta_helpers import arrow_filesystem, write_file
 from tests.delta_readers import (
     OPS,

@@ -1,4 +1,4 @@
-"""Delta file statistics from Parquet footers (pipeline.io.outputs.deltastats): exact, or left out.
+"""Delta file statistics from Parquet footers (pipeline.sinks.delta.stats): exact, or left out.
 
 Every expectation is computed from the data itself (pyarrow.compute over the rows written),
 never from the footer the code under test reads. Files have several row groups, with nulls,
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.core.errors import ConfigError
-from pipeline.io.outputs.deltastats import (
+from pipeline.sinks.delta.stats import (
     MAX_STRING_STAT_CHARS,
     check_partition_values,
     data_file_path,
@@ -437,8 +437,8 @@ def test_worker_side_never_imports_deltalake(tmp_path: Path) -> None:
     done = _python(
         """
         import sys
-        import pipeline.io.outputs.deltastats
-        assert "deltalake" not in sys.modules, "pipeline.io.outputs.deltastats imported deltalake"
+        import pipeline.sinks.delta.stats
+        assert "deltalake" not in sys.modules, "pipeline.sinks.delta.stats imported deltalake"
         """,
         tmp_path,
     )
@@ -460,7 +460,7 @@ def test_forked_worker_computes_stats_after_the_driver_used_deltalake(tmp_path: 
         if pid == 0:
             code = 1
             try:
-                from pipeline.io.outputs.deltastats import file_stats
+                from pipeline.sinks.delta.stats import file_stats
                 pq.write_table(pa.table({"id": [3, 4, 5]}), "child.parquet", row_group_size=2)
                 stats = json.loads(file_stats(pq.read_metadata("child.parquet")))
                 code = 0 if stats["maxValues"] == {"id": 5} else 2

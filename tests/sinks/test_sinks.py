@@ -1,4 +1,4 @@
-"""The output-format seam (pipeline.io.outputs) and its Parquet folder, through the protocol.
+"""The output-format seam (pipeline.sinks) and its Parquet folder, through the protocol.
 
 What the driver relies on of any format: a stable or fresh target per shard, withdraw and seal
 of completion, resume asking is_done, settle taking out what the run does not vouch for,
@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 from pipeline.core.config import JobConfig
 from pipeline.io import layout, storage
 from pipeline.io.layout import SUCCESS_NAME, footer_metadata
-from pipeline.io.outputs import output_format
-from pipeline.io.outputs.base import Expected, OutputFormat
-from pipeline.io.outputs.folder import ParquetFolder
+from pipeline.sinks import output_format
+from pipeline.sinks.base import Expected, OutputFormat
+from pipeline.sinks.folder.sink import ParquetFolder
 
 SHA = "a" * 64
 SETTINGS = "0123456789abcdef"

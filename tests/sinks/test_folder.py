@@ -1,4 +1,4 @@
-"""The Parquet folder output (pipeline.io.outputs.folder) on real Parquet files: who wrote a file,
+"""The Parquet folder output (pipeline.sinks.folder.sink) on real Parquet files: who wrote a file,
 what goes, what the check
 finds."""
 
@@ -18,8 +18,6 @@ from pipeline.core.templates import default_rejects
 from pipeline.driver.reconcile import wanted
 from pipeline.io import storage
 from pipeline.io.layout import footer_metadata, rejects_metadata
-from pipeline.io.outputs.base import Expected
-from pipeline.io.outputs.folder import reconcile, verify
 from pipeline.io.ownership import (
     check_output_owner,
     check_rejects_location,
@@ -28,6 +26,8 @@ from pipeline.io.ownership import (
     written_by_us,
 )
 from pipeline.io.parquet import read_footer
+from pipeline.sinks.base import Expected
+from pipeline.sinks.folder.sink import reconcile, verify
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.sink import output_schema, rejects_schema
 

@@ -1,0 +1,1 @@
+"""``format = "delta"``: a Delta Lake table through deltalake (delta-rs), one commit per run."""

@@ -1,0 +1,1 @@
+"""``format = "parquet"``: a folder of Parquet files, one per input shard, and ``_SUCCESS``."""
