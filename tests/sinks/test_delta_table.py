@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,8 @@ from pipeline.core.errors import (
     TableSchemaError,
     UsageError,
 )
+from pipeline.sinks.delta import commit as commit_mod
+from pipeline.sinks.delta import history as history_mod
 from pipeline.sinks.delta import table as delta
 from pipeline.sinks.delta.stats import NewFile
 from pipeline.sinks.delta.table import TableRef
@@ -465,92 +467,84 @@ def test_commit_refuses_when_the_table_schema_moved(ref: TableRef) -> None:
         )
 
 
-def test_check_then_commit_is_one_step(ref: TableRef, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another writer commits with the same app id between our read of the table and our
-    commit: delta-rs fails ours, because we commit from the very object we checked."""
-    real_open = delta._open
-    raced: list[int] = []
+def _race(monkeypatch: pytest.MonkeyPatch, module: Any, do: Callable[[TableRef], Any]) -> list[Any]:
+    """Run ``do`` (another writer's commit) right after ``module``'s first table open."""
+    real_open = module.open_table
+    raced: list[Any] = []
 
     def open_then_race(r: TableRef, version: int | None = None) -> DeltaTable:
         table = real_open(r, version)
         if not raced:
-            raced.append(1)
-            other = write_file(r, rows(range(90, 95), "other"), day("d9"))
-            raced.append(_commit(r, [other], v=5))
+            raced.append(None)  # first: the race's own commit opens the table too
+            raced[0] = do(r)
         return table
 
-    monkeypatch.setattr(delta, "_open", open_then_race)
+    monkeypatch.setattr(module, "open_table", open_then_race)
+    return raced
+
+
+def test_the_same_run_version_landing_meanwhile_is_never_committed_twice(
+    ref: TableRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit of the same token lands between our read of the table and our commit: ours
+    fails (max_commit_retries=0), the table is read again, and the token refuses it."""
+    raced = _race(
+        monkeypatch,
+        commit_mod,
+        lambda r: _commit(r, [write_file(r, rows(range(90, 95), "other"), day("d9"))], v=6),
+    )
     mine = write_file(ref, rows(range(5), "mine"), day("d1"))
-    with pytest.raises(
-        CommitConflict, match=r"another writer committed to .* since this run read it"
-    ):
+    with pytest.raises(AlreadyCommitted, match="already holds run version 6"):
         _commit(ref, [mine], v=6)
-    assert raced == [1, 1]
+    assert raced == [1]
     table = DeltaTable(ref.table_uri)
-    assert (table.version(), table.transaction_version("job")) == (1, 5)
+    assert (table.version(), table.transaction_version("job")) == (1, 6)
+    assert polars_rows(ref) == expected({"d9": (range(90, 95), "other")})
 
 
 def test_another_app_committing_meanwhile_does_not_block(
     ref: TableRef, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_open = delta._open
-    raced: list[int] = []
+    """Another app's commit (a run of another partition) lands between our read and our
+    commit: ours is made again on the new version, and says which version it is."""
 
-    def open_then_race(r: TableRef, version: int | None = None) -> DeltaTable:
-        table = real_open(r, version)
-        if not raced:
-            raced.append(1)
-            other = write_file(r, rows(range(90, 95), "other"), day("d9"))
-            delta.commit(
-                r,
-                adds=[other],
-                removes=[],
-                app_id="other-job",
-                run_version=1,
-                metadata={},
-                expected_schema=SCHEMA,
-            )
-        return table
+    def other(r: TableRef) -> int:
+        return delta.commit(
+            r,
+            adds=[write_file(r, rows(range(90, 95), "other"), day("d9"))],
+            removes=[],
+            app_id="other-job",
+            run_version=1,
+            metadata={},
+            expected_schema=SCHEMA,
+        )
 
-    monkeypatch.setattr(delta, "_open", open_then_race)
+    _race(monkeypatch, commit_mod, other)
     assert _commit(ref, [write_file(ref, rows(range(5), "mine"), day("d1"))], v=1) == 2
+    assert DeltaTable(ref.table_uri, version=2).transaction_version("job") == 1
     assert polars_rows(ref) == expected({"d1": (range(5), "mine"), "d9": (range(90, 95), "other")})
-
-
-def _landing_meanwhile(monkeypatch: pytest.MonkeyPatch, at_call: int) -> list[int]:
-    """Make another app's commit land right after the ``at_call``-th table open."""
-    real_open = delta._open
-    calls: list[int] = []
-
-    def open_then_commit(r: TableRef, version: int | None = None) -> DeltaTable:
-        table = real_open(r, version)
-        calls.append(1)
-        if len(calls) == at_call:
-            other = write_file(r, rows(range(90, 95), "other"), day("d9"))
-            delta.commit(
-                r,
-                adds=[other],
-                removes=[],
-                app_id="other-job",
-                run_version=1,
-                metadata={},
-                expected_schema=SCHEMA,
-            )
-        return table
-
-    monkeypatch.setattr(delta, "_open", open_then_commit)
-    return calls
 
 
 def test_commit_reports_its_own_version_when_another_lands_right_after(
     ref: TableRef, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """delta-rs numbers history() from the object's version but reads the newest commits in
-    storage; a commit landing after ours must not shift the version we report."""
-    calls = _landing_meanwhile(monkeypatch, at_call=2)  # 1: commit's open; 2: reading back
+    """The version a commit reports is the one it made, whatever lands right after it."""
+    real_write = commit_mod._write
+    monkeypatch.setattr(commit_mod, "_write", real_write)
+
+    def write_then_another(*args: Any) -> None:
+        real_write(*args)
+        monkeypatch.setattr(commit_mod, "_write", real_write)  # the other's own commit
+        r = args[0]
+        other = write_file(r, rows(range(90, 95), "other"), day("d9"))
+        delta.commit(
+            r, adds=[other], removes=[], app_id="other-job", run_version=1, metadata={},
+            expected_schema=SCHEMA,
+        )  # fmt: skip
+
+    monkeypatch.setattr(commit_mod, "_write", write_then_another)
     mine = write_file(ref, rows(range(5), "mine"), day("d1"))
     assert _commit(ref, [mine], v=1) == 1
-    assert len(calls) >= 2
     table = DeltaTable(ref.table_uri, version=1)
     assert table.transaction_version("job") == 1 and table.transaction_version("other-job") is None
 
@@ -559,7 +553,19 @@ def test_history_numbers_versions_right_when_a_commit_lands_meanwhile(
     ref: TableRef, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _commit(ref, [write_file(ref, rows(range(5), "m1"), day("d1"))], v=1)
-    _landing_meanwhile(monkeypatch, at_call=1)
+
+    def other(r: TableRef) -> int:
+        return delta.commit(
+            r,
+            adds=[write_file(r, rows(range(90, 95), "other"), day("d9"))],
+            removes=[],
+            app_id="other-job",
+            run_version=1,
+            metadata={},
+            expected_schema=SCHEMA,
+        )
+
+    _race(monkeypatch, history_mod, other)
     got = [(v.version, v.metadata.get("app_id")) for v in delta.history(ref)]
     assert got == [(2, "other-job"), (1, "job"), (0, None)]
 
@@ -626,7 +632,8 @@ def test_history_lists_our_metadata(ref: TableRef) -> None:
     assert latest.metadata["settings_hash"] == "s1" and latest.metadata["input_fingerprint"] == "f1"
     assert latest.metadata["rows_removed"] == "60"
     assert first.timestamp <= latest.timestamp
-    assert (created.operation, created.engine) == ("CREATE TABLE", "score-catalog")
+    # Version 0 is delta-rs's own (pipeline.sinks.delta.create), published by this tool.
+    assert created.operation == "CREATE TABLE" and "delta-rs" in str(created.engine)
     assert [v.version for v in delta.history(ref, limit=1)] == [2]
 
 
@@ -660,7 +667,7 @@ def test_vacuum_keeps_what_the_retention_keeps(ref: TableRef) -> None:
     assert delta.vacuum(ref, dry_run=False) == []
     assert all((root / p).exists() for p in v1_paths)
     assert deltalake_rows(ref, version=1) == expected({"d1": (range(60), "m1")})
-    with pytest.raises(UsageError, match=r"retention of 24 h refused.*720 h"):
+    with pytest.raises(UsageError, match=r"retention of 24 h refused.*interval 30 days"):
         delta.vacuum(ref, 24, dry_run=False)
     # forced: the files removed by version 2 go; current files and unlisted files stay
     assert delta.vacuum(ref, 0, dry_run=True, force=True) == sorted(v1_paths)
