@@ -237,3 +237,29 @@ def log_cleanup_error(step: Callable[[], object], what: str) -> None:
         step()
     except Exception as e:
         logger.warning("error while %s: %s", what, describe(e))
+
+
+# -- a commit that landed before the run failed --------------------------------------------
+
+_LANDED = "_score_catalog_landed"
+
+
+def mark_landed(e: BaseException, version: int | None, table: str) -> None:
+    """Say on ``e`` that the run's table commit had landed as ``version`` of ``table`` when it
+    was raised (the store died before the run recorded the commit): readers see the run's
+    scores, and the run's error says so (:func:`landed_of`). The exception keeps its type: a
+    storage failure is still one."""
+    if getattr(e, _LANDED, None) is None:
+        setattr(e, _LANDED, (version, table))
+
+
+def landed_of(e: BaseException | None) -> tuple[int | None, str] | None:
+    """(version, table) :func:`mark_landed` put on ``e`` or on an error it was raised from."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        found = getattr(e, _LANDED, None)
+        if found is not None:
+            return (found[0], str(found[1]))
+        e = e.__cause__ or e.__context__
+    return None

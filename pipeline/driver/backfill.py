@@ -49,7 +49,7 @@ from pipeline.model import registry
 from pipeline.model.bundle import read_bundle
 from pipeline.report import metrics, verdict
 from pipeline.report.build import RunReport
-from pipeline.sinks import output_format
+from pipeline.sinks import sink_for
 from pipeline.worker.shard import ShardResult
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,8 @@ def _finished(config: JobConfig, sha: str) -> dict[str, Any] | None:
     last commit) and came from this model bundle (and,
     for a model from a registry, this registered version: ``config.model`` is pinned)."""
     where = layout.for_run(config, "backfill")
-    if not output_format(config, where, "backfill").sealed():
+    manifest = Manifest.load(where.control, where.old_controls)
+    if not sink_for(config, where, "backfill").state(manifest).complete:
         return None
     try:
         found = layout.find_in(where, REPORT_NAME)  # its control folder, or an older one

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from pipeline.core import retries
-from pipeline.core.errors import StorageError, describe, log_cleanup_error
+from pipeline.core.errors import (
+    StorageError,
+    describe,
+    landed_of,
+    log_cleanup_error,
+    mark_landed,
+)
 from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import StopRequest
 from pipeline.core.statuses import SUCCESS_STATUSES, FailureKind
@@ -36,7 +42,7 @@ from pipeline.report import verdict as verdicts
 from pipeline.report.build import Draft, RunReport, build_report, draft_report
 from pipeline.report.html import render_html
 from pipeline.report.schema import ErrorEntry, OutputFormatSection, RemovedOutput, ReportData
-from pipeline.sinks.base import Committed, Reconciliation, Removal
+from pipeline.sinks.base import Committed, Outcome, Removal, WritePlan
 from pipeline.worker.shard import ShardResult
 
 logger = logging.getLogger(__name__)
@@ -50,6 +56,7 @@ class Concluded:
     findings: Findings
     report: ReportData
     record: dict[str, Any] | None  # the dataset's verdict, kept with the manifest (a success)
+    plan: WritePlan  # what the commit takes out of the visible dataset (pipeline.sinks.base)
 
 
 @dataclass(frozen=True)
@@ -66,11 +73,11 @@ def conclude(prepared: Prepared, locked: Locked, scored: Scored, stop: StopReque
     ordered = scored.ordered(prepared)
     want = wanted(ordered)
     locked.lock.assert_held()  # the fence: reconciling deletes from the output
-    settled = _reconcile(prepared, locked, want)
+    plan, deleted = _reconcile(prepared, locked, want)
     duration = time.perf_counter() - prepared.t0
     draft = draft_report(prepared.facts(locked.lock), ordered, scored.fatal, duration)
     foreign_kept = sorted(
-        {*locked.foreign.kept, *(prepared.output.child(rel).uri for rel in settled.foreign)}
+        {*locked.foreign.kept, *(prepared.output.child(rel).uri for rel in plan.foreign)}
     )
     warnings = [_foreign_warning(uri) for uri in foreign_kept]
     findings = Findings(
@@ -81,18 +88,25 @@ def conclude(prepared: Prepared, locked: Locked, scored: Scored, stop: StopReque
         shards_interrupted=any(r.kind == FailureKind.INTERRUPTED for r in ordered),
     )
     if may_succeed(findings):  # else no _SUCCESS anyway: spare the footer reads
-        findings = dataclasses.replace(findings, mismatch=tuple(_mismatch(prepared, want)))
+        mismatch = tuple(_mismatch(prepared, locked, plan, want))
+        findings = dataclasses.replace(findings, mismatch=mismatch)
     judged = verdicts.Judgement()
     if may_succeed(findings):
         index_root = runindex.index_root(prepared.config.output)
-        judged = verdicts.judge(prepared.config, draft.current(), locked.manifest, index_root)
+        judged = verdicts.judge(
+            prepared.config,
+            draft.current(),
+            locked.manifest,
+            index_root,
+            versioned=prepared.sink.places.table,
+        )
         for warning in judged.warnings:
             logger.warning("%s", warning)
         findings = dataclasses.replace(findings, drift_alert=judged.alert_open)
     decision = decide(findings)
     # A table's removes take effect with its commit: a run that will not commit removed nothing.
-    taken = settled.removed if decision.succeeded or not settled.pending else []
-    removed = [*locked.cleared, *taken]
+    taken = plan.removed if decision.succeeded or not plan.at_commit else ()
+    removed = [*locked.cleared, *deleted, *taken]
     report = build_report(
         draft,
         status=decision.status,
@@ -103,60 +117,90 @@ def conclude(prepared: Prepared, locked: Locked, scored: Scored, stop: StopReque
         removed_outputs=[_removed(r) for r in removed],
         foreign_removed=locked.foreign.removed,
         foreign_kept=foreign_kept,
-        output_format=prepared.output_format.describe(None),
+        output_format=prepared.sink.section(locked.begun, None).public(),
     )
     checkpoint("judged")
     record = judged.record if decision.succeeded else None
-    return Concluded(draft, findings, report, record)
+    return Concluded(draft, findings, report, record, plan)
 
 
 def commit(
     prepared: Prepared, locked: Locked, concluded: Concluded, stop: StopRequest
 ) -> RunReport:
     """Write what the run decided: the manifest (with the verdict), the run-index entry, the
-    output format's commit of the run's data, the page, the report, and the format's seal
-    (``_SUCCESS``) last."""
+    sink's commit of the run's data, the page, the report, and the sink's seal (``_SUCCESS``)
+    last."""
     lock, manifest, report = locked.lock, locked.manifest, concluded.report
-    fmt = prepared.output_format
+    sink = prepared.sink
     if concluded.record is not None:
         manifest.set_verdict(concluded.record)
     manifest.flush()  # fenced; an error names the file
     _index(prepared, report, warn=True)
     succeeded = report["status"] in SUCCESS_STATUSES
-    committed: Committed | None = None
-    if succeeded and not stop.requested:
-        lock.assert_held()
-        committed = fmt.commit_run(prepared.run_id, manifest.shards)
-        report = report.copy()
-        report["output_format"] = cast(OutputFormatSection, fmt.describe(committed))
-    _write_report(prepared.control, report, lock)
-    if not succeeded:
-        return _run_report(prepared, report)
-    if stop.requested and committed is not None and committed.visible:
-        # A signal after the commit made the data visible (a table's version): the run stands
-        # as committed, and its report says the signal came too late to change anything.
-        report = report.copy()
-        report["warnings"] = [*report["warnings"], _too_late(stop, committed)]
-        _write_report(prepared.control, report, lock)
-    elif stop.requested:
-        # A signal while the report was being written: the run was asked to stop before its
-        # output was committed, so it is not.
-        logger.warning("%s arrived before _SUCCESS was written", stop.signal_name)
-        findings = dataclasses.replace(concluded.findings, stopped=True, stop_reason=stop.reason)
-        report = _decided(report, decide(findings))
-        _index(prepared, report)
-        _write_report(prepared.control, report, lock)
-        return _run_report(prepared, report)
+    if not succeeded or stop.requested:
+        return _not_committed(prepared, locked, concluded, stop, report)
     lock.assert_held()
-    _naming(prepared.output.child(SUCCESS_NAME), fmt.seal)
+    committed = sink.commit(locked.begun, concluded.plan, manifest, prepared.run_id)
+    section = sink.section(locked.begun, committed).public()
+    try:
+        report = report.copy()
+        report["output_format"] = cast(OutputFormatSection, section)
+        _write_report(prepared.control, report, lock)
+        if stop.requested and committed.visible:
+            # A signal after the commit made the data visible (a table's version): the run
+            # stands as committed, and its report says the signal came too late to change it.
+            report = report.copy()
+            report["warnings"] = [*report["warnings"], _too_late(stop, committed)]
+            _write_report(prepared.control, report, lock)
+        elif stop.requested:
+            return _stopped_before_seal(prepared, concluded, stop, report, lock)
+        lock.assert_held()
+        _naming(
+            prepared.output.child(SUCCESS_NAME),
+            lambda: sink.seal(locked.begun, manifest, committed),
+        )
+    except BaseException as e:
+        if committed.made and committed.version is not None:
+            mark_landed(e, committed.version, str(section.get("table") or prepared.output.uri))
+        raise
+    return _run_report(prepared, report)
+
+
+def _not_committed(
+    prepared: Prepared,
+    locked: Locked,
+    concluded: Concluded,
+    stop: StopRequest,
+    report: ReportData,
+) -> RunReport:
+    """A run that failed, or was stopped before its commit: its report, and nothing more."""
+    _write_report(prepared.control, report, locked.lock)
+    if report["status"] not in SUCCESS_STATUSES:
+        return _run_report(prepared, report)
+    return _stopped_before_seal(prepared, concluded, stop, report, locked.lock)
+
+
+def _stopped_before_seal(
+    prepared: Prepared,
+    concluded: Concluded,
+    stop: StopRequest,
+    report: ReportData,
+    lock: RunLock,
+) -> RunReport:
+    """A signal while the report was being written: the run was asked to stop before its
+    output was committed, so it is not."""
+    logger.warning("%s arrived before _SUCCESS was written", stop.signal_name)
+    findings = dataclasses.replace(concluded.findings, stopped=True, stop_reason=stop.reason)
+    report = _decided(report, decide(findings))
+    _index(prepared, report)
+    _write_report(prepared.control, report, lock)
     return _run_report(prepared, report)
 
 
 def _too_late(stop: StopRequest, committed: Committed) -> str:
     """The warning of a run a signal reached after its commit made its data visible: the run
     stands as committed (a table's version cannot be taken back by a stop)."""
-    version = committed.details.get("version")
-    where = f" as version {version}" if version is not None else ""
+    where = f" as version {committed.version}" if committed.version is not None else ""
     warning = (
         f"{stop.signal_name} arrived after the run's output was committed{where}: readers see "
         "it, and the run stands as committed"
@@ -165,16 +209,18 @@ def _too_late(stop: StopRequest, committed: Committed) -> str:
     return warning
 
 
-def landed_commit(prepared: Prepared) -> str | None:
+def landed_commit(e: BaseException | None) -> str | None:
     """What a run whose table commit landed must say when it fails afterwards (its store died
-    before the run recorded it): readers see its scores, and the next run records the commit
-    (its token is still pending). None when the run made no such commit."""
-    d = prepared.output_format.describe(None)
-    if d.get("committed") is not True or d.get("version") is None:
+    before the run recorded it, :func:`~pipeline.core.errors.mark_landed`): readers see its
+    scores, and the next run records the commit (its token is still pending). None when the
+    run made no such commit."""
+    found = landed_of(e)
+    if found is None:
         return None
+    version, table = found
     return (
-        f"its commit landed as version {d['version']} of {d.get('table')} (readers see this "
-        "run's scores; the next run records the commit as recovered and scores nothing again)"
+        f"its commit landed as version {version} of {table} (readers see this run's scores; "
+        "the next run records the commit as recovered and scores nothing again)"
     )
 
 
@@ -195,18 +241,18 @@ def retract(
     findings = concluded.findings
     if stop.requested:
         findings = dataclasses.replace(findings, stopped=True, stop_reason=stop.reason)
-    landed = landed_commit(prepared)
+    landed = landed_commit(e)
     error = (
         f"{landed}, but recording the run failed: {describe(e)}"
         if landed
         else f"could not commit the run: {describe(e)}"
     )
     report = _decided(concluded.report, decide(dataclasses.replace(findings, error=error)))
-    # What the output holds now: a table whose commit landed before the failure says so.
-    report["output_format"] = cast(OutputFormatSection, prepared.output_format.describe(None))
+    section = prepared.sink.section(locked.begun, None).public()
+    report["output_format"] = cast(OutputFormatSection, section)
     if isinstance(e, LockLostError):
         return Failure(report)
-    log_cleanup_error(prepared.output_format.withdraw, "withdrawing the output's completion")
+    log_cleanup_error(prepared.sink.abort, "withdrawing the output's completion")
     if not _index(prepared, report):
         config = prepared.config
         root = runindex.index_root(config.output)
@@ -408,27 +454,30 @@ def _run_report(prepared: Prepared, report: ReportData) -> RunReport:
 # -- reconciling and checking the output -------------------------------------------------------
 
 
-def _reconcile(prepared: Prepared, locked: Locked, want: Wanted) -> Reconciliation:
-    """Take out of the output what this run does not vouch for (gone inputs, failed and
-    schema-skipped shards), with their rejects and manifest entries."""
+def _reconcile(
+    prepared: Prepared, locked: Locked, want: Wanted
+) -> tuple[WritePlan, tuple[Removal, ...]]:
+    """What the run takes out of the output (gone inputs, failed and schema-skipped shards,
+    with their rejects and manifest entries): the sink's plan, and what it deleted now."""
     manifest = locked.manifest
     ours = set(locked.previous_outputs) | set(manifest.shards)
-    fmt = prepared.output_format
     opts = prepared.config.storage
     left = ours - want.keep - set(want.reasons)
     input_uri = storage.locate(prepared.config.input_uri(), opts).uri
     reasons = {**gone_reasons(manifest.shards, left, input_uri, opts), **want.reasons}
-    settled = fmt.settle(prepared.rejects, want.keep, ours, reasons)
+    outcome = Outcome(frozenset(want.keep), frozenset(ours), reasons)
+    plan = prepared.sink.plan(locked.begun, manifest, outcome, prepared.rejects)
+    deleted = prepared.sink.delete_stale(plan)
     for rel in set(manifest.shards) - want.keep:
         manifest.forget(rel)
     manifest.flush()
-    return settled
+    return plan, deleted
 
 
-def _mismatch(prepared: Prepared, want: Wanted) -> list[str]:
+def _mismatch(prepared: Prepared, locked: Locked, plan: WritePlan, want: Wanted) -> list[str]:
     """How the visible output differs from the report (then no ``_SUCCESS``)."""
     expected = {rel: prepared.expected(rel, rows) for rel, rows in want.rows.items()}
-    problems = prepared.output_format.verify(expected)
+    problems = prepared.sink.verify(locked.begun, plan, locked.manifest, expected)
     for p in problems:
         # Warnings: the report lists them and the run's error line names them (one line under
         # -q, however many files); without -q, and in the log file, each is a line.

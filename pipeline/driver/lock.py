@@ -23,7 +23,8 @@ from pipeline.io.layout import LOCK_NAME
 from pipeline.io.listing import ShardRef
 from pipeline.io.locking import RunLock, holder_text, live_holder
 from pipeline.io.manifest import FencedManifest, Manifest
-from pipeline.io.ownership import ForeignFiles, check_rejects_location
+from pipeline.io.ownership import check_rejects_location
+from pipeline.sinks.base import Begun
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.spec import ShardTask
 
@@ -37,12 +38,12 @@ def take(prepared: Prepared, stop: StopRequest, cleanup: contextlib.ExitStack) -
     for bucket in {b.uri: b for b in prepared.buckets_to_create}.values():
         storage.create_bucket(bucket)
     # A folder holding files this tool did not write is refused before anything is written.
-    prepared.output_format.check_owner(config.on_foreign_output)
+    sink = prepared.sink
+    sink.check(config.on_foreign_output, prepared.schema)
     shard_paths = [s.rel_path for s in prepared.shards]
     check_rejects_location(prepared.rejects, out, opts, shard_paths)
-    fmt = prepared.output_format
     lock = RunLock.acquire(
-        fmt.lock_root,
+        sink.places.lock_root,
         prepared.run_id,
         stale_after_s=config.stale_lock_after_s,
         what=f"output {out.uri}",
@@ -56,7 +57,7 @@ def take(prepared: Prepared, stop: StopRequest, cleanup: contextlib.ExitStack) -
         log_cleanup_error(lock.release, "releasing the lock")
         raise
     cleanup.callback(_release, lock, prepared)
-    for other in fmt.exclusive_with:  # a table's maintenance lock: taken, then this checked
+    for other in sink.places.exclusive_with:  # a table's maintenance: taken, then checked
         held = live_holder(other, config.stale_lock_after_s)
         if held is not None:
             raise LockError(
@@ -72,8 +73,8 @@ def take(prepared: Prepared, stop: StopRequest, cleanup: contextlib.ExitStack) -
 def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> Locked:
     """Take the output for this run and find what is left to score; ``cleanup`` saves the
     manifest (what was committed, so that a rerun skips it) whatever happens next."""
-    config, out, fmt = prepared.config, prepared.output, prepared.output_format
-    layout.claim(prepared.places, lock.assert_held, fmt.withdraw, mark=fmt.mark)
+    config, out, sink = prepared.config, prepared.output, prepared.sink
+    layout.claim(prepared.places, lock.assert_held, sink.abort, mark=sink.places.mark)
     for root in (out, prepared.rejects):
         for path in storage.remove_temporaries(root):
             logger.info("removed a temporary file left by an interrupted run: %s", path)
@@ -99,19 +100,16 @@ def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> L
     if loaded.read_from is not None:
         storage.remove(loaded.read_from)
     # Where the previous run left the output (a table: its snapshot, and whether the previous
-    # run's pending commit landed), before anything below trusts the manifest.
-    fmt.begin(manifest)
+    # run's pending commit landed), before anything below trusts the manifest; outputs in the
+    # way of this run's shards (an input shard that changed shape) taken away.
+    wanted = tuple(s.rel_path for s in prepared.shards if s.rel_path not in prepared.failed)
+    lock.assert_held()
+    begun = sink.begin(
+        manifest, prepared.rejects, wanted, config.on_foreign_output, prepared.schema
+    )
     # What earlier runs wrote, before failed shards are forgotten: reconcile's "ours".
     previous = frozenset(manifest.shards)
-    foreign = ForeignFiles()
-    if config.on_foreign_output == "replace":
-        foreign = fmt.replace_foreign(set(previous))
-    # An input shard that became a folder of the same name (or the reverse): its old output is
-    # in the way of the new one.
-    wanted = [s.rel_path for s in prepared.shards if s.rel_path not in prepared.failed]
-    lock.assert_held()
-    cleared = fmt.clear(prepared.rejects, wanted, set(previous))
-    for removal in cleared:
+    for removal in begun.cleared:
         manifest.forget(removal.rel_path)
     done = dict(prepared.failed)
     tasks: list[ShardTask] = []
@@ -119,22 +117,24 @@ def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> L
         if s.rel_path in prepared.failed:
             manifest.forget(s.rel_path)
             continue
-        skipped = _skipped(prepared, manifest, s)
+        skipped = _skipped(prepared, manifest, begun, s)
         if skipped is not None:
             done[s.rel_path] = skipped
         else:
             tasks.append(prepared.task(s))
-    return Locked(lock, manifest, previous, foreign, tuple(cleared), done, tuple(tasks))
+    return Locked(lock, manifest, previous, begun, done, tuple(tasks))
 
 
-def _skipped(prepared: Prepared, manifest: Manifest, s: ShardRef) -> ShardResult | None:
+def _skipped(
+    prepared: Prepared, manifest: Manifest, begun: Begun, s: ShardRef
+) -> ShardResult | None:
     """``s`` as skipped if the manifest says this model and settings scored it and the output
     file's footer agrees (its rows, model, settings and input shard); else None."""
     if prepared.config.force or not manifest.matches(s.rel_path, prepared.expectation(s)):
         return None
     done = manifest.shards[s.rel_path]
     expected = prepared.expected(s.rel_path, done["rows_scored"])
-    problems = prepared.output_format.is_done(s.rel_path, done, expected)
+    problems = begun.done(s.rel_path, done, expected)
     if problems:
         # Deleted, replaced or copied over since: score it again instead of trusting it.
         logger.warning("scoring %s again: %s", s.rel_path, problems[0])

@@ -36,7 +36,7 @@ from pipeline.io.storage import Location
 from pipeline.model.program import LoadedModel
 from pipeline.model.registry import ModelSource
 from pipeline.report.build import RunFacts, model_section
-from pipeline.sinks.base import Expected, OutputFormat, Removal
+from pipeline.sinks.base import Begun, Expected, Removal, Sink
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.spec import ShardTask
 
@@ -51,7 +51,8 @@ class Prepared:
     started_at: dt.datetime  # wall clock, for the report
     t0: float  # time.perf_counter() at the start, for durations
     places: Places  # the output, its control folder, the run index, older layouts' places
-    output_format: OutputFormat  # where the scores go (pipeline.sinks)
+    sink: Sink[Any, Any]  # where the scores go (pipeline.sinks): the job's, holding no state
+    schema: pa.Schema | None  # the run's output columns (None: no shard is left to score)
     rejects: Location
     source: ModelSource  # where the model came from (a bundle, or a registry version)
     shards: tuple[ShardRef, ...]  # the input, sorted by path
@@ -109,7 +110,7 @@ class Prepared:
         return ShardTask(
             rel_path=s.rel_path,
             input_uri=s.uri,
-            output_uri=self.output_format.target(s.rel_path, self.run_id),
+            output_uri=self.sink.writer().target(s.rel_path, self.run_id),
             # What its rejects name as their output: the place a folder's file has, every run.
             output_name=self.output.child(s.rel_path).uri,
             rejects_uri=self.rejects.child(s.rel_path).uri,
@@ -148,10 +149,19 @@ class Locked:
     lock: RunLock
     manifest: FencedManifest  # every save checks the lock first
     previous_outputs: frozenset[str]  # what the manifest listed when the run took the output
-    foreign: ForeignFiles  # files this tool did not write (replaced or kept)
-    cleared: tuple[Removal, ...]  # outputs taken away before scoring (their input changed shape)
+    begun: Begun  # what the sink found when the run took the output (pipeline.sinks.base)
     done: Mapping[str, ShardResult]  # known before scoring: failed (prepare) and skipped (done)
     tasks: tuple[ShardTask, ...]  # what is left to score, in input order
+
+    @property
+    def foreign(self) -> ForeignFiles:
+        """Files this tool did not write (replaced or kept)."""
+        return self.begun.foreign
+
+    @property
+    def cleared(self) -> tuple[Removal, ...]:
+        """Outputs taken away before scoring (their input changed shape)."""
+        return self.begun.cleared
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ from pipeline.model.bundle import read_bundle, rows_of
 from pipeline.model.precision import ExecutionOptions, prepare
 from pipeline.model.program import forward, resolve_device
 from pipeline.model.tuning import BatchSizeCache, bench_batch_sizes, default_cache_path
-from pipeline.sinks import output_format
-from pipeline.sinks.base import Expected, OutputFormat
+from pipeline.sinks import sink_for
+from pipeline.sinks.base import Begun, Expected
 
 # Time spent timing, roughly: half of it the model alone, then the worker's whole path (each of
 # its passes sized to a quarter of it, after one cold pass).
@@ -59,7 +59,9 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     # output that contains or lies inside another, or belongs to another job; rejects inside
     # a dataset).
     ownership.check_write_target(out_root, "output", create_bucket=config.create_output_bucket)
-    nesting.check_run(config, where, storage.locate(config.rejects_uri("plan"), opts))
+    sink = sink_for(config, where, "plan")
+    rejects = storage.locate(config.rejects_uri("plan"), opts)
+    nesting.check_run(config, where, rejects, table_names=sink.places.table_names)
     device = resolve_device(config.device)
     spec, _, sha = read_bundle(config.model, opts)
     found = inspect_shards(config, shards, spec, sha, device, opts)
@@ -129,7 +131,8 @@ def _shard_entries(
     """One plan entry per shard: rows, row groups, bytes and what a run would do with it."""
     infos, failed, problems = found.infos, found.failed, found.schema_problems
     manifest = Manifest.load(where.control, where.old_controls)
-    fmt = output_format(config, where, "plan")
+    # What the output holds now, as a run's lock phase would find it (no lock taken).
+    begun = sink_for(config, where, "plan").state(manifest)
     entries: list[dict[str, Any]] = []
     for s in shards:
         info = infos.get(s.rel_path)
@@ -147,7 +150,7 @@ def _shard_entries(
             entry.update(action=action, problem="; ".join(problems[s.rel_path]))
         else:
             assert info is not None
-            done = not config.force and _done(manifest, s, info, fmt, expect_done)
+            done = not config.force and _done(manifest, s, info, begun, expect_done)
             entry["action"] = "skip (done)" if done else "score"
         entries.append(entry)
     return entries
@@ -157,11 +160,11 @@ def _done(
     manifest: Manifest,
     s: ShardRef,
     info: ShardInfo,
-    fmt: OutputFormat,
+    begun: Begun,
     expect_done: tuple[str, str],
 ) -> bool:
     """Whether a run would skip ``s``: as the lock phase judges it (pipeline.driver.lock), from
-    the manifest entry and what the output format says of the shard's file."""
+    the manifest entry and what the sink says of the shard's file."""
     expect = expectation(s, info, *expect_done)
     if not manifest.matches(s.rel_path, expect):
         return False
@@ -169,7 +172,7 @@ def _done(
     want = Expected(
         entry["rows_scored"], *expect_done, s.rel_path, fingerprint_hash(expect["fingerprint"])
     )
-    return not fmt.is_done(s.rel_path, entry, want)
+    return not begun.done(s.rel_path, entry, want)
 
 
 def _calibrate(config: JobConfig, model: Any, sample_from: Any, plan: Plan) -> dict[str, Any]:

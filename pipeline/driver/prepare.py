@@ -41,7 +41,7 @@ from pipeline.io.locking import refuse_if_held
 from pipeline.model import oov, registry
 from pipeline.model.bundle import BundleSpec, read_bundle
 from pipeline.model.program import resolve_device
-from pipeline.sinks import output_format
+from pipeline.sinks import sink_for
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.sink import output_schema
 
@@ -68,8 +68,8 @@ def prepare(
     # Manifest, report, HTML page, run index and default rejects: outside the template's fixed
     # part, which readers query as one dataset (pipeline.io.layout).
     places = layout.for_run(config, run_id)
-    lock_root = output_format(config, places, run_id).lock_root
-    refuse_if_held(lock_root, config.stale_lock_after_s, f"output {places.output.uri}")
+    sink = sink_for(config, places, run_id)
+    refuse_if_held(sink.places.lock_root, config.stale_lock_after_s, f"output {places.output.uri}")
     rejects = storage.locate(config.rejects_uri(run_id), config.storage)
     # A models:/ URI: ask the registry once, here; from now on the run, its workers and its
     # manifest see the downloaded bundle folder (the report names both).
@@ -91,7 +91,7 @@ def prepare(
     # inside or is the template root of another output of this tool, lies inside another
     # template's root or a control area, or belongs to another job, and rejects inside any
     # dataset, are refused before the model is even loaded.
-    nesting.check_run(config, places, rejects)
+    nesting.check_run(config, places, rejects, table_names=sink.places.table_names)
     device = resolve_device(config.device)
     bundle, _, sha = read_bundle(config.model, opts)
     # Before any worker spec: each output file's footer carries the settings hash.
@@ -118,7 +118,7 @@ def prepare(
     execution = plan_execution(config, shards, failed, found, plan)
     model_warnings += execution.warnings  # logged when found
     meta_types = meta_fields(config, found.infos, failed)
-    schema = _output_schema(config, found, meta_types, failed)
+    schema = _output_schema(config, found, meta_types, failed, one_type=sink.places.table)
     if session is not None and plan.scheduler not in ("local", "threads"):
         # An existing cluster must answer before the run takes the output: an unreachable
         # scheduler fails here, with nothing written.
@@ -131,7 +131,8 @@ def prepare(
         started_at=started_at,
         t0=t0,
         places=places,
-        output_format=output_format(config, places, run_id, schema),
+        sink=sink,
+        schema=schema,
         rejects=rejects,
         source=source,
         shards=tuple(shards),
@@ -154,21 +155,23 @@ def _output_schema(
     found: Inspection,
     meta_types: Mapping[str, pa.Field],
     failed: Mapping[str, ShardResult],
+    *,
+    one_type: bool,
 ) -> pa.Schema | None:
     """The columns every output file of the run has: id, pass-through, outputs, model_version
     (a table's schema is made from it); None when no shard is left to score. An id or
     pass-through column whose types no promotion joins across shards keeps each shard's own
-    type in a folder (with a warning); a Delta table holds one type per column, so there it is
-    refused before anything is written."""
+    type in a folder (with a warning); a table holds one type per column (``one_type``), so
+    there it is refused before anything is written."""
     names = (config.id_column, *config.passthrough)
     missing = [n for n in names if n not in meta_types]
     if len(failed) == len(found.infos):
         return None
     if missing:
-        if config.format == "delta":
+        if one_type:
             raise TableSchemaError(
                 f"input column(s) {', '.join(map(repr, missing))}: the shards' types cannot be "
-                "joined (see the warning above), and a Delta table holds one type per column. "
+                "joined (see the warning above), and a table holds one type per column. "
                 'Cast them to one type upstream, or write a Parquet folder (format = "parquet")',
                 uri=config.output,
             )

@@ -2,7 +2,7 @@
 
 Pointed at a partition (a partition folder as OUTPUT, or ``--partition COLUMN=VALUE``), a
 rollback restores only that partition's files to what the version held, as ONE new commit,
-and leaves every other partition as it is (:func:`pipeline.sinks.delta.table.
+and leaves every other partition as it is (:meth:`pipeline.sinks.tables.TableOps.
 restore_partition`). Pointed at the table (its folder, or a job file: its output template's
 table), it is Delta's RESTORE of the whole table. Either way it first works out what it changes,
 partition by partition, with row counts (:func:`plan`), and hands that to ``announce`` before
@@ -34,8 +34,7 @@ from pipeline.core.errors import UsageError
 from pipeline.driver.tables import Target, labels_of, maintenance, rolled_back
 from pipeline.io import runindex
 from pipeline.report.verdict import default_actor
-from pipeline.sinks.delta import table as delta
-from pipeline.sinks.delta.table import PartitionChange, VersionInfo
+from pipeline.sinks.tables import PartitionChange, VersionInfo
 from pipeline.worker.sketch import sketch
 
 logger = logging.getLogger(__name__)
@@ -94,13 +93,13 @@ def plan(target: Target, to_version: int, partition: Mapping[str, str] | None = 
     :class:`UsageError` for a version it cannot restore, or, for a partition, one whose schema
     the table can no longer read its files with."""
     part = dict(partition) if partition else None
-    infos = delta.history(target.ref)
-    latest, changes = delta.restore_changes(target.ref, to_version, part)
-    gained, problems = delta.restore_schema(target.ref, to_version)
+    infos = target.table.history()
+    latest, changes = target.table.restore_changes(to_version, part)
+    gained, problems = target.table.restore_schema(to_version)
     if part is not None and problems:
         label = "/".join(f"{k}={v}" for k, v in part.items())
         raise UsageError(
-            f"cannot roll {label} of {target.ref.uri} back to version {to_version}: "
+            f"cannot roll {label} of {target.table.uri} back to version {to_version}: "
             f"{'; '.join(problems)}. Roll the whole table back to that version instead (its "
             "schema reverts with it), or a partition to a later version"
         )
@@ -159,7 +158,7 @@ def rollback(
         entry = _act(found, reason.strip(), by or default_actor())
     logger.info(
         "rolled %s%s back to version %d as version %d (%s)",
-        target.ref.uri,
+        target.table.uri,
         f" partition {found.label}" if found.label else "",
         to_version,
         entry["version"],
@@ -170,17 +169,17 @@ def rollback(
 
 def _act(found: Plan, reason: str, who: str) -> dict[str, Any]:
     """Commit the rollback ``found`` planned and record it in the run index."""
-    ref = found.target.ref
+    table = found.target.table
     metadata = {
         "reason": reason,
         "by": who,
         "rolled_back_runs": ",".join(i.run_id or "" for i in found.undone),
     }
     if found.partition is not None:
-        version = delta.restore_partition(ref, found.to_version, found.partition, metadata)
+        version = table.restore_partition(found.to_version, found.partition, metadata)
     else:
         changed = [c.label for c in found.changes if c.label]
-        version = delta.restore(ref, found.to_version, metadata, partitions=changed)
+        version = table.restore(found.to_version, metadata, changed)
     entry = _record(found, version, reason, who)
     if version is None:  # the partition held that version's files after all: nothing done
         return entry
@@ -192,7 +191,7 @@ def _act(found: Plan, reason: str, who: str) -> dict[str, Any]:
     touched = [*found.undone, *(i for i in restored.values() if i is not None)]
     jobs = sorted({str(i.metadata["job"]) for i in touched if i.metadata.get("job")})
     entry["index"] = [
-        runindex.record_rollback(found.target.area.uri, ref.storage_options, job, entry)
+        runindex.record_rollback(found.target.area.uri, table.storage_options, job, entry)
         for job in jobs
     ]
     return entry
@@ -205,7 +204,7 @@ def _record(
     return {
         "event": "rollback",
         "scope": "partition" if found.partition is not None else "table",
-        "table": found.target.ref.uri,
+        "table": found.target.table.uri,
         "partition": found.label,
         "from_version": found.from_version,
         "to_version": found.to_version,
@@ -254,22 +253,20 @@ def _partition_record(found: Plan, label: str, info: VersionInfo | None) -> dict
     """What a partition holds again after the rollback, for the next run's drift: its run, its
     rows and score sketches (from that run's index entry, else read back from the table)."""
     target = found.target
-    output = target.ref.location.child(label).uri if label else target.ref.location.uri
+    output = target.table.location.child(label).uri if label else target.table.location.uri
     record: dict[str, Any] = {"partition": label or None, "output": output}
     if info is None:
         return {**record, "run_id": None, "rows_out": 0, "outputs": {}}
     record["run_id"] = info.run_id
     job = info.metadata.get("job")
-    entry = runindex.entry(target.area.uri, target.ref.storage_options, job, info.run_id)
+    entry = runindex.entry(target.area.uri, target.table.storage_options, job, info.run_id)
     if entry is not None and entry.get("outputs"):
         record["rows_out"] = entry.get("rows_out")
         record["outputs"] = entry["outputs"]
         return record
     columns = [c for c in (info.metadata.get("outputs") or "").split(",") if c]
     values = dict(s.partition("=")[::2] for s in label.split("/") if s) if label else None
-    table = delta.read(
-        target.ref, version=found.to_version, partition=values, columns=columns or None
-    )
+    table = target.table.read(found.to_version, values, columns or None)
     record["rows_out"] = table.num_rows
     record["outputs"] = _sketches(table, columns)
     return record
@@ -307,7 +304,7 @@ def _change_line(c: PartitionChange) -> str:
 
 def plan_text(found: Plan, *, dry_run: bool) -> str:
     """What a rollback is about to do (or, ``dry_run``, would do), printed before it acts."""
-    uri, n = found.target.ref.uri, len(found.changes)
+    uri, n = found.target.table.uri, len(found.changes)
     what = (
         f"partition {found.label} of {uri}" if found.label else f"the whole table {uri} (RESTORE)"
     )

@@ -126,12 +126,9 @@ class ScoringRun:
         report = ""
         if self.failure is not None and self.failure.written and self.prepared is not None:
             report = f" (report: {self.prepared.control.child(REPORT_NAME).uri})"
-        return StorageError(f"run {self.run_id} failed: {why}{self._landed()}{report}", uri=where)
-
-    def _landed(self) -> str:
-        """A run that failed after its table commit landed says so (finish.landed_commit)."""
-        landed = finish.landed_commit(self.prepared) if self.prepared is not None else None
-        return f"; {landed}" if landed else ""
+        landed = finish.landed_commit(e)  # a run that failed after its table commit landed
+        note = f"; {landed}" if landed else ""
+        return StorageError(f"run {self.run_id} failed: {why}{note}{report}", uri=where)
 
     def _report_failure(self, prepared: Prepared, e: Exception) -> None:
         cleared = self.locked.cleared if self.locked is not None else ()

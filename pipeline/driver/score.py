@@ -101,7 +101,7 @@ def _spec(prepared: Prepared, locked: Locked, *, progress: bool) -> WorkerSpec:
         model_version=reg.pinned if reg is not None else "",
         fence=Fence(lock.root.uri, lock.run_id, lock.token),
         signals=run_signals(on_cluster=session is not None, progress=progress),
-        file_facts=prepared.output_format.file_facts,
+        file_facts=prepared.sink.writer().file_facts,
     )
 
 
@@ -116,7 +116,7 @@ def _record(prepared: Prepared, locked: Locked, result: ShardResult) -> None:
         return
     s = prepared.by_path[result.rel_path]
     entry = scored_entry(s.uri, prepared.expectation(s), result, prepared.run_id)
-    entry.update(prepared.output_format.commit_shard(result.written))
+    entry.update(prepared.sink.entry_of(result.written))
     locked.manifest.record(result.rel_path, entry)
 
 

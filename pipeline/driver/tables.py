@@ -1,10 +1,12 @@
-"""A Delta table's history and maintenance: ``history``, ``optimize``, ``vacuum`` (and the
-lock and versions ``rollback`` shares: :mod:`pipeline.driver.rollback`).
+"""A table's history and maintenance: ``history``, ``optimize``, ``vacuum`` (and the lock and
+versions ``rollback`` shares: :mod:`pipeline.driver.rollback`), through the table's
+:class:`~pipeline.sinks.tables.TableOps`, whatever its format.
 
 What a command is pointed at (``OUTPUT``) is a table's root, one of its partitions' folders,
-or a job file (its output template's table): :func:`locate`. Rollback, optimize and vacuum
-change the table's log for every partition at once, so each takes the *table lock* in the
-table's control area (:func:`pipeline.sinks.delta.sink.table_lock_root`) and refuses, naming the
+or a job file (its output template's table): :func:`pipeline.sinks.locate_table`. Rollback,
+optimize and vacuum change the table's log for every partition at once, so each takes the
+*table lock* in the table's control area (:func:`pipeline.sinks.tables.table_lock_root`) and
+refuses, naming the
 holder, while any partition's run lock is held by a live run (:func:`maintenance`). Runs check
 the table lock right after taking their own: the two never overlap, while runs on different
 partitions of one table still run at once.
@@ -19,72 +21,28 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pipeline.core import config as cfg
-from pipeline.core import jobfile, runcontext
-from pipeline.core.errors import LockError, NotATableError
-from pipeline.core.templates import below, control_area, fixed_part
+from pipeline.core import runcontext
+from pipeline.core.errors import LockError
 from pipeline.io import layout, runindex, storage
 from pipeline.io.layout import LOCK_NAME
 from pipeline.io.locking import RunLock, holder_text, live_holder
-from pipeline.io.storage import Location
 from pipeline.report.verdict import default_actor
-from pipeline.sinks.delta import table as delta
-from pipeline.sinks.delta.sink import TABLE_LOCK_DIR, partition_label, table_lock_root
-from pipeline.sinks.delta.table import TableRef, VersionInfo
+from pipeline.sinks import TableTarget, locate_table
+from pipeline.sinks.naming import partition_label
+from pipeline.sinks.tables import TABLE_LOCK_DIR, VersionInfo, table_lock_root
 
 logger = logging.getLogger(__name__)
 
 #: How long a partition's run lock counts as held without a heartbeat (the job key's default:
 #: these commands have no job to read ``stale_lock_after_s`` from).
 STALE_AFTER_S = float(cfg.setting("stale_lock_after_s").default)
-_MAX_UP = 64  # folders walked up from OUTPUT looking for the table's _delta_log/
 
-
-@dataclass(frozen=True)
-class Target:
-    """The table a command works on, and the partition it was pointed at (None: all)."""
-
-    ref: TableRef
-    partition: dict[str, str] | None
-    area: Location  # the table's control area: run index, table lock, partitions' locks
-
-    @property
-    def label(self) -> str | None:
-        return partition_label(self.partition) if self.partition else None
-
-
-def locate(output: str, options: Mapping[str, Any] | None = None) -> Target:
-    """The table ``output`` names: a job file (``*.toml``: its output template's table, its
-    ``[storage]`` options), or a path or URI of the table's root or of a partition folder."""
-    opts = dict(options or {})
-    if output.endswith(".toml") and Path(output).is_file():
-        job = jobfile.build_config(output)
-        opts = {**dict(job.storage), **opts}
-        loc = storage.locate(fixed_part(job.output)[0], opts)
-    else:
-        loc = storage.locate(output, opts)
-    root = _table_above(loc)
-    rest = below(root.path, loc.path)
-    partition = dict(s.partition("=")[::2] for s in rest.split("/") if s) if rest else None
-    ref = TableRef.of(root.uri, opts)
-    area_uri = control_area(root.uri)
-    return Target(ref, partition, storage.sibling(root, area_uri))
-
-
-def _table_above(loc: Location) -> Location:
-    """``loc`` or the nearest folder above it holding a ``_delta_log/``."""
-    for folder in [loc, *layout.ancestors(loc)][:_MAX_UP]:
-        if storage.exists(folder.child("_delta_log")):
-            return folder
-    raise NotATableError(
-        f"no Delta table at {loc.uri} or above it (no _delta_log/): give the table's folder, a "
-        'partition folder in it, or the job file of a job with format = "delta"',
-        uri=loc.uri,
-    )
+#: The table a command works on (``pipeline.sinks.locate_table``).
+Target = TableTarget
+locate = locate_table
 
 
 # --------------------------------------------------------------------------- the table lock
@@ -113,14 +71,14 @@ def maintenance(target: Target, command: str) -> Iterator[RunLock]:
         table_lock_root(target.area),
         f"{command}-{runcontext.new_run_id()}",
         stale_after_s=STALE_AFTER_S,
-        what=f"the Delta table {target.ref.uri}",
+        what=f"the {target.table.kind} {target.table.uri}",
     )
     try:
         busy = running(target)
         if busy:
             shown = "; ".join(f"{holder_text(h)} ({uri})" for uri, h in busy[:5])
             raise LockError(
-                f"{command} of {target.ref.uri} refused: {len(busy)} run(s) on its partitions "
+                f"{command} of {target.table.uri} refused: {len(busy)} run(s) on its partitions "
                 f"are in progress: {shown}. Nothing was changed; run it again once they are done"
             )
         yield lock
@@ -172,7 +130,7 @@ def history(target: Target, limit: int | None = None) -> list[dict[str, Any]]:
     """The table's versions, newest first (of the partition pointed at, and every version
     that is not a run's commit: restores, compactions, vacuums), each as ``score-catalog
     history`` shows it."""
-    infos = delta.history(target.ref)
+    infos = target.table.history()
     undone = rolled_back(infos)
     rows = []
     for info in infos:
@@ -213,7 +171,7 @@ def _mark_drift(target: Target, rows: list[dict[str, Any]]) -> None:
     """A committed run whose drift alert is open, or was accepted, says so in its status (from
     its run index entry beside the table): a drifted night must not read as a clean one."""
     accepted: dict[str, set[Any]] = {}
-    opts = target.ref.storage_options
+    opts = target.table.storage_options
     for r in rows:
         if r["status"] != "committed" or not r.get("job"):
             continue
@@ -236,7 +194,7 @@ def history_table(target: Target, rows: list[dict[str, Any]]) -> str:
     """``history``'s rows for the terminal."""
     where = f" partition {target.label}" if target.label else ""
     lines = [
-        f"Delta table {target.ref.uri}{where}: {len(rows)} version(s), newest first",
+        f"Delta table {target.table.uri}{where}: {len(rows)} version(s), newest first",
         f"  {'version':>7}  {'time (UTC)':<25} {'status':<26} {'run':<24} {'model':<12} "
         f"{'rows':>10}  partition / detail",
     ]
@@ -265,9 +223,9 @@ def optimize(
     the table lock: one OPTIMIZE version, the same rows for readers."""
     part = dict(partition) if partition else target.partition
     with maintenance(target, "optimize"):
-        metrics = delta.optimize(target.ref, part, target_size, metadata={"by": default_actor()})
+        metrics = target.table.optimize(part, target_size, {"by": default_actor()})
     return {
-        "table": target.ref.uri,
+        "table": target.table.uri,
         "partition": partition_label(part) if part else None,
         **metrics,
     }
@@ -281,11 +239,5 @@ def vacuum(
     under the table lock. Files no version lists (a run's uncommitted output) are never
     touched."""
     with maintenance(target, "vacuum"):
-        files = delta.vacuum(
-            target.ref,
-            retention_hours,
-            dry_run,
-            force=force,
-            metadata={"by": default_actor()},
-        )
-    return {"table": target.ref.uri, "dry_run": dry_run, "files": files}
+        files = target.table.vacuum(retention_hours, dry_run, force, {"by": default_actor()})
+    return {"table": target.table.uri, "dry_run": dry_run, "files": files}

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.core import retries
-from pipeline.core.errors import LockError, StorageError
+from pipeline.core.errors import LockError, PipelineError, StorageError
 from pipeline.io import storage
 from pipeline.io.layout import HEARTBEAT_PREFIX, LOCK_NAME, TAKEOVER_PREFIX
 from pipeline.io.storage import Location
@@ -438,14 +438,7 @@ class RunLock:
                 continue  # released between our create and our read: try again
             if held.get("token") == me["token"]:
                 break  # our create landed although its answer was lost (then retried)
-            beat, now = _last_beat(root, held), time.time()
-            # A heartbeat stamped in the future: judged by when the storage saw it written.
-            written = _last_written(root, held) if beat - now > stale_after_s else None
-            reason = _stale_reason(held, beat, stale_after_s, now, written)
-            if reason is None:
-                skewed = beat - now > stale_after_s and not _same_machine(held, _identity())
-                note = _skew_note(held, beat, now, stale_after_s, written) if skewed else None
-                raise _locked_error(what or f"output {root.uri}", loc, held, stale_after_s, note)
+            reason = _judge(root, held, stale_after_s, what or f"output {root.uri}")
             if _take_over(root, loc, held, me):
                 took_over = {k: v for k, v in held.items() if k != "token"} | {"reason": reason}
                 logger.warning("taking over the stale lock %s: %s", loc.uri, reason)
@@ -567,14 +560,32 @@ def live_holder(root: Location, stale_after_s: float) -> dict[str, Any] | None:
     return None if _stale_reason(held, beat, stale_after_s, now, written) else held
 
 
+def _judge(root: Location, held: Mapping[str, Any], stale_after_s: float, what: str) -> str:
+    """Why the lock ``held`` at ``root`` is stale (it may be taken over); raises the
+    :class:`LockError` naming its holder while it is not."""
+    beat, now = _last_beat(root, held), time.time()
+    # A heartbeat stamped in the future: judged by when the storage saw it written.
+    written = _last_written(root, held) if beat - now > stale_after_s else None
+    reason = _stale_reason(held, beat, stale_after_s, now, written)
+    if reason is None:
+        skewed = beat - now > stale_after_s and not _same_machine(held, _identity())
+        note = _skew_note(held, beat, now, stale_after_s, written) if skewed else None
+        raise _locked_error(what, root.child(LOCK_NAME), held, stale_after_s, note)
+    return reason
+
+
 def refuse_if_held(root: Location, stale_after_s: float, what: str) -> None:
     """Raise the :class:`LockError` :meth:`RunLock.acquire` would, read only, while a live run
     holds the lock at ``root``: a run refused at once instead of after its start-up (a Dask
     cluster, the model, every footer: about 7 s on the demo job here). Taking the lock later
-    decides; this only spares the wait."""
-    held = live_holder(root, stale_after_s)
-    if held is not None:
-        raise _locked_error(what, root.child(LOCK_NAME), held, stale_after_s)
+    decides; this only spares the wait, so a lock that cannot be read here (an output under a
+    file, no credentials yet) is left to the checks that say what is wrong with it."""
+    try:
+        held = _read_lock(root.child(LOCK_NAME))
+    except (OSError, PipelineError):
+        return
+    if held:
+        _judge(root, held, stale_after_s, what)
 
 
 def assert_holder(

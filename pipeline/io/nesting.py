@@ -62,38 +62,46 @@ _LOG = "_delta_log"
 _DATED = re.compile(r"^(?P<key>[^=/]+=)?\d{4}-\d{2}-\d{2}$")
 
 
-def check(out: Location, root: Location | None = None, table: Location | None = None) -> None:
+def check(
+    out: Location,
+    root: Location | None = None,
+    table: Location | None = None,
+    table_names: tuple[str, ...] = (_LOG,),
+) -> None:
     """Refuse ``out`` when it lies inside a control or default rejects area, contains an output
     of this tool or a Delta table, lies inside one, lies inside the root of another template
     than its own (``root``: the real fixed part of the run's template; None: not checked), or
     is the fixed part of a template another job writes under (its run index says so).
 
-    ``table``: the Delta table ``out`` is a partition of (or is, unpartitioned), for ``format
-    = "delta"``; its own ``_delta_log/`` is no sign of another output. None: a Parquet folder,
-    which no table log may be in, above or below."""
+    ``table``: the table ``out`` is a partition of (or is, unpartitioned); what it keeps in
+    its root (``table_names``: a Delta table's ``_delta_log/``) is no sign of another output.
+    None: a Parquet folder, which no table log may be in, above or below."""
     out = storage.real_path(out)
     if table is not None:
         table = storage.real_path(table)
     _refuse_in_area("output", out)
     files = storage.list_files(out)
     if table is not None and _same(table, out):
-        files = [f for f in files if not f.startswith(_LOG + "/")]
+        files = [f for f in files if f.split("/")[0] not in table_names]
     _refuse_outputs_below(out, files)
     _refuse_inside_another(out, root, table)
     _refuse_template_root(out, files)
 
 
-def check_run(config: JobConfig, where: layout.Places, rejects: Location) -> None:
+def check_run(
+    config: JobConfig, where: layout.Places, rejects: Location, *, table_names: tuple[str, ...] = ()
+) -> None:
     """Everything a run checks about its places before it writes anything: its output is in
     no control area, is no other job's (:func:`check_owner`), does not nest
-    (:func:`check`), and its rejects lie in no dataset (:func:`check_rejects`). A Delta
-    table's partition (``format = "delta"``) lies in its own table: the template's root."""
+    (:func:`check`), and its rejects lie in no dataset (:func:`check_rejects`).
+    ``table_names``: what the output's table keeps in its root besides its partitions (a Delta
+    table's ``_delta_log``): a table's partition lies in its own table, the template's root."""
     root = own_root(config)
     _refuse_in_area("output", storage.real_path(where.output))
     check_owner(where, owner_record(config, where))
-    check(where.output, root, root if config.format == "delta" else None)
+    check(where.output, root, root if table_names else None, table_names)
     check_rejects(rejects, root, config.output, explicit=config.rejects is not None)
-    check_root(config, root)
+    check_root(config, root, table_names)
 
 
 def own_root(config: JobConfig) -> Location:
@@ -385,7 +393,7 @@ _OWN_IN_ROOT = frozenset(
 _SHOWN = 5
 
 
-def check_root(config: JobConfig, root: Location) -> None:
+def check_root(config: JobConfig, root: Location, table_names: tuple[str, ...] = ()) -> None:
     """Refuse (exit 2, before anything is written or moved) a template whose fixed part ``root``
     (real path) holds anything but this template's outputs.
 
@@ -395,8 +403,9 @@ def check_root(config: JobConfig, root: Location) -> None:
     * the root's direct children: each must be a folder named as the template's first segment
       below the root expands (``run_date=<YYYY-MM-DD>`` for ``data/scored/run_date={date}``);
       names starting with ``.`` (readers skip them), this tool's own folders (a root without a
-      parent keeps its control files there; older layouts are moved out by the run) and, for
-      ``format = "delta"``, the table's ``_delta_log`` are allowed. A file is foreign.
+      parent keeps its control files there; older layouts are moved out by the run) and what a
+      table keeps in its root (``table_names``: a Delta table's ``_delta_log``) are allowed. A
+      file is foreign.
     * the run index in the root's control area: the newest entry of each job must have written
       an output this template names (another template with the same first segment,
       ``run_date={date}/v2``, passes the first check).
@@ -413,7 +422,7 @@ def check_root(config: JobConfig, root: Location) -> None:
     foreign = [
         loc.name + ("" if is_dir else " (a file)")
         for loc, is_dir in entries
-        if not _root_child_ok(loc.name, is_dir, first, delta=config.format == "delta")
+        if not _root_child_ok(loc.name, is_dir, first, table_names)
     ]
     if foreign:
         shown = ", ".join(foreign[:_SHOWN])
@@ -435,12 +444,14 @@ _ROOT_WHY = (
 )
 
 
-def _root_child_ok(name: str, is_dir: bool, first: re.Pattern[str], *, delta: bool) -> bool:
+def _root_child_ok(
+    name: str, is_dir: bool, first: re.Pattern[str], table_names: tuple[str, ...]
+) -> bool:
     if name.startswith("."):
         return True  # hidden: every reader skips it
     if not is_dir:
         return False
-    if name in _OWN_IN_ROOT or (delta and name == _LOG):
+    if name in _OWN_IN_ROOT or name in table_names:
         return True
     return first.fullmatch(name) is not None
 

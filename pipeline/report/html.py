@@ -351,9 +351,10 @@ def _environment(r: ReportData) -> str:
     out.append("<h3>Locations</h3>")
     out.append(kv([("input", r["input"]), ("output", r["output"]), ("rejects", r["rejects"])]))
     fmt = r.get("output_format")
-    if fmt is not None and fmt.get("format") == "delta":
-        # The Delta table's commit: the version readers see, and the token that made it once.
-        out.append("<h3>Delta table</h3>" + kv(list(fmt.items())))
+    if fmt is not None and fmt.get("title"):
+        # A table's commit: the version readers see, and the token that made it once.
+        shown = [(k, v) for k, v in fmt.items() if k not in ("title", "summary")]
+        out.append(f"<h3>{esc(str(fmt['title']))}</h3>" + kv(shown))
     return "".join(out)
 
 

@@ -142,16 +142,16 @@ def registry_for(
 
 
 def _table_gauge(reg: CollectorRegistry, job: str, fmt: Any) -> None:
-    """The Delta table's version after the last run (``format = "delta"``), labelled with the
-    partition it wrote (empty: an unpartitioned table); no sample for a Parquet folder or a
-    run that never read the table."""
+    """The table's version after the last run (a table format's ``output_format.version``),
+    labelled with the partition it wrote (empty: an unpartitioned table); no sample for a
+    Parquet folder or a run that never read the table."""
     g = Gauge(
         f"{PREFIX}_table_version",
-        "Version of the Delta table after the last run (its commit, or the version it left).",
+        "Version of the table after the last run (its commit, or the version it left).",
         [JOB_LABEL, "partition"],
         registry=reg,
     )
-    if not isinstance(fmt, Mapping) or fmt.get("format") != "delta":
+    if not isinstance(fmt, Mapping) or not fmt.get("table"):
         return
     version = _number(fmt.get("version"))
     if version is not None:

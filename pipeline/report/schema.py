@@ -411,8 +411,11 @@ class OutputFormatCore(TypedDict):
 
 class OutputFormatSection(OutputFormatCore, total=False):
     """``output_format``: where the scores went (pipeline.sinks): the format, and, for a
-    Delta table, what it says of the run's commit (``pipeline.sinks.delta.sink``)."""
+    table, what it says of the run's commit, with the heading and summary line the report
+    renders without knowing the format."""
 
+    title: str
+    summary: str
     table: str
     partition: str | None
     app_id: str

@@ -89,23 +89,12 @@ def _grouped_errors(d: Mapping[str, Any], errors: list[dict[str, Any]]) -> list[
 
 
 def _table_lines(d: Mapping[str, Any]) -> list[str]:
-    """``table`` under ``output`` for a Delta table (``format = "delta"``): its version after
-    the run, the partition, and whether this run committed it."""
+    """``table`` under ``output`` for a table: the line its sink wrote into the report's
+    ``output_format`` (``summary``: its version after the run, the partition, whether this run
+    committed it); none for a Parquet folder."""
     fmt = d.get("output_format") or {}
-    if fmt.get("format") != "delta":
-        return []
-    where = f" partition {fmt['partition']}" if fmt.get("partition") else ""
-    version = fmt.get("version")
-    if fmt.get("committed"):
-        what = f"committed version {version} (run version {fmt.get('run_version')})"
-    elif (fmt.get("recovered") or {}).get("table_version") is not None:
-        rec = fmt["recovered"]
-        what = f"version {version}: committed by run {rec.get('run_id')} before it stopped"
-    elif version is not None:
-        what = f"version {version}, no new commit"
-    else:
-        what = "nothing committed"
-    return [f"  table     {fmt.get('table')}{where}: {what}"]
+    summary = fmt.get("summary")
+    return [f"  table     {summary}"] if summary else []
 
 
 def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
@@ -194,12 +183,12 @@ def _shard_lines(shards: list[dict[str, Any]], max_shards: int) -> list[str]:
 def rolled_back_by(
     data: Mapping[str, Any], options: Mapping[str, Any] | None = None
 ) -> dict[str, Any] | None:
-    """The rollback that undid this run's Delta commit (``score-catalog rollback``, recorded in
+    """The rollback that undid this run's table commit (``score-catalog rollback``, recorded in
     the run index beside the table), or None: the run's report still describes its run, and
     without this line a reader of the report would take rows the table no longer holds as
     served. None for a Parquet folder, or when the index cannot be read."""
     fmt = data.get("output_format")
-    if not isinstance(fmt, Mapping) or fmt.get("format") != "delta" or not fmt.get("table"):
+    if not isinstance(fmt, Mapping) or not fmt.get("table"):
         return None
     try:
         records = runindex.rollbacks(

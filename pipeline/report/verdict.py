@@ -185,7 +185,12 @@ class _Acceptances:
 
 
 def _baseline(
-    config: JobConfig, data: Mapping[str, Any], dataset: str, index_root: str
+    config: JobConfig,
+    data: Mapping[str, Any],
+    dataset: str,
+    index_root: str,
+    *,
+    versioned: bool = False,
 ) -> dict[str, Any] | None:
     """The newest earlier dataset of the job whose verdict was clean or accepted.
 
@@ -228,7 +233,7 @@ def _baseline(
     # partitions' baselines stand.
     restores = runindex.rollbacks(index_root, config.storage, config.name)
     undone = {r for rec in restores for r in rec.get("rolled_back") or []}
-    if config.format == "delta":
+    if versioned:
         # A table keeps its versions: a partition's new version is compared with the newest
         # clean or accepted version of the same partition (or, after a rollback, the one
         # restored); only a
@@ -308,11 +313,16 @@ def _restored(restores: list[dict[str, Any]], job: str) -> list[dict[str, Any]]:
 
 
 def _compare(
-    config: JobConfig, data: Mapping[str, Any], dataset: str, index_root: str
+    config: JobConfig,
+    data: Mapping[str, Any],
+    dataset: str,
+    index_root: str,
+    *,
+    versioned: bool = False,
 ) -> tuple[dict[str, Any], bool]:
     """The drift section against the baseline, and whether the index could be read."""
     try:
-        baseline = _baseline(config, data, dataset, index_root)
+        baseline = _baseline(config, data, dataset, index_root, versioned=versioned)
     except Exception as e:  # drift is a check on top of a finished run: never fail it
         logger.warning("could not read the run index at %s: %s", index_root, e)
         return {"baseline": None, "note": f"run index unreadable: {e}"}, False
@@ -332,13 +342,19 @@ def _compare(
 
 
 def judge(
-    config: JobConfig, data: Mapping[str, Any], manifest: Manifest, index_root: str
+    config: JobConfig,
+    data: Mapping[str, Any],
+    manifest: Manifest,
+    index_root: str,
+    *,
+    versioned: bool = False,
 ) -> Judgement:
     """The drift verdict on the dataset the output now holds (``manifest.shards``).
 
     Kept from the manifest when it judged this same dataset (with the same thresholds), else
-    compared afresh with its baseline (:func:`_baseline`). An alert is open unless the
-    run index records its acceptance (:func:`accept`).
+    compared afresh with its baseline (:func:`_baseline`; ``versioned``: the output is a
+    table's partition, which keeps its versions). An alert is open unless the run index
+    records its acceptance (:func:`accept`).
     """
     if not config.monitoring.drift:
         return Judgement()
@@ -351,7 +367,7 @@ def judge(
         judged_by = str(manifest.verdict.get("run_id"))
         judged_at = str(manifest.verdict.get("judged_at"))
     else:
-        drift, complete = _compare(config, data, dataset, index_root)
+        drift, complete = _compare(config, data, dataset, index_root, versioned=versioned)
         judged_by, judged_at = str(data["run_id"]), str(data["finished_at"])
     record = {
         "version": RECORD_VERSION,

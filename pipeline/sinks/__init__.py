@@ -1,34 +1,75 @@
-"""Output formats: where a run's scores go, behind one small protocol
-(:mod:`pipeline.sinks.base`), so that the driver is the same whatever the format. The
-Parquet folder is the first (:mod:`pipeline.sinks.folder.sink`); a Delta table's partition the
-second (:mod:`pipeline.sinks.delta.sink`), on its two lower sides,
-:mod:`~pipeline.sinks.delta.stats` (the worker's: stats from a file's footer, pyarrow only)
-and :mod:`~pipeline.sinks.delta.table` (the driver's: the one commit per run, snapshot,
-history, maintenance)."""
+"""Where a run's scores go: one seam (:mod:`pipeline.sinks.base`), one package per format
+(:mod:`~pipeline.sinks.folder`, :mod:`~pipeline.sinks.delta`), and :func:`sink_for`, the only
+place a format is named. Dask workers import the seam's values only (pyarrow, no table client);
+a format's package is imported here, by the driver, downward."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from pipeline.core import jobfile
+from pipeline.core.errors import NotATableError
+from pipeline.core.templates import below, control_area, fixed_part
+from pipeline.io import storage
 from pipeline.io.layout import Places
-from pipeline.sinks.base import OutputFormat
-from pipeline.sinks.folder.sink import ParquetFolder
+from pipeline.io.storage import Location
+from pipeline.sinks.base import Sink
+from pipeline.sinks.naming import partition_label
+from pipeline.sinks.tables import TableOps
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-
     from pipeline.core.config import JobConfig
 
 
-def output_format(
-    config: JobConfig, places: Places, run_id: str, schema: pa.Schema | None = None
-) -> OutputFormat:
-    """The format of a run's output (``config.format``) at ``places``; ``schema`` is the run's
-    output schema, which a table checks (and creates) its own against."""
+def sink_for(config: JobConfig, places: Places, run_id: str) -> Sink[Any, Any]:
+    """The sink of a run of ``config`` whose output is at ``places`` (``config.format``)."""
     if config.format == "delta":
-        # Downward and only here: Dask workers import this package (the seam's base) and must
-        # never load deltalake (a forked worker that calls delta-rs after its parent did panics).
-        from pipeline.sinks.delta.sink import DeltaOutput
+        # Downward and only here: a forked Dask worker that calls delta-rs after its parent
+        # did panics, so no worker module may import it.
+        from pipeline.sinks.delta.sink import DeltaSink
 
-        return DeltaOutput.of(config, places, run_id, schema)
-    return ParquetFolder(places.output, dict(config.storage))
+        return DeltaSink.of(config, places, run_id)
+    from pipeline.sinks.folder.sink import FolderSink
+
+    return FolderSink(places.output, dict(config.storage))
+
+
+@dataclass(frozen=True)
+class TableTarget:
+    """The table a maintenance command works on, and the partition it was pointed at."""
+
+    table: TableOps
+    partition: dict[str, str] | None  # None: the whole table
+    area: Location  # the table's control area: run index, table lock, partitions' locks
+
+    @property
+    def label(self) -> str | None:
+        return partition_label(self.partition) if self.partition else None
+
+
+def locate_table(output: str, options: Mapping[str, Any] | None = None) -> TableTarget:
+    """The table ``output`` names: a job file (``*.toml``: its output template's table, its
+    ``[storage]`` options), or a path or URI of the table's root or of a partition folder."""
+    opts = dict(options or {})
+    if output.endswith(".toml") and Path(output).is_file():
+        job = jobfile.build_config(output)
+        opts = {**dict(job.storage), **opts}
+        loc = storage.locate(fixed_part(job.output)[0], opts)
+    else:
+        loc = storage.locate(output, opts)
+    from pipeline.sinks.delta.ops import table_above  # downward, as sink_for
+
+    found = table_above(loc, opts)
+    if found is None:
+        raise NotATableError(
+            f"no table at {loc.uri} or above it (no _delta_log/): give the table's folder, a "
+            'partition folder in it, or the job file of a job with format = "delta"',
+            uri=loc.uri,
+        )
+    table, root = found
+    rest = below(root.path, loc.path)
+    partition = dict(s.partition("=")[::2] for s in rest.split("/") if s) if rest else None
+    return TableTarget(table, partition, storage.sibling(root, control_area(root.uri)))

@@ -1,58 +1,61 @@
-"""The output-format seam: where a run's scores go, as a small protocol.
+"""The sink seam: where a run's scores go, as a few calls that take and return frozen values.
 
-An :class:`OutputFormat` is to a run what Ray Data's ``Datasink`` (``on_write_start``, ``write``,
+A :class:`Sink` is to a run what Ray Data's ``Datasink`` (``on_write_start``, ``write``,
 ``on_write_complete``, ``on_write_failed``) and Daft's ``DataSink`` (``start``, ``write``,
-``finalize``) are to theirs: the driver calls the same methods whatever the format, and a new
-format is a new implementation, not a fork of the driver. Today's one is the Parquet folder
-(:class:`pipeline.sinks.folder.sink.ParquetFolder`); a table format (Delta Lake) is the next.
+``finalize``) are to theirs. :func:`pipeline.sinks.sink_for` makes one per run (the only place a
+format is named); it holds only what the job says, and nothing a call finds is kept on it: each
+call returns a value the driver hands to the next. In the order a run calls them:
 
-In the order a run calls them:
+====================  ===========================  =============================================
+phase                 call                         what a reader of the output sees after it
+====================  ===========================  =============================================
+prepare (no lock)     ``check(mode)``              unchanged (a foreign output, a table that
+                                                   does not fit the run: refused here)
+lock                  ``begin(manifest, ...)``     unchanged; a table is made (empty) or its
+                      -> :class:`Begun`            schema evolved; the folder's ``_SUCCESS``
+                                                   was withdrawn before (``abort``)
+plan (no lock)        ``state(manifest)``          unchanged (``plan``, a backfill's check)
+                      -> :class:`Begun`
+score (workers)       ``writer()``                 unchanged for a table (files no version
+                      -> :class:`WriterSpec`       lists); the folder's files are replaced one
+                                                   by one as shards finish
+finish                ``plan(begun, ...)``         unchanged (pure: what goes and why)
+                      -> :class:`WritePlan`
+                      ``delete_stale(plan)``       the folder: outputs of shards no longer
+                                                   wanted are gone; a table: unchanged (files of
+                                                   runs that never committed deleted)
+                      ``verify(begun, plan, ...)`` unchanged
+commit                ``commit(begun, plan, ...)`` a table: the run's version, whole
+                      -> :class:`Committed`
+                      ``seal(begun, committed)``   the folder: ``_SUCCESS``; a table: unchanged
+                                                   (its token settled)
+on failure            ``abort()``                  the folder: no ``_SUCCESS``; a table: the
+                                                   previous version, whole
+report                ``section(begun, committed)`` -
+====================  ===========================  =============================================
 
-* before the lock: :meth:`~OutputFormat.check_owner` refuses an output this tool did not write;
-  the run lock is taken at :attr:`~OutputFormat.lock_root` (inside the folder; beside a table,
-  inside which nothing but data may live), and given up at once while a lock in
-  :attr:`~OutputFormat.exclusive_with` is held (a table's maintenance);
-* ``start`` (once the lock is held): the output is marked as this tool's
-  (:attr:`~OutputFormat.mark`, the folder's only), :meth:`~OutputFormat.withdraw` withdraws what
-  says the previous run's output is complete (the folder's ``_SUCCESS``; a table keeps its
-  versions), :meth:`~OutputFormat.begin` reads where the previous run left the output (a table:
-  its snapshot, whether the previous run's pending commit landed, the schema), then
-  :meth:`~OutputFormat.replace_foreign` and :meth:`~OutputFormat.clear` (what is in the way);
-* per shard: the worker writes the shard's data file at :meth:`~OutputFormat.target` (the
-  folder: a stable name that replaces the old file; a table: a fresh name per run, since older
-  versions keep their files) and returns what it knows of it (:class:`WrittenFile`: size, and
-  the facts the format's :attr:`~OutputFormat.file_facts` computes from the file's footer in the
-  worker); the driver keeps what :meth:`~OutputFormat.commit_shard` says in the manifest entry;
-  resume asks :meth:`~OutputFormat.is_done` (the manifest entry and what readers see agree);
-* ``finalize``: :meth:`~OutputFormat.settle` takes out of the visible dataset what the run does
-  not vouch for (the folder deletes files its manifest lists; a table prepares remove actions),
-  :meth:`~OutputFormat.verify` checks what readers see against the report, and, when the run
-  succeeded, :meth:`~OutputFormat.commit_run` makes the run's data visible as one version (a
-  table: one transaction, idempotent by the run's token) before the report is written, and
-  :meth:`~OutputFormat.seal` marks it complete after the report (the folder: ``_SUCCESS``);
-* on failure: :meth:`~OutputFormat.withdraw` again (a commit that failed half-way).
-
-:meth:`~OutputFormat.describe` is the report's ``output_format`` section;
-:meth:`~OutputFormat.sealed` says, without a run, whether the output holds a complete run (a
-backfill skips such a day); :attr:`~OutputFormat.dataset` is what readers query as one dataset
-(outputs never nest: ``pipeline.io.nesting``).
+Workers see only :class:`WriterSpec` (pyarrow only: a Dask worker forked from a driver that
+used a table client must never call it) and return a :class:`WrittenFile` per shard, of which
+``entry_of`` says what the manifest keeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
+
+import pyarrow as pa
 
 from pipeline.io.manifest import Manifest
 from pipeline.io.ownership import ForeignFiles
 from pipeline.io.storage import Location
+from pipeline.sinks.naming import data_file_name
 
 #: What a worker computes of a data file it wrote, from the file's Parquet footer
 #: (``pyarrow.parquet.FileMetaData``) and the floating-point columns it saw a NaN in (footers
-#: leave NaN out of min/max, so such a column's bounds are no bounds: Delta's
-#: ``deltastats.file_stats(metadata, nan_free=...)``): module-level and picklable (it travels in
-#: the worker spec), and pyarrow only (workers are forked: no table-format client there).
+#: leave NaN out of min/max): module-level and picklable (it travels in the worker spec), and
+#: pyarrow only.
 FileFacts = Callable[[Any, frozenset[str]], dict[str, Any]]
 
 
@@ -62,7 +65,7 @@ class WrittenFile:
 
     uri: str
     size: int  # bytes
-    facts: Mapping[str, Any] = field(default_factory=dict)  # the format's file_facts
+    facts: Mapping[str, Any] = field(default_factory=dict)  # the sink's file_facts
 
 
 @dataclass(frozen=True)
@@ -79,30 +82,6 @@ class Removal:
         return {"output": self.output, "reason": self.reason, "rejects": self.rejects}
 
 
-@dataclass
-class Reconciliation:
-    """What reconciling did (``OutputFormat.settle``): outputs removed, and visible files it
-    would not touch (not the run's to delete)."""
-
-    removed: list[Removal] = field(default_factory=list)
-    foreign: list[str] = field(default_factory=list)
-    #: The removals take effect only when the run commits (a table's remove actions): a run
-    #: that does not commit removed nothing, and its report lists none.
-    pending: bool = False
-
-
-@dataclass(frozen=True)
-class Committed:
-    """What :meth:`OutputFormat.commit_run` made visible: the format's words for it (a table's
-    version), for the report's ``output_format`` section."""
-
-    details: Mapping[str, Any] = field(default_factory=dict)
-    #: The run's data is visible to readers now (a table's version): a stop that arrives after
-    #: this cannot undo it, so the run's outcome stands as committed. The folder's data becomes
-    #: complete only with its seal.
-    visible: bool = False
-
-
 @dataclass(frozen=True)
 class Expected:
     """What an output file's footer must say to be the output the report (or manifest) lists."""
@@ -114,13 +93,130 @@ class Expected:
     input_fingerprint: str | None = None
 
 
-class OutputFormat(Protocol):
-    """Where a run's scores go (see the module doc for the order of the calls)."""
+@dataclass(frozen=True)
+class SinkPlaces:
+    """Where a sink keeps what a run needs to know before it begins."""
+
+    output: Location  # the run's output: a folder, or a table's partition folder
+    dataset: Location  # what readers query as one dataset (the table's root for a partition)
+    lock_root: Location  # the run lock's folder (beside a table: nothing but data inside it)
+    #: Lock folders whose live holder keeps a run out (a table's maintenance): checked right
+    #: after the run took its own lock.
+    exclusive_with: tuple[Location, ...] = ()
+    #: The empty file that marks the output as this tool's, written when a run takes it (the
+    #: folder's ``_SCORE_CATALOG``); None: nothing is written inside (a table's log says whose).
+    mark: str | None = None
+    #: A table: one schema for all its partitions (an id or pass-through column whose types no
+    #: promotion joins is refused), and it keeps its versions (a partition's new version is
+    #: compared, for drift, with that partition's previous one).
+    table: bool = False
+    #: What a table keeps in its root besides its partitions (Delta's ``_delta_log``).
+    table_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WriterSpec:
+    """What the workers need of the sink, for every shard: where a shard's file goes
+    (:meth:`target`) and what they compute of it. Picklable, pyarrow only."""
+
+    root: str  # URI of the folder data files go to (a table's partition folder)
+    #: "stable": the shard's relative path, replaced each run (a folder); "per_run": a fresh
+    #: name in each run, flat in ``root`` (a table keeps older versions' files).
+    naming: str = "stable"
+    file_facts: FileFacts | None = None
+
+    def target(self, rel_path: str, run_id: str) -> str:
+        """The URI of shard ``rel_path``'s data file in run ``run_id``."""
+        name = rel_path if self.naming == "stable" else data_file_name(rel_path, run_id)
+        sep = "" if self.root.endswith("/") else "/"
+        return f"{self.root}{sep}{name}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the run's shards leave in the output: :meth:`Sink.plan`'s question."""
+
+    keep: frozenset[str]  # shards scored or skipped now, and those not attempted
+    ours: frozenset[str]  # what the manifest listed when the run took the output
+    reasons: Mapping[str, str]  # shards whose previous output goes, and why
+
+
+class Begun(Protocol):
+    """What the output held when the run took it (or, from :meth:`Sink.state`, holds now)."""
 
     @property
-    def root(self) -> Location:
-        """The output: a folder of Parquet files, or a table's folder."""
+    def cleared(self) -> tuple[Removal, ...]:
+        """Outputs taken away before scoring (their input changed shape)."""
         ...
+
+    @property
+    def foreign(self) -> ForeignFiles:
+        """Files this tool did not write, deleted or kept (``on_foreign_output``)."""
+        ...
+
+    @property
+    def complete(self) -> bool:
+        """Whether the output holds a complete run (a backfill skips such a day)."""
+        ...
+
+    def done(self, rel_path: str, entry: Mapping[str, Any], expected: Expected) -> list[str]:
+        """Why shard ``rel_path``, which the manifest ``entry`` says is done, is not (its file
+        is gone, or its footer says otherwise); empty when it is done."""
+        ...
+
+
+class WritePlan(Protocol):
+    """What the run's finish takes out of the visible dataset, decided without changing it."""
+
+    @property
+    def removed(self) -> tuple[Removal, ...]:
+        """What readers stop seeing, and why (the report's ``removed_outputs``)."""
+        ...
+
+    @property
+    def foreign(self) -> tuple[str, ...]:
+        """Visible files the run will not touch (not its to delete), relative paths."""
+        ...
+
+    @property
+    def at_commit(self) -> bool:
+        """The removals take effect with the commit (a table's): a run that does not commit
+        removes nothing, and its report lists none."""
+        ...
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What :meth:`Sink.commit` made visible."""
+
+    #: The run's data is visible to readers now (a table's version): a stop that arrives after
+    #: this cannot undo it, so the run's outcome stands as committed. The folder's data becomes
+    #: complete only with its seal.
+    visible: bool = False
+    version: int | None = None  # a table's version readers see now
+    made: bool = False  # this run made that version (else it held the output already)
+    details: Mapping[str, Any] = field(default_factory=dict)  # the format's words for it
+
+
+@dataclass(frozen=True)
+class Section:
+    """The report's ``output_format``: the format's own keys, and the generic ones the report
+    renders without knowing the format (a table's summary line, its heading on the page, the
+    version a metric carries)."""
+
+    details: Mapping[str, Any]
+
+    def public(self) -> dict[str, Any]:
+        return dict(self.details)
+
+
+BegunT = TypeVar("BegunT", bound=Begun)
+PlanT = TypeVar("PlanT", bound=WritePlan)
+
+
+class Sink(Protocol, Generic[BegunT, PlanT]):
+    """Where one run's scores go (see the module doc for the order of the calls). Generic in
+    the values its format hands on: each call takes back the ones an earlier call returned."""
 
     @property
     def name(self) -> str:
@@ -128,105 +224,72 @@ class OutputFormat(Protocol):
         ...
 
     @property
-    def file_facts(self) -> FileFacts | None:
-        """What a worker computes of each data file it writes (None: nothing but its size)."""
+    def places(self) -> SinkPlaces: ...
+
+    def check(self, mode: str, schema: pa.Schema | None) -> None:
+        """Refuse, before the lock is taken and read only, an output holding what this tool
+        did not write (``mode``: ``on_foreign_output``), or one the run's output (``schema``;
+        None: nothing will be written) cannot go to (a table of another schema)."""
         ...
 
-    @property
-    def dataset(self) -> Location:
-        """What readers query as one dataset, that this output is part of: the folder itself;
-        the table's root for one of its partitions."""
+    def state(self, manifest: Manifest) -> BegunT:
+        """What the output holds now, read only, without the lock: ``plan`` and a backfill's
+        question whether a day is complete."""
         ...
 
-    @property
-    def lock_root(self) -> Location:
-        """The folder holding the run lock (``_lock.json``): the output folder itself; a
-        partition's control folder for a table (nothing but data inside a table)."""
+    def begin(
+        self,
+        manifest: Manifest,
+        rejects: Location,
+        wanted: tuple[str, ...],
+        mode: str,
+        schema: pa.Schema | None,
+    ) -> BegunT:
+        """Under the run lock: make the output ready for the shards ``wanted`` and the run's
+        output ``schema`` (a table made or its schema evolved; files of ours in the way taken
+        away; with ``mode`` "replace", foreign files deleted), bring ``manifest`` up to date with
+        what the output holds (a table: whether the previous run's commit landed), and say what
+        it found."""
         ...
 
-    @property
-    def exclusive_with(self) -> tuple[Location, ...]:
-        """Lock folders whose live holder keeps a run out (a table's maintenance lock): checked
-        right after the run took its own lock."""
+    def writer(self) -> WriterSpec:
+        """What the workers need (see :class:`WriterSpec`)."""
         ...
 
-    @property
-    def mark(self) -> str | None:
-        """The empty file that marks the output as this tool's, written when a run takes it
-        (the folder's ``_SCORE_CATALOG``); None: nothing is written inside (a table's log says
-        whose it is)."""
+    def entry_of(self, written: WrittenFile | None) -> dict[str, Any]:
+        """What the manifest entry of a shard keeps of the file it wrote."""
         ...
 
-    def check_owner(self, mode: str) -> None:
-        """Refuse, before the lock is taken, an output holding what this tool did not write
-        (``mode``: ``on_foreign_output``, "refuse" or "replace")."""
+    def plan(self, begun: BegunT, manifest: Manifest, outcome: Outcome, rejects: Location) -> PlanT:
+        """What goes from the visible dataset, and why: pure (reads only)."""
         ...
 
-    def withdraw(self) -> None:
+    def delete_stale(self, plan: PlanT) -> tuple[Removal, ...]:
+        """Delete now what ``plan`` says goes now (the folder's outputs of shards no longer
+        wanted, with their rejects; a table's files of runs that never committed, which no
+        reader sees); returns the removals done (the folder's), for the report."""
+        ...
+
+    def verify(
+        self, begun: BegunT, plan: PlanT, manifest: Manifest, expected: Mapping[str, Expected]
+    ) -> list[str]:
+        """How what a reader would see after the commit differs from the report
+        (``expected``: each shard in it)."""
+        ...
+
+    def commit(self, begun: BegunT, plan: PlanT, manifest: Manifest, run_id: str) -> Committed:
+        """Make the run's data visible as one version (a table), after the run succeeded and
+        before its report is written; the manifest records it."""
+        ...
+
+    def seal(self, begun: BegunT, manifest: Manifest, committed: Committed) -> None:
+        """The last write of a successful run, after its report (the folder: ``_SUCCESS``)."""
+        ...
+
+    def abort(self) -> None:
         """Make the visible dataset stop claiming a complete run (idempotent)."""
         ...
 
-    def begin(self, manifest: Manifest) -> None:
-        """Once the lock is held and the manifest loaded: read where the previous run left the
-        output and bring ``manifest`` up to date with it (a table: whether its pending commit
-        landed; its schema made or checked). The folder has nothing to do."""
-        ...
-
-    def replace_foreign(self, ours: set[str]) -> ForeignFiles:
-        """With ``on_foreign_output = "replace"``: delete the data files this tool did not
-        write (``ours``: what the manifest lists)."""
-        ...
-
-    def clear(self, rejects: Location, wanted: Iterable[str], ours: set[str]) -> list[Removal]:
-        """Before scoring: take away outputs of ours that the shards ``wanted`` cannot be
-        written beside (the folder: a file where a folder must go, or the reverse)."""
-        ...
-
-    def target(self, rel_path: str, run_id: str) -> str:
-        """Where the worker writes the data file of shard ``rel_path`` in run ``run_id``."""
-        ...
-
-    def is_done(self, rel_path: str, entry: Mapping[str, Any], expected: Expected) -> list[str]:
-        """Why shard ``rel_path``, which the manifest ``entry`` says is done, is not (the file
-        is gone, or its footer says otherwise); empty when it is done."""
-        ...
-
-    def commit_shard(self, written: WrittenFile | None) -> dict[str, Any]:
-        """What the manifest entry of a shard keeps of the file it wrote (for the run's commit,
-        and for later runs); the folder keeps nothing more than the entry has."""
-        ...
-
-    def settle(
-        self,
-        rejects: Location,
-        keep: set[str],
-        ours: set[str],
-        reasons: Mapping[str, str],
-    ) -> Reconciliation:
-        """Take out of the visible dataset what the run does not vouch for (``keep``: the
-        shards scored or skipped now, and those not attempted; ``ours``: what the manifest
-        lists; ``reasons``: why a shard's previous output goes)."""
-        ...
-
-    def verify(self, expected: Mapping[str, Expected]) -> list[str]:
-        """How what a reader sees differs from the report (``expected``: each shard in it)."""
-        ...
-
-    def commit_run(self, run_id: str, entries: Mapping[str, Mapping[str, Any]]) -> Committed:
-        """Make the run's data visible as one version (``entries``: the manifest's, by shard),
-        after the run succeeded and before its report is written."""
-        ...
-
-    def seal(self) -> None:
-        """Mark the output complete: the last write of a successful run."""
-        ...
-
-    def describe(self, committed: Committed | None) -> dict[str, Any]:
-        """The report's ``output_format`` section (of ``committed``, or of what the output
-        holds when the run committed nothing)."""
-        ...
-
-    def sealed(self) -> bool:
-        """Whether the output holds a complete run now (the folder: ``_SUCCESS``; a table: its
-        partition holds exactly the files of the manifest's last commit), read without a lock."""
+    def section(self, begun: BegunT | None, committed: Committed | None) -> Section:
+        """The report's ``output_format`` (of ``committed``, or of what the output held)."""
         ...

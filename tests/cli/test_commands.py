@@ -29,6 +29,8 @@ NO_FLAG = {
     "monitoring.psi_threshold",
     "monitoring.ks_threshold",
     "monitoring.rows_change_threshold",
+    "delta.log_retention_days",
+    "delta.deleted_file_retention_days",
 }
 
 

@@ -73,7 +73,7 @@ def test_prepare_learns_everything_and_writes_nothing(
     assert prepared.failed["part-00009.parquet"].kind == FailureKind.UNREADABLE
     assert prepared.session is None  # scheduler sync: shards are scored in this process
     assert prepared.execution.batch_size == 64
-    assert prepared.output_format.name == "parquet_folder"
+    assert prepared.sink.name == "parquet_folder"
     s = prepared.shards[0]
     assert prepared.task(s).output_uri == str(Path(config.output) / s.rel_path)
     assert prepared.task(s).num_rows == SIZES[0]

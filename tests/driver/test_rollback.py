@@ -13,7 +13,9 @@ from pipeline.core.errors import UsageError
 from pipeline.driver.rollback import scope
 from pipeline.driver.tables import Target, rolled_back
 from pipeline.io import storage
-from pipeline.sinks.delta.table import TableRef, VersionInfo
+from pipeline.sinks.delta.ops import DeltaTableOps
+from pipeline.sinks.delta.table import TableRef
+from pipeline.sinks.tables import VersionInfo
 
 T0 = dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)
 
@@ -60,8 +62,8 @@ def test_a_rollback_that_undoes_a_rollback_serves_its_runs_again() -> None:
 
 def test_the_partition_is_the_folder_or_the_option_and_they_must_agree(tmp_path: Path) -> None:
     area = storage.locate(str(tmp_path / "_score_catalog"))
-    table = Target(TableRef.of(str(tmp_path / "scored")), None, area)
-    folder = Target(table.ref, {"d": "1"}, area)
+    table = Target(DeltaTableOps(TableRef.of(str(tmp_path / "scored"))), None, area)
+    folder = Target(table.table, {"d": "1"}, area)
     assert scope(table, None) is None
     assert scope(table, {"d": "2"}) == {"d": "2"}
     assert scope(folder, None) == {"d": "1"}

@@ -409,10 +409,12 @@ def test_removed_outputs_are_listed_with_their_reason() -> None:
     assert "part-00009.parquet" in page and "its input shard no longer exists" in page
 
 
-def test_a_delta_tables_version_and_partition_are_on_the_page() -> None:
+def test_a_tables_section_is_on_the_page_as_its_sink_titled_it() -> None:
     r = full_report()
     r["output_format"] = {
         "format": "delta",
+        "title": "Delta table",
+        "summary": "s3://bucket/scored partition run_date=2026-12-01: committed version 17",
         "table": "s3://bucket/scored",
         "partition": "run_date=2026-12-01",
         "app_id": "score-catalog/nightly/run_date=2026-12-01",

@@ -5,6 +5,7 @@ finds."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,8 +27,9 @@ from pipeline.io.ownership import (
     written_by_us,
 )
 from pipeline.io.parquet import read_footer
-from pipeline.sinks.base import Expected
-from pipeline.sinks.folder.sink import reconcile, verify
+from pipeline.io.storage import Location
+from pipeline.sinks.base import Expected, Outcome, Removal
+from pipeline.sinks.folder.sink import delete_stale, plan_removals, verify
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.sink import output_schema, rejects_schema
 
@@ -51,6 +53,20 @@ def _ours(path: Path, rows: int, sha: str = SHA, source: str = "", fp: str = "")
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path, row_group_size=max(1, rows // 3))
+
+
+@dataclass
+class _Reconciled:
+    removed: list[Removal]
+    foreign: list[str]
+
+
+def reconcile(
+    out: Location, rej: Location, *, keep: set[str], ours: set[str], reasons: dict[str, str]
+) -> _Reconciled:
+    """The folder sink's finish on ``out``: its plan (pure), then what it deletes."""
+    plan = plan_removals(out, rej, Outcome(frozenset(keep), frozenset(ours), reasons))
+    return _Reconciled(list(delete_stale(plan, None)), list(plan.foreign))
 
 
 def _theirs(path: Path, rows: int = 10) -> None:

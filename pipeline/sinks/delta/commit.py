@@ -66,8 +66,9 @@ from pipeline.sinks.delta.client import (
 )
 from pipeline.sinks.delta.log import version_of
 from pipeline.sinks.delta.schema import schema_changes, table_schema
-from pipeline.sinks.delta.snapshot import TableFile, table_files
+from pipeline.sinks.delta.snapshot import table_files
 from pipeline.sinks.delta.stats import NewFile, check_partition_values, stats_problem
+from pipeline.sinks.tables import TableFile
 
 logger = logging.getLogger(__name__)
 

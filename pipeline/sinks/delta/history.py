@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from deltalake import DeltaTable
@@ -27,24 +26,7 @@ from pipeline.sinks.delta.client import (
     delta_errors,
     open_table,
 )
-
-
-@dataclass(frozen=True)
-class VersionInfo:
-    """One version of the table, as ``score-catalog history`` shows it."""
-
-    version: int
-    timestamp: dt.datetime  # UTC
-    operation: str  # WRITE, CREATE TABLE, RESTORE, OPTIMIZE, VACUUM START/END, ADD COLUMN ...
-    run_id: str | None
-    model_sha256: str | None
-    rows: int | None
-    partition: str | None
-    #: Every ``score_catalog.`` key of the commit, without the prefix.
-    metadata: Mapping[str, str]
-    #: What a version that is not a run did, in words ("restored version 3").
-    detail: str
-    engine: str | None
+from pipeline.sinks.tables import VersionInfo
 
 
 def _detail(entry: Mapping[str, Any]) -> str:

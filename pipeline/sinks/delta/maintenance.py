@@ -27,8 +27,9 @@ from pipeline.sinks.delta.client import (
     partition_columns,
     prefixed,
 )
-from pipeline.sinks.delta.snapshot import TableFile, in_partition, table_files
+from pipeline.sinks.delta.snapshot import in_partition, table_files
 from pipeline.sinks.delta.stats import file_stats, nan_columns
+from pipeline.sinks.tables import TableFile
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import pyarrow as pa
 from deltalake import DeltaTable
@@ -37,8 +36,9 @@ from pipeline.sinks.delta.client import (
 from pipeline.sinks.delta.commit import footer
 from pipeline.sinks.delta.log import log_stats
 from pipeline.sinks.delta.schema import delta_types, type_name
-from pipeline.sinks.delta.snapshot import TableFile, in_partition, snapshot, table_files
+from pipeline.sinks.delta.snapshot import in_partition, snapshot, table_files
 from pipeline.sinks.delta.stats import file_stats
+from pipeline.sinks.tables import PartitionChange, TableFile, rows_of
 
 logger = logging.getLogger(__name__)
 
@@ -98,45 +98,6 @@ def restore(
     at = latest + 1
     logger.info("restored %s to version %d as version %d", ref.uri, version, at)
     return at
-
-
-@dataclass(frozen=True)
-class PartitionChange:
-    """One partition's data files now and at the version a rollback restores: what
-    :func:`restore` (the whole table) or :func:`restore_partition` (this partition) changes."""
-
-    label: str  # run_date=2026-12-01 ('/'-joined for several columns; '' unpartitioned)
-    now: tuple[TableFile, ...]
-    then: tuple[TableFile, ...]
-
-    @property
-    def removed(self) -> tuple[TableFile, ...]:
-        """The files it holds now that it did not hold then."""
-        then = {f.path for f in self.then}
-        return tuple(f for f in self.now if f.path not in then)
-
-    @property
-    def re_added(self) -> tuple[TableFile, ...]:
-        """The files it held then that it no longer holds."""
-        now = {f.path for f in self.now}
-        return tuple(f for f in self.then if f.path not in now)
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.removed or self.re_added)
-
-    @property
-    def rows_now(self) -> int | None:
-        return _rows_of(self.now)
-
-    @property
-    def rows_then(self) -> int | None:
-        return _rows_of(self.then)
-
-
-def _rows_of(files: Sequence[TableFile]) -> int | None:
-    counts = [f.rows for f in files]
-    return None if any(c is None for c in counts) else sum(c for c in counts if c is not None)
 
 
 def _label_of(f: TableFile, columns: Sequence[str]) -> str:
@@ -300,7 +261,7 @@ def _partition_info(
         }
     )
     for key, files in ((ROWS_ADDED, change.re_added), (ROWS_REMOVED, change.removed)):
-        rows = _rows_of(files)
+        rows = rows_of(files)
         if rows is not None:
             info[METADATA_PREFIX + key] = str(rows)
     return info

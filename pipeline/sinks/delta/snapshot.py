@@ -11,17 +11,7 @@ from deltalake import DeltaTable
 
 from pipeline.core.errors import UsageError
 from pipeline.sinks.delta.client import TableRef, delta_errors, open_table, partition_columns
-
-
-@dataclass(frozen=True)
-class TableFile:
-    """A data file in the table at a snapshot."""
-
-    path: str  # relative to the table's root, as in the log
-    size: int
-    partition_values: Mapping[str, str | None]
-    rows: int | None  # numRecords from its stats; None when it has none
-    modification_time: int  # ms since the epoch
+from pipeline.sinks.tables import TableFile
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,25 +18,26 @@ from pipeline.sinks.delta.client import (
     WRITER_PROPERTY,
     WRITER_PROPERTY_VALUE,
     TableRef,
+    now_ms,
     one_line,
     open_table,
     table_exists,
 )
 from pipeline.sinks.delta.commit import commit
 from pipeline.sinks.delta.create import check_table, ensure_table
-from pipeline.sinks.delta.history import VersionInfo, history
+from pipeline.sinks.delta.history import history
 from pipeline.sinks.delta.log import version_of
 from pipeline.sinks.delta.maintenance import optimize, vacuum
 from pipeline.sinks.delta.options import delta_storage_options
 from pipeline.sinks.delta.read import read
 from pipeline.sinks.delta.restore import (
-    PartitionChange,
     restore,
     restore_changes,
     restore_partition,
     restore_schema,
 )
-from pipeline.sinks.delta.snapshot import Snapshot, TableFile, snapshot
+from pipeline.sinks.delta.snapshot import Snapshot, snapshot
+from pipeline.sinks.tables import PartitionChange, TableFile, VersionInfo
 
 __all__ = [
     "DEFAULT_DELETED_FILE_RETENTION_DAYS",
@@ -61,6 +62,7 @@ __all__ = [
     "delta_storage_options",
     "ensure_table",
     "history",
+    "now_ms",
     "one_line",
     "open_table",
     "optimize",

@@ -1,28 +1,28 @@
-"""The Parquet folder: today's output format, one scored Parquet file per input shard.
+"""``format = "parquet"``: one scored Parquet file per input shard, ``_SUCCESS`` when complete.
 
-The first implementation of the seam (:class:`pipeline.sinks.base.OutputFormat`):
-:class:`ParquetFolder`. A worker writes each shard's file under a stable name (its input's
-relative path) that replaces the previous run's file in one rename; the visible dataset is
-complete when ``_SUCCESS`` is there, written last.
+The seam's first implementation (:class:`pipeline.sinks.base.Sink`): :class:`FolderSink`. A
+worker writes each shard's file under a stable name (its input's relative path) that replaces
+the previous run's file in one rename; the visible dataset is complete when ``_SUCCESS`` is
+there, written last.
 
 Making the visible output equal the run's report before ``_SUCCESS`` is written: a reader of the
 output folder (pyarrow.dataset, pandas, Dask, DuckDB, Polars, Spark) sees every Parquet file in it
 whose path has no component starting with ``_`` or ``.``. After a run that set must be exactly one
 scored file per current input shard that was scored or skipped, all written by this tool for the
-run's model and settings. Upstream events break that if nothing mends it: an input shard deleted or
-compacted leaves its old output behind (stale or duplicated rows), a shard that fails this run keeps
-last night's output, a schema-skipped shard keeps a previous model's rows. :func:`reconcile` removes
-those, and :func:`verify` checks what is left against the report from the files' own footers;
-``_SUCCESS`` is written only when it finds nothing wrong.
+run's model and settings. Upstream events break that if nothing mends it: an input shard deleted
+or compacted leaves its old output behind (stale or duplicated rows), a shard that fails this run
+keeps last night's output, a schema-skipped shard keeps a previous model's rows.
+:func:`plan_removals` decides which go (:func:`delete_stale` deletes them), and :func:`verify`
+checks what is left against the report from the files' own footers; ``_SUCCESS`` is written only
+when it finds nothing wrong.
 
 What this output holds of its own is what its manifest lists: only those files are ever
-deleted by a run. The key-value metadata in the footer of every output file
-(:func:`footer_metadata`) says that this tool wrote a file, not that this output did (a file
-copied in from another output carries it too): it lets :func:`check_output_owner` accept a
-folder a crashed run left before its first manifest save, and :func:`verify` check what a
-reader sees, but a file the manifest does not list is never deleted unless the job says
-``on_foreign_output = "replace"`` (:func:`remove_foreign`). :func:`check_output_owner` refuses
-a foreign output folder before anything is written.
+deleted by a run. The key-value metadata in the footer of every output file says that this tool
+wrote a file, not that this output did (a file copied in from another output carries it too): it
+lets the owner check accept a folder a crashed run left before its first manifest save, and
+:func:`verify` check what a reader sees, but a file the manifest does not list is never deleted
+unless the job says ``on_foreign_output = "replace"``. A foreign output folder is refused before
+anything is written.
 """
 
 from __future__ import annotations
@@ -32,56 +32,32 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.core.errors import ConfigError, ShardError
+import pyarrow as pa
+
+from pipeline.core.errors import ConfigError
 from pipeline.io import layout, ownership, storage
-from pipeline.io.layout import (
-    DATA_SUFFIXES,
-    INPUT_FINGERPRINT_KEY,
-    INPUT_KEY,
-    LEGACY_REJECTS,
-    MODEL_SHA_KEY,
-    SETTINGS_KEY,
-    is_visible,
-)
+from pipeline.io.layout import DATA_SUFFIXES, LEGACY_REJECTS, is_visible
 from pipeline.io.manifest import Manifest
 from pipeline.io.ownership import REPLACE_FLAG, ForeignFiles, is_data, remove_rejects
-from pipeline.io.parquet import read_footer
 from pipeline.io.storage import Location
 from pipeline.sinks.base import (
     Committed,
     Expected,
-    FileFacts,
-    Reconciliation,
+    Outcome,
     Removal,
+    Section,
+    SinkPlaces,
+    WriterSpec,
     WrittenFile,
 )
+from pipeline.sinks.files import clear_rejects_way, file_problems, in_the_way
 
 logger = logging.getLogger(__name__)
 
 SHAPE_REASON = (
     "its input shard changed shape (a file became a folder of the same name, or the reverse)"
 )
-
-
-def _in_the_way(files: set[str], wanted: Iterable[str]) -> dict[str, list[str]]:
-    """Files below a root that keep the paths ``wanted`` from being written: for each wanted
-    path, an existing file where one of its folders must go, or the files below a folder of
-    its very name. Returns obstacle -> the files to take away (itself, or its contents)."""
-    below: dict[str, list[str]] = {}
-    for f in sorted(files):
-        parts = f.split("/")
-        for i in range(1, len(parts)):
-            below.setdefault("/".join(parts[:i]), []).append(f)
-    found: dict[str, list[str]] = {}
-    for rel in wanted:
-        parts = rel.split("/")
-        for i in range(1, len(parts)):
-            folder = "/".join(parts[:i])
-            if folder in files:
-                found[folder] = [folder]
-        if rel in below:
-            found[rel] = below[rel]
-    return found
+STALE_REASON = "its input shard no longer exists"
 
 
 def clear_the_way(
@@ -101,7 +77,7 @@ def clear_the_way(
     :class:`ConfigError` naming it, and nothing is removed.
     """
     wanted = list(wanted)
-    blocking = _in_the_way(set(storage.list_files(out_root)), wanted)
+    blocking = in_the_way(set(storage.list_files(out_root)), wanted)
     for files in blocking.values():
         for f in files:
             if f not in ours:
@@ -121,69 +97,81 @@ def clear_the_way(
         if files != [obstacle]:  # a folder: empty now, or holding another output's rejects
             storage.remove_empty_folders(out_root.child(obstacle))
             storage.remove_empty_folders(rej_root.child(obstacle))
-    _clear_rejects_way(out_root, rej_root, wanted, options)
+    clear_rejects_way(out_root, rej_root, wanted, options)
     return removed
 
 
-def _clear_rejects_way(
-    out_root: Location, rej_root: Location, wanted: list[str], options: Mapping[str, Any] | None
-) -> None:
-    """The same in the rejects tree, for rejects whose output was already gone."""
-    for obstacle, files in _in_the_way(set(storage.list_files(rej_root)), wanted).items():
-        for f in files:
-            if remove_rejects(rej_root.child(f), out_root.child(f), options) is None:
-                raise ConfigError(
-                    f"rejects {rej_root.uri}: {rej_root.child(f).uri} is in the way of the "
-                    "rejects of an input shard that changed shape, and holds rows of another "
-                    "output. Nothing was removed; move it away and run again."
-                )
-        if files != [obstacle]:
-            storage.remove_empty_folders(rej_root.child(obstacle))
+@dataclass(frozen=True)
+class FolderPlan:
+    """What the finish takes out of the folder (:func:`plan_removals`)."""
+
+    out_root: Location
+    rej_root: Location
+    goes: tuple[tuple[str, str], ...]  # (relative path, why) of each output of ours that goes
+    foreign: tuple[str, ...]  # visible files neither kept nor ours: never deleted, reported
+    files: tuple[str, ...]  # every file below the output, as listed
+    rejects_gone: tuple[str, ...]  # shards no longer in the dataset whose rejects may linger
+    known: frozenset[str]  # every shard this run knows (their legacy rejects go)
+
+    @property
+    def removed(self) -> tuple[Removal, ...]:
+        return ()  # what is removed is known once deleted (delete_stale's result)
+
+    @property
+    def at_commit(self) -> bool:
+        return False
 
 
-def reconcile(
-    out_root: Location,
-    rej_root: Location,
-    keep: set[str],
-    ours: set[str],
-    reasons: Mapping[str, str],
-    options: Mapping[str, Any] | None = None,
-) -> Reconciliation:
-    """Remove every visible output of ours that is not in ``keep``, with its rejects.
+def plan_removals(out_root: Location, rej_root: Location, outcome: Outcome) -> FolderPlan:
+    """Every visible output of ours that is not in ``outcome.keep`` goes, with its rejects.
 
-    ``keep``: relative paths of shards scored or skipped in this run (their outputs stay).
-    ``ours``: relative paths this output's manifest lists (its entries as the run found them,
-    before it forgot failed shards). ``reasons``: why a relative path is no longer wanted
-    (failed this run, skipped by the schema policy); anything else in ``ours`` lost its input
-    shard. A visible file in neither set is never deleted, whatever its footer says (a scored
-    file copied in from another output carries this tool's mark too): it is only listed, and
-    :func:`verify` then refuses ``_SUCCESS`` if it is data. A folder below the output that a
-    removal leaves without visible files loses its ``_SUCCESS`` too: it no longer has the data
-    that ``_SUCCESS`` vouched for.
+    ``keep``: relative paths of shards scored or skipped in this run (their outputs stay), and
+    those not attempted. ``ours``: relative paths this output's manifest lists (its entries as
+    the run found them, before it forgot failed shards). ``reasons``: why a relative path is no
+    longer wanted (failed this run, skipped by the schema policy); anything else in ``ours``
+    lost its input shard. A visible file in neither set is never deleted, whatever its footer
+    says (a scored file copied in from another output carries this tool's mark too): it is
+    only listed, and :func:`verify` then refuses ``_SUCCESS`` if it is data.
     """
-    result = Reconciliation()
     files = storage.list_files(out_root)
-    for rel in [r for r in files if is_visible(r)]:
-        if rel in keep:
-            continue
+    goes, foreign = [], []
+    for rel in [r for r in files if is_visible(r) and r not in outcome.keep]:
+        if rel in outcome.ours:
+            goes.append((rel, outcome.reasons.get(rel, STALE_REASON)))
+        else:
+            foreign.append(rel)
+    gone = (outcome.ours | set(outcome.reasons)) - outcome.keep
+    return FolderPlan(
+        out_root=out_root,
+        rej_root=rej_root,
+        goes=tuple(goes),
+        foreign=tuple(foreign),
+        files=tuple(files),
+        rejects_gone=tuple(sorted(gone)),
+        known=frozenset(outcome.ours | outcome.keep | set(outcome.reasons)),
+    )
+
+
+def delete_stale(plan: FolderPlan, options: Mapping[str, Any] | None) -> tuple[Removal, ...]:
+    """Delete what ``plan`` says goes, each output with its rejects; a folder below the output
+    that a removal leaves without visible files loses its ``_SUCCESS`` too (it no longer has the
+    data it vouched for)."""
+    out_root, rej_root = plan.out_root, plan.rej_root
+    removed = []
+    for rel, reason in plan.goes:
         loc = out_root.child(rel)
-        if rel not in ours:
-            result.foreign.append(rel)
-            continue
-        reason = reasons.get(rel, "its input shard no longer exists")
         storage.remove(loc)  # the output first: a crash in between leaves orphan rejects only
         rejects = remove_rejects(rej_root.child(rel), loc, options)
-        removal = Removal(rel, loc.uri, reason, rejects)
-        logger.warning("removed %s from the output: %s", removal.output, reason)
-        result.removed.append(removal)
-    _withdraw_emptied_successes(out_root, files, {r.rel_path for r in result.removed})
-    gone = (ours | set(reasons)) - keep
+        removed.append(Removal(rel, loc.uri, reason, rejects))
+        logger.warning("removed %s from the output: %s", loc.uri, reason)
+    _withdraw_emptied_successes(out_root, list(plan.files), {r.rel_path for r in removed})
     # Rejects of shards that are no longer in the dataset, whose output was already missing.
+    gone = set(plan.rejects_gone)
     for rel in storage.list_files(rej_root):
         if is_visible(rel) and rel in gone:
             remove_rejects(rej_root.child(rel), out_root.child(rel), options)
-    _remove_legacy_rejects(out_root, rej_root, ours | keep | set(reasons))
-    return result
+    _remove_legacy_rejects(out_root, rej_root, set(plan.known))
+    return tuple(removed)
 
 
 def _withdraw_emptied_successes(out_root: Location, files: list[str], removed: set[str]) -> None:
@@ -255,58 +243,29 @@ def verify(
     return problems
 
 
-def file_problems(
-    loc: Location, expected: Expected, options: Mapping[str, Any] | None = None
-) -> list[str]:
-    """How one output file differs from what it should be, from its footer alone (a missing or
-    unreadable file is one problem)."""
-    try:
-        info = read_footer(loc.uri, options)
-    except ShardError as e:
-        return [f"{loc.uri} cannot be read back: {e}"]
-    problems = []
-    if info.num_rows != expected.rows:
-        problems.append(f"{loc.uri} holds {info.num_rows} rows, the report says {expected.rows}")
-    meta = info.schema.metadata or {}
-    sha = meta.get(MODEL_SHA_KEY, b"").decode()
-    if sha != expected.model_sha256:
-        problems.append(
-            f"{loc.uri} was scored by model {sha[:12] or 'unknown'}, not this run's "
-            f"{expected.model_sha256[:12]}"
-        )
-    found = meta.get(SETTINGS_KEY, b"").decode()
-    if expected.settings_hash is not None and found != expected.settings_hash:
-        problems.append(
-            f"{loc.uri} was scored with settings {found or 'unknown'}, not this run's "
-            f"{expected.settings_hash}"
-        )
-    return problems + _input_problems(loc, meta, expected)
+@dataclass(frozen=True)
+class FolderBegun:
+    """What a folder held when the run took it: the files are the state (the checks read them)."""
 
+    root: Location
+    options: Mapping[str, Any]
+    listed: frozenset[str] = frozenset()  # the shards the manifest lists
+    cleared: tuple[Removal, ...] = ()
+    foreign: ForeignFiles = field(default_factory=ForeignFiles)
 
-def _input_problems(loc: Location, meta: Mapping[bytes, bytes], expected: Expected) -> list[str]:
-    """Whether the file names the input shard, and the version of it, it should come from."""
-    if expected.input_rel is None or INPUT_KEY not in meta:
-        return []  # not checked, or written before outputs named their input
-    source = meta[INPUT_KEY].decode()
-    if source != expected.input_rel:
-        return [
-            f"{loc.uri} was scored from input shard {source}, not {expected.input_rel} (copied "
-            "or renamed by hand?)"
-        ]
-    found = meta.get(INPUT_FINGERPRINT_KEY, b"").decode()
-    if expected.input_fingerprint is not None and found != expected.input_fingerprint:
-        return [
-            f"{loc.uri} was scored from another version of {source} (fingerprint "
-            f"{found or 'unknown'}, now {expected.input_fingerprint})"
-        ]
-    return []
+    @property
+    def complete(self) -> bool:
+        """``_SUCCESS`` is there, and so is every file the manifest lists (one listing: a file
+        lost since makes the day work to do, for a backfill as for a run)."""
+        files = storage.list_files(self.root)
+        return layout.SUCCESS_NAME in files and self.listed <= set(files)
 
-
-# --------------------------------------------------------------------------- the format
+    def done(self, rel_path: str, entry: Mapping[str, Any], expected: Expected) -> list[str]:
+        return file_problems(self.root.child(rel_path), expected, self.options)
 
 
 @dataclass(frozen=True)
-class ParquetFolder:
+class FolderSink:
     """A folder of scored Parquet files, ``_SUCCESS`` when complete (see the module doc)."""
 
     root: Location
@@ -317,70 +276,65 @@ class ParquetFolder:
         return "parquet_folder"
 
     @property
-    def file_facts(self) -> FileFacts | None:
-        return None  # a file's size is all the folder keeps of it
+    def places(self) -> SinkPlaces:
+        return SinkPlaces(self.root, self.root, self.root, (), layout.OUTPUT_MARK)
 
-    @property
-    def dataset(self) -> Location:
-        return self.root
-
-    @property
-    def lock_root(self) -> Location:
-        return self.root
-
-    @property
-    def exclusive_with(self) -> tuple[Location, ...]:
-        return ()
-
-    @property
-    def mark(self) -> str | None:
-        return layout.OUTPUT_MARK
-
-    def check_owner(self, mode: str) -> None:
+    def check(self, mode: str, schema: pa.Schema | None) -> None:
         ownership.check_output_owner(self.root, mode, self.options)
 
-    def begin(self, manifest: Manifest) -> None:
-        return None  # the files themselves are the state: reconcile and verify read them
+    def state(self, manifest: Manifest) -> FolderBegun:
+        return FolderBegun(self.root, self.options, frozenset(manifest.shards))
 
-    def withdraw(self) -> None:
-        storage.remove(self.root.child(layout.SUCCESS_NAME))
+    def begin(
+        self,
+        manifest: Manifest,
+        rejects: Location,
+        wanted: tuple[str, ...],
+        mode: str,
+        schema: pa.Schema | None,
+    ) -> FolderBegun:
+        ours = set(manifest.shards)
+        foreign = ForeignFiles()
+        if mode == "replace":
+            foreign = ownership.remove_foreign(self.root, ours, self.options)
+        cleared = clear_the_way(self.root, rejects, wanted, ours, self.options)
+        return FolderBegun(self.root, self.options, frozenset(ours), tuple(cleared), foreign)
 
-    def replace_foreign(self, ours: set[str]) -> ForeignFiles:
-        return ownership.remove_foreign(self.root, ours, self.options)
+    def writer(self) -> WriterSpec:
+        # The same name every run: a shard's new file replaces its last one.
+        return WriterSpec(self.root.uri, "stable", None)
 
-    def clear(self, rejects: Location, wanted: Iterable[str], ours: set[str]) -> list[Removal]:
-        return clear_the_way(self.root, rejects, wanted, ours, self.options)
-
-    def target(self, rel_path: str, run_id: str) -> str:
-        return self.root.child(rel_path).uri  # the same name every run: it replaces the last
-
-    def is_done(self, rel_path: str, entry: Mapping[str, Any], expected: Expected) -> list[str]:
-        return file_problems(self.root.child(rel_path), expected, self.options)
-
-    def commit_shard(self, written: WrittenFile | None) -> dict[str, Any]:
+    def entry_of(self, written: WrittenFile | None) -> dict[str, Any]:
         return {}  # the file is published by its worker; its entry names it already
 
-    def settle(
-        self,
-        rejects: Location,
-        keep: set[str],
-        ours: set[str],
-        reasons: Mapping[str, str],
-    ) -> Reconciliation:
-        return reconcile(self.root, rejects, keep, ours, reasons, self.options)
+    def plan(
+        self, begun: FolderBegun, manifest: Manifest, outcome: Outcome, rejects: Location
+    ) -> FolderPlan:
+        return plan_removals(self.root, rejects, outcome)
 
-    def verify(self, expected: Mapping[str, Expected]) -> list[str]:
+    def delete_stale(self, plan: FolderPlan) -> tuple[Removal, ...]:
+        return delete_stale(plan, self.options)
+
+    def verify(
+        self,
+        begun: FolderBegun,
+        plan: FolderPlan,
+        manifest: Manifest,
+        expected: Mapping[str, Expected],
+    ) -> list[str]:
         return verify(self.root, expected, self.options)
 
-    def commit_run(self, run_id: str, entries: Mapping[str, Mapping[str, Any]]) -> Committed:
+    def commit(
+        self, begun: FolderBegun, plan: FolderPlan, manifest: Manifest, run_id: str
+    ) -> Committed:
         return Committed()  # each shard's file was published as it finished
 
-    def seal(self) -> None:
+    def seal(self, begun: FolderBegun, manifest: Manifest, committed: Committed) -> None:
         success = self.root.child(layout.SUCCESS_NAME)
         storage.write_bytes(success, b"", point="success-rename")
 
-    def describe(self, committed: Committed | None) -> dict[str, Any]:
-        return {"format": self.name, **(committed.details if committed is not None else {})}
+    def abort(self) -> None:
+        storage.remove(self.root.child(layout.SUCCESS_NAME))
 
-    def sealed(self) -> bool:
-        return storage.exists(self.root.child(layout.SUCCESS_NAME))
+    def section(self, begun: FolderBegun | None, committed: Committed | None) -> Section:
+        return Section({"format": self.name})

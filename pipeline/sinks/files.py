@@ -1,0 +1,100 @@
+"""What every sink checks of files: an output file's footer against what the report says of it
+(:func:`file_problems`), and files in the way of the shards a run writes (an input shard that
+became a folder of the same name, or the reverse)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pipeline.core.errors import ConfigError, ShardError
+from pipeline.io import storage
+from pipeline.io.layout import INPUT_FINGERPRINT_KEY, INPUT_KEY, MODEL_SHA_KEY, SETTINGS_KEY
+from pipeline.io.ownership import remove_rejects
+from pipeline.io.parquet import read_footer
+from pipeline.io.storage import Location
+from pipeline.sinks.base import Expected
+
+
+def in_the_way(files: set[str], wanted: Iterable[str]) -> dict[str, list[str]]:
+    """Files below a root that keep the paths ``wanted`` from being written: for each wanted
+    path, an existing file where one of its folders must go, or the files below a folder of
+    its very name. Returns obstacle -> the files to take away (itself, or its contents)."""
+    below: dict[str, list[str]] = {}
+    for f in sorted(files):
+        parts = f.split("/")
+        for i in range(1, len(parts)):
+            below.setdefault("/".join(parts[:i]), []).append(f)
+    found: dict[str, list[str]] = {}
+    for rel in wanted:
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            folder = "/".join(parts[:i])
+            if folder in files:
+                found[folder] = [folder]
+        if rel in below:
+            found[rel] = below[rel]
+    return found
+
+
+def clear_rejects_way(
+    out_root: Location, rej_root: Location, wanted: list[str], options: Mapping[str, Any] | None
+) -> None:
+    """The same in the rejects tree, for rejects whose output was already gone."""
+    for obstacle, files in in_the_way(set(storage.list_files(rej_root)), wanted).items():
+        for f in files:
+            if remove_rejects(rej_root.child(f), out_root.child(f), options) is None:
+                raise ConfigError(
+                    f"rejects {rej_root.uri}: {rej_root.child(f).uri} is in the way of the "
+                    "rejects of an input shard that changed shape, and holds rows of another "
+                    "output. Nothing was removed; move it away and run again."
+                )
+        if files != [obstacle]:
+            storage.remove_empty_folders(rej_root.child(obstacle))
+
+
+def file_problems(
+    loc: Location, expected: Expected, options: Mapping[str, Any] | None = None
+) -> list[str]:
+    """How one output file differs from what it should be, from its footer alone (a missing or
+    unreadable file is one problem)."""
+    try:
+        info = read_footer(loc.uri, options)
+    except ShardError as e:
+        return [f"{loc.uri} cannot be read back: {e}"]
+    problems = []
+    if info.num_rows != expected.rows:
+        problems.append(f"{loc.uri} holds {info.num_rows} rows, the report says {expected.rows}")
+    meta = info.schema.metadata or {}
+    sha = meta.get(MODEL_SHA_KEY, b"").decode()
+    if sha != expected.model_sha256:
+        problems.append(
+            f"{loc.uri} was scored by model {sha[:12] or 'unknown'}, not this run's "
+            f"{expected.model_sha256[:12]}"
+        )
+    found = meta.get(SETTINGS_KEY, b"").decode()
+    if expected.settings_hash is not None and found != expected.settings_hash:
+        problems.append(
+            f"{loc.uri} was scored with settings {found or 'unknown'}, not this run's "
+            f"{expected.settings_hash}"
+        )
+    return problems + _input_problems(loc, meta, expected)
+
+
+def _input_problems(loc: Location, meta: Mapping[bytes, bytes], expected: Expected) -> list[str]:
+    """Whether the file names the input shard, and the version of it, it should come from."""
+    if expected.input_rel is None or INPUT_KEY not in meta:
+        return []  # not checked, or written before outputs named their input
+    source = meta[INPUT_KEY].decode()
+    if source != expected.input_rel:
+        return [
+            f"{loc.uri} was scored from input shard {source}, not {expected.input_rel} (copied "
+            "or renamed by hand?)"
+        ]
+    found = meta.get(INPUT_FINGERPRINT_KEY, b"").decode()
+    if expected.input_fingerprint is not None and found != expected.input_fingerprint:
+        return [
+            f"{loc.uri} was scored from another version of {source} (fingerprint "
+            f"{found or 'unknown'}, now {expected.input_fingerprint})"
+        ]
+    return []
