@@ -30,8 +30,8 @@ from pipeline.core.faults import KILL_SIGNAL
 from pipeline.io import storage
 from pipeline.io.layout import LOCK_NAME
 from pipeline.io.locking import RunLock
-from pipeline.sinks.delta.sink import table_lock_root
 from pipeline.sinks.delta.table import TableRef
+from pipeline.sinks.tables import table_lock_root
 from tests.conftest import demo_toml, make_model, reference_scores, write_shards
 from tests.delta_helpers import arrow_filesystem
 from tests.integration.helpers import cli, manifest_path, report, start_cli

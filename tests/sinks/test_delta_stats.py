@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.core.errors import ConfigError
+from pipeline.sinks.delta.bounds import MAX_STRING_STAT_CHARS
 from pipeline.sinks.delta.stats import (
-    MAX_STRING_STAT_CHARS,
     check_partition_values,
     data_file_path,
     delta_facts,

@@ -21,7 +21,7 @@ from pipeline.io.storage import Location
 from pipeline.sinks.base import Expected, Removal
 from pipeline.sinks.delta.protocol import Pending, Recovered, TokenState
 from pipeline.sinks.delta.stats import stats_problem
-from pipeline.sinks.delta.table import Snapshot, TableRef
+from pipeline.sinks.delta.table import Snapshot, TableRef, version_of
 from pipeline.sinks.files import file_problems
 
 logger = logging.getLogger(__name__)
@@ -265,3 +265,30 @@ def delete_files(root: Location, names: tuple[str, ...]) -> None:
     for name in names:
         storage.remove(root.child(name))
         logger.info("deleted %s: written by a run that never committed", root.child(name).uri)
+
+
+def settle_pending(
+    where: IndexPlace, table: TableRef, manifest: Manifest, snap: Snapshot | None
+) -> tuple[TokenState, Recovered | None]:
+    """What became of the previous run's pending commit (:meth:`TokenState.settle`), recorded
+    in the run index, with the manifest's entries brought in line with the table: a recovered
+    commit's files are committed; a committed file the table no longer holds (rolled back,
+    compacted or removed since) is scored again (:meth:`DeltaBegun.done` says why)."""
+    found = TokenState.read(manifest.format_state, where.app_id)
+    done = snap.transaction_version(where.app_id) if snap is not None else None
+    pending = found.pending
+    landed_as = None
+    if pending is not None and done is not None and done >= pending.run_version:
+        after = pending.after if pending.after is not None else -1
+        landed_as = version_of(table, where.app_id, pending.run_version, after)
+    token, recovered = found.settle(done, landed_as)
+    if pending is not None:
+        settle_index(where, pending, landed=recovered is not None, version=landed_as)
+    files = {f.path for f in snap.files} if snap is not None else set()
+    for entry in manifest.shards.values():
+        if recovered is not None and entry.get("file") in files:
+            entry["committed"] = True
+        elif entry.get("committed") and entry.get("file") not in files:
+            entry["committed"] = False
+            entry["gone_from_table"] = True
+    return token, recovered

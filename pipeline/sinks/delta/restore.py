@@ -17,6 +17,7 @@ from deltalake import DeltaTable
 from deltalake.transaction import AddAction, CommitProperties, RemoveAction
 
 from pipeline.core.errors import StorageError, UsageError
+from pipeline.sinks.delta.checks import footer
 from pipeline.sinks.delta.client import (
     FILES_ADDED,
     FILES_REMOVED,
@@ -33,7 +34,6 @@ from pipeline.sinks.delta.client import (
     partition_columns,
     prefixed,
 )
-from pipeline.sinks.delta.commit import footer
 from pipeline.sinks.delta.log import log_stats
 from pipeline.sinks.delta.schema import delta_types, type_name
 from pipeline.sinks.delta.snapshot import in_partition, snapshot, table_files

@@ -32,7 +32,7 @@ from pipeline.core.faults import checkpoint
 from pipeline.core.templates import below, fixed_part, partition_columns
 from pipeline.io import storage
 from pipeline.io.layout import Places
-from pipeline.io.manifest import Manifest, fingerprint_hash
+from pipeline.io.manifest import Manifest
 from pipeline.io.ownership import remove_rejects
 from pipeline.io.storage import Location
 from pipeline.sinks.base import (
@@ -55,31 +55,30 @@ from pipeline.sinks.delta.partition import (
     delete_files,
     forget_another_outputs,
     not_in_storage,
-    settle_index,
+    settle_pending,
     uncommitted_files,
 )
 from pipeline.sinks.delta.protocol import TokenState
+from pipeline.sinks.delta.runcommit import (
+    check_committed,
+    commit_info,
+    new_files,
+    section_details,
+)
 from pipeline.sinks.delta.stats import NewFile, check_partition_values, delta_facts
 from pipeline.sinks.files import clear_rejects_way, file_problems
 from pipeline.sinks.naming import app_id_of, partition_label
+from pipeline.sinks.tables import table_lock_root
 
 if TYPE_CHECKING:
     from pipeline.core.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
-#: The folder, in a table's control area, of the table lock that maintenance takes.
-TABLE_LOCK_DIR = "_table"
-
 
 def table_root(template: str, options: Mapping[str, Any] | None = None) -> Location:
     """The table an output template writes to: its fixed part."""
     return storage.locate(fixed_part(template)[0], options)
-
-
-def table_lock_root(area: Location) -> Location:
-    """The table lock's folder in the table's control area ``area``."""
-    return area.child(TABLE_LOCK_DIR)
 
 
 @dataclass(frozen=True)
@@ -245,26 +244,10 @@ class DeltaSink:
             else None
         )
         forget_another_outputs(manifest, self.name)
-        found = TokenState.read(manifest.format_state, self.app_id)
-        done = snap.transaction_version(self.app_id) if snap is not None else None
-        landed_as = None
-        if found.pending is not None and done is not None and done >= found.pending.run_version:
-            after = found.pending.after if found.pending.after is not None else -1
-            landed_as = delta.version_of(self.table, self.app_id, found.pending.run_version, after)
-        token, recovered = found.settle(done, landed_as)
-        if found.pending is not None:
-            where = IndexPlace(
-                self.area, self.options, self.job, self.run_id, self.app_id, self.table.uri
-            )
-            settle_index(where, found.pending, landed=recovered is not None, version=landed_as)
-        files = {f.path for f in snap.files} if snap is not None else set()
-        for entry in manifest.shards.values():
-            if recovered is not None and entry.get("file") in files:
-                entry["committed"] = True
-            elif entry.get("committed") and entry.get("file") not in files:
-                # Rolled back, compacted or removed since: scored again (done() says why).
-                entry["committed"] = False
-                entry["gone_from_table"] = True
+        where = IndexPlace(
+            self.area, self.options, self.job, self.run_id, self.app_id, self.table.uri
+        )
+        token, recovered = settle_pending(where, self.table, manifest, snap)
         begun = self._begun(snap, token, manifest, recovered=recovered, schema=schema)
         manifest.set_format_state(
             token.begun(self.run_id, table=self.table.uri, partition=self.label).public()
@@ -360,7 +343,7 @@ class DeltaSink:
         already)."""
         entries = manifest.shards
         in_table = {f.path for f in begun.snapshot.files} if begun.snapshot is not None else set()
-        adds = [_new_file(e, self.partition) for e in entries.values() if _is_new(e, in_table)]
+        adds = new_files(entries, self.partition, in_table)
         if not adds and not plan.removes:
             token = TokenState.read(manifest.format_state, self.app_id)
             manifest.set_format_state(token.idle().public())
@@ -397,7 +380,7 @@ class DeltaSink:
         manifest.set_format_state(token.made(begun.run_version, version, run_id).public())
         manifest.save()
         self._remove_rejects(plan)
-        self._check_committed(version, manifest.shards)
+        check_committed(self.table, self.partition, version, manifest.shards)
 
     def _commit(
         self,
@@ -423,48 +406,13 @@ class DeltaSink:
             removes=list(plan.removes),
             app_id=self.app_id,
             run_version=begun.run_version,
-            metadata=self._metadata(run_id, manifest.shards, begun.schema),
+            metadata=commit_info(
+                run_id, self.job, manifest.shards, begun.schema, self.meta_columns
+            ),
             expected_schema=begun.schema,
         )
         checkpoint("delta-after-commit")
         return version
-
-    def _metadata(
-        self, run_id: str, entries: Mapping[str, Mapping[str, Any]], schema: pa.Schema
-    ) -> dict[str, str]:
-        first = next(iter(entries.values()), {})
-        fingerprints = {rel: e.get("fingerprint") for rel, e in sorted(entries.items())}
-        meta = {*self.meta_columns, "model_version"}
-        outputs = [n for n in schema.names if n not in meta]
-        return {
-            delta.RUN_ID: run_id,
-            delta.MODEL_SHA256: str(first.get("model_sha256", "")),
-            delta.SETTINGS_HASH: str(first.get("settings_hash", "")),
-            delta.INPUT_FINGERPRINT: fingerprint_hash(fingerprints),
-            delta.ROWS: str(sum(int(e.get("rows_scored") or 0) for e in entries.values())),
-            delta.JOB: self.job,
-            delta.OUTPUTS: ",".join(outputs),
-        }
-
-    def _check_committed(self, version: int, entries: Mapping[str, Mapping[str, Any]]) -> None:
-        """The committed version's partition must hold exactly the report's files and rows."""
-        snap = delta.snapshot(self.table, self.partition or None, version=version)
-        have = {f.path: f.rows for f in snap.files}
-        want = {str(e["file"]): int(e.get("rows_scored") or 0) for e in entries.values()}
-        problems = [f"{p} is missing" for p in sorted(set(want) - set(have))]
-        problems += [f"{p} is not in the report" for p in sorted(set(have) - set(want))]
-        problems += [
-            f"{p} holds {have[p]} rows, the report says {n}"
-            for p, n in sorted(want.items())
-            if p in have and have[p] is not None and have[p] != n
-        ]
-        if problems:
-            raise CommitRefused(
-                f"version {version} of {self.table.uri} was committed, but its partition "
-                f"{self.label or '(the table)'} differs from the report: "
-                + "; ".join(problems[:10]),
-                uri=self.table.uri,
-            )
 
     def _remove_rejects(self, plan: DeltaPlan) -> None:
         for rejects, output in plan.rejects_after:
@@ -483,59 +431,4 @@ class DeltaSink:
         return None  # a table keeps its versions: the previous one stays whole until a commit
 
     def section(self, begun: DeltaBegun | None, committed: Committed | None) -> Section:
-        made = committed is not None and committed.made
-        snap = begun.snapshot if begun is not None else None
-        d: dict[str, Any] = {
-            "format": self.name,
-            "table": self.table.uri,
-            "partition": self.label or None,
-            "app_id": self.app_id,
-            "run_version": begun.run_version if made and begun is not None else None,
-            "version": snap.version if snap is not None else None,
-            "committed": made,
-            "files_added": 0,
-            "files_removed": 0,
-        }
-        recovered = begun.recovered if begun is not None else None
-        if recovered is not None:
-            d["recovered"] = recovered.public()
-            if not made and recovered.table_version is not None:
-                d["version"] = recovered.table_version
-        if committed is not None:
-            d.update(committed.details)
-            if made:
-                d["version"] = committed.version
-        d["title"] = "Delta table"
-        d["summary"] = _summary(d)
-        return Section(d)
-
-
-def _summary(d: Mapping[str, Any]) -> str:
-    """The summary's ``table`` line: the version readers see, and whether this run made it."""
-    where = f" partition {d['partition']}" if d.get("partition") else ""
-    version = d.get("version")
-    if d.get("committed"):
-        what = f"committed version {version} (run version {d.get('run_version')})"
-    elif (d.get("recovered") or {}).get("table_version") is not None:
-        rec = d["recovered"]
-        what = f"version {version}: committed by run {rec.get('run_id')} before it stopped"
-    elif version is not None:
-        what = f"version {version}, no new commit"
-    else:
-        what = "nothing committed"
-    return f"{d.get('table')}{where}: {what}"
-
-
-def _is_new(entry: Mapping[str, Any], in_table: set[str]) -> bool:
-    return isinstance(entry.get("file"), str) and entry["file"] not in in_table
-
-
-def _new_file(entry: Mapping[str, Any], partition: Mapping[str, str]) -> NewFile:
-    return NewFile(
-        path=str(entry["file"]),
-        size=int(entry["size"]),
-        partition_values=dict(partition),
-        modification_time=int(entry.get("modification_time") or delta.now_ms()),
-        stats=str(entry.get("stats") or ""),
-        rows=int(entry.get("rows") or 0),
-    )
+        return Section(section_details(self.table.uri, self.label, self.app_id, begun, committed))

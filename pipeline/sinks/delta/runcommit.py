@@ -1,0 +1,143 @@
+"""A run's commit as the table's log records it (:func:`commit_info`), checked against the run's
+report once it landed (:func:`check_committed`), and the summary line its report shows."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.core.errors import CommitRefused
+from pipeline.io.manifest import fingerprint_hash
+from pipeline.sinks.base import Committed
+from pipeline.sinks.delta import table as delta
+from pipeline.sinks.delta.partition import DeltaBegun
+from pipeline.sinks.delta.stats import NewFile
+from pipeline.sinks.naming import partition_label
+
+
+def commit_info(
+    run_id: str,
+    job: str,
+    entries: Mapping[str, Mapping[str, Any]],
+    schema: pa.Schema,
+    meta_columns: tuple[str, ...],
+) -> dict[str, str]:
+    """What a run's commit says of itself, under ``score_catalog.`` in its commit info: the run,
+    model, settings, input, rows, job and output columns (``history`` shows them; drift after a
+    rollback reads the output columns)."""
+    first = next(iter(entries.values()), {})
+    fingerprints = {rel: e.get("fingerprint") for rel, e in sorted(entries.items())}
+    meta = {*meta_columns, "model_version"}
+    outputs = [n for n in schema.names if n not in meta]
+    return {
+        delta.RUN_ID: run_id,
+        delta.MODEL_SHA256: str(first.get("model_sha256", "")),
+        delta.SETTINGS_HASH: str(first.get("settings_hash", "")),
+        delta.INPUT_FINGERPRINT: fingerprint_hash(fingerprints),
+        delta.ROWS: str(sum(int(e.get("rows_scored") or 0) for e in entries.values())),
+        delta.JOB: job,
+        delta.OUTPUTS: ",".join(outputs),
+    }
+
+
+def check_committed(
+    table: delta.TableRef,
+    partition: Mapping[str, str],
+    version: int,
+    entries: Mapping[str, Mapping[str, Any]],
+) -> None:
+    """The committed version's partition must hold exactly the report's files and rows."""
+    snap = delta.snapshot(table, dict(partition) or None, version=version)
+    have = {f.path: f.rows for f in snap.files}
+    want = {str(e["file"]): int(e.get("rows_scored") or 0) for e in entries.values()}
+    problems = [f"{p} is missing" for p in sorted(set(want) - set(have))]
+    problems += [f"{p} is not in the report" for p in sorted(set(have) - set(want))]
+    problems += [
+        f"{p} holds {have[p]} rows, the report says {n}"
+        for p, n in sorted(want.items())
+        if p in have and have[p] is not None and have[p] != n
+    ]
+    if problems:
+        raise CommitRefused(
+            f"version {version} of {table.uri} was committed, but its partition "
+            f"{partition_label(partition) or '(the table)'} differs from the report: "
+            + "; ".join(problems[:10]),
+            uri=table.uri,
+        )
+
+
+def section_details(
+    table: str,
+    label: str,
+    app_id: str,
+    begun: DeltaBegun | None,
+    committed: Committed | None,
+) -> dict[str, Any]:
+    """The report's ``output_format`` of a run on the table's partition ``label``: the version
+    readers see after the run, whether this run made it (and its token), what an earlier run's
+    commit it recovered, and the heading and summary line the report shows."""
+    made = committed is not None and committed.made
+    snap = begun.snapshot if begun is not None else None
+    d: dict[str, Any] = {
+        "format": "delta",
+        "table": table,
+        "partition": label or None,
+        "app_id": app_id,
+        "run_version": begun.run_version if made and begun is not None else None,
+        "version": snap.version if snap is not None else None,
+        "committed": made,
+        "files_added": 0,
+        "files_removed": 0,
+    }
+    recovered = begun.recovered if begun is not None else None
+    if recovered is not None:
+        d["recovered"] = recovered.public()
+        if not made and recovered.table_version is not None:
+            d["version"] = recovered.table_version
+    if committed is not None:
+        d.update(committed.details)
+        if made:
+            d["version"] = committed.version
+    d["title"] = "Delta table"
+    d["summary"] = summary(d)
+    return d
+
+
+def summary(d: Mapping[str, Any]) -> str:
+    """The summary's ``table`` line: the version readers see, and whether this run made it."""
+    where = f" partition {d['partition']}" if d.get("partition") else ""
+    version = d.get("version")
+    if d.get("committed"):
+        what = f"committed version {version} (run version {d.get('run_version')})"
+    elif (d.get("recovered") or {}).get("table_version") is not None:
+        rec = d["recovered"]
+        what = f"version {version}: committed by run {rec.get('run_id')} before it stopped"
+    elif version is not None:
+        what = f"version {version}, no new commit"
+    else:
+        what = "nothing committed"
+    return f"{d.get('table')}{where}: {what}"
+
+
+def _is_new(entry: Mapping[str, Any], in_table: set[str]) -> bool:
+    return isinstance(entry.get("file"), str) and entry["file"] not in in_table
+
+
+def _new_file(entry: Mapping[str, Any], partition: Mapping[str, str]) -> NewFile:
+    return NewFile(
+        path=str(entry["file"]),
+        size=int(entry["size"]),
+        partition_values=dict(partition),
+        modification_time=int(entry.get("modification_time") or delta.now_ms()),
+        stats=str(entry.get("stats") or ""),
+        rows=int(entry.get("rows") or 0),
+    )
+
+
+def new_files(
+    entries: Mapping[str, Mapping[str, Any]], partition: Mapping[str, str], in_table: set[str]
+) -> list[NewFile]:
+    """The files the manifest's entries name that the table does not hold yet: the run's."""
+    return [_new_file(e, partition) for e in entries.values() if _is_new(e, in_table)]
