@@ -118,6 +118,7 @@ lint: install
 	$(BIN)/ruff format --check pipeline tests bench
 	$(BIN)/mypy --strict pipeline
 	$(BIN)/lint-imports
+	$(BIN)/python -m tests.lint_sizes pipeline
 
 format: install
 	$(BIN)/ruff format pipeline tests bench

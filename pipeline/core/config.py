@@ -8,9 +8,6 @@ choices and defaults). Adding a key means adding one field.
 
 Every layer is merged into one plain mapping first and validated once, so that a user sees every
 bad field in one message instead of fixing them one run at a time.
-
-A little over the ~600-line rule on purpose: every key of a job is a field here, and one file
-is the one place to read them all.
 """
 
 from __future__ import annotations

@@ -224,40 +224,9 @@ def _auto_batch_size(
         return default, {"cached": False, "key": key, "batch_size": default, "cpu": cpu}
     before = torch.get_num_threads()
     try:
-        with pipeline_step(config, prepared, sample_from, plan, call_rows) as (step, rows):
-            t0 = time.perf_counter()
-            probe = min(rows, default)
-            # The first pass is cold (allocations, first writes): timed alone it made the sweep
-            # look 3-5x too slow to fit its budget, and the size was never measured.
-            per_row = min(step(default, probe), step(default, probe)) / probe
-            workers = plan.workers or 1
-            budget = max(AUTO_BUDGET_S, AUTO_JOB_SHARE * per_row * job_rows / workers)
-            fixed = os.environ.get(SWEEP_ROWS_ENV, "")
-            n = (
-                min(rows, int(fixed))
-                if fixed.isdigit()
-                else _sweep_rows(rows, per_row, budget, len(sizes), default)
-            )
-            if n is None:
-                logger.info(
-                    "batch size auto: a sweep would take more than %.1fs (%.0f rows/s on a "
-                    "probe batch); using %d, not cached",
-                    budget,
-                    1 / per_row,
-                    default,
-                )
-                chosen = default
-                sweep: list[tuning.BenchRow] = []
-                facts: dict[str, Any] = {}
-            else:
-                chosen, sweep, facts = tuning.choose_by_rate(
-                    lambda b: step(b, n),
-                    [b for b in sizes if b <= n],
-                    rows=n,
-                    default=default,
-                    budget_s=budget - (time.perf_counter() - t0),
-                )
-            facts["sweep_s"] = time.perf_counter() - t0
+        n, rows, chosen, sweep, facts = _sweep(
+            config, prepared, sample_from, plan, job_rows, call_rows, sizes, default
+        )
     finally:
         torch.set_num_threads(before)  # the sweep ran as the workers will (plan.torch_threads)
     if len(sweep) > 1:
@@ -283,6 +252,53 @@ def _auto_batch_size(
         "sweep_s": facts["sweep_s"],
         "sweep": [dataclasses.asdict(r) for r in sweep],
     }
+
+
+def _sweep(
+    config: JobConfig,
+    prepared: LoadedModel,
+    sample_from: ShardRef,
+    plan: Plan,
+    job_rows: int,
+    call_rows: int | None,
+    sizes: list[int],
+    default: int,
+) -> tuple[int | None, int, int, list[tuning.BenchRow], dict[str, Any]]:
+    """The sweep of :func:`_auto_batch_size` on real rows: (rows per pass, or None when a sweep
+    would not fit its budget; rows the sample has; the size chosen; the sweep; its facts)."""
+    with pipeline_step(config, prepared, sample_from, plan, call_rows) as (step, rows):
+        t0 = time.perf_counter()
+        probe = min(rows, default)
+        # The first pass is cold (allocations, first writes): timed alone it made the sweep
+        # look 3-5x too slow to fit its budget, and the size was never measured.
+        per_row = min(step(default, probe), step(default, probe)) / probe
+        workers = plan.workers or 1
+        budget = max(AUTO_BUDGET_S, AUTO_JOB_SHARE * per_row * job_rows / workers)
+        fixed = os.environ.get(SWEEP_ROWS_ENV, "")
+        n = (
+            min(rows, int(fixed))
+            if fixed.isdigit()
+            else _sweep_rows(rows, per_row, budget, len(sizes), default)
+        )
+        if n is None:
+            logger.info(
+                "batch size auto: a sweep would take more than %.1fs (%.0f rows/s on a probe "
+                "batch); using %d, not cached",
+                budget,
+                1 / per_row,
+                default,
+            )
+            return None, rows, default, [], {"sweep_s": time.perf_counter() - t0}
+        width = n
+        chosen, sweep, facts = tuning.choose_by_rate(
+            lambda b: step(b, width),
+            [b for b in sizes if b <= n],
+            rows=n,
+            default=default,
+            budget_s=budget - (time.perf_counter() - t0),
+        )
+        facts["sweep_s"] = time.perf_counter() - t0
+        return n, rows, chosen, sweep, facts
 
 
 def _default_batch(model: LoadedModel) -> int:

@@ -15,6 +15,8 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
@@ -37,11 +39,14 @@ from pipeline.driver.inspect import (
 from pipeline.driver.phases import Prepared
 from pipeline.driver.workers import model_spec
 from pipeline.io import layout, listing, nesting, ownership, storage
+from pipeline.io.listing import ShardRef
 from pipeline.io.locking import refuse_if_held
+from pipeline.io.storage import Location
 from pipeline.model import oov, registry
 from pipeline.model.bundle import BundleSpec, read_bundle
 from pipeline.model.program import resolve_device
 from pipeline.sinks import sink_for
+from pipeline.sinks.base import Sink
 from pipeline.worker.shard import ShardResult
 from pipeline.worker.sink import output_schema
 
@@ -65,33 +70,13 @@ def prepare(
     """
     started_at = dt.datetime.now(dt.timezone.utc)
     t0 = time.perf_counter()
-    # Manifest, report, HTML page, run index and default rejects: outside the template's fixed
-    # part, which readers query as one dataset (pipeline.io.layout).
-    places = layout.for_run(config, run_id)
-    sink = sink_for(config, places, run_id)
-    refuse_if_held(sink.places.lock_root, config.stale_lock_after_s, f"output {places.output.uri}")
-    rejects = storage.locate(config.rejects_uri(run_id), config.storage)
+    where = _where(config, run_id, stop)  # before the model: a held lock is refused at once
     # A models:/ URI: ask the registry once, here; from now on the run, its workers and its
     # manifest see the downloaded bundle folder (the report names both).
     source = registry.resolve_model(config.model)
     config = dataclasses.replace(config, model=source.bundle)
     opts = config.storage
-    input_uri = config.input_uri()
-    shards = list_input(config)
-    out = places.output
-    listing.check_disjoint(input_uri, out, rejects, options=opts, shards=shards)
-    stop_if_asked(stop)
-    create = config.create_output_bucket
-    buckets = tuple(
-        bucket
-        for loc, what in ((out, "output"), (rejects, "rejects"))
-        if (bucket := ownership.check_write_target(loc, what, create_bucket=create))
-    )
-    # Outputs never nest, and no run takes another job's output: one that contains, lies
-    # inside or is the template root of another output of this tool, lies inside another
-    # template's root or a control area, or belongs to another job, and rejects inside any
-    # dataset, are refused before the model is even loaded.
-    nesting.check_run(config, places, rejects, table_names=sink.places.table_names)
+    places, sink, rejects, shards = where.places, where.sink, where.rejects, where.shards
     device = resolve_device(config.device)
     bundle, _, sha = read_bundle(config.model, opts)
     # Before any worker spec: each output file's footer carries the settings hash.
@@ -127,7 +112,7 @@ def prepare(
     return Prepared(
         config=config,
         run_id=run_id,
-        input=storage.locate(input_uri, opts).uri,
+        input=storage.locate(config.input_uri(), opts).uri,
         started_at=started_at,
         t0=t0,
         places=places,
@@ -136,7 +121,7 @@ def prepare(
         rejects=rejects,
         source=source,
         shards=tuple(shards),
-        buckets_to_create=buckets,
+        buckets_to_create=where.buckets,
         device=device,
         sha=sha,
         settings=settings,
@@ -148,6 +133,45 @@ def prepare(
         meta_types=meta_types,
         model_warnings=model_warnings,
     )
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a run reads and writes, checked before anything is loaded."""
+
+    places: layout.Places
+    sink: Sink[Any, Any]
+    rejects: Location
+    shards: list[ShardRef]
+    buckets: tuple[Location, ...]  # create_output_bucket: made once the run writes
+
+
+def _where(config: JobConfig, run_id: str, stop: StopRequest) -> _Where:
+    """The run's places, its sink and its input, refused before the model is even loaded
+    where the run may not write: an output a live run holds, one that overlaps the input, a
+    missing bucket, outputs that nest or belong to another job, rejects inside a dataset."""
+    # Manifest, report, HTML page, run index and default rejects: outside the template's fixed
+    # part, which readers query as one dataset (pipeline.io.layout).
+    places = layout.for_run(config, run_id)
+    sink = sink_for(config, places, run_id)
+    refuse_if_held(sink.places.lock_root, config.stale_lock_after_s, f"output {places.output.uri}")
+    rejects = storage.locate(config.rejects_uri(run_id), config.storage)
+    shards = list_input(config)
+    out = places.output
+    listing.check_disjoint(config.input_uri(), out, rejects, options=config.storage, shards=shards)
+    stop_if_asked(stop)
+    create = config.create_output_bucket
+    buckets = tuple(
+        bucket
+        for loc, what in ((out, "output"), (rejects, "rejects"))
+        if (bucket := ownership.check_write_target(loc, what, create_bucket=create))
+    )
+    # Outputs never nest, and no run takes another job's output: one that contains, lies
+    # inside or is the template root of another output of this tool, lies inside another
+    # template's root or a control area, or belongs to another job, and rejects inside any
+    # dataset, are refused before the model is even loaded.
+    nesting.check_run(config, places, rejects, table_names=sink.places.table_names)
+    return _Where(places, sink, rejects, shards, buckets)
 
 
 def _output_schema(

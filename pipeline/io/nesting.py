@@ -32,10 +32,6 @@ An output belongs to one job (:func:`check_owner`): its manifest records the job
 output template and the output's real path, and a run of another job, or of the same job
 through another template or a symlink, is refused before anything is written. All checks look
 at real paths (symlinks resolved, local disk).
-
-Over the ~600-line rule on purpose (about 660 lines): every rule of where an output may not go
-is here, read in one place; the template-root rule (:func:`check_root`) is the piece to split
-out next.
 """
 
 from __future__ import annotations

@@ -209,16 +209,7 @@ def save_bundle(  # noqa: PLR0913 - keyword-only, each one a part of model.toml
     program_args = tuple(xs[i] for i in call_order(spec, module))
     with torch.inference_mode():
         eager = _eager(module, program_args)
-    batch = torch.export.Dim("batch", min=1)
-    try:
-        ep = torch.export.export(
-            module, program_args, dynamic_shapes=tuple({0: batch} for _ in program_args)
-        )
-    except Exception as e:
-        raise ModelError(
-            f"save_bundle: torch.export could not export the module with a dynamic batch "
-            f"dimension: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        ) from e
+    ep = _export(module, program_args)
     target.parent.mkdir(parents=True, exist_ok=True)
     # A hidden sibling (mkdir, not mkdtemp: the bundle keeps the umask's permissions).
     staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -244,6 +235,20 @@ def save_bundle(  # noqa: PLR0913 - keyword-only, each one a part of model.toml
         # Saved (the bundle loads and scores), but a run would score some rows wrongly.
         logger.warning("save_bundle: %s", warning)
     return read_bundle(str(target))[0]
+
+
+def _export(module: torch.nn.Module, program_args: tuple[torch.Tensor, ...]) -> Any:
+    """``module`` exported with a dynamic batch dimension (:class:`ModelError` if it cannot)."""
+    batch = torch.export.Dim("batch", min=1)
+    try:
+        return torch.export.export(
+            module, program_args, dynamic_shapes=tuple({0: batch} for _ in program_args)
+        )
+    except Exception as e:
+        raise ModelError(
+            f"save_bundle: torch.export could not export the module with a dynamic batch "
+            f"dimension: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
 
 
 def _with_list_dims(

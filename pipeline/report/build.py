@@ -474,12 +474,10 @@ def build_report(  # noqa: PLR0913  (keyword-only: the parts of a report the run
     ``verdict`` (``pipeline.report.verdict``), further ``warnings`` (after the draft's own),
     what the run took out of the dataset (``removed_outputs``) and the files it did not write
     (``foreign_removed``, ``foreign_kept``), and the output format's section."""
-    facts, counts, shards = draft.facts, draft.counts, list(draft.shards)
+    facts, shards = draft.facts, list(draft.shards)
     scored = draft.scored
     t0 = facts.started_at.timestamp()
-    processed = counts["rows_processed"]
     budget = facts.error_budget
-    duration = draft.duration
     report: ReportData = {
         "schema_version": SCHEMA_VERSION,
         "run_id": facts.run_id,
@@ -488,22 +486,11 @@ def build_report(  # noqa: PLR0913  (keyword-only: the parts of a report the run
         "failure_reasons": list(failure_reasons),
         "started_at": facts.started_at.isoformat(),
         "finished_at": draft.finished_at,
-        "duration_s": duration,
+        "duration_s": draft.duration,
         "input": facts.input,
         "output": facts.output,
         "rejects": facts.rejects,
-        "rows_in": counts["rows_in"],
-        "rows_out": counts["rows_out"],
-        "rows_rejected": counts["rows_rejected"],
-        "rows_processed": processed,
-        "rows_per_s": processed / duration if duration > 0 else 0.0,
-        "rejected_fraction": counts["rejected_fraction"],
-        "accounting_ok": draft.accounting_ok,
-        "shards_total": counts["shards_total"],
-        "shards_scored": counts["shards_scored"],
-        "shards_skipped": counts["shards_skipped"],
-        "shards_failed": counts["shards_failed"],
-        "shards_not_scored": counts["shards_not_scored"],
+        **_count_keys(draft),  # type: ignore[typeddict-item]
         "batch_size": facts.batch_size,
         "execution": cast(Execution, facts.execution),
         "device": facts.device,
@@ -538,6 +525,26 @@ def build_report(  # noqa: PLR0913  (keyword-only: the parts of a report the run
     if output_format is not None:
         report["output_format"] = cast(OutputFormatSection, dict(output_format))
     return report
+
+
+def _count_keys(draft: Draft) -> dict[str, Any]:
+    """The report's row and shard counts, and the run's speed over the rows it scored."""
+    counts, duration = draft.counts, draft.duration
+    processed = counts["rows_processed"]
+    return {
+        "rows_in": counts["rows_in"],
+        "rows_out": counts["rows_out"],
+        "rows_rejected": counts["rows_rejected"],
+        "rows_processed": processed,
+        "rows_per_s": processed / duration if duration > 0 else 0.0,
+        "rejected_fraction": counts["rejected_fraction"],
+        "accounting_ok": draft.accounting_ok,
+        **{
+            k: counts[k]
+            for k in ("shards_total", "shards_scored", "shards_skipped", "shards_failed")
+        },
+        "shards_not_scored": counts["shards_not_scored"],
+    }
 
 
 def _shard_entry(r: ShardResult, t0: float) -> dict[str, Any]:

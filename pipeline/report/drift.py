@@ -134,6 +134,28 @@ def _column_sketch(report: Mapping[str, Any], col: str) -> list[float] | None:
     return list(s)
 
 
+def _rows_change(
+    prev_rows: Any, cur_rows: Any, thresholds: DriftThresholds, against: str, reasons: list[str]
+) -> float | None:
+    """``current / previous - 1`` of the rows scored (None when either is unknown), adding to
+    ``reasons`` when it is beyond the threshold or the previous run scored none."""
+    prev_n, cur_n = _count(prev_rows), _count(cur_rows)
+    if prev_n is None or cur_n is None:
+        return None
+    if prev_n > 0:
+        change = cur_n / prev_n - 1.0
+        if abs(change) > thresholds.rows_change:
+            reasons.append(
+                f"rows scored: {cur_rows:,} vs {prev_rows:,} ({change:+.1%}, allowed "
+                f"±{thresholds.rows_change:.0%}) {against}"
+            )
+        return change
+    if cur_n == 0:
+        return 0.0
+    reasons.append(f"rows scored: {cur_rows:,} vs 0 {against}")
+    return None
+
+
 def compare(
     baseline: Mapping[str, Any], current: Mapping[str, Any], thresholds: DriftThresholds
 ) -> DriftComparison:
@@ -159,23 +181,8 @@ def compare(
     base_id = baseline.get("run_id")
     against = f"against run {base_id}"
     reasons: list[str] = []
-
     prev_rows, cur_rows = baseline.get("rows_out"), current.get("rows_out")
-    change: float | None = None
-    prev_n, cur_n = _count(prev_rows), _count(cur_rows)
-    if prev_n is not None and cur_n is not None:
-        if prev_n > 0:
-            change = cur_n / prev_n - 1.0
-            if abs(change) > thresholds.rows_change:
-                reasons.append(
-                    f"rows scored: {cur_rows:,} vs {prev_rows:,} ({change:+.1%}, allowed "
-                    f"±{thresholds.rows_change:.0%}) {against}"
-                )
-        elif cur_n == 0:
-            change = 0.0
-        else:
-            reasons.append(f"rows scored: {cur_rows:,} vs 0 {against}")
-
+    change = _rows_change(prev_rows, cur_rows, thresholds, against, reasons)
     base_cols = list((baseline.get("outputs") or {}).keys())
     cur_cols = list((current.get("outputs") or {}).keys())
     columns: dict[str, DriftColumn] = {}
