@@ -698,6 +698,36 @@ def test_optimize_compacts_a_partition(ref: TableRef) -> None:
         delta.optimize(ref, {"region": "eu"})
 
 
+def test_optimize_writes_stats_every_reader_filters_right_on(tmp_path: Path) -> None:
+    """delta-rs's own OPTIMIZE wrote stats deltalake read wrong for a float column holding an
+    infinity (0 rows for x = 1.0 where 1 matched): the compacted file here has this tool's."""
+    schema = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("model_version", pa.string())])
+    ref = TableRef.of(str(tmp_path / "t"))
+    delta.ensure_table(ref, schema, [PARTITION], allow_new_columns=False)
+    xs = [[1.0, 2.0, float("inf")], [0.5, 3.0, float("nan")], [1.0, -float("inf"), 4.0]]
+    adds = []
+    for k, values in enumerate(xs):
+        data = pa.table(
+            {
+                "id": pa.array(range(3 * k, 3 * k + 3), pa.int64()),
+                "x": pa.array(values, pa.float64()),
+                "model_version": pa.array(["m"] * 3),
+            },
+            schema=schema,
+        )
+        adds.append(write_file(ref, data, day("d1"), row_group_rows=2))
+    delta.commit(
+        ref, adds=adds, removes=[], app_id="job", run_version=1, metadata={},
+        expected_schema=schema,
+    )  # fmt: skip
+    assert delta.optimize(ref, day("d1"))["numFilesAdded"] == 1
+    got = [r[0] for r in deltalake_rows(ref, filters=[("x", "=", 1.0)])]
+    assert got == [0, 6]
+    got = [r[0] for r in deltalake_rows(ref, filters=[("x", "<=", 2.0)])]
+    assert got == [0, 1, 3, 6, 7]  # 1.0, 2.0, 0.5, 1.0, -inf; NaN compares false
+    assert len(polars_rows(ref)) == 9
+
+
 def test_read_and_errors_name_the_table(tmp_path: Path, ref: TableRef) -> None:
     _two_runs(ref)
     assert delta.read(ref, columns=["id"], partition=day("d1")).column_names == ["id"]
