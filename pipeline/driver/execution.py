@@ -436,6 +436,16 @@ def _slicing_gap(model: LoadedModel, x: Inputs, call_rows: int) -> float:
     return float((whole - sliced).abs().nan_to_num(nan=0.0).max()) if n else 0.0
 
 
+def row_dependence(model: LoadedModel) -> float | None:
+    """The largest difference between the outputs of :data:`CHECK_ROWS` random rows in one
+    call and in four, where it is more than rounding (:data:`SLICE_TOLERANCE`): a model whose
+    output for a row depends on the other rows of its call (BatchNorm in training mode). None
+    for a model that scores each row on its own."""
+    rows = min(CHECK_ROWS, model.max_batch or CHECK_ROWS)
+    gap = _slicing_gap(model, model.example(rows, random=True), max(1, rows // 4))
+    return gap if gap > SLICE_TOLERANCE else None
+
+
 def _sweep_rows(
     rows: int, per_row: float, budget_s: float, n_sizes: int, default: int
 ) -> int | None:

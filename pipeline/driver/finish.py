@@ -30,6 +30,7 @@ from pipeline.core.errors import (
 from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import StopRequest
 from pipeline.core.statuses import SUCCESS_STATUSES, FailureKind
+from pipeline.driver import incremental
 from pipeline.driver.dispatch import not_scored
 from pipeline.driver.phases import Locked, Prepared, Scored
 from pipeline.driver.reconcile import Wanted, gone_reasons, wanted
@@ -104,6 +105,7 @@ def conclude(prepared: Prepared, locked: Locked, scored: Scored, stop: StopReque
             logger.warning("%s", warning)
         findings = dataclasses.replace(findings, drift_alert=judged.alert_open)
     decision = decide(findings)
+    night = _incremental(prepared, locked, ordered)
     # A table's removes take effect with its commit: a run that will not commit removed nothing.
     taken = plan.removed if decision.succeeded or not plan.at_commit else ()
     removed = [*locked.cleared, *deleted, *taken]
@@ -118,10 +120,24 @@ def conclude(prepared: Prepared, locked: Locked, scored: Scored, stop: StopReque
         foreign_removed=locked.foreign.removed,
         foreign_kept=foreign_kept,
         output_format=prepared.sink.section(locked.begun, None).public(),
+        incremental=night,
     )
     checkpoint("judged")
     record = judged.record if decision.succeeded else None
     return Concluded(draft, findings, report, record, plan)
+
+
+def _incremental(
+    prepared: Prepared, locked: Locked, ordered: list[ShardResult]
+) -> dict[str, Any] | None:
+    """The report's ``incremental`` section: what the night carried and scored, and the ids of
+    the baseline tonight's input no longer has (counted here, from the input's id columns)."""
+    baseline = locked.baseline
+    if not baseline.enabled:
+        return None
+    readable = [s.uri for s in prepared.shards if s.rel_path not in prepared.failed]
+    removed = incremental.removed_rows(prepared.config, baseline, readable)
+    return incremental.section(baseline, ordered, removed)
 
 
 def commit(
@@ -423,6 +439,10 @@ def _index(prepared: Prepared, report: ReportData, *, warn: bool = False) -> boo
         col: {"count": v.get("count"), "sketch": v.get("sketch")}
         for col, v in (report["outputs"] or {}).items()
     }
+    if prepared.scorer is not None:
+        # Whose scores the output holds: an incremental night carries from a baseline whose
+        # scorer is its own (pipeline.driver.incremental).
+        entry["scorer"] = {"hash": prepared.scorer.hash, "values": prepared.scorer.values}
     try:
         runindex.record(index_root, config.storage, config.name, entry)
     except Exception as e:

@@ -23,6 +23,7 @@ from pipeline.core.config import JobConfig, setting
 from pipeline.core.errors import ConfigError, MissingInputError, ModelError, SchemaError, ShardError
 from pipeline.core.statuses import FailureKind, ShardStatus
 from pipeline.io import listing, storage
+from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN
 from pipeline.io.listing import ShardRef
 from pipeline.io.manifest import settings_hash
 from pipeline.io.parquet import ShardInfo, read_footer
@@ -44,7 +45,11 @@ class Settings:
 
 
 def run_settings(
-    config: JobConfig, spec: BundleSpec, *, model_version: str | None = None
+    config: JobConfig,
+    spec: BundleSpec,
+    *,
+    model_version: str | None = None,
+    fingerprint: bool = False,
 ) -> Settings:
     """The settings of ``config`` with model ``spec`` that decide what a row's output is.
 
@@ -56,7 +61,7 @@ def run_settings(
     Refuses (:class:`ConfigError`) output columns that would share a name: a Parquet file with
     two ``score`` columns is refused by pyarrow and Polars and read as the wrong one by DuckDB.
     """
-    check_output_columns(config, spec)
+    check_output_columns(config, spec, fingerprint=fingerprint)
     values = {
         "inputs": list(spec.input_columns),
         "outputs": [[o.name, o.describe()] for o in spec.outputs],
@@ -71,15 +76,65 @@ def run_settings(
         # is not kept by a run with the other. Absent for torch, so the hash of every earlier
         # run's settings stays what it was.
         values["engine"] = config.engine
+    if fingerprint:
+        # The output has a model_input_hash column (docs/incremental.md); absent otherwise.
+        values["fingerprint"] = True
     return Settings(values, settings_hash(values))
 
 
-def check_output_columns(config: JobConfig, spec: BundleSpec) -> None:
-    """Every output column (id, pass-through, model outputs, model_version) named once."""
+def run_identity(
+    config: JobConfig,
+    spec: BundleSpec,
+    sha256: str,
+    device: str,
+    model_version: str | None,
+    table_has_fingerprints: bool = False,
+) -> tuple[Settings, Settings | None]:
+    """The run's settings, and its scorer identity where output rows carry fingerprints: on an
+    incremental night, and in a table that has the column already (a table keeps its columns:
+    docs/incremental.md); None there otherwise."""
+    fingerprint = config.incremental or table_has_fingerprints
+    settings = run_settings(config, spec, model_version=model_version, fingerprint=fingerprint)
+    scorer = scorer_identity(config, spec, sha256, device) if fingerprint else None
+    return settings, scorer
+
+
+#: The version of the row fingerprint (pipeline.worker.fingerprint) in the scorer identity: a
+#: change to how rows are hashed makes every baseline another scorer's.
+FINGERPRINT_VERSION = 1
+
+
+def scorer_identity(config: JobConfig, spec: BundleSpec, sha256: str, device: str) -> Settings:
+    """What decides a row's scores besides the row itself: the bundle's content, the inputs it
+    reads, its outputs, and every setting that changes a score (precision, engine, the device
+    type, torch.compile, TF32 on CUDA). An incremental night carries scores only from a
+    baseline scored with the same identity (docs/incremental.md). Pass-through columns and the
+    model_version text are not in it: they never change a score (and are always tonight's)."""
+    device_type = device.split(":", 1)[0]
+    values: dict[str, Any] = {
+        "model_sha256": sha256,
+        "inputs": list(spec.input_columns),
+        "outputs": [[o.name, o.describe()] for o in spec.outputs],
+        "id_column": config.id_column,
+        "precision": config.precision,
+        "engine": config.engine,
+        "device": device_type,
+        "compile": config.compile,
+        "tf32": device_type == "cuda" and not config.strict_fp32,
+        "fingerprint_version": FINGERPRINT_VERSION,
+    }
+    return Settings(values, settings_hash(values))
+
+
+def check_output_columns(config: JobConfig, spec: BundleSpec, *, fingerprint: bool = False) -> None:
+    """Every output column (id, pass-through, model outputs, model_version, and an incremental
+    run's model_input_hash) named once."""
     sources = [("id_column", config.id_column)]
     sources += [("passthrough", c) for c in config.passthrough]
     sources += [(f"outputs in {spec.uri}/model.toml", o.name) for o in spec.outputs]
     sources.append(("the column score-catalog adds", MODEL_VERSION_COLUMN))
+    if fingerprint:
+        sources.append(("the column incremental runs add", MODEL_INPUT_HASH_COLUMN))
     seen: dict[str, str] = {}
     problems = []
     for where, name in sources:

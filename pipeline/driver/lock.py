@@ -16,6 +16,7 @@ import logging
 from pipeline.core.errors import LockError, log_cleanup_error
 from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import StopRequest
+from pipeline.driver import incremental
 from pipeline.driver.phases import Locked, Prepared
 from pipeline.driver.prepare import stop_if_asked
 from pipeline.io import layout, nesting, storage
@@ -29,6 +30,10 @@ from pipeline.worker.shard import ShardResult
 from pipeline.worker.spec import ShardTask
 
 logger = logging.getLogger(__name__)
+
+#: Schedulers whose workers run on this machine (they read the baseline index where the driver
+#: wrote it); any other is a cluster's address.
+LOCAL_SCHEDULERS = ("local", "threads", "sync")
 
 
 def take(prepared: Prepared, stop: StopRequest, cleanup: contextlib.ExitStack) -> RunLock:
@@ -74,6 +79,16 @@ def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> L
     """Take the output for this run and find what is left to score; ``cleanup`` saves the
     manifest (what was committed, so that a rerun skips it) whatever happens next."""
     config, out, sink = prepared.config, prepared.output, prepared.sink
+    # An incremental night's baseline, read before this run changes anything it could be
+    # reading (a fixed output is its own baseline): docs/incremental.md.
+    remote = prepared.plan.scheduler not in LOCAL_SCHEDULERS
+    night = None
+    if prepared.scorer is not None:
+        night = incremental.Night(
+            config, prepared.scorer, prepared.model, out, prepared.control, sink
+        )
+    baseline = incremental.choose(night, lock.run_id, cleanup, remote=remote)
+    lock.assert_held()
     layout.claim(prepared.places, lock.assert_held, sink.abort, mark=sink.places.mark)
     for root in (out, prepared.rejects):
         for path in storage.remove_temporaries(root):
@@ -122,7 +137,7 @@ def claim(prepared: Prepared, lock: RunLock, cleanup: contextlib.ExitStack) -> L
             done[s.rel_path] = skipped
         else:
             tasks.append(prepared.task(s))
-    return Locked(lock, manifest, previous, begun, done, tuple(tasks))
+    return Locked(lock, manifest, previous, begun, done, tuple(tasks), baseline)
 
 
 def _skipped(

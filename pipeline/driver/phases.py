@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -26,6 +26,7 @@ import torch
 from pipeline.core.config import JobConfig
 from pipeline.driver.cluster import DaskSession, Plan
 from pipeline.driver.execution import Execution
+from pipeline.driver.incremental import Baseline
 from pipeline.driver.inspect import Inspection, Settings
 from pipeline.io.layout import Places
 from pipeline.io.listing import ShardRef
@@ -60,6 +61,9 @@ class Prepared:
     device: torch.device
     sha: str  # the bundle's SHA-256
     settings: Settings  # what changes output rows (hashed into the manifest and footers)
+    # What changes a row's scores (incremental nights: docs/incremental.md); None when the
+    # output holds no fingerprints.
+    scorer: Settings | None
     plan: Plan  # workers, threads, overlap
     session: DaskSession | None  # None: scored in this process (scheduler sync)
     found: Inspection  # footers, schema problems, the model loaded and dry-run checked
@@ -152,6 +156,8 @@ class Locked:
     begun: Begun  # what the sink found when the run took the output (pipeline.sinks.base)
     done: Mapping[str, ShardResult]  # known before scoring: failed (prepare) and skipped (done)
     tasks: tuple[ShardTask, ...]  # what is left to score, in input order
+    # An incremental night's baseline (docs/incremental.md); the default: not incremental.
+    baseline: Baseline = field(default_factory=Baseline)
 
     @property
     def foreign(self) -> ForeignFiles:

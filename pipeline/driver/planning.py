@@ -17,16 +17,18 @@ import torch
 
 from pipeline.core import storage_options
 from pipeline.core.config import JobConfig
+from pipeline.driver import incremental
 from pipeline.driver.cluster import Plan, thread_plan
 from pipeline.driver.dispatch import group_tasks
 from pipeline.driver.execution import SAMPLE_ROWS, auto_cache_key, pipeline_step, sample_rows
 from pipeline.driver.inspect import (
     Inspection,
+    Settings,
     check_job_columns,
     inspect_shards,
     list_input,
     meta_fields,
-    run_settings,
+    run_identity,
 )
 from pipeline.io import layout, nesting, ownership, storage
 from pipeline.io.listing import ShardRef
@@ -70,7 +72,9 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     meta_fields(config, found.infos, failed)  # and a column no one type can hold, exit 3
     # What the run would warn about: in the plan's output (its table or JSON), once.
     warnings = oov.check(model)
-    settings = run_settings(config, spec, model_version=source.model_version)
+    settings, scorer = run_identity(
+        config, spec, sha, str(device), source.model_version, sink.keeps_fingerprints()
+    )
     entries = _shard_entries(config, shards, found, where, expect_done=(sha, settings.hash))
     to_score = [e for e in entries if e["action"] == "score"]
     rows_to_score = sum(e["rows"] or 0 for e in to_score)
@@ -91,6 +95,9 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
     if estimate is not None:
         estimate["startup_s"] = startup_s
     bad = [e for e in entries if e["action"] == "fail"]
+    night = None
+    if config.incremental and scorer is not None:
+        night = _incremental(config, scorer, model, where, sink, entries, found, calibration)
     return {
         "job": config.name,
         "input": storage.locate(config.input_uri(), opts).uri,
@@ -114,11 +121,33 @@ def plan_job(config: JobConfig) -> dict[str, Any]:
         "calibration": calibration,
         "estimated_scoring_s": None if estimate is None else estimate["scoring_s"],
         "estimate": estimate,
+        "incremental": night,
         "problems": [f"{e['input']}: {e['problem']}" for e in entries if e.get("problem")],
         "warnings": warnings,
         "shards": entries,
         "plan_s": time.perf_counter() - t0,
     }
+
+
+def _incremental(
+    config: JobConfig,
+    scorer: Settings,
+    model: Any,
+    where: layout.Places,
+    sink: Any,
+    entries: list[dict[str, Any]],
+    found: Inspection,
+    calibration: dict[str, Any],
+) -> dict[str, Any]:
+    """What an incremental run would send through the model and carry
+    (:func:`pipeline.driver.incremental.preview`)."""
+    night = incremental.Night(config, scorer, model, where.output, where.control, sink)
+    to_score = [e["input"] for e in entries if e["action"] == "score"]
+    readable = [e["input"] for e in entries if e["action"] != "fail"]
+    assert found.widths is not None
+    return incremental.preview(
+        night, to_score, readable, found.widths, int(calibration["batch_size"])
+    )
 
 
 def _shard_entries(
@@ -402,6 +431,7 @@ def plan_table(plan: dict[str, Any], *, max_shards: int = 40) -> str:
         + (f"; {cal['note']}" if cal["note"] else ""),
         f"  overlap   read-ahead and write-behind threads {'on' if plan['overlap'] else 'off'}",
         *_estimate_lines(plan),
+        *_incremental_lines(plan),
         "",
         f"  {'shard':<40} {'rows':>12} {'row groups':>10}  action",
     ]
@@ -416,3 +446,19 @@ def plan_table(plan: dict[str, Any], *, max_shards: int = 40) -> str:
     for w in plan.get("warnings") or []:
         lines.append(f"  WARNING {w}")
     return "\n".join(lines)
+
+
+def _incremental_lines(plan: dict[str, Any]) -> list[str]:
+    """What an incremental run would send through the model, or why it would score all."""
+    inc = plan.get("incremental")
+    if not inc:
+        return []
+    base = inc.get("baseline")
+    if base is None:
+        return [f"  changed   every row would be scored: {inc['full_reason']}"]
+    night = base.get("date") or base.get("output")
+    return [
+        f"  changed   {inc['rows_scored']:,} rows would go through the model "
+        f"({inc['rows_new']:,} new, {inc['rows_changed']:,} changed), "
+        f"{inc['rows_carried']:,} carried from run {base['run_id']} ({night})"
+    ]

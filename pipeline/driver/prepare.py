@@ -34,7 +34,7 @@ from pipeline.driver.inspect import (
     inspect_shards,
     list_input,
     meta_fields,
-    run_settings,
+    run_identity,
 )
 from pipeline.driver.phases import Prepared
 from pipeline.driver.workers import model_spec
@@ -80,7 +80,10 @@ def prepare(
     device = resolve_device(config.device)
     bundle, _, sha = read_bundle(config.model, opts)
     # Before any worker spec: each output file's footer carries the settings hash.
-    settings = run_settings(config, bundle, model_version=source.model_version)
+    settings, scorer = run_identity(
+        config, bundle, sha, str(device), source.model_version, sink.keeps_fingerprints()
+    )
+    fingerprint = scorer is not None
     plan = thread_plan(config, len(shards), device.type)
     if config.overlap == "auto" and not plan.overlap:
         logger.info(
@@ -103,7 +106,9 @@ def prepare(
     execution = plan_execution(config, shards, failed, found, plan)
     model_warnings += execution.warnings  # logged when found
     meta_types = meta_fields(config, found.infos, failed)
-    schema = _output_schema(config, found, meta_types, failed, one_type=sink.places.table)
+    schema = _output_schema(
+        config, found, meta_types, failed, one_type=sink.places.table, fingerprint=fingerprint
+    )
     if session is not None and plan.scheduler not in ("local", "threads"):
         # An existing cluster must answer before the run takes the output: an unreachable
         # scheduler fails here, with nothing written.
@@ -125,6 +130,7 @@ def prepare(
         device=device,
         sha=sha,
         settings=settings,
+        scorer=scorer,
         plan=plan,
         session=session,
         found=found,
@@ -181,6 +187,7 @@ def _output_schema(
     failed: Mapping[str, ShardResult],
     *,
     one_type: bool,
+    fingerprint: bool = False,
 ) -> pa.Schema | None:
     """The columns every output file of the run has: id, pass-through, outputs, model_version
     (a table's schema is made from it); None when no shard is left to score. An id or
@@ -202,7 +209,8 @@ def _output_schema(
         return None
     model = found.model
     outputs = [(o.name, o.arrow_type(model.out_width)) for o in model.spec.outputs]
-    return output_schema(pa.schema([meta_types[n] for n in names]), outputs)
+    meta = pa.schema([meta_types[n] for n in names])
+    return output_schema(meta, outputs, fingerprint=fingerprint)
 
 
 def _start_cluster(

@@ -102,6 +102,7 @@ def _spec(prepared: Prepared, locked: Locked, *, progress: bool) -> WorkerSpec:
         fence=Fence(lock.root.uri, lock.run_id, lock.token),
         signals=run_signals(on_cluster=session is not None, progress=progress),
         file_facts=prepared.sink.writer().file_facts,
+        incremental=locked.baseline.spec(),
     )
 
 

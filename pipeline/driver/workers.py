@@ -17,6 +17,7 @@ from pipeline.sinks.base import FileFacts
 from pipeline.worker.shard import OVERLAP_DEPTH
 from pipeline.worker.spec import (
     Fence,
+    Incremental,
     ModelSpec,
     Scoring,
     ShardIO,
@@ -67,6 +68,7 @@ def worker_spec(  # noqa: PLR0913  (keyword-only: each is one part of the contra
     storage_options: Mapping[str, Any] | None = None,
     file_facts: FileFacts | None = None,
     call_rows: int | None = None,
+    incremental: Incremental | None = None,
 ) -> WorkerSpec:
     """What every shard of a run of ``config`` is scored with."""
     return WorkerSpec(
@@ -88,6 +90,7 @@ def worker_spec(  # noqa: PLR0913  (keyword-only: each is one part of the contra
         ),
         fence=fence if fence is not None else Fence(),
         signals=signals if signals is not None else StopSignals(),
+        incremental=incremental if incremental is not None else Incremental(),
     )
 
 

@@ -109,6 +109,12 @@ SETTINGS_KEY = b"score_catalog.settings_hash"
 #: over another one, or left from an earlier version of its input, does not match.
 INPUT_KEY = b"score_catalog.input"
 INPUT_FINGERPRINT_KEY = b"score_catalog.input_fingerprint"
+#: The scorer identity (``pipeline.driver.inspect.scorer_identity``) of an incremental run's
+#: output file: every row in it was scored, or carried, by that scorer (docs/incremental.md).
+SCORER_KEY = b"score_catalog.scorer"
+#: The output column that holds a row's fingerprint (``pipeline.worker.fingerprint``) when the
+#: run is incremental: a 64-bit hash of exactly what the model saw of the row.
+MODEL_INPUT_HASH_COLUMN = "model_input_hash"
 #: In a rejects file: the output it belongs to (its URI), so that a rejects folder two jobs
 #: share by mistake is found before one deletes or replaces the other's files.
 OUTPUT_KEY = b"score_catalog.output"
@@ -121,10 +127,15 @@ LEGACY_REJECTS = "_rejects"
 
 
 def footer_metadata(
-    model_sha256: str, settings_hash: str, input_rel: str = "", input_fingerprint: str = ""
+    model_sha256: str,
+    settings_hash: str,
+    input_rel: str = "",
+    input_fingerprint: str = "",
+    scorer: str = "",
 ) -> dict[bytes, bytes]:
     """The footer metadata an output file is written with (see :data:`WRITER_KEY`): writer,
-    model, settings and, when given, the input shard it was scored from."""
+    model, settings and, when given, the input shard it was scored from and the scorer
+    identity of an incremental run."""
     meta = {
         WRITER_KEY: WRITER,
         MODEL_SHA_KEY: model_sha256.encode(),
@@ -133,6 +144,8 @@ def footer_metadata(
     if input_rel:
         meta[INPUT_KEY] = input_rel.encode()
         meta[INPUT_FINGERPRINT_KEY] = input_fingerprint.encode()
+    if scorer:
+        meta[SCORER_KEY] = scorer.encode()
     return meta
 
 

@@ -122,6 +122,12 @@ def score(
     return Scored(out, ok, errors, oom, time.perf_counter() - t0, raised)
 
 
+def no_rows(model: LoadedModel) -> Scored:
+    """What :func:`score` returns for a call without rows, without calling the model (an
+    incremental batch whose rows were all carried)."""
+    return Scored(torch.empty(0, model.out_width), np.ones(0, dtype=bool))
+
+
 def _column_finite(
     outputs: torch.Tensor, spec: OutputSpec, row_finite: torch.Tensor
 ) -> torch.Tensor:

@@ -21,6 +21,7 @@ from pipeline.report.schema import (
     DriftNote,
     ErrorEntry,
     Execution,
+    IncrementalSection,
     LockHolderDetails,
     LossyCastEntry,
     ModelInfoWithRegistry,
@@ -468,12 +469,14 @@ def build_report(  # noqa: PLR0913  (keyword-only: the parts of a report the run
     foreign_removed: Iterable[str] = (),
     foreign_kept: Iterable[str] = (),
     output_format: Mapping[str, Any] | None = None,
+    incremental: Mapping[str, Any] | None = None,
 ) -> ReportData:
     """The ``_report.json`` of a finished run: the ``draft`` with the run's ``status`` and
     ``failure_reasons`` (``pipeline.driver.status.decide``), the dataset's ``drift`` and
     ``verdict`` (``pipeline.report.verdict``), further ``warnings`` (after the draft's own),
     what the run took out of the dataset (``removed_outputs``) and the files it did not write
-    (``foreign_removed``, ``foreign_kept``), and the output format's section."""
+    (``foreign_removed``, ``foreign_kept``), the output format's section, and an incremental
+    night's ``incremental`` section (pipeline.driver.incremental; None: not incremental)."""
     facts, shards = draft.facts, list(draft.shards)
     scored = draft.scored
     t0 = facts.started_at.timestamp()
@@ -524,6 +527,9 @@ def build_report(  # noqa: PLR0913  (keyword-only: the parts of a report the run
     }
     if output_format is not None:
         report["output_format"] = cast(OutputFormatSection, dict(output_format))
+    report["incremental"] = cast(
+        "IncrementalSection | None", dict(incremental) if incremental is not None else None
+    )
     return report
 
 

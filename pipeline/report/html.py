@@ -358,6 +358,29 @@ def _environment(r: ReportData) -> str:
     return "".join(out)
 
 
+def _incremental(r: ReportData) -> str:
+    """An incremental night: what went through the model and what was carried, and from
+    which baseline (docs/incremental.md)."""
+    inc = r.get("incremental")
+    if not inc:
+        return ""
+    rows: list[tuple[str, Any]] = [
+        ("rows through the model", fmt(inc["rows_scored"])),
+        ("… of which new ids", fmt(inc["rows_new"])),
+        ("… of which changed", fmt(inc["rows_changed"])),
+        ("rows carried from the baseline", fmt(inc["rows_carried"])),
+        ("rows kept from an earlier run", fmt(inc["rows_kept"])),
+        ("baseline ids gone from the input", fmt(inc["rows_removed"])),
+    ]
+    base = inc["baseline"]
+    if base is None:
+        out = para(f"Every row went through the model: {inc['full_reason']}.", "")
+    else:
+        out = ""
+        rows += [(f"baseline {k}", v) for k, v in base.items()]
+    return out + kv(rows)
+
+
 def _output_changes(r: ReportData) -> str:
     """What reconciling the output with the input removed, and files this tool did not write."""
     removed = r["removed_outputs"]
@@ -378,6 +401,7 @@ def _output_changes(r: ReportData) -> str:
 _SECTIONS: list[tuple[str, str, Callable[[ReportData], str]]] = [
     ("status", "Status", _status),
     ("totals", "Totals", _totals),
+    ("incremental", "Scored and carried (incremental)", _incremental),
     ("shards", "Shards", _shards),
     ("throughput", "Throughput over time", _throughput),
     ("latency", "Batch latency", _latency),
@@ -396,6 +420,8 @@ def render_html(report: ReportData) -> str:
     """
     parts = []
     for sid, title, fn in _SECTIONS:
+        if sid == "incremental" and not report.get("incremental"):
+            continue  # a run that is not incremental has nothing to say here
         try:
             body = fn(report)
         except Exception as exc:  # a malformed field must not cost the rest of the page

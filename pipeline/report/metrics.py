@@ -134,11 +134,36 @@ def registry_for(
         # A run that scored no row has no throughput (not 0: a dip a dashboard would draw).
         _number(report.get("rows_per_s")) if report.get("rows_processed") else None,
     )
+    _incremental_gauges(reg, job, report.get("incremental"))
     _drift_gauge(reg, job, report.get("drift"))
     _accepted_gauge(reg, job, report.get("drift"), report.get("verdict"))
     _status_gauge(reg, job, status)
     _table_gauge(reg, job, report.get("output_format"))
     return reg
+
+
+def _incremental_gauges(reg: CollectorRegistry, job: str, inc: Any) -> None:
+    """An incremental night's carried rows and rows through the model (docs/incremental.md);
+    no sample when the run was not incremental."""
+    found = inc if isinstance(inc, Mapping) else {}
+    for name, key, doc in (
+        (
+            "last_run_carried_rows",
+            "rows_carried",
+            "Rows whose scores the last run carried from its baseline instead of scoring them "
+            "(incremental = true); no sample when the run was not incremental.",
+        ),
+        (
+            "last_run_model_rows",
+            "rows_scored",
+            "Rows the last incremental run sent through the model (new and changed rows); no "
+            "sample when the run was not incremental.",
+        ),
+    ):
+        g = Gauge(f"{PREFIX}_{name}", doc, [JOB_LABEL], registry=reg)
+        value = _number(found.get(key))
+        if value is not None:
+            g.labels(job).set(value)
 
 
 def _table_gauge(reg: CollectorRegistry, job: str, fmt: Any) -> None:

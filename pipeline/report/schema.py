@@ -16,6 +16,9 @@ are checked against those enums by the tests.
 TypedDicts that have keys present only sometimes are split in two: a base class with the keys
 every report has (``total=True``) and a ``total=False`` subclass adding the optional ones, which
 works on Python 3.10 without ``typing_extensions.NotRequired``.
+
+Over 600 lines on purpose: one TypedDict per object of the schema, each beside its neighbours
+as the schema nests them; split, the code's description of one document would be in pieces.
 """
 
 from __future__ import annotations
@@ -86,8 +89,17 @@ class LossyCastEntry(TypedDict):
     example: LossyCastExample
 
 
-class ShardEntry(TypedDict):
-    """One entry of ``shards``, in input order."""
+class IncrementalCounts(TypedDict):
+    """What an incremental run did with one shard's valid rows (``shards[].incremental``)."""
+
+    rows_carried: int
+    rows_scored: int
+    rows_new: int
+    rows_changed: int
+
+
+class ShardCore(TypedDict):
+    """The keys every entry of ``shards`` has."""
 
     rel_path: str
     input: str
@@ -107,6 +119,12 @@ class ShardEntry(TypedDict):
     rejects_by_reason: dict[str, int]
     started_s: float | None  # seconds since the run started; None when not scored now
     finished_s: float | None
+
+
+class ShardEntry(ShardCore, total=False):
+    """One entry of ``shards``, in input order."""
+
+    incremental: IncrementalCounts  # an incremental run's, for a shard scored now
 
 
 # ---------------------------------------------------------------- how the run ran
@@ -241,6 +259,7 @@ class ScoringSettings(TypedDict):
 class ScoringSettingsWithVersion(ScoringSettings, total=False):
     model_version: str  # a model from a registry: models:/NAME/VERSION, as every output row says
     engine: Literal["onnx"]  # engine = "onnx" (absent for torch, the default)
+    fingerprint: Literal[True]  # rows carry model_input_hash (docs/incremental.md)
 
 
 class ErrorBudget(TypedDict):
@@ -427,6 +446,27 @@ class OutputFormatSection(OutputFormatCore, total=False):
     recovered: RecoveredCommit
 
 
+class IncrementalBaseline(TypedDict):
+    """``incremental.baseline``: the dataset an incremental night carried scores from."""
+
+    run_id: str | None
+    output: str | None
+    date: str | None
+    version: int | None
+    files: int
+    files_skipped: int
+    rows: int
+
+
+class IncrementalSection(IncrementalCounts):
+    """``incremental``: an incremental night (pipeline.driver.incremental)."""
+
+    rows_kept: int
+    rows_removed: int | None
+    baseline: IncrementalBaseline | None
+    full_reason: str | None
+
+
 class ReportCore(TypedDict):
     """The keys every ``_report.json`` of ``schema_version`` 5 has."""
 
@@ -485,6 +525,7 @@ class ReportData(ReportCore, total=False):
     those added since (absent from older reports)."""
 
     output_format: OutputFormatSection
+    incremental: IncrementalSection | None
 
 
 #: Each TypedDict and the JSON pointer of the schema object it describes (checked by the tests).
@@ -492,6 +533,9 @@ SCHEMA_OBJECTS: dict[str, type] = {
     "#": ReportData,
     "#/$defs/shard": ShardEntry,
     "#/$defs/output_format": OutputFormatSection,
+    "#/$defs/incremental": IncrementalSection,
+    "#/$defs/incremental_counts": IncrementalCounts,
+    "#/$defs/incremental_baseline": IncrementalBaseline,
     "#/$defs/recovered_commit": RecoveredCommit,
     "#/$defs/error": ErrorEntry,
     "#/$defs/lossy_cast": LossyCastEntry,

@@ -97,6 +97,27 @@ def _table_lines(d: Mapping[str, Any]) -> list[str]:
     return [f"  table     {summary}"] if summary else []
 
 
+def incremental_line(d: Mapping[str, Any]) -> str | None:
+    """What an incremental night did, in one line (None when the run is not incremental):
+    rows carried from the baseline and through the model, or why every row was scored."""
+    inc = d.get("incremental")
+    if not inc:
+        return None
+    scored = f"{inc['rows_scored']:,} through the model"
+    kept = f", {inc['rows_kept']:,} kept from an earlier run" if inc.get("rows_kept") else ""
+    base = inc.get("baseline")
+    if not base:
+        return f"{scored}{kept}: every row scored, {inc.get('full_reason') or 'no baseline'}"
+    night = base.get("date") or base.get("output")
+    version = f", version {base['version']}" if base.get("version") is not None else ""
+    removed = inc.get("rows_removed")
+    gone = f", {removed:,} ids gone since" if removed else ""
+    return (
+        f"{inc['rows_carried']:,} carried from run {base.get('run_id')} ({night}{version}), "
+        f"{scored} ({inc['rows_new']:,} new, {inc['rows_changed']:,} changed){kept}{gone}"
+    )
+
+
 def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
     """A short human summary of the run for the terminal (and cron's mail).
 
@@ -132,6 +153,9 @@ def summary_table(report: RunReport, *, max_shards: int = 20) -> str:
         if d["shards_skipped"]:
             speed += f": {d['shards_skipped']} shard(s) already done"
     lines.append(f"  speed     {speed}")
+    night = incremental_line(d)
+    if night is not None:
+        lines.append(f"  changed   {night}")
     reg = d["model"].get("registry")
     if reg:
         alias = f" (alias {reg['alias']})" if reg["alias"] else ""

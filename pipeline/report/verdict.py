@@ -255,6 +255,16 @@ def _baseline(
     return _newest(index_root, config, data, restores, skip, undone, rank)
 
 
+def baseline_entry(
+    config: JobConfig, run_id: str, output: str, index_root: str, *, versioned: bool = False
+) -> dict[str, Any] | None:
+    """The run-index entry a drift check of run ``run_id`` (writing ``output``) would compare
+    it with, found before the run scores anything: an incremental night's baseline
+    (docs/incremental.md). Raises where the run index cannot be read."""
+    data = {"output": output, "run_id": run_id, "rows_processed": 1}
+    return _baseline(config, data, "", index_root, versioned=versioned)
+
+
 def _newest(
     index_root: str,
     config: JobConfig,

@@ -32,6 +32,8 @@ commit                ``commit(begun, plan, ...)`` a table: the run's version, w
 on failure            ``abort()``                  the folder: no ``_SUCCESS``; a table: the
                                                    previous version, whole
 report                ``section(begun, committed)`` -
+incremental           ``visible(output)``           unchanged (the baseline's files: read only)
+(before the lock)     ``keeps_fingerprints()``
 ====================  ===========================  =============================================
 
 Workers see only :class:`WriterSpec` (pyarrow only: a Dask worker forked from a driver that
@@ -199,6 +201,14 @@ class Committed:
 
 
 @dataclass(frozen=True)
+class Visible:
+    """The data files a reader of one output sees now (an incremental night's baseline)."""
+
+    files: tuple[str, ...]  # URIs
+    version: int | None = None  # a table's version they are of
+
+
+@dataclass(frozen=True)
 class Section:
     """The report's ``output_format``: the format's own keys, and the generic ones the report
     renders without knowing the format (a table's summary line, its heading on the page, the
@@ -292,4 +302,16 @@ class Sink(Protocol, Generic[BegunT, PlanT]):
 
     def section(self, begun: BegunT | None, committed: Committed | None) -> Section:
         """The report's ``output_format`` (of ``committed``, or of what the output held)."""
+        ...
+
+    def visible(self, output: str) -> Visible:
+        """The data files a reader of ``output`` (this job's output of another night, or of
+        this one: a folder, or a table's partition folder) sees now, read only: an incremental
+        night's baseline (docs/incremental.md). Raises where they cannot be listed."""
+        ...
+
+    def keeps_fingerprints(self) -> bool:
+        """Whether the output holds the ``model_input_hash`` column already (a table that
+        incremental runs wrote), which every run then keeps writing: a table keeps its
+        columns."""
         ...

@@ -26,6 +26,7 @@ import hashlib
 from collections.abc import Sequence
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 # MurmurHash3 x64's constants (Appleby, public domain): the word mix and the finaliser.
@@ -67,6 +68,20 @@ def _row_words(inputs: Sequence[np.ndarray], rows: int) -> np.ndarray:
     return np.ascontiguousarray(data).view(np.uint64)
 
 
+def _fold(words: np.ndarray, seed: np.uint64, lengths: np.ndarray | int) -> np.ndarray:
+    """One uint64 hash per row of ``words`` ((rows, n) uint64): MurmurHash3's 64-bit word mix
+    and finaliser, with each row's length in bytes mixed in last."""
+    h = np.full(words.shape[0], seed, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as the hash means it to
+        for j in range(words.shape[1]):
+            k = words[:, j] * _C1
+            k = _rotl(k, 31) * _C2
+            h ^= k
+            h = _rotl(h, 27) * _M + _N
+        h ^= np.asarray(lengths, dtype=np.uint64)
+        return _fmix(h)
+
+
 def fingerprints(inputs: Sequence[torch.Tensor | np.ndarray]) -> np.ndarray:
     """One int64 fingerprint per row of the model inputs ``inputs`` (each ``(rows, ...)``, on
     the CPU, in the model's input order)."""
@@ -77,13 +92,87 @@ def fingerprints(inputs: Sequence[torch.Tensor | np.ndarray]) -> np.ndarray:
     if any(int(a.shape[0]) != rows for a in arrays):
         raise ValueError("the model inputs have different row counts")
     words = _row_words(arrays, rows)
-    h = np.full(rows, _seed(arrays), dtype=np.uint64)
-    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as the hash means it to
-        for j in range(words.shape[1]):
-            k = words[:, j] * _C1
-            k = _rotl(k, 31) * _C2
-            h ^= k
-            h = _rotl(h, 27) * _M + _N
-        h ^= np.uint64(words.shape[1] * 8)
-        h = _fmix(h)
-    return h.view(np.int64)
+    return _fold(words, _seed(arrays), words.shape[1] * 8).view(np.int64)
+
+
+# -- row ids ----------------------------------------------------------------------------------
+#
+# An incremental night matches tonight's rows with the baseline's by id, through a 64-bit hash
+# of the id (pipeline.worker.baseline). The hash names the id's value, not its Arrow type: an
+# int32 id and the same int64 id hash alike, and so do a string and a large_string, so that a
+# column widened upstream still matches. A collision between two ids can never carry a wrong
+# score: a row is carried only when its fingerprint matches too, and rows with one fingerprint
+# get one score; at most a changed row is counted as new or a new one as changed.
+
+_INT_SEED = np.uint64(int.from_bytes(hashlib.sha256(b"id:int").digest()[:8], "little"))
+_BYTES_SEED = np.uint64(int.from_bytes(hashlib.sha256(b"id:bytes").digest()[:8], "little"))
+#: Bytes of padded id values hashed at once (rows x longest id, rounded up to 8): the memory a
+#: batch of string ids takes while it is hashed.
+_CHUNK_BYTES = 8 << 20
+
+
+def _bytes_hashes(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
+    """One uint64 hash per variable-length value (Arrow offsets and data buffer)."""
+    rows = offsets.size - 1
+    lengths = np.diff(offsets)
+    longest = int(lengths.max(initial=0))
+    width = int(-(-longest // 8) * 8) or 8
+    if rows and longest == int(lengths.min()):
+        # Ids of one length (SKUs, UUIDs): the values side by side are the matrix already.
+        mat = data[offsets[0] : offsets[-1]].reshape(rows, longest)
+        if width != longest:
+            mat = np.concatenate([mat, np.zeros((rows, width - longest), np.uint8)], axis=1)
+        return _fold(np.ascontiguousarray(mat).view(np.uint64), _BYTES_SEED, lengths)
+    out = np.empty(rows, dtype=np.uint64)
+    step = max(1, _CHUNK_BYTES // width)
+    col = np.arange(width, dtype=np.int64)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        n = lengths[start:stop]
+        mat = np.zeros((stop - start, width), dtype=np.uint8)
+        inside = col[None, :] < n[:, None]
+        mat[inside] = data[(offsets[start:stop, None] + col[None, :])[inside]]
+        out[start:stop] = _fold(mat.view(np.uint64), _BYTES_SEED, n)
+    return out
+
+
+def _canonical(column: pa.Array) -> tuple[pa.Array, bool]:
+    """``column`` as int64 (integers, and dates and times as their integer values) or as
+    large_binary (every other type, strings as their UTF-8 bytes, other values as their text);
+    True for the integer form."""
+    typ = column.type
+    if pa.types.is_dictionary(typ):
+        return _canonical(column.dictionary_decode())
+    if pa.types.is_unsigned_integer(typ) and typ.bit_width == 64:
+        return pa.Array.from_buffers(
+            pa.int64(), len(column), column.buffers(), offset=column.offset
+        ), True
+    if pa.types.is_integer(typ):
+        return column.cast(pa.int64()), True
+    if pa.types.is_temporal(typ):
+        return column.cast(pa.int64()), True
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ):
+        return column.cast(pa.large_string()).view(pa.large_binary()), False
+    if pa.types.is_binary(typ) or pa.types.is_large_binary(typ) or pa.types.is_binary_view(typ):
+        return column.cast(pa.large_binary()), False
+    return column.cast(pa.large_string()).view(pa.large_binary()), False
+
+
+def id_hashes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(one uint64 hash per id, whether the id is not null): vectorised, no Python per row."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    has_id = (
+        np.ones(len(column), dtype=bool)
+        if column.null_count == 0
+        else (column.is_valid().to_numpy(zero_copy_only=False))
+    )
+    canon, integer = _canonical(column)
+    if integer:
+        values = canon.fill_null(0).to_numpy().view(np.uint64).reshape(-1, 1)
+        return _fold(values, _INT_SEED, 8), has_id
+    canon = canon.fill_null(b"")
+    bufs = canon.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=np.int64)[canon.offset : canon.offset + len(canon) + 1]
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    return _bytes_hashes(offsets, data), has_id

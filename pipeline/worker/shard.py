@@ -29,10 +29,19 @@ from pipeline.io import storage
 from pipeline.io.layout import footer_metadata, rejects_metadata
 from pipeline.io.locking import LOCK_LOST_KIND, LockLostError
 from pipeline.model.bundle import Inputs
-from pipeline.model.engine import SMALL_BATCH, ModelFailedEverywhere, Scored, output_columns, score
+from pipeline.model.engine import (
+    SMALL_BATCH,
+    ModelFailedEverywhere,
+    Scored,
+    no_rows,
+    output_columns,
+    score,
+)
 from pipeline.sinks.base import WrittenFile
 from pipeline.worker import events
+from pipeline.worker.baseline import OutputLayout, open_index
 from pipeline.worker.batching import Batch, ShardBatches, make_loader, to_device_ahead
+from pipeline.worker.carry import Carry, CarryCounts, Split
 from pipeline.worker.loading import load, set_threads
 from pipeline.worker.overlap import read_ahead
 from pipeline.worker.sink import ShardSink, SinkRun, output_schema
@@ -78,6 +87,9 @@ class ShardResult:
     # The data file the shard's output went to, with what the output format wanted to know of
     # it (pipeline.sinks); None unless scored now. Not in the report.
     written: WrittenFile | None = None
+    # An incremental run's counts for the shard (carried, through the model, new, changed);
+    # None when the run is not incremental or the shard was not scored now.
+    incremental: CarryCounts | None = None
 
     @classmethod
     def failed(
@@ -111,8 +123,11 @@ class ShardResult:
 
     def public(self) -> dict[str, Any]:
         """The per-shard entry of ``_report.json`` (timings are made relative by the report)."""
-        hidden = ("stats", "written")
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in hidden}
+        hidden = ("stats", "written", "incremental")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in hidden}
+        if self.incremental is not None:
+            out["incremental"] = self.incremental.public()
+        return out
 
 
 def score_shards(spec: WorkerSpec, tasks: list[ShardTask]) -> list[ShardResult]:
@@ -242,13 +257,25 @@ class _Shard:
         # Output and rejects schemas keep the id/pass-through types this shard's footer
         # declares; the driver read the footer already and sends those fields along.
         self.meta_schema = pa.ipc.read_schema(pa.py_buffer(task.meta_schema))
+        inc = spec.incremental
         footer = footer_metadata(
-            spec.model.sha256, spec.io.settings_hash, task.rel_path, task.input_fingerprint
+            spec.model.sha256,
+            spec.io.settings_hash,
+            task.rel_path,
+            task.input_fingerprint,
+            scorer=inc.scorer if inc.fingerprint else "",
         )
         self.rejects_meta = rejects_metadata(
             task.output_name or task.output_uri, task.rel_path, task.input_fingerprint
         )
-        self.out_schema = output_schema(self.meta_schema, self.out_fields, footer)
+        self.out_schema = output_schema(
+            self.meta_schema, self.out_fields, footer, fingerprint=inc.fingerprint
+        )
+        self.carry: Carry | None = None
+        if inc.fingerprint:
+            index = open_index(inc.index, spec.io.storage_options) if inc.index else None
+            layouts = tuple(OutputLayout.of(n, t) for n, t in self.out_fields)
+            self.carry = Carry(index, layouts)
         self.numeric = [
             i for i, (_, t) in enumerate(self.out_fields) if not pa.types.is_fixed_size_list(t)
         ]
@@ -283,27 +310,41 @@ class _Shard:
         return to_device_ahead(read_ahead(batches, spec.scoring.overlap_depth), self.model.device)
 
     def score_batch(self, batch: Batch, sink: ShardSink) -> None:
-        """Score one batch, write its rows and rejects, and keep its statistics."""
+        """Score one batch, write its rows and rejects, and keep its statistics.
+
+        On an incremental night only the rows the baseline does not hold as they are now go
+        through the model (:mod:`pipeline.worker.carry`); the others' output values are
+        carried, and the rows are written in input order either way."""
         if batch.meta.schema != self.meta_schema:  # one type per column across the output
             batch.meta = batch.meta.cast(self.meta_schema)  # (pipeline.driver.inspect.meta_fields)
         self.rows_in += batch.num_rows
         self.ids.add(batch.meta.column(0))
-        x, reasons = self._valid_rows(batch)
-        scored = self._run_model(batch, x)
+        reasons = self._invalid_reasons(batch)
+        valid = batch.features.valid
+        part: Split | None = None
+        if self.carry is not None:
+            part = self.carry.split(batch.tensors, batch.meta.column(0), valid)
+        send = valid if part is None else part.send
+        scored = self._run_model(batch, self._inputs(batch, send))
         checkpoint("batch-scored")
-        self.stats.add_model_call(scored.seconds, scored.oom_splits)
-        keep = batch.features.valid.copy()
+        keep = send.copy()
         if scored.errors:
-            valid_idx = np.flatnonzero(batch.features.valid)
+            send_idx = np.flatnonzero(send)
             for j, msg in scored.errors.items():
-                reasons[int(valid_idx[j])] = msg
-            keep[valid_idx[~scored.ok]] = False
+                reasons[int(send_idx[j])] = msg
+            keep[send_idx[~scored.ok]] = False
         cols = output_columns(scored.outputs, self.model.spec.outputs)
+        if part is not None:
+            keep |= part.carry
+            assert self.carry is not None
+            cols = self.carry.merge(part, cols, keep)
         meta = batch.meta if keep.all() else batch.meta.filter(pa.array(keep))
         m = meta.num_rows
         version = self.spec.io.model_version or self.model.spec.version
         version_col = pa.repeat(pa.scalar(version, pa.string()), m)
         arrays = [*meta.columns, *cols, version_col]
+        if part is not None:
+            arrays.append(pa.array(part.fps[keep]))
         sink.write_output(pa.RecordBatch.from_arrays(arrays, schema=self.out_schema))
         checkpoint("batch-written")
         self.stats.add_scores({self.out_fields[i][0]: cols[i] for i in self.numeric}, m)
@@ -316,12 +357,12 @@ class _Shard:
             )
             self.stats.count_rejects(reasons)
 
-    def _valid_rows(self, batch: Batch) -> tuple[Inputs, dict[int, str]]:
-        """The batch's valid input rows, and the reason for each invalid one (by row index)."""
+    def _invalid_reasons(self, batch: Batch) -> dict[int, str]:
+        """The reason for each invalid row of the batch (by row index); the first one fails
+        the shard under ``errors.on_invalid_rows = "fail"``."""
         valid = batch.features.valid
-        xs = batch.tensors if batch.device_tensors is None else batch.device_tensors
         if valid.all():
-            return xs, {}
+            return {}
         invalid_idx = np.flatnonzero(~valid)
         if self.spec.scoring.on_invalid_rows == "fail":
             i = int(invalid_idx[0])
@@ -334,13 +375,21 @@ class _Shard:
                 shard=self.task.input_uri,
                 kind=FailureKind.INVALID_ROWS,
             )
-        reasons = dict(zip(invalid_idx.tolist(), batch.features.reasons or [], strict=True))
-        mask = torch.from_numpy(valid)
+        return dict(zip(invalid_idx.tolist(), batch.features.reasons or [], strict=True))
+
+    def _inputs(self, batch: Batch, send: np.ndarray) -> Inputs:
+        """The model inputs of the rows ``send`` marks, on the model's device."""
+        xs = batch.tensors if batch.device_tensors is None else batch.device_tensors
+        if send.all():
+            return xs
+        mask = torch.from_numpy(send)
         if batch.device_tensors is not None:
             mask = mask.to(self.model.device, non_blocking=True)
-        return tuple(t[mask] for t in xs), reasons
+        return tuple(t[mask] for t in xs)
 
     def _run_model(self, batch: Batch, x: Inputs) -> Scored:
+        if int(x[0].shape[0]) == 0:  # every row carried (or invalid): no call at all
+            return no_rows(self.model)
         try:
             grace = self.failed_unproven < UNPROVEN_ROWS
             scored = score(
@@ -357,6 +406,7 @@ class _Shard:
                 shard=self.task.input_uri,
                 kind=FailureKind.MODEL,
             ) from e
+        self.stats.add_model_call(scored.seconds, scored.oom_splits)
         # Proven once the model ran on a row without raising (a non-finite output is that
         # row's reject, not a sign of a broken model: engine.py).
         self.proven = self.proven or scored.raised < len(scored.ok)
@@ -405,6 +455,7 @@ class _Shard:
             null_ids=self.ids.nulls,
             stats=stats,
             rejects_by_reason=stats.rejects_by_reason,
+            incremental=self.carry.counts if self.carry and self.spec.incremental.counted else None,
         )
 
 

@@ -21,7 +21,7 @@ from pipeline.core.errors import ShardError
 from pipeline.core.faults import checkpoint
 from pipeline.core.statuses import FailureKind
 from pipeline.io import storage
-from pipeline.io.layout import OUTPUT_KEY
+from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN, OUTPUT_KEY
 from pipeline.io.ownership import rejects_owner
 from pipeline.io.storage import Location
 from pipeline.worker.overlap import WriteBehind
@@ -122,8 +122,11 @@ def output_schema(
     meta: pa.Schema,
     outputs: list[tuple[str, pa.DataType]],
     metadata: Mapping[bytes, bytes] | None = None,
+    *,
+    fingerprint: bool = False,
 ) -> pa.Schema:
-    """id + pass-through columns as read, then outputs in model.toml order, then model_version.
+    """id + pass-through columns as read, then outputs in model.toml order, then model_version
+    (and ``model_input_hash``, the row's fingerprint, when ``fingerprint``: docs/incremental.md).
 
     ``metadata`` goes into the Parquet footer as key-value metadata: the run's writer, model SHA-256
     and settings hash (``pipeline.io.layout.footer_metadata``), so that the check before
@@ -133,6 +136,8 @@ def output_schema(
     fields = [meta.field(i) for i in range(len(meta))]
     fields += [pa.field(name, t) for name, t in outputs]
     fields.append(pa.field(MODEL_VERSION_COLUMN, pa.string()))
+    if fingerprint:
+        fields.append(pa.field(MODEL_INPUT_HASH_COLUMN, pa.int64()))
     return pa.schema(fields, metadata=dict(metadata) if metadata else None)
 
 

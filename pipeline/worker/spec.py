@@ -12,6 +12,7 @@ and never patched afterwards:
 * :class:`ShardIO`: the columns copied through, what each output file's footer says, storage
   options, and how the output format wants its files (``pipeline.sinks``);
 * :class:`Fence`: the run lock each commit checks;
+* :class:`Incremental`: fingerprints, and the baseline index rows are carried from;
 * :class:`StopSignals`: the flags the driver raises on every worker when a signal stops the run,
   and the topic workers report rows on.
 """
@@ -26,6 +27,7 @@ from pipeline.io.locking import LockLostError, assert_holder
 from pipeline.model.precision import ExecutionOptions
 from pipeline.sinks.base import FileFacts
 from pipeline.worker import events
+from pipeline.worker.baseline import IndexRef
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,18 @@ class ShardIO:
 
 
 @dataclass(frozen=True)
+class Incremental:
+    """An incremental night (docs/incremental.md): each output row carries its fingerprint
+    (``model_input_hash``) and the files the scorer's identity in their footer; rows the
+    baseline index holds with the same id and fingerprint are carried, not scored."""
+
+    fingerprint: bool = False  # write model_input_hash (and the scorer into footers)
+    scorer: str = ""  # the scorer identity's hash (pipeline.driver.inspect.scorer_identity)
+    index: IndexRef | None = None  # None: every row is scored
+    counted: bool = False  # incremental = true: shards count what they carried and scored
+
+
+@dataclass(frozen=True)
 class Fence:
     """The run lock (pipeline.io.locking): right before committing, each shard checks that run
     ``run_id`` still holds the lock of ``root`` with ``token``. Empty: no lock (tools, tests)."""
@@ -128,6 +142,7 @@ class WorkerSpec:
     io: ShardIO
     fence: Fence = field(default_factory=Fence)
     signals: StopSignals = field(default_factory=StopSignals)
+    incremental: Incremental = field(default_factory=Incremental)
 
     def check_fence(self) -> None:
         """Raise :class:`~pipeline.io.locking.LockLostError` unless this run still holds its

@@ -122,6 +122,23 @@ def test_drift_accepted_is_1_once_accepted_and_absent_without_an_alert(tmp_path:
     )
 
 
+def test_carried_and_model_rows_are_an_incremental_run_s_and_absent_otherwise(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "m.prom"
+    write_metrics_file(str(path), report(incremental=INCREMENTAL))
+    found = samples(path.read_text())
+    assert value(found, "last_run_carried_rows") == 7_210_000
+    assert value(found, "last_run_model_rows") == 90_000
+    for plain in (None, {}):
+        write_metrics_file(str(path), report(incremental=plain))
+        names = {name for name, _ in samples(path.read_text())}
+        assert not names & {
+            "score_catalog_last_run_carried_rows",
+            "score_catalog_last_run_model_rows",
+        }
+
+
 def test_table_version_is_the_delta_tables_and_absent_for_a_folder(tmp_path: Path) -> None:
     path = tmp_path / "m.prom"
     fmt = {"format": "delta", "table": "s3://b/scored", "partition": "run_date=2026-03-01"}
@@ -147,16 +164,19 @@ UNITLESS = {
 }
 
 
+INCREMENTAL = {"rows_carried": 7_210_000, "rows_scored": 90_000, "rows_new": 12_000}
+
+
 def _families(tmp_path: Path, **extra: Any) -> tuple[str, list[Any]]:
     path = tmp_path / "score_catalog.prom"
-    write_metrics_file(str(path), report(**extra))
+    write_metrics_file(str(path), report(**{"incremental": INCREMENTAL, **extra}))
     text = path.read_text()
     return text, list(text_string_to_metric_families(text))
 
 
 def test_names_and_labels_fit_prometheus_conventions(tmp_path: Path) -> None:
     text, families = _families(tmp_path)
-    assert len(families) == 12
+    assert len(families) == 14
     for fam in families:
         # One prefix, units last, `_total` only on counters (there are none: every metric
         # describes the last run, and a batch job's counter would restart at 0 each run).

@@ -11,6 +11,7 @@ import pyarrow as pa
 from deltalake import DeltaTable, Schema
 
 from pipeline.core.errors import TableSchemaError
+from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN
 from pipeline.sinks.delta.client import TableRef, partition_columns
 
 
@@ -140,10 +141,13 @@ def fit(
             "output), or change the model's outputs back",
             uri=ref.uri,
         )
-    if added and not allow_new_columns:
+    # The fingerprint column of an incremental run (docs/incremental.md) is the tool's own, and
+    # asking for incremental nights is asking for it: added without allow_schema_evolution.
+    refused = [c for c in added if c != MODEL_INPUT_HASH_COLUMN]
+    if refused and not allow_new_columns:
         raise TableSchemaError(
-            f"this run's output adds column{'s' if len(added) > 1 else ''} "
-            f"{', '.join(repr(c) for c in added)} to the Delta table {ref.uri}: allow schema "
+            f"this run's output adds column{'s' if len(refused) > 1 else ''} "
+            f"{', '.join(repr(c) for c in refused)} to the Delta table {ref.uri}: allow schema "
             "evolution to add them (allow_schema_evolution = true, --allow-schema-evolution; "
             "older rows read them as null), or score into another table",
             uri=ref.uri,

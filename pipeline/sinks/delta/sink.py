@@ -31,7 +31,7 @@ from pipeline.core.errors import CommitRefused, ConfigError, mark_landed
 from pipeline.core.faults import checkpoint
 from pipeline.core.templates import below, fixed_part, partition_columns
 from pipeline.io import storage
-from pipeline.io.layout import Places
+from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN, Places
 from pipeline.io.manifest import Manifest
 from pipeline.io.ownership import remove_rejects
 from pipeline.io.storage import Location
@@ -42,6 +42,7 @@ from pipeline.sinks.base import (
     Removal,
     Section,
     SinkPlaces,
+    Visible,
     WriterSpec,
     WrittenFile,
 )
@@ -260,6 +261,24 @@ class DeltaSink:
 
     def writer(self) -> WriterSpec:
         return WriterSpec(self.root.uri, "per_run", delta_facts)
+
+    def visible(self, output: str) -> Visible:
+        """The files of the table's partition at ``output`` (a partition folder of this
+        table, or its root) in the table's latest version."""
+        loc = storage.locate(output, self.options)
+        try:
+            rest = below(self.table.location.path, loc.path)
+        except ValueError:
+            raise ConfigError(f"{loc.uri} is not in the Delta table {self.table.uri}") from None
+        values = dict(s.partition("=")[::2] for s in rest.split("/") if s)
+        snap = delta.snapshot(self.table, values or None)
+        files = tuple(self.table.location.child(f.path).uri for f in snap.files)
+        return Visible(files, snap.version)
+
+    def keeps_fingerprints(self) -> bool:
+        if not delta.table_exists(self.table):
+            return False
+        return MODEL_INPUT_HASH_COLUMN in delta.snapshot(self.table).columns
 
     def entry_of(self, written: WrittenFile | None) -> dict[str, Any]:
         if written is None:

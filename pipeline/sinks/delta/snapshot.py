@@ -33,6 +33,11 @@ class Snapshot:
         return self._table.transaction_version(app_id)
 
     @property
+    def columns(self) -> tuple[str, ...]:
+        """The table's columns at this version (partition columns included)."""
+        return tuple(f.name for f in self._table.schema().fields)
+
+    @property
     def rows(self) -> int | None:
         """Rows in :attr:`files`; None if a file has no row count in its stats."""
         counts = [f.rows for f in self.files]

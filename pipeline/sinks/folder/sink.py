@@ -47,6 +47,7 @@ from pipeline.sinks.base import (
     Removal,
     Section,
     SinkPlaces,
+    Visible,
     WriterSpec,
     WrittenFile,
 )
@@ -299,6 +300,16 @@ class FolderSink:
             foreign = ownership.remove_foreign(self.root, ours, self.options)
         cleared = clear_the_way(self.root, rejects, wanted, ours, self.options)
         return FolderBegun(self.root, self.options, frozenset(ours), tuple(cleared), foreign)
+
+    def visible(self, output: str) -> Visible:
+        """Every Parquet file a reader of the folder ``output`` sees (any run may have written
+        them: the baseline reads each file's footer before it trusts a row of it)."""
+        loc = storage.locate(output, self.options)
+        names = [rel for rel in layout.visible_files(loc) if rel.endswith(DATA_SUFFIXES)]
+        return Visible(tuple(loc.child(rel).uri for rel in sorted(names)))
+
+    def keeps_fingerprints(self) -> bool:
+        return False  # each run's files replace the last one's: no column to keep
 
     def writer(self) -> WriterSpec:
         # The same name every run: a shard's new file replaces its last one.

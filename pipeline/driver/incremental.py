@@ -1,0 +1,394 @@
+"""An incremental night (``incremental = true``, docs/incremental.md): find the baseline, index
+it for the workers, and say in the report what the night carried and scored.
+
+The baseline is the dataset a drift check of this night would compare with
+(:func:`pipeline.report.verdict.baseline_entry`): the newest earlier night of the job (by date
+with a ``{date}`` template; a table's partition, its previous version; a fixed output, its last
+run) whose verdict was clean or accepted. Its rows are read once, here, from the files a reader
+of that output sees now (:meth:`pipeline.sinks.base.Sink.visible`), and only from files whose
+footer names this run's scorer identity (:func:`pipeline.driver.inspect.scorer_identity`):
+every row of such a file was scored, or carried, by that scorer from the input its
+``model_input_hash`` names, so its scores are what the model gives that input tonight. That is
+why the night's output equals a full rescore whichever files the baseline reads and whichever
+run wrote them.
+
+Every row is scored instead, and the report says why, when the run is forced, when the model's
+output for a row depends on the other rows of its call, when there is no baseline, when the
+baseline was scored by another scorer or without fingerprints, and when it cannot be read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.core.config import JobConfig
+from pipeline.core.errors import describe
+from pipeline.core.statuses import ShardStatus
+from pipeline.driver.inspect import Settings
+from pipeline.io import runindex, storage
+from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN, SCORER_KEY
+from pipeline.io.parquet import open_parquet
+from pipeline.io.storage import Location
+from pipeline.model.program import LoadedModel
+from pipeline.report import verdict as verdicts
+from pipeline.sinks.base import Sink
+from pipeline.worker.baseline import (
+    BaselineIndex,
+    IndexRef,
+    IndexWriter,
+    OutputLayout,
+    remove_folder,
+)
+from pipeline.worker.batching import ShardBatches
+from pipeline.worker.carry import Carry, CarryCounts
+from pipeline.worker.fingerprint import id_hashes
+from pipeline.worker.shard import ShardResult
+from pipeline.worker.spec import Incremental
+
+logger = logging.getLogger(__name__)
+
+#: Footers of the baseline's files read at a time (one round trip each on an object store).
+FOOTER_THREADS = 16
+#: Rows read from a baseline file at a time while the index is built.
+READ_ROWS = 1 << 16
+#: The control-area folder an index goes to for workers on other machines.
+REMOTE_DIR = "_baseline"
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What an incremental night carries scores from, or why it scores every row."""
+
+    enabled: bool = False  # incremental = true
+    fingerprint: bool = False  # output rows carry model_input_hash
+    scorer: str = ""  # the scorer identity's hash, written into every output file's footer
+    index: IndexRef | None = None  # None: every row goes through the model
+    reason: str | None = None  # why every row is scored (enabled, no index)
+    source: Mapping[str, Any] = field(default_factory=dict)  # the baseline, for the report
+    folder: str | None = None  # the index folder this run made (removed when it ends)
+
+    def spec(self) -> Incremental:
+        """The workers' side of it."""
+        return Incremental(self.fingerprint, self.scorer, self.index, self.enabled)
+
+
+@dataclass(frozen=True)
+class Night:
+    """What finding a night's baseline needs to know of the run (or of ``plan``)."""
+
+    config: JobConfig
+    scorer: Settings  # this run's scorer identity
+    model: LoadedModel  # the model as the driver loaded it (its outputs, its row check)
+    output: Location  # the night's output (a folder, a table's partition folder)
+    control: Location  # its control folder (the index goes below it for remote workers)
+    sink: Sink[Any, Any]
+
+
+class _Unusable(Exception):
+    """The baseline cannot be used: every row is scored, for the reason this says."""
+
+
+def choose(
+    night: Night | None, run_id: str, cleanup: contextlib.ExitStack, *, remote: bool
+) -> Baseline:
+    """The night's baseline (None: the output holds no fingerprints), its index built where
+    the workers will read it (this machine's temporary folder, or the output's control area
+    for workers elsewhere: ``remote``); ``cleanup`` removes it."""
+    if night is None:
+        return Baseline()
+    prepared = night
+    config, scorer = night.config, night.scorer
+    if not config.incremental:
+        return Baseline(False, True, scorer.hash)
+    try:
+        reason = _refusal(config, prepared)
+        if reason is not None:
+            raise _Unusable(reason)
+        entry = _entry(prepared, run_id)
+        files, version = _files(prepared, entry)
+        usable, rows = _usable(prepared, files, scorer.hash)
+        source = {
+            "run_id": entry.get("run_id"),
+            "output": entry.get("output"),
+            "date": entry.get("date"),
+            "version": version,
+            "files": len(usable),
+            "files_skipped": len(files) - len(usable),
+            "rows": rows,
+        }
+        folder = Path(tempfile.mkdtemp(prefix=f"score-catalog-baseline-{run_id}-"))
+        cleanup.callback(remove_folder, folder)
+        ref = _build(prepared, usable, rows, folder, run_id)
+        source = {**source, "rows": ref.rows}
+        if remote:
+            ref = _upload(prepared, folder, ref, run_id, cleanup)
+    except _Unusable as e:
+        logger.warning("incremental: every row is scored: %s", e)
+        return Baseline(True, True, scorer.hash, reason=str(e))
+    logger.info(
+        "incremental: baseline run %s (%s), %s rows from %d file(s)",
+        source["run_id"],
+        source["output"],
+        f"{ref.rows:,}",
+        source["files"],
+    )
+    return Baseline(True, True, scorer.hash, ref, None, source, str(folder))
+
+
+def _refusal(config: JobConfig, prepared: Night) -> str | None:
+    """Why no row may be carried tonight whatever the baseline holds, or None."""
+    if config.force:
+        return "--force (force = true) rescores every row"
+    from pipeline.driver.execution import row_dependence  # the model's own check
+
+    gap = row_dependence(prepared.model)
+    if gap is not None:
+        return (
+            f"the model's output for a row depends on the other rows of its call (max "
+            f"difference {gap:.3g} on {prepared.config.model}), so no row's scores can be "
+            "carried; export it after model.eval()"
+        )
+    return None
+
+
+def _entry(prepared: Night, run_id: str) -> Mapping[str, Any]:
+    """The run-index entry of the night a drift check would compare this one with, checked
+    to be scored by this run's scorer."""
+    config = prepared.config
+    index_root = runindex.index_root(config.output)
+    try:
+        entry = verdicts.baseline_entry(
+            config, run_id, prepared.output.uri, index_root, versioned=prepared.sink.places.table
+        )
+    except Exception as e:
+        raise _Unusable(f"the run index at {index_root} cannot be read: {describe(e)}") from e
+    if entry is None:
+        day = verdicts.run_day(config)
+        earlier = f" before {day}" if day is not None else ""
+        raise _Unusable(
+            f"no earlier night of job {config.name!r}{earlier} with a clean or accepted verdict "
+            f"(the run index at {index_root}): this is the first, and the next night has one"
+        )
+    recorded = entry.get("scorer")
+    run = entry.get("run_id")
+    if not isinstance(recorded, Mapping):
+        raise _Unusable(
+            f"the baseline, run {run} ({entry.get('output')}), was not incremental: its rows "
+            "carry no fingerprints (the next night has them)"
+        )
+    if recorded.get("hash") != prepared.scorer.hash:
+        raise _Unusable(
+            f"the baseline, run {run}, was scored by another scorer: "
+            + _changes(recorded.get("values") or {}, prepared.scorer.values)
+        )
+    return entry
+
+
+def _changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """What differs between two scorer identities, in words."""
+    keys = sorted(set(before) | set(now))
+    diff = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in keys if before.get(k) != now.get(k)]
+    return "; ".join(diff) or "its identity differs"
+
+
+def _files(prepared: Night, entry: Mapping[str, Any]) -> tuple[list[str], int | None]:
+    """The data files a reader of the baseline's output sees now, and the table version."""
+    output = str(entry.get("output") or "")
+    try:
+        found = prepared.sink.visible(output)
+    except Exception as e:
+        raise _Unusable(f"the baseline {output} cannot be listed: {describe(e)}") from e
+    if not found.files:
+        raise _Unusable(f"the baseline {output} holds no data file")
+    return list(found.files), found.version
+
+
+def _footer(uri: str, options: Mapping[str, Any]) -> tuple[bytes | None, int]:
+    with open_parquet(uri, options) as pf:
+        meta = pf.metadata
+        return (meta.metadata or {}).get(SCORER_KEY), int(meta.num_rows)
+
+
+def _usable(prepared: Night, files: Sequence[str], scorer: str) -> tuple[list[str], int]:
+    """The files whose footer names ``scorer``, and their rows; a file that cannot be read
+    makes the baseline unusable (its rows would be scored for no reason the report gives)."""
+    opts = prepared.config.storage
+    want = scorer.encode()
+    with ThreadPoolExecutor(min(FOOTER_THREADS, len(files))) as pool:
+        futures = [pool.submit(_footer, uri, opts) for uri in files]
+        usable, rows = [], 0
+        for uri, fut in zip(files, futures, strict=True):
+            try:
+                found, n = fut.result()
+            except Exception as e:
+                raise _Unusable(f"baseline file {uri} cannot be read: {describe(e)}") from e
+            if found == want:
+                usable.append(uri)
+                rows += n
+    if not usable:
+        raise _Unusable(
+            f"none of the baseline's {len(files)} file(s) was scored by this scorer (written "
+            "before incremental = true, or by another model or settings)"
+        )
+    return usable, rows
+
+
+def output_layouts(prepared: Night) -> tuple[OutputLayout, ...]:
+    model = prepared.model
+    return tuple(OutputLayout.of(o.name, o.arrow_type(model.out_width)) for o in model.spec.outputs)
+
+
+def _build(prepared: Night, files: Sequence[str], rows: int, folder: Path, run_id: str) -> IndexRef:
+    """Read the baseline's rows (id, fingerprint, outputs) into an index folder."""
+    config = prepared.config
+    layouts = output_layouts(prepared)
+    columns = [config.id_column, MODEL_INPUT_HASH_COLUMN, *(o.name for o in layouts)]
+    writer = IndexWriter(folder, rows, layouts)
+    for uri in files:
+        try:
+            with open_parquet(uri, config.storage) as pf:
+                for batch in pf.iter_batches(batch_size=READ_ROWS, columns=columns):
+                    _add(writer, batch, layouts, config.id_column)
+        except _Unusable:
+            raise
+        except Exception as e:
+            raise _Unusable(f"baseline file {uri} cannot be read: {describe(e)}") from e
+    return writer.finish(str(folder), run_id)
+
+
+def _add(
+    writer: IndexWriter, batch: pa.RecordBatch, layouts: Sequence[OutputLayout], id_col: str
+) -> None:
+    """Add a batch of baseline rows; rows without an id or a fingerprint are left out (a null
+    id is never carried)."""
+    ids, has_id = id_hashes(batch.column(id_col))
+    fp_col = batch.column(MODEL_INPUT_HASH_COLUMN)
+    keep = (
+        has_id
+        if fp_col.null_count == 0
+        else has_id & fp_col.is_valid().to_numpy(zero_copy_only=False)
+    )
+    fps = fp_col.fill_null(0).to_numpy()
+    outs = [lay.numpy(batch.column(lay.name)) for lay in layouts]
+    if not keep.all():
+        ids, fps, outs = ids[keep], fps[keep], [o[keep] for o in outs]
+    writer.add(ids, fps, outs)
+
+
+def _upload(
+    prepared: Night, folder: Path, ref: IndexRef, run_id: str, cleanup: contextlib.ExitStack
+) -> IndexRef:
+    """The index copied to the output's control area, for workers on other machines."""
+    dest = prepared.control.child(f"{REMOTE_DIR}/{run_id}")
+    cleanup.callback(_remove_remote, dest)
+    for path in sorted(folder.iterdir()):
+        if path.name == "rep.npy":
+            continue  # the driver's alone
+        with open(path, "rb") as src, storage.staged_open(dest.child(path.name)) as out:
+            shutil.copyfileobj(src, out, 8 << 20)
+    return IndexRef(dest.uri, ref.rows, ref.slots, ref.outputs, ref.tag)
+
+
+def _remove_remote(dest: storage.Location) -> None:
+    try:
+        for name in storage.list_files(dest):
+            storage.remove(dest.child(name))
+    except Exception as e:
+        logger.warning("could not remove the baseline index %s: %s", dest.uri, e)
+
+
+# -- after the run -----------------------------------------------------------------------------
+
+
+def removed_rows(config: JobConfig, baseline: Baseline, shards: Sequence[str]) -> int | None:
+    """Distinct ids of the baseline that no row of tonight's input (``shards``: input URIs)
+    has; None when it cannot be counted (an input that cannot be read now)."""
+    if baseline.index is None or baseline.folder is None:
+        return None
+    folder = Path(baseline.folder)
+    index = BaselineIndex(folder, baseline.index)
+    n = baseline.index.rows
+    rep = np.load(folder / "rep.npy", mmap_mode="r")[:n]
+    seen = np.zeros(n, dtype=bool)
+    try:
+        for uri in shards:
+            with open_parquet(uri, config.storage) as pf:
+                for batch in pf.iter_batches(batch_size=READ_ROWS, columns=[config.id_column]):
+                    hashes, has_id = id_hashes(batch.column(0))
+                    first = index.first_rows(hashes, has_id)
+                    seen[rep[first[first >= 0]]] = True
+    except Exception as e:
+        logger.warning("incremental: could not count the baseline's removed ids: %s", describe(e))
+        return None
+    distinct = int(np.count_nonzero(rep == np.arange(n)))
+    return distinct - int(np.count_nonzero(seen))
+
+
+def section(
+    baseline: Baseline, results: Sequence[ShardResult], removed: int | None
+) -> dict[str, Any] | None:
+    """The report's ``incremental`` object (None when the run is not incremental)."""
+    if not baseline.enabled:
+        return None
+    counts = CarryCounts()
+    kept = 0
+    for r in results:
+        if r.status == ShardStatus.SCORED and r.incremental is not None:
+            counts.add(r.incremental)
+        elif r.status == ShardStatus.SKIPPED:
+            kept += r.rows_out
+    return {
+        "baseline": dict(baseline.source) if baseline.source else None,
+        **counts.public(),
+        "rows_kept": kept,
+        "rows_removed": removed,
+        "full_reason": baseline.reason,
+    }
+
+
+def preview(
+    night: Night,
+    to_score: Sequence[str],
+    readable: Sequence[str],
+    widths: tuple[int, ...],
+    batch_size: int,
+) -> dict[str, Any]:
+    """What an incremental night would send through the model (``score-catalog plan``): the
+    shards it would score (``to_score``, input URIs) read, fingerprinted and looked up in the
+    baseline as a worker would, without the model. It reads every row it would score, so it
+    costs what a run's reading and featurising costs."""
+    config = night.config
+    with contextlib.ExitStack() as cleanup:
+        baseline = choose(night, "plan", cleanup, remote=False)
+        if baseline.index is None or baseline.folder is None:
+            return {"baseline": None, "full_reason": baseline.reason}
+        carry = Carry(BaselineIndex(Path(baseline.folder), baseline.index), output_layouts(night))
+        for uri in to_score:
+            batches = ShardBatches(
+                uri,
+                night.model.spec,
+                widths=widths,
+                meta_columns=(config.id_column,),
+                batch_size=batch_size,
+                storage_options=config.storage,
+            )
+            for batch in batches:
+                carry.split(batch.tensors, batch.meta.column(0), batch.features.valid)
+        removed = removed_rows(config, baseline, readable)
+    return {
+        "baseline": dict(baseline.source),
+        "full_reason": None,
+        **carry.counts.public(),
+        "rows_removed": removed,
+    }

@@ -1,0 +1,245 @@
+"""Incremental nights through the real CLI, in both output formats (docs/incremental.md).
+
+Four nights of one job over a date-partitioned input, each a real ``score-catalog run``
+process: night 1 scores every row; night 2 reads night 1's rows re-cut into other shards in
+another order, with 1% of the rows' features changed, 2% of their pass-through changed, some
+ids deleted and some new, and sends exactly the changed and new rows through the model while
+its output equals a full rescore row for row; night 3 (the same input again) scores nothing;
+night 4, with another model, scores every row. A full rescore of each night (the same job
+without ``--incremental``, into another output) is the reference.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.cli.demo import export_bundle, make_rows
+from tests.conftest import demo_toml, make_model
+from tests.integration.helpers import KILL_AT, cli, read_tree, report
+
+pytestmark = pytest.mark.integration
+
+ROWS = 6000
+FEATURE_CHANGED = 60  # 1%
+PASSTHROUGH_CHANGED = 120  # 2%
+DELETED = 45
+NEW = 55
+DAYS = ("2026-12-01", "2026-12-02", "2026-12-03", "2026-12-04")
+
+
+def _write_day(root: Path, day: str, table: pa.Table, shards: int, seed: int) -> None:
+    """``table``'s rows shuffled and cut into ``shards`` files of several row groups."""
+    order = np.random.default_rng(seed).permutation(table.num_rows)
+    table = table.take(pa.array(order))
+    folder = root / "in" / day
+    folder.mkdir(parents=True)
+    cuts = np.linspace(0, table.num_rows, shards + 1).astype(int)
+    for i in range(shards):
+        part = table.slice(cuts[i], cuts[i + 1] - cuts[i])
+        pq.write_table(part, folder / f"cut{seed}-{i:02d}.parquet", row_group_size=700)
+
+
+@dataclass(frozen=True)
+class Nights:
+    root: Path
+    fmt: str
+    bundle: Path
+    other_bundle: Path
+    night2: pd.DataFrame  # night 2's input, as written
+    feature_changed: frozenset[int]
+    new_ids: frozenset[int]
+
+    def args(
+        self, day: str, *extra: str, output: str = "out", model: Path | None = None
+    ) -> list[str]:
+        return [
+            "run",
+            "--input",
+            str(self.root / "in" / "{date}"),
+            "--output",
+            str(self.root / output / "run_date={date}"),
+            "--model",
+            str(model or self.bundle),
+            "--passthrough",
+            "category",
+            "--format",
+            self.fmt,
+            "--date",
+            day,
+            "--scheduler",
+            "sync",
+            "-q",
+            *extra,
+        ]
+
+    def run(self, day: str, *extra: str, drift: bool = False, **kw: Any) -> dict[str, Any]:
+        r = cli(*self.args(day, *extra, **kw))
+        # Another model's scores drift from the last night's: exit 4, still written.
+        assert r.returncode in ((0, 4) if drift else (0,)), r.stderr
+        out = self.root / kw.get("output", "out") / f"run_date={day}"
+        return report(out)
+
+    def rows(self, day: str, output: str = "out") -> pd.DataFrame:
+        """What a reader of the night's output sees, sorted by id."""
+        if self.fmt == "delta":
+            from pipeline.sinks.delta.client import TableRef
+            from pipeline.sinks.delta.read import read
+
+            ref = TableRef.of(str(self.root / output), {})
+            table = read(ref, partition={"run_date": day})
+        else:
+            parts = read_tree(self.root / output / f"run_date={day}")
+            table = pa.concat_tables(parts.values())
+        return table.to_pandas().sort_values("item_id").reset_index(drop=True)
+
+
+def _nights(root: Path, fmt: str) -> Nights:
+    bundle, other = root / "bundle", root / "other_bundle"
+    export_bundle(make_model(), bundle, demo_toml(), n_in=16)
+    export_bundle(make_model(seed=7), other, demo_toml(version="2"), n_in=16)
+    first = make_rows(0, ROWS, 0)
+    _write_day(root, DAYS[0], first, shards=3, seed=1)
+    rng = np.random.default_rng(42)
+    df = first.to_pandas()
+    picked = rng.choice(ROWS, FEATURE_CHANGED + PASSTHROUGH_CHANGED + DELETED, replace=False)
+    feat, passed, gone = np.split(picked, [FEATURE_CHANGED, FEATURE_CHANGED + PASSTHROUGH_CHANGED])
+    df.loc[feat, "f3"] = df.loc[feat, "f3"] + np.float32(0.5)
+    df.loc[passed, "category"] = df.loc[passed, "category"] + "-renamed"
+    df = df.drop(index=gone)
+    new = make_rows(1_000_000, NEW, 9).to_pandas()
+    night2 = pd.concat([df, new], ignore_index=True)
+    table2 = pa.Table.from_pandas(night2, schema=first.schema, preserve_index=False)
+    _write_day(root, DAYS[1], table2, shards=4, seed=2)  # other cuts, another order
+    _write_day(root, DAYS[2], table2, shards=5, seed=3)  # night 3: the same rows again
+    _write_day(root, DAYS[3], table2, shards=5, seed=4)  # night 4: another model
+    return Nights(
+        root,
+        fmt,
+        bundle,
+        other,
+        night2.sort_values("item_id").reset_index(drop=True),
+        frozenset(int(i) for i in first.column("item_id").to_numpy()[feat]),
+        frozenset(int(i) for i in new["item_id"]),
+    )
+
+
+@pytest.fixture(scope="module", params=["parquet", "delta"])
+def nights(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Nights]:
+    yield _nights(tmp_path_factory.mktemp(f"incremental-{request.param}"), request.param)
+
+
+def _assert_equal_to_full(got: pd.DataFrame, full: pd.DataFrame, inputs: pd.DataFrame) -> None:
+    """Row for row: the ids once each, scores within 1e-5, labels equal, pass-through as
+    tonight's input."""
+    assert got["item_id"].is_unique
+    assert got["item_id"].tolist() == full["item_id"].tolist() == inputs["item_id"].tolist()
+    assert np.abs(got["score"].to_numpy() - full["score"].to_numpy()).max() <= 1e-5
+    assert (got["label"].to_numpy() == full["label"].to_numpy()).all()
+    assert got["category"].tolist() == inputs["category"].tolist()
+
+
+def test_four_nights_score_what_changed_and_equal_a_full_rescore(nights: Nights) -> None:
+    n = nights
+    first = n.run(DAYS[0], "--incremental")
+    inc = first["incremental"]
+    assert inc["rows_scored"] == ROWS and inc["rows_carried"] == 0
+    assert inc["baseline"] is None and "no earlier night" in inc["full_reason"]
+
+    # Night 2: re-cut, reordered, 1% features and 2% pass-through changed, deletes, new ids;
+    # a real Dask cluster (two worker processes share the memory-mapped index).
+    second = n.run(DAYS[1], "--incremental", "--scheduler", "local", "--workers", "2")
+    inc = second["incremental"]
+    assert inc["baseline"]["run_id"] == first["run_id"]
+    assert inc["baseline"]["date"] == DAYS[0] and inc["full_reason"] is None
+    assert inc["rows_new"] == NEW
+    assert inc["rows_changed"] == FEATURE_CHANGED
+    assert inc["rows_scored"] == FEATURE_CHANGED + NEW  # exactly the changed and new rows
+    assert inc["rows_carried"] == ROWS - DELETED - FEATURE_CHANGED
+    assert inc["rows_removed"] == DELETED
+    assert sum(s["incremental"]["rows_scored"] for s in second["shards"]) == inc["rows_scored"]
+    n.run(DAYS[1], output="full")
+    got, full = n.rows(DAYS[1]), n.rows(DAYS[1], "full")
+    _assert_equal_to_full(got, full, n.night2)
+    assert got["model_input_hash"].notna().all()
+
+    # Night 3: the same rows, cut again: nothing goes through the model.
+    third = n.run(DAYS[2], "--incremental")
+    assert third["incremental"]["rows_scored"] == 0
+    assert third["incremental"]["rows_carried"] == ROWS - DELETED + NEW
+    assert third["incremental"]["baseline"]["run_id"] == second["run_id"]
+    _assert_equal_to_full(n.rows(DAYS[2]), full, n.night2)
+
+    # Night 4: another model: every row through it, and the report says why.
+    fourth = n.run(DAYS[3], "--incremental", model=n.other_bundle, drift=True)
+    inc = fourth["incremental"]
+    assert inc["rows_scored"] == ROWS - DELETED + NEW and inc["rows_carried"] == 0
+    assert "another scorer" in inc["full_reason"] and "model_sha256" in inc["full_reason"]
+    n.run(DAYS[3], output="full", model=n.other_bundle, drift=True)
+    _assert_equal_to_full(n.rows(DAYS[3]), n.rows(DAYS[3], "full"), n.night2)
+
+
+def test_plan_says_what_would_go_through_the_model(nights: Nights) -> None:
+    n = nights
+    if not (n.root / "out" / f"run_date={DAYS[0]}").exists():
+        n.run(DAYS[0], "--incremental")
+    args = n.args(DAYS[1], "--incremental")
+    args[0] = "plan"
+    args = [a for a in args if a != "-q"]
+    r = cli(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    plan = json.loads(r.stdout)
+    inc = plan["incremental"]
+    if plan["shards_to_score"]:
+        assert inc["rows_scored"] == FEATURE_CHANGED + NEW
+        assert inc["rows_new"] == NEW and inc["rows_changed"] == FEATURE_CHANGED
+        assert inc["rows_removed"] == DELETED
+    text = cli(*[a for a in args if a != "--json"])
+    assert "would go through the model" in text.stdout or "every row" in text.stdout
+
+
+@pytest.mark.parametrize("point", ["output-committed:2", "judged:1"])
+def test_a_sigkilled_incremental_night_resumes_to_a_full_rescore(
+    nights: Nights, point: str
+) -> None:
+    """Killed mid-night (once a shard's file is committed, or once every shard is done and the
+    run is about to commit), night 2 resumes: what the dead run left done is kept, the rest is
+    scored against the same baseline, and the output equals a full rescore."""
+    n = nights
+    day = DAYS[1]
+    out = f"killed-{n.fmt}-{point.split(':')[0]}"
+    _first_night(n, DAYS[0], out)  # the baseline: night 1 of this output's own history
+    killed = cli(*n.args(day, "--incremental", output=out), env={KILL_AT: point})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = n.run(day, "--incremental", output=out)
+    inc = resumed["incremental"]
+    assert inc["baseline"] is not None and inc["baseline"]["date"] == DAYS[0]
+    kept = [s for s in resumed["shards"] if s["status"] == "skipped"]
+    # What the dead run left done is kept, unread (how many shards that is depends on when
+    # its manifest was last saved; after the score phase, every shard).
+    assert inc["rows_kept"] == sum(s["rows_out"] for s in kept)
+    if point.startswith("judged"):
+        assert len(kept) == len(resumed["shards"]) and inc["rows_scored"] == 0
+    assert inc["rows_scored"] + inc["rows_carried"] + inc["rows_kept"] == ROWS - DELETED + NEW
+    if not (n.root / "full" / f"run_date={day}").exists():
+        n.run(day, output="full")
+    _assert_equal_to_full(n.rows(day, out), n.rows(day, "full"), n.night2)
+
+
+def _first_night(n: Nights, day: str, output: str) -> None:
+    """Night ``day`` scored into ``output`` (the run index of that output's root has it)."""
+    r = cli(*n.args(day, "--incremental", output=output))
+    assert r.returncode == 0, r.stderr
