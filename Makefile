@@ -18,7 +18,7 @@ RUN_ARGS ?=
 CPU_TORCH ?= torch==2.13.0
 
 .PHONY: install data score-catalog test test-slow test-fast lint format clean distclean help-check bench \
-	bench-scaling bench-ab archive-demo \
+	bench-scaling bench-ab bench-incremental archive-demo \
   gpu-check
 
 install: $(VENV)/.installed
@@ -70,6 +70,12 @@ $(DAFT_VENV)/.installed-deltalake: $(DAFT_VENV)/.installed
 BASE ?= HEAD~1
 bench-ab: install
 	$(BIN)/python -m bench.ab --base $(BASE)
+
+# The INCREMENTAL suite alone (make bench runs it with the others): nights with 0/1/10/100% of
+# the rows changed against a full rescore; INCR_ARGS="W2" for one workload, "--quick" for a tenth.
+INCR_ARGS ?=
+bench-incremental: install
+	$(BIN)/python -m bench.incremental $(INCR_ARGS)
 
 # 1 vs 2 workers, an external tcp:// cluster, tiny shards grouped or not -> BENCHMARKS_SCALING.md
 bench-scaling: install

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,9 +83,14 @@ class ProcRun:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def _sample_peak(proc: subprocess.Popen[str], peak: list[int], stop: threading.Event) -> None:
+def _sample_peak(
+    proc: subprocess.Popen[str],
+    peak: list[int],
+    stop: threading.Event,
+    memory: Callable[[int], int] = tree_rss_bytes,
+) -> None:
     while not stop.is_set() and proc.poll() is None:
-        peak[0] = max(peak[0], tree_rss_bytes(proc.pid))
+        peak[0] = max(peak[0], memory(proc.pid))
         stop.wait(SAMPLE_INTERVAL_S)
 
 
@@ -112,8 +117,10 @@ def run_measured(
     cwd: Path,
     env: Mapping[str, str] | None = None,
     timeout_s: float = 300.0,
+    memory: Callable[[int], int] = tree_rss_bytes,
 ) -> ProcRun:
-    """Run ``argv`` to completion, timing it and sampling its process tree's RSS every ~50 ms.
+    """Run ``argv`` to completion, timing it and sampling its process tree's RSS (or what
+    ``memory`` measures of it) every ~50 ms.
 
     The child gets its own session so that anything it leaves running (a Dask worker that
     outlived its cluster) can be found afterwards and reported.
@@ -137,7 +144,9 @@ def run_measured(
             text=True,
             start_new_session=True,
         )
-        sampler = threading.Thread(target=_sample_peak, args=(proc, peak, stop), daemon=True)
+        sampler = threading.Thread(
+            target=_sample_peak, args=(proc, peak, stop, memory), daemon=True
+        )
         sampler.start()
         timed_out = False
         try:

@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 
 from bench.delta import delta_section
+from bench.incremental import incremental_section
 from bench.mdtable import Column, markdown_table
 from bench.stats import Summary, ratio
 from bench.suites import FLOOR_TARGET, WorkloadResult
@@ -813,6 +814,7 @@ def render(
         "W3": _w3_section,
         "TINY": _tiny_section,
         "DELTA": delta_section,
+        "INCREMENTAL": incremental_section,
     }
     for key, build in builders.items():
         if key in results:

@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench import delta, report, suites, workloads
+from bench import delta, incremental, report, suites, workloads
 from bench.procs import run_measured
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / ".bench"
-SUITE_KEYS = ("W1", "W1X10", "W2", "W3", "TINY", "DELTA", "PROFILE")
+SUITE_KEYS = ("W1", "W1X10", "W2", "W3", "TINY", "DELTA", "INCREMENTAL", "PROFILE")
 
 
 def _log(msg: str) -> None:
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"score-catalog bench: {'QUICK ' if sizes.quick else ''}{sizes.repeats} round(s)")
 
     _log("generating (or reusing) data under .bench/data ...")
-    data = workloads.build(ROOT, REPO, sizes, big="W1X10" in selected)
+    big = "W1X10" in selected or "INCREMENTAL" in selected
+    data = workloads.build(ROOT, REPO, sizes, big=big)
     data_s = time.perf_counter() - t0
     _log(f"data ready in {data_s:.1f} s")
 
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         results["TINY"] = suites.tiny(runner, data, sizes)
     if "DELTA" in selected:
         results["DELTA"] = delta.delta_suite(runner, data, sizes)
+    if "INCREMENTAL" in selected:
+        results["INCREMENTAL"] = incremental.incremental_suite(runner, data, sizes)
     profile = _profile(data) if "PROFILE" in selected else None
     if "W1" in results:
         _maybe_big_batch(runner, data, sizes, results["W1"], args.budget_min * 60, t0)

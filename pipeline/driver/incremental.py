@@ -249,19 +249,23 @@ def output_layouts(prepared: Night) -> tuple[OutputLayout, ...]:
     return tuple(OutputLayout.of(o.name, o.arrow_type(model.out_width)) for o in model.spec.outputs)
 
 
-def _build(prepared: Night, files: Sequence[str], rows: int, folder: Path, run_id: str) -> IndexRef:
+def _build(night: Night, files: Sequence[str], rows: int, folder: Path, run_id: str) -> IndexRef:
     """Read the baseline's rows (id, fingerprint, outputs) into an index folder."""
-    config = prepared.config
-    layouts = output_layouts(prepared)
+    config = night.config
+    layouts = output_layouts(night)
     columns = [config.id_column, MODEL_INPUT_HASH_COLUMN, *(o.name for o in layouts)]
     writer = IndexWriter(folder, rows, layouts)
+    want = night.scorer.hash.encode()
     for uri in files:
         try:
             with open_parquet(uri, config.storage) as pf:
+                # The footer of the very file read: one another run replaced since it was
+                # listed (a rerun of that night) is read only if it is still this scorer's.
+                if (pf.metadata.metadata or {}).get(SCORER_KEY) != want:
+                    logger.warning("incremental: %s changed since it was listed; not read", uri)
+                    continue
                 for batch in pf.iter_batches(batch_size=READ_ROWS, columns=columns):
                     _add(writer, batch, layouts, config.id_column)
-        except _Unusable:
-            raise
         except Exception as e:
             raise _Unusable(f"baseline file {uri} cannot be read: {describe(e)}") from e
     return writer.finish(str(folder), run_id)

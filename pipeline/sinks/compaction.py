@@ -78,15 +78,17 @@ def rewrite(
     schema: pa.Schema,
     align: Callable[[pa.Table], pa.Table],
     nan_columns: Callable[[pa.Table], set[str]],
-    metadata: dict[bytes, bytes] | None = None,
+    keep: Sequence[bytes] = (),
 ) -> Rewritten:
     """Read ``sources`` in order and write their rows to ``target`` (staged: visible whole or
     not at all) with ``schema``; ``align`` makes each source's table fit ``schema`` (a column
-    it lacks as nulls, as readers read it)."""
+    it lacks as nulls, as readers read it). The footer keys ``keep`` that every source has, with
+    one value, the new file has too (an incremental run's scorer: its rows stay a baseline)."""
     nan: set[str] = set()
     rows = 0
+    metadata = _shared(sources, keep) if keep else {}
     with storage.staged_open(target) as fh:
-        writer = pq.ParquetWriter(fh, schema.with_metadata(metadata or {}), compression="zstd")
+        writer = pq.ParquetWriter(fh, schema.with_metadata(metadata), compression="zstd")
         for src in sources:
             with storage.open_input(src) as f:
                 data = align(pq.read_table(f))
@@ -97,3 +99,14 @@ def rewrite(
     found: Any = writer.writer.metadata  # the footer as written
     size = storage.size_of(target)
     return Rewritten(target, int(size or 0), found, frozenset(nan), rows)
+
+
+def _shared(sources: Sequence[Location], keep: Sequence[bytes]) -> dict[bytes, bytes]:
+    """The footer keys of ``keep`` that every source has with one value (footers only)."""
+    shared: dict[bytes, bytes] | None = None
+    for src in sources:
+        with storage.open_input(src) as f:
+            meta = pq.ParquetFile(f).metadata.metadata or {}
+        mine = {k: meta[k] for k in keep if k in meta}
+        shared = mine if shared is None else {k: v for k, v in shared.items() if mine.get(k) == v}
+    return shared or {}

@@ -134,10 +134,9 @@ class IndexWriter:
         self.filled = end
 
     def finish(self, where: str, tag: str) -> IndexRef:
-        """Build the hash table, write everything down and say where it is (``where``: the
-        folder as the workers will see it)."""
-        if self.filled != self.rows:
-            raise ValueError(f"{self.filled:,} baseline rows added, {self.rows:,} announced")
+        """Build the hash table over the rows added (at most those announced), write
+        everything down and say where it is (``where``: the folder as the workers see it)."""
+        self.rows = self.filled  # rows left out (a null id) were announced, never added
         ids = np.asarray(self.ids[: self.rows])
         slots, rep = build_table(ids)
         np.save(self.folder / "slots.npy", slots)

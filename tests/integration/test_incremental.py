@@ -243,3 +243,16 @@ def _first_night(n: Nights, day: str, output: str) -> None:
     """Night ``day`` scored into ``output`` (the run index of that output's root has it)."""
     r = cli(*n.args(day, "--incremental", output=output))
     assert r.returncode == 0, r.stderr
+
+
+def test_a_compacted_baseline_is_still_carried_from(tmp_path: Path) -> None:
+    """OPTIMIZE rewrites a day's files into one: the compacted file keeps the scorer of the
+    files it was made of, so the next night still carries from it."""
+    n = _nights(tmp_path, "delta")
+    n.run(DAYS[0], "--incremental")
+    r = cli("optimize", str(n.root / "out" / f"run_date={DAYS[0]}"))
+    assert r.returncode == 0, r.stderr
+    second = n.run(DAYS[1], "--incremental")
+    inc = second["incremental"]
+    assert inc["baseline"]["files"] == 1 and inc["baseline"]["files_skipped"] == 0
+    assert inc["rows_scored"] == FEATURE_CHANGED + NEW

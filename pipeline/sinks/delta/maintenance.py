@@ -14,6 +14,7 @@ from deltalake.exceptions import DeltaError
 from deltalake.transaction import AddAction, CommitProperties, RemoveAction
 
 from pipeline.core.errors import UsageError
+from pipeline.io.layout import SCORER_KEY, WRITER_KEY
 from pipeline.sinks import compaction
 from pipeline.sinks.delta.client import (
     METADATA_PREFIX,
@@ -155,6 +156,8 @@ def _compacted(
         data_schema,
         align,
         nan_columns,
+        # Rows of one incremental scorer stay a baseline once compacted (docs/incremental.md).
+        keep=(WRITER_KEY, SCORER_KEY),
     )
     floats = {f.name for f in data_schema if pa.types.is_floating(f.type)}
     now = now_ms()

@@ -1,0 +1,130 @@
+"""Tests for pipeline.worker.baseline: the baseline index finds exactly the rows a dict would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.worker import baseline
+from pipeline.worker.baseline import BaselineIndex, IndexWriter, OutputLayout, build_table
+
+
+def _index(
+    folder: Path, ids: np.ndarray, fps: np.ndarray, chunks: int = 2
+) -> tuple[BaselineIndex, np.ndarray]:
+    """An index of rows (ids, fps), its one output the row number; and its ``rep``."""
+    n = ids.size
+    layouts = [OutputLayout("row", "int64"), OutputLayout("vec", "float32", 2)]
+    w = IndexWriter(folder, n, layouts)
+    cuts = np.linspace(0, n, chunks + 1).astype(int)
+    rows = np.arange(n, dtype=np.int64)
+    vec = np.stack([rows, -rows], axis=1).astype(np.float32)
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        w.add(ids[a:b], fps[a:b], [rows[a:b], vec[a:b]])
+    ref = w.finish(str(folder), "run-1")
+    return BaselineIndex(folder, ref), np.load(folder / "rep.npy")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    base=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3)), max_size=300),
+    query=st.lists(st.tuples(st.integers(0, 45), st.integers(0, 3), st.booleans()), max_size=200),
+)
+def test_lookups_find_exactly_the_same_id_and_fingerprint(
+    tmp_path_factory: pytest.TempPathFactory,
+    base: list[tuple[int, int]],
+    query: list[tuple[int, int, bool]],
+) -> None:
+    """Many duplicate ids, several fingerprints per id: a row is found iff some baseline row
+    has its id and fingerprint (and its output values are that row's); the id is known iff
+    some baseline row has it; rows not asked about are neither."""
+    folder = tmp_path_factory.mktemp("idx")
+    ids = np.array([b[0] for b in base], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    fps = np.array([b[1] for b in base], dtype=np.int64)
+    index, rep = _index(folder, ids, fps)
+    q_ids = np.array([q[0] for q in query], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    q_fps = np.array([q[1] for q in query], dtype=np.int64)
+    use = np.array([q[2] for q in query], dtype=bool)
+    found, known = index.match(q_ids, q_fps, use)
+    pairs = set(zip(ids.tolist(), fps.tolist(), strict=True))
+    for i in range(len(query)):
+        if not use[i]:
+            assert found[i] == -1 and not known[i]
+            continue
+        assert known[i] == (int(q_ids[i]) in set(ids.tolist()))
+        if (int(q_ids[i]), int(q_fps[i])) in pairs:
+            r = int(found[i])
+            assert ids[r] == q_ids[i] and fps[r] == q_fps[i]
+            row, vec = index.outputs(np.array([r]))
+            assert row[0] == r and vec[0].tolist() == [r, -r]
+        else:
+            assert found[i] == -1
+    # rep: each row's first row with the same id; distinct ids = rows that are their own rep.
+    assert np.array_equal(ids[rep], ids)
+    assert int(np.count_nonzero(rep == np.arange(ids.size))) == len(set(ids.tolist()))
+
+
+def test_rows_inserted_together_that_share_a_slot_find_one_another(tmp_path: Path) -> None:
+    """Ids that collide in the table (the same home slot), of one id and of several, inserted
+    in one round: every row is still found, and duplicates share one rep."""
+    size = baseline.table_size(8)
+    ids = np.array([5, 5 + size, 5, 5 + 2 * size, 5 + size, 6], dtype=np.uint64)
+    fps = np.arange(6, dtype=np.int64)
+    index, rep = _index(tmp_path, ids, fps, chunks=1)
+    found, known = index.match(ids, fps, np.ones(6, dtype=bool))
+    assert found.tolist() == [0, 1, 2, 3, 4, 5] and known.all()
+    assert rep[2] == rep[0] and rep[4] == rep[1] and len(set(rep.tolist())) == 4
+
+
+def test_a_table_over_many_insert_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(baseline, "_INSERT_CHUNK", 7)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 50, 200).astype(np.uint64)
+    slots, rep = build_table(ids)
+    assert sorted(s for s in slots.tolist() if s >= 0) == list(range(200))
+    assert np.array_equal(ids[rep], ids)
+    assert int(np.count_nonzero(rep == np.arange(200))) == np.unique(ids).size
+
+
+def test_an_empty_baseline_finds_nothing(tmp_path: Path) -> None:
+    index, _ = _index(tmp_path, np.zeros(0, np.uint64), np.zeros(0, np.int64), chunks=1)
+    found, known = index.match(np.array([1, 2], np.uint64), np.zeros(2, np.int64), np.ones(2, bool))
+    assert found.tolist() == [-1, -1] and not known.any()
+
+
+def test_output_layouts_round_trip_the_arrow_columns() -> None:
+    for typ, values in (
+        (pa.float32(), pa.array([0.5, 1.5], pa.float32())),
+        (pa.int64(), pa.array([3, 4], pa.int64())),
+        (pa.list_(pa.float32(), 3), pa.array([[1, 2, 3], [4, 5, 6]], pa.list_(pa.float32(), 3))),
+    ):
+        lay = OutputLayout.of("x", typ)
+        assert lay.arrow(lay.numpy(values)).equals(values)
+    with pytest.raises(ValueError, match="nulls"):
+        OutputLayout.of("x", pa.float32()).numpy(pa.array([1.0, None], pa.float32()))
+
+
+def test_a_worker_maps_one_run_s_index_at_a_time(tmp_path: Path) -> None:
+    ids = np.arange(10, dtype=np.uint64)
+    w = IndexWriter(tmp_path / "a", 10, [OutputLayout("s", "float32")])
+    w.add(ids, ids.astype(np.int64), [ids.astype(np.float32)])
+    ref = w.finish(str(tmp_path / "a"), "run-a")
+    baseline.forget_open()
+    first = baseline.open_index(ref)
+    assert baseline.open_index(ref) is first  # one mapping per process and run
+    w = IndexWriter(tmp_path / "b", 10, [OutputLayout("s", "float32")])
+    w.add(ids, ids.astype(np.int64), [ids.astype(np.float32)])
+    other = baseline.open_index(w.finish(str(tmp_path / "b"), "run-b"))
+    assert other is not first and list(baseline._OPEN) == ["run-b"]
+    baseline.forget_open()
+
+
+def test_an_index_writer_refuses_more_rows_than_announced(tmp_path: Path) -> None:
+    w = IndexWriter(tmp_path, 2, [OutputLayout("s", "float32")])
+    with pytest.raises(ValueError, match="more baseline rows"):
+        w.add(np.arange(3, dtype=np.uint64), np.zeros(3, np.int64), [np.zeros(3, np.float32)])
