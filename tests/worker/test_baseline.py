@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ def _index(
     cuts = np.linspace(0, n, chunks + 1).astype(int)
     rows = np.arange(n, dtype=np.int64)
     vec = np.stack([rows, -rows], axis=1).astype(np.float32)
-    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+    for a, b in itertools.pairwise(cuts):
         w.add(ids[a:b], fps[a:b], [rows[a:b], vec[a:b]])
     ref = w.finish(str(folder), "run-1")
     return BaselineIndex(folder, ref), np.load(folder / "rep.npy")
