@@ -23,6 +23,7 @@ import contextlib
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ def choose(
     config, scorer = night.config, night.scorer
     if not config.incremental:
         return Baseline(False, True, scorer.hash)
+    t0 = time.perf_counter()
     try:
         reason = _refusal(config, prepared)
         if reason is not None:
@@ -137,11 +139,12 @@ def choose(
         logger.warning("incremental: every row is scored: %s", e)
         return Baseline(True, True, scorer.hash, reason=str(e))
     logger.info(
-        "incremental: baseline run %s (%s), %s rows from %d file(s)",
+        "incremental: baseline run %s (%s), %s rows from %d file(s), indexed in %.2fs",
         source["run_id"],
         source["output"],
         f"{ref.rows:,}",
         source["files"],
+        time.perf_counter() - t0,
     )
     return Baseline(True, True, scorer.hash, ref, None, source, str(folder))
 
