@@ -149,17 +149,22 @@ class Pause:
             return []
 
     def wait(
-        self, proc: subprocess.Popen[Any] | None = None, count: int = 1, timeout: float = 180
+        self,
+        proc: subprocess.Popen[Any] | Sequence[subprocess.Popen[Any]] = (),
+        count: int = 1,
+        timeout: float = 180,
     ) -> list[int]:
-        """Until ``count`` processes are held here; their pids. Fails if ``proc`` (the run)
-        ends first: it never got there. ``timeout`` is a safety net for a run that hangs."""
+        """Until ``count`` processes are held here; their pids. Fails if the run ``proc`` (or
+        every one of several runs) ends first: it never got there. ``timeout`` is a safety
+        net for a run that hangs."""
+        procs = [proc] if isinstance(proc, subprocess.Popen) else list(proc)
         deadline = time.monotonic() + timeout
         while len(pids := self.pids()) < count:
-            if proc is not None and proc.poll() is not None:
-                out, err = proc.communicate()
+            if procs and all(p.poll() is not None for p in procs):
+                ended = [(p.returncode, p.communicate()) for p in procs]
                 raise AssertionError(
-                    f"the run ended (exit {proc.returncode}) before {count} process(es) reached "
-                    f"{self.point}:{self.n} (held: {pids})\n{out or ''}{err or ''}"
+                    f"the run ended before {count} process(es) reached {self.point}:{self.n} "
+                    f"(held: {pids}): {ended}"
                 )
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {count} process(es) held at {self.spec} in {timeout} s")
