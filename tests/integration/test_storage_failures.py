@@ -41,6 +41,7 @@ from tests.integration.helpers import (
     job_args,
     report,
     start_cli,
+    wait_for_text,
 )
 from tests.integration.netfaults import flaky_proxy
 from tests.integration.servers import S3Bucket, aws_env, start_moto_server
@@ -257,9 +258,9 @@ def test_a_killed_s3_server_ends_the_run_within_90s_at_the_default_deadline(
 
 @pytest.mark.slow
 def test_a_short_outage_is_retried_and_the_run_succeeds(tmp_path: Path, bundle_dir: Path) -> None:
-    """A blip is not a failure: S3 (through a proxy) goes away for 2 s in the middle of a shard
-    and comes back well within ``retry_deadline_s``; reads are retried, a write cut short
-    scores its shard again, and the run succeeds with every row."""
+    """A blip is not a failure: S3 (through a proxy) goes away in the middle of a shard until the
+    run has met the outage, and comes back well within ``retry_deadline_s``; reads are retried,
+    a write cut short scores its shard again, and the run succeeds with every row."""
     local = tmp_path / "catalog"
     write_shards(local, [20_000] * 8, row_group_rows=2_000)
     flag = tmp_path / "paused"
@@ -282,11 +283,15 @@ def test_a_short_outage_is_retried_and_the_run_succeeds(tmp_path: Path, bundle_d
                 batch_size=512,
             )
             env = {**aws_env(), **pause_env("batch-read", flag)}
-            proc = start_cli("run", str(job), "-q", env=env)
+            log = tmp_path / "run.log"
+            proc = start_cli("run", str(job), "-q", "--log-file", str(log), env=env)
             pid = wait_until_paused(proc, flag)
             proxy.down()
             resume(pid)
-            time.sleep(2)  # the outage: every request meanwhile is refused or cut
+            # The outage lasts until the run has met it (a request refused or cut, and retried:
+            # the retry layer logs the first retry of each call), not a fixed time that a
+            # slow machine could spend before its next request.
+            wait_for_text(log, "; retry 1 in ", proc)
             proxy.up()
             _, stderr = proc.communicate(timeout=300)
             assert proc.returncode == 0, stderr
