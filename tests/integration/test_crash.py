@@ -170,15 +170,14 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _wait_for_lock(proc: subprocess.Popen[str], out: Path) -> float:
-    """Wait until the run holds its output's lock (it has claimed the output: from here on a
-    kill leaves work to resume); returns when (``time.perf_counter()``)."""
-    lock, deadline = out / "_lock.json", time.monotonic() + 300
-    while not lock.exists():
-        assert proc.poll() is None, f"the run ended (rc={proc.returncode}) before it took its lock"
-        assert time.monotonic() < deadline, "the run never took its lock"
-        time.sleep(0.005)
-    return time.perf_counter()
+def _lock_taken(proc: subprocess.Popen[str], locked: Pause) -> float:
+    """Hold the run once it has taken its output's lock (it has claimed the output: from here
+    on a kill leaves work to resume), note when (``time.perf_counter()``), let it go on. Held,
+    it cannot have finished and released the lock before the test looked."""
+    locked.wait(proc)
+    at = time.perf_counter()
+    locked.release()
+    return at
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.6])
@@ -198,18 +197,21 @@ def test_external_sigkill_of_a_dask_run_at_a_random_moment(
     faster this run goes than the one that was timed."""
     out, rej = tmp_path / "out", tmp_path / "rejects"
     args = _args(clean_run["catalog"], out, rej, torchscript_bundle_dir, "local")  # type: ignore[arg-type]
-    first = start_cli(*args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    locked_at = _wait_for_lock(first, out)
+    locked = pauses("locked")
+    first = start_cli(
+        *args, env=pause_env(locked), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    locked_at = _lock_taken(first, locked)
     _, err = first.communicate()
     assert first.returncode == 0, err
     held = time.perf_counter() - locked_at  # how long a whole run holds its lock here
     shutil.rmtree(out)  # start again from nothing, then kill part-way
     shutil.rmtree(rej, ignore_errors=True)
-    judged = pauses("judged")
+    locked, judged = pauses("locked"), pauses("judged")
     proc = start_cli(
-        *args, env=pause_env(judged), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        *args, env=pause_env(locked, judged), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    _wait_for_lock(proc, out)
+    _lock_taken(proc, locked)
     time.sleep(held * fraction * random.uniform(0.9, 1.1))
     family = _descendants(proc.pid)
     proc.send_signal(signal.SIGKILL)

@@ -86,20 +86,6 @@ def _start(
     )
 
 
-def _wait_for(
-    proc: subprocess.Popen[str], ready: Callable[[], bool], what: str, timeout: float = 120
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if proc.poll() is not None:
-            _, err = proc.communicate()
-            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{err}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def _staged_shards(out: Path) -> int:
     """Shards being written now: their staged (hidden) Parquet files."""
     return sum(p.name.startswith(".part-") for p in temporaries(out))
