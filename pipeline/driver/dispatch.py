@@ -247,6 +247,7 @@ def _on_cluster(
             if stop.requested and not stopped:
                 stopped = True
                 _raise(client, stopping)  # shards not started yet come back unscored, at once
+                checkpoint("stop-raised")  # every worker has the flag: none starts a shard now
             if stopped and stop.grace_left() <= 0:
                 logger.warning(
                     "grace period over: %d task(s) still running are cancelled",

@@ -9,6 +9,8 @@ module or test, and stopped by PID (the machinery is in :mod:`tests.integration.
 - ``fresh_dask_cluster`` (function): the same, for a test that kills a worker.
 - ``mlflow_server`` (module): ``mlflow server`` with a SQLite store and a local artifact folder;
   yields a :class:`MlflowServer`.
+- ``pauses`` (function): makes :class:`tests.integration.helpers.Pause` fault points (a run
+  held at a named step until the test releases it) and releases them all when the test ends.
 
 The CLI itself is run with :func:`tests.integration.helpers.cli` (a plain function: pytest asks
 that conftest modules are not imported by tests).
@@ -19,13 +21,14 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.integration.helpers import Pause
 from tests.integration.servers import (
     DaskCluster,
     MlflowServer,
@@ -78,6 +81,25 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
     """One MLflow tracking server per test module (registered model names keep tests apart)."""
     with start_mlflow_server(tmp_path_factory.mktemp("mlflow")) as server:
         yield server
+
+
+@pytest.fixture
+def pauses(tmp_path: Path) -> Iterator[Callable[..., Pause]]:
+    """``pauses(point, n=1)``: a :class:`Pause` at ``point`` with its marker in ``tmp_path``.
+    Every pause made is released when the test ends, so that a failed test leaves no process
+    held until the pause's own timeout."""
+    made: list[Pause] = []
+
+    def make(point: str, n: int = 1) -> Pause:
+        pause = Pause(point, tmp_path / f"paused-{len(made)}-{point}", n)
+        made.append(pause)
+        return pause
+
+    try:
+        yield make
+    finally:
+        for pause in made:
+            pause.release()
 
 
 class _Recorder(BaseHTTPRequestHandler):

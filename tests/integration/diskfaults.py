@@ -9,9 +9,8 @@ Nothing is mocked: the CLI under test gets the kernel's own errors.
   ignores file modes, so ``chmod`` would not stop it); as any other user, ``chmod a-w``
   (``EACCES``).
 
-The stopped-process helpers pause a run at a named point (``pipeline.core.faults`` with
-``_SCORE_CATALOG_KILL_SIGNAL=SIGSTOP``), so that a test breaks the storage at a precise moment
-of the run and then lets it go on.
+A test breaks the storage at a precise moment of a run by holding the run at a named point
+meanwhile (:class:`tests.integration.helpers.Pause`), then lets it go on.
 """
 
 from __future__ import annotations
@@ -19,14 +18,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 
@@ -92,31 +88,3 @@ def breakable_folder(path: Path) -> Iterator[Callable[[], str]]:
             _unmount(path)
         else:
             path.chmod(0o755)
-
-
-def pause_env(point: str, flag: Path) -> dict[str, str]:
-    """The environment that makes the first process of a run to reach ``point`` stop itself
-    there (SIGSTOP), creating ``flag`` first (:mod:`pipeline.core.faults`)."""
-    return {"_SCORE_CATALOG_KILL_AT": f"{point}:1:{flag}", "_SCORE_CATALOG_KILL_SIGNAL": "SIGSTOP"}
-
-
-def wait_until_paused(proc: subprocess.Popen[str], flag: Path, timeout: float = 180) -> int:
-    """Wait until a process of ``proc``'s tree (the CLI, or one of its Dask workers) stopped
-    itself at the point :func:`pause_env` named; return its pid."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the run ended before it paused: {proc.communicate()}"
-        if flag.exists():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                me = psutil.Process(proc.pid)
-                for p in [me, *me.children(recursive=True)]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        if p.status() == psutil.STATUS_STOPPED:
-                            return int(p.pid)
-        time.sleep(0.05)
-    raise AssertionError(f"no process of the run paused within {timeout:.0f}s")
-
-
-def resume(pid: int) -> None:
-    """Let a paused process go on."""
-    os.kill(pid, signal.SIGCONT)

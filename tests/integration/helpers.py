@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 KILL_AT = "_SCORE_CATALOG_KILL_AT"
 # The same module's full-disk hook: every staged write fails from a named point on.
 FAIL_AT = "_SCORE_CATALOG_FAIL_AT"
+# And its pause: a run holds at a named point until the test releases it (:class:`Pause`).
+PAUSE_AT = "_SCORE_CATALOG_PAUSE_AT"
 
 
 class CliResult(NamedTuple):
@@ -56,6 +59,7 @@ def cli_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("SCORE_CATALOG_")}
     full.pop(KILL_AT, None)
     full.pop(FAIL_AT, None)
+    full.pop(PAUSE_AT, None)
     full.update(env or {})
     full.setdefault("PYTHONPATH", str(REPO))
     return full
@@ -120,6 +124,83 @@ def start_cli(
     )
 
 
+class Pause:
+    """A run held at a named point until the test lets it go on (``_SCORE_CATALOG_PAUSE_AT``,
+    :mod:`pipeline.core.faults`): how a test acts while a run is at a known step, whatever the
+    machine's speed. Every process that reaches ``point`` for the ``n``-th time (the CLI, or
+    each Dask worker) appends its pid to ``marker`` and waits until :meth:`release`.
+
+    Make them with the ``pauses`` fixture (tests/integration/conftest.py), which releases every
+    one when the test ends, passed or failed, so that no held process outlives it.
+    """
+
+    def __init__(self, point: str, marker: Path, n: int = 1) -> None:
+        self.point, self.marker, self.n = point, marker, n
+
+    @property
+    def spec(self) -> str:
+        return f"{self.point}:{self.n}:{self.marker}"
+
+    def pids(self) -> list[int]:
+        """The processes held here so far (each wrote one line)."""
+        try:
+            return [int(x) for x in self.marker.read_text().split()]
+        except FileNotFoundError:
+            return []
+
+    def wait(
+        self,
+        proc: subprocess.Popen[Any] | Sequence[subprocess.Popen[Any]] = (),
+        count: int = 1,
+        timeout: float = 180,
+    ) -> list[int]:
+        """Until ``count`` processes are held here; their pids. Fails if the run ``proc`` (or
+        every one of several runs) ends first: it never got there. ``timeout`` is a safety
+        net for a run that hangs."""
+        procs = [proc] if isinstance(proc, subprocess.Popen) else list(proc)
+        deadline = time.monotonic() + timeout
+        while len(pids := self.pids()) < count:
+            if procs and all(p.poll() is not None for p in procs):
+                ended = [(p.returncode, p.communicate()) for p in procs]
+                raise AssertionError(
+                    f"the run ended before {count} process(es) reached {self.point}:{self.n} "
+                    f"(held: {pids}): {ended}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {count} process(es) held at {self.spec} in {timeout} s")
+            time.sleep(0.01)
+        return pids
+
+    def release(self) -> None:
+        """Let every process held here (and any that gets here later) go on."""
+        Path(f"{self.marker}.release").touch()
+
+
+def pause_env(*pauses: Pause) -> dict[str, str]:
+    """The environment that sets ``pauses`` in a CLI run (or, through ``os.environ``, in the
+    Dask workers of a tcp:// cluster: :func:`tests.integration.servers.set_env`)."""
+    return {PAUSE_AT: ",".join(p.spec for p in pauses)}
+
+
+def wait_for_text(
+    path: Path, text: str, proc: subprocess.Popen[Any] | None = None, timeout: float = 180
+) -> str:
+    """Until the file ``path`` (a log the run appends to) holds ``text``; its content. Fails
+    if ``proc`` ends first; ``timeout`` is a safety net for a run that hangs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        content = path.read_text(errors="replace") if path.exists() else ""
+        if text in content:
+            return content
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(
+                f"the run ended (exit {proc.returncode}) before {path} said {text!r}:\n{content}"
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not say {text!r} in {timeout} s:\n{content}")
+        time.sleep(0.01)
+
+
 def _invoke(args: Sequence[str], env: Mapping[str, str] | None) -> tuple[int, str, str]:
     from click.testing import CliRunner
 
@@ -127,6 +208,8 @@ def _invoke(args: Sequence[str], env: Mapping[str, str] | None) -> tuple[int, st
 
     if env and KILL_AT in env:
         raise ValueError(f"{KILL_AT} would kill the test process: run with in_process=False")
+    if env and PAUSE_AT in env:
+        raise ValueError(f"{PAUSE_AT} would hold the test process: run with in_process=False")
     res = CliRunner().invoke(main, list(args), env=dict(env) if env else None)
     stderr = res.stderr
     if res.exception is not None and not isinstance(res.exception, SystemExit):

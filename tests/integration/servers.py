@@ -7,8 +7,8 @@ test talks to them over TCP exactly as it would to S3 or to a production Dask sc
 fixtures that hand them to tests (``moto_server``, ``s3_bucket``, ``dask_cluster``,
 ``fresh_dask_cluster``, ``mlflow_server``) are in this folder's ``conftest.py``.
 
-The helper functions ``install_load_counter``, ``load_count``, ``reuses_cached_model`` and
-``executed_count`` run *inside* the Dask workers through ``Client.run``.
+The helper functions ``install_load_counter``, ``load_count``, ``reuses_cached_model``,
+``executed_count`` and ``set_env`` run *inside* the Dask workers through ``Client.run``.
 """
 
 from __future__ import annotations
@@ -517,3 +517,15 @@ def reuses_cached_model(uri: str, device: str, sha256: str, width: int) -> bool:
 def executed_count(dask_worker: Any) -> int:
     """In a worker: how many tasks this worker has executed since it started."""
     return int(dask_worker.state.executed_count)
+
+
+def set_env(values: Mapping[str, str | None]) -> int:
+    """In a worker: set (or, for None, remove) environment variables; returns the pid. How a
+    test gives a tcp:// cluster's workers a fault point (``pipeline.core.faults`` reads the
+    environment again when it changes): they are not the CLI's children."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    return os.getpid()

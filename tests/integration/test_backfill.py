@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import write_shards
-from tests.integration.helpers import cli, data_files, report, temporaries
+from tests.integration.helpers import cli, data_files, manifest_path, report, temporaries
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -54,6 +54,14 @@ def test_backfill_interrupted_then_resumed_scores_every_row_once(
     assert killed.returncode == -9, killed.stderr
     assert (tmp_path / "scored" / "dt=2025-01-01" / "_SUCCESS").exists()
     assert not (tmp_path / "scored" / "dt=2025-01-02" / "_SUCCESS").exists()
+    # The manifest is saved on a time budget (pipeline.io.manifest), so whether partition 2's
+    # finished shard was recorded before the kill depends on the machine's speed (a busy one
+    # spaces the saves further): a recorded shard is skipped by the rerun, one not recorded is
+    # scored again. Either way every row is there once (checked below).
+    killed_manifest = manifest_path(tmp_path / "scored" / "dt=2025-01-02")
+    saved = killed_manifest.exists()
+    recorded = len(json.loads(killed_manifest.read_text())["shards"]) if saved else 0
+    assert recorded <= 1
 
     resumed = cli(*args)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -61,7 +69,8 @@ def test_backfill_interrupted_then_resumed_scores_every_row_once(
     parts = {p["date"]: p for p in s["partitions"]}
     assert parts["2025-01-01"]["status"] == "skipped"  # finished before the kill
     assert parts["2025-01-02"]["status"] == "succeeded"
-    assert parts["2025-01-02"]["shards_skipped"] == 1 and parts["2025-01-02"]["shards_scored"] == 1
+    assert parts["2025-01-02"]["shards_skipped"] == recorded
+    assert parts["2025-01-02"]["shards_scored"] == 2 - recorded
     assert parts["2025-01-03"]["status"] == "succeeded"
     assert parts["2025-01-04"]["status"] == "missing"
     assert s["status"] == "succeeded"
@@ -115,40 +124,23 @@ def test_backfill_needs_date_templates_and_a_sane_range(tmp_path: Path, bundle_d
 def test_a_stopped_backfill_counts_every_planned_day(tmp_path: Path, bundle_dir: Path) -> None:
     """SIGTERM during the first of four days: the summary still says four days were planned,
     one ran (interrupted) and three did not."""
-    import signal
-    import subprocess
-    import time
-
-    from tests.integration.helpers import cli_argv, cli_env
-
     days = ["2025-02-01", "2025-02-02", "2025-02-03", "2025-02-04"]
     for k, day in enumerate(days):
-        write_shards(tmp_path / "archive" / f"dt={day}", [5_000] * 2, start=100_000 * k)
+        write_shards(tmp_path / "archive" / f"dt={day}", [2_000] * 2, start=100_000 * k)
     job = tmp_path / "rescore.toml"
     job.write_text(
         f'input = "{tmp_path}/archive/dt={{date}}"\noutput = "{tmp_path}/scored/dt={{date}}"\n'
-        f'model = "{bundle_dir}"\nscheduler = "sync"\nbatch_size = 8\n'
+        f'model = "{bundle_dir}"\nscheduler = "sync"\nbatch_size = 500\n'
     )
-    proc = subprocess.Popen(
-        cli_argv("backfill", str(job), "--from", days[0], "--to", days[-1]),
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    first = tmp_path / "scored" / f"dt={days[0]}"
-    deadline = time.monotonic() + 120
-    while not temporaries(first):  # the first day is writing its first shard
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 143, stderr
+    # The signal arrives as the first day writes its first batch (sent from that fault point,
+    # as cron's timeout would send it): never after that day, however fast it goes.
+    env = {"_SCORE_CATALOG_KILL_AT": "batch-written:1", "_SCORE_CATALOG_KILL_SIGNAL": "SIGTERM"}
+    r = cli("backfill", str(job), "--from", days[0], "--to", days[-1], env=env)
+    assert r.returncode == 143, r.stderr
     s = _summary(tmp_path, days[0], days[-1])
     assert s["status"] == "interrupted"
     assert s["partitions_total"] == 4
     assert [p["date"] for p in s["partitions"]] == days[:1]
     assert s["not_run"] == days[1:]
     assert s["partitions_by_status"] == {"interrupted": 1, "not_run": 3}
-    assert "1 interrupted, 3 not_run" in stdout
+    assert "1 interrupted, 3 not_run" in r.stdout

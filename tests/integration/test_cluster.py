@@ -8,9 +8,9 @@ it were its own one-core machine.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +23,11 @@ from tests.conftest import write_shards
 from tests.integration import servers
 from tests.integration.helpers import (
     CliResult,
+    Pause,
     cli,
     data_files,
     job_args,
-    manifest_path,
+    pause_env,
     read_tree,
     report,
     start_cli,
@@ -115,21 +116,16 @@ def test_model_is_loaded_once_per_worker_not_per_task(
     assert rep["rows_out"] == 1500 * n_shards and rep["shards_scored"] == n_shards
 
 
-def _progress(out: Path) -> int:
-    """Shards committed so far: entries in the manifest (written atomically)."""
-    try:
-        return len(json.loads(manifest_path(out).read_text())["shards"])
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return 0
-
-
 def test_sigkilled_worker_mid_run_loses_no_row_and_duplicates_none(
-    fresh_dask_cluster: DaskCluster, bundle_dir: Path, tmp_path: Path
+    fresh_dask_cluster: DaskCluster,
+    bundle_dir: Path,
+    tmp_path: Path,
+    pauses: Callable[..., Pause],
 ) -> None:
     cluster = fresh_dask_cluster
-    n_shards, rows = 24, 8000
+    n_shards, rows = 24, 2000
     catalog = tmp_path / "catalog"
-    write_shards(catalog, [rows] * n_shards, row_group_rows=2000)
+    write_shards(catalog, [rows] * n_shards, row_group_rows=500)
     total = n_shards * rows
     out = tmp_path / "out"
     workers = cluster.workers
@@ -138,21 +134,26 @@ def test_sigkilled_worker_mid_run_loses_no_row_and_duplicates_none(
     victim = workers[victim_addr]
     assert victim["nanny"] == cluster.nannies[victim["name"]].pid
 
-    args = _args(catalog, out, bundle_dir, cluster.address, "--batch-size", "128")
+    # Each worker is held once it has committed its first shard: the victim dies mid-run with
+    # a committed shard whose task is not finished (its replacement scores it again), and
+    # the other worker is there to take its tasks over.
+    committed = pauses("output-committed")
+    with cluster.client() as c:  # a tcp:// cluster's workers are not the CLI's children
+        c.run(servers.set_env, pause_env(committed))
+    args = _args(catalog, out, bundle_dir, cluster.address, "--batch-size", "500")
     proc = start_cli(*args)
     try:
-        deadline = time.monotonic() + 120
-        while _progress(out) == 0 and not data_files(out) and proc.poll() is None:
-            assert time.monotonic() < deadline, "no shard was committed within 120 s"
-            time.sleep(0.05)
-        done_at_kill = _progress(out)
+        held = committed.wait(proc, count=2)
+        assert victim["pid"] in held, (held, workers)
+        done_at_kill = len(data_files(out))
         cluster.kill_worker(victim)
         killed_at = time.monotonic()
+        committed.release()
         stdout, stderr = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             servers.stop_process(proc)
-    assert done_at_kill < n_shards, "the run finished before the worker was killed"
+    assert done_at_kill == 2  # one shard each, held: the run was far from done
     for _ in range(50):
         if not (servers.pid_alive(victim["pid"]) or servers.pid_alive(victim["nanny"])):
             break

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -30,9 +31,11 @@ import pytest
 from tests.conftest import write_shards
 from tests.integration.helpers import (
     KILL_AT,
+    Pause,
     cli,
     job_args,
     manifest_path,
+    pause_env,
     read_tree,
     report,
     start_cli,
@@ -167,36 +170,48 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _wait_for_lock(proc: subprocess.Popen[str], out: Path) -> float:
-    """Wait until the run holds its output's lock (it has claimed the output: from here on a
-    kill leaves work to resume); returns when (``time.perf_counter()``)."""
-    lock, deadline = out / "_lock.json", time.monotonic() + 300
-    while not lock.exists():
-        assert proc.poll() is None, f"the run ended (rc={proc.returncode}) before it took its lock"
-        assert time.monotonic() < deadline, "the run never took its lock"
-        time.sleep(0.005)
-    return time.perf_counter()
+def _lock_taken(proc: subprocess.Popen[str], locked: Pause) -> float:
+    """Hold the run once it has taken its output's lock (it has claimed the output: from here
+    on a kill leaves work to resume), note when (``time.perf_counter()``), let it go on. Held,
+    it cannot have finished and released the lock before the test looked."""
+    locked.wait(proc)
+    at = time.perf_counter()
+    locked.release()
+    return at
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.6])
 def test_external_sigkill_of_a_dask_run_at_a_random_moment(
-    fraction: float, clean_run: dict[str, object], torchscript_bundle_dir: Path, tmp_path: Path
+    fraction: float,
+    clean_run: dict[str, object],
+    torchscript_bundle_dir: Path,
+    tmp_path: Path,
+    pauses: Callable[..., Pause],
 ) -> None:
     """A kill from outside at a random moment between taking the lock and releasing it (a
-    fraction of how long that took a whole run here), then a rerun equal to a clean run. The
-    kill lands mid-run, or the test says so: the process was still running when killed, and
-    its lock is still there (a run releases it last)."""
+    fraction of how long that took a whole run here), then a rerun equal to a clean run.
+
+    The killed run is held once it has judged its outcome (every shard done, nothing of the
+    end written: no manifest's last save, report or _SUCCESS) and never let go: a kill meant
+    for later than the run has got lands there, so it always lands mid-run, however much
+    faster this run goes than the one that was timed."""
     out, rej = tmp_path / "out", tmp_path / "rejects"
     args = _args(clean_run["catalog"], out, rej, torchscript_bundle_dir, "local")  # type: ignore[arg-type]
-    first = start_cli(*args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    locked_at = _wait_for_lock(first, out)
+    locked = pauses("locked")
+    first = start_cli(
+        *args, env=pause_env(locked), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    locked_at = _lock_taken(first, locked)
     _, err = first.communicate()
     assert first.returncode == 0, err
     held = time.perf_counter() - locked_at  # how long a whole run holds its lock here
     shutil.rmtree(out)  # start again from nothing, then kill part-way
     shutil.rmtree(rej, ignore_errors=True)
-    proc = start_cli(*args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for_lock(proc, out)
+    locked, judged = pauses("locked"), pauses("judged")
+    proc = start_cli(
+        *args, env=pause_env(locked, judged), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    _lock_taken(proc, locked)
     time.sleep(held * fraction * random.uniform(0.9, 1.1))
     family = _descendants(proc.pid)
     proc.send_signal(signal.SIGKILL)

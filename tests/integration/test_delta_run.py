@@ -11,9 +11,7 @@ Polars ``scan_delta``.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,6 @@ import pytest
 from deltalake import DeltaTable
 
 from pipeline.cli.demo import FEATURES, export_bundle
-from pipeline.core.faults import KILL_SIGNAL
 from pipeline.io import storage
 from pipeline.io.layout import LOCK_NAME
 from pipeline.io.locking import RunLock
@@ -34,7 +31,7 @@ from pipeline.sinks.delta.table import TableRef
 from pipeline.sinks.tables import table_lock_root
 from tests.conftest import demo_toml, make_model, reference_scores, write_shards
 from tests.delta_helpers import arrow_filesystem
-from tests.integration.helpers import cli, manifest_path, report, start_cli
+from tests.integration.helpers import Pause, cli, manifest_path, pause_env, report, start_cli
 from tests.integration.servers import S3Bucket
 
 pytestmark = pytest.mark.integration
@@ -446,7 +443,7 @@ def test_a_version_whose_drift_alert_is_open_is_no_baseline_for_its_partition(
 
 
 def test_optimize_and_vacuum_keep_every_row_and_take_the_table_lock(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], pauses: Callable[..., Pause]
 ) -> None:
     out = tmp_path / "scored"
     job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
@@ -473,15 +470,15 @@ def test_optimize_and_vacuum_keep_every_row_and_take_the_table_lock(
     assert rows_of(ref) == want and rows_of(ref, before) == want
 
     # A run holding a partition's lock: maintenance refuses, naming it.
-    pause = {"_SCORE_CATALOG_KILL_AT": "delta-before-commit", KILL_SIGNAL: "SIGSTOP"}
-    proc = start_cli("run", str(job), "--date", DAYS[2], env=pause)
+    committing = pauses("delta-before-commit")
+    proc = start_cli("run", str(job), "--date", DAYS[2], env=pause_env(committing))
     try:
-        held = tmp_path / "_score_catalog" / "scored" / f"dt={DAYS[2]}" / LOCK_NAME
-        _wait_stopped(proc.pid, held.exists)
+        committing.wait(proc)
+        assert (tmp_path / "_score_catalog" / "scored" / f"dt={DAYS[2]}" / LOCK_NAME).exists()
         busy = cli("optimize", str(out))
         assert busy.returncode == 1 and "in progress" in busy.output, busy.output
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
+        committing.release()
         assert proc.wait(120) == 0
     assert rows_of(ref) == expected_rows(archive, dict.fromkeys(DAYS, "1"), models)
 
@@ -498,18 +495,6 @@ def test_optimize_and_vacuum_keep_every_row_and_take_the_table_lock(
     finally:
         held_by.release()
     assert rows_of(ref) == expected_rows(archive, dict.fromkeys(DAYS, "1"), models)
-
-
-def _wait_stopped(pid: int, locked: Callable[[], bool], timeout: float = 120) -> None:
-    """Until process ``pid`` has stopped itself (SIGSTOP at a kill point) and ``locked()``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        if state == "T" and locked():
-            return
-        assert state != "Z", "the run exited before it reached its kill point"
-        time.sleep(0.1)
-    raise AssertionError(f"run {pid} did not stop at its kill point in {timeout} s")
 
 
 def test_a_model_that_adds_a_column_is_refused_unless_evolution_is_allowed(
@@ -554,7 +539,11 @@ def test_a_bare_date_folder_is_refused_with_the_fix(
 
 @pytest.mark.slow  # seven runs against the S3 server: about 30 s here
 def test_on_s3_two_runs_are_two_versions_and_racing_runs_commit_once(
-    tmp_path: Path, archive: Path, models: dict[str, Path], s3_bucket: S3Bucket
+    tmp_path: Path,
+    archive: Path,
+    models: dict[str, Path],
+    s3_bucket: S3Bucket,
+    pauses: Callable[..., Pause],
 ) -> None:
     opts = s3_bucket.storage_options
     uri = s3_bucket.uri("scored")
@@ -574,19 +563,22 @@ def test_on_s3_two_runs_are_two_versions_and_racing_runs_commit_once(
     # No credential in what the run printed.
     assert s3_bucket.secret not in first.output + second.output
 
-    # Two runs on one partition: A stops (SIGSTOP) holding the lock just before its commit;
-    # B, started then, is refused by the lock and commits nothing; A resumes and commits once.
-    pause = {"_SCORE_CATALOG_KILL_AT": "delta-before-commit", KILL_SIGNAL: "SIGSTOP"}
-    a = start_cli("run", str(job), "--date", day, "--model", str(models["3"]), env=pause)
+    # Two runs on one partition: A is held with the lock just before its commit; B, started
+    # then, is refused by the lock and commits nothing; A goes on and commits once.
+    committing = pauses("delta-before-commit")
+    a = start_cli(
+        "run", str(job), "--date", day, "--model", str(models["3"]), env=pause_env(committing)
+    )
     lock = f"{s3_bucket.name}/_score_catalog/scored/dt={day}/{LOCK_NAME}"
     try:
-        _wait_stopped(a.pid, lambda: bool(s3_bucket.fs.exists(lock)))
+        committing.wait(a)
+        assert s3_bucket.fs.exists(lock)
         b = run(job, day, "--model", str(models["3"]))
         assert b.returncode == 1, b.output
         assert "locked by run" in b.output, b.output
         assert table_version(ref) == v1 + 1
     finally:
-        os.kill(a.pid, signal.SIGCONT)
+        committing.release()
     out, err = a.communicate(timeout=120)
     assert a.returncode == 0, out + err
     assert table_version(ref) == v1 + 2

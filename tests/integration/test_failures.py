@@ -237,7 +237,10 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
 ) -> None:
     out = tmp_path / "o"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = subprocess.Popen(
+        # Alive until the test kills it, however long the run takes (it slept 60 s before).
+        [sys.executable, "-c", "import signal; signal.pause()"]
+    )
     try:
         lock = {
             "host": socket.gethostname(),

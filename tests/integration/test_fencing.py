@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,16 @@ from pipeline.io.layout import LOCK_NAME
 from pipeline.io.locking import LockLostError, RunLock
 from pipeline.worker.shard import ShardResult
 from tests.conftest import write_shards
+from tests.integration import servers
 from tests.integration.helpers import (
+    Pause,
     cli,
     cli_argv,
     cli_env,
     data_files,
     job_args,
     manifest_path,
+    pause_env,
     report_path,
 )
 from tests.integration.servers import DaskCluster, S3Bucket, aws_env, start_moto_server
@@ -131,35 +135,43 @@ def test_a_superseded_run_commits_no_rejects(tmp_path: Path, torchscript_bundle_
 
 
 @pytest.mark.slow
-def test_two_runs_started_together_one_writes(tmp_path: Path, torchscript_bundle_dir: Path) -> None:
+def test_two_runs_started_together_one_writes(
+    tmp_path: Path, torchscript_bundle_dir: Path, pauses: Callable[..., Pause]
+) -> None:
     cat = tmp_path / "catalog"
-    # Long enough (small batches) that the first run still holds the lock when the other,
-    # started at the same moment, has planned and asks for it.
-    write_shards(cat, [20_000] * 6, row_group_rows=5_000)
+    write_shards(cat, [2_000] * 6, row_group_rows=500)
     out = tmp_path / "out"
     args = ["run", *job_args(cat, out, torchscript_bundle_dir), "--scheduler", "sync"]
-    args += ["--batch-size", "64", "-q"]
+    args += ["--batch-size", "500", "-q"]
+    # Whichever run takes the lock is held right after it, until the other has ended: the
+    # other cannot find the output free however much later it gets there (it used to rely on
+    # the first run lasting longer than the second one's start, which a fast machine broke).
+    locked = pauses("locked")
     procs = [
         subprocess.Popen(
             cli_argv(*args),
-            env=cli_env(),
+            env=cli_env(pause_env(locked)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for _ in range(2)
     ]
-    outs = [p.communicate(timeout=600) for p in procs]
-    codes = [p.returncode for p in procs]
-    assert sorted(codes) == [0, 1], (codes, outs)
-    loser = outs[codes.index(1)][1]
+    (winner_pid,) = locked.wait(procs)
+    (loser,) = [p for p in procs if p.pid != winner_pid]
+    loser_out = loser.communicate(timeout=300)
+    locked.release()
+    winner = procs[0] if loser is procs[1] else procs[1]
+    winner_out = winner.communicate(timeout=300)
+    assert (winner.returncode, loser.returncode) == (0, 1), (winner_out, loser_out)
+    assert locked.pids() == [winner_pid]  # the loser never held the lock
     report = json.loads(report_path(out).read_text())
-    assert f"is locked by run {report['run_id']}" in loser, loser
-    assert "Traceback" not in loser
+    assert f"is locked by run {report['run_id']}" in loser_out[1], loser_out
+    assert "Traceback" not in loser_out[1]
     # Every committed shard is the winner's, recorded once, and the output is complete.
     manifest = json.loads(manifest_path(out).read_text())
     assert {e["run_id"] for e in manifest["shards"].values()} == {report["run_id"]}
-    assert report["status"] == "succeeded" and report["rows_out"] == 120_000
+    assert report["status"] == "succeeded" and report["rows_out"] == 12_000
     assert (out / "_SUCCESS").exists() and not (out / LOCK_NAME).exists()
 
 
@@ -297,13 +309,15 @@ def test_an_error_while_releasing_the_lock_does_not_hide_the_first(
 
 @pytest.mark.slow
 def test_an_object_store_killed_mid_run_fails_within_the_retry_deadline(
-    tmp_path: Path, torchscript_bundle_dir: Path
+    tmp_path: Path, torchscript_bundle_dir: Path, pauses: Callable[..., Pause]
 ) -> None:
     """The issue's case: the S3 server dies mid-run. The run gives up within its retry deadline
     with one line naming the error, exit 1; releasing the lock on the dead server fails too, and
     that is logged without hiding the first error."""
     cat = tmp_path / "catalog"
-    write_shards(cat, [3_000] * 16, row_group_rows=1_000)
+    write_shards(cat, [3_000] * 4, row_group_rows=1_000)
+    # Held once its first shard is committed: the server dies while shards are left to write.
+    committed = pauses("output-committed")
     with start_moto_server(tmp_path / "moto.log") as server:
         server.client().create_bucket(Bucket="killed")
         bucket = S3Bucket("killed", server.endpoint)
@@ -314,28 +328,22 @@ def test_an_object_store_killed_mid_run_fails_within_the_retry_deadline(
             output=bucket.uri("scored"),
             model=str(torchscript_bundle_dir),
             scheduler="sync",
-            batch_size=32,
+            batch_size=500,
         )
         proc = subprocess.Popen(
             cli_argv("run", str(job)),
-            env=cli_env(aws_env()),
+            env=cli_env({**aws_env(), **pause_env(committed)}),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        s3 = server.client()
-
-        def committed() -> bool:
-            listing = s3.list_objects_v2(Bucket="killed", Prefix="scored/part-")
-            return bool(listing.get("Contents"))
-
-        deadline = time.monotonic() + 120
-        while not committed():
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "no shard was committed"
-            time.sleep(0.05)
+        committed.wait(proc)
+        listing = server.client().list_objects_v2(Bucket="killed", Prefix="scored/part-")
+        assert len(listing.get("Contents", [])) == 1  # the first shard, and no other yet
         server.proc.kill()
+        server.proc.wait()
         killed = time.monotonic()
+        committed.release()
         _, stderr = proc.communicate(timeout=300)
     took = time.monotonic() - killed
     assert proc.returncode == 1, stderr
@@ -352,36 +360,56 @@ def test_an_object_store_killed_mid_run_fails_within_the_retry_deadline(
 
 @pytest.mark.slow
 def test_tasks_of_a_killed_driver_on_a_cluster_cannot_commit_after_a_takeover(
-    tmp_path: Path, torchscript_bundle_dir: Path, dask_cluster: DaskCluster
+    tmp_path: Path,
+    torchscript_bundle_dir: Path,
+    dask_cluster: DaskCluster,
+    pauses: Callable[..., Pause],
 ) -> None:
     """The issue's case: a SIGKILLed driver's tasks keep running on an external cluster. Once
-    another run has taken the (now stale) lock over, none of them commits."""
+    another run has taken the (now stale) lock over, none of them commits.
+
+    Both workers are held mid-shard (a batch written to their staged files) while the driver
+    is killed and the lock taken over, then let go: the orphaned tasks reach their commits
+    only after the takeover, however fast or slow the machine."""
     cat = tmp_path / "catalog"
-    write_shards(cat, [40_000] * 2, row_group_rows=10_000)  # seconds per shard at batch 8
+    write_shards(cat, [2_000] * 2, row_group_rows=500)
     out = tmp_path / "out"
-    args = ["run", *job_args(cat, out, torchscript_bundle_dir), "--batch-size", "8"]
+    args = ["run", *job_args(cat, out, torchscript_bundle_dir), "--batch-size", "250"]
     args += ["--scheduler", dask_cluster.address, "--task-rows", "1", "-q"]
-    proc = subprocess.Popen(
-        cli_argv(*args), env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 120
-    while sum(p.name.startswith(".part-") for p in out.glob(".*")) < 2:
-        assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, "the workers never started writing"
-        time.sleep(0.02)
-    proc.kill()  # SIGKILL: no clean-up, the lock stays, the tasks run on
-    proc.communicate()
-    root = storage.locate(str(out))
-    successor = RunLock.acquire(root, "successor", stale_after_s=3600)  # its pid is gone
+    held = pauses("batch-written")
+    # The workers are the cluster's, not the CLI's children: they get the pause in their
+    # environment (the fault points read it again when it changes), and lose it afterwards.
+    with dask_cluster.client() as c:
+        c.run(servers.set_env, pause_env(held))
     try:
-        assert successor.took_over is not None
-        at_takeover = set(data_files(out))
-        # Wait until the orphaned tasks are done (their staged files are gone one way or the
-        # other), then look: nothing they wrote became visible.
-        deadline = time.monotonic() + 120
-        while any(p.name.startswith(".part-") for p in out.glob(".*")):
-            assert time.monotonic() < deadline, "the orphaned tasks never finished"
-            time.sleep(0.1)
-        assert set(data_files(out)) == at_takeover
+        proc = subprocess.Popen(
+            cli_argv(*args),
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        workers = held.wait(proc, count=2)
+        assert sum(p.name.startswith(".part-") for p in out.glob(".*")) == 2
+        proc.kill()  # SIGKILL: no clean-up, the lock stays, the tasks run on
+        proc.communicate()
+        root = storage.locate(str(out))
+        successor = RunLock.acquire(root, "successor", stale_after_s=3600)  # its pid is gone
+        try:
+            assert successor.took_over is not None
+            at_takeover = set(data_files(out))
+            held.release()
+            # Wait until the orphaned tasks are done (their staged files are gone one way or
+            # the other), then look: nothing they wrote became visible.
+            deadline = time.monotonic() + 120
+            while any(p.name.startswith(".part-") for p in out.glob(".*")):
+                assert time.monotonic() < deadline, "the orphaned tasks never finished"
+                time.sleep(0.05)
+            assert set(data_files(out)) == at_takeover
+        finally:
+            successor.release()
     finally:
-        successor.release()
+        held.release()
+        with dask_cluster.client() as c:
+            c.run(servers.set_env, dict.fromkeys(pause_env(held)))
+    assert len(set(workers)) == 2  # both workers were held, each with its own shard

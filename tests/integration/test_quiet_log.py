@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO, write_shards
-from tests.integration.helpers import cli_argv, cli_env, job_args, report, temporaries
+from tests.integration.helpers import (
+    Pause,
+    cli_argv,
+    cli_env,
+    job_args,
+    pause_env,
+    report,
+    temporaries,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -71,10 +79,10 @@ def _json_lines(stderr: str) -> list[dict[str, Any]]:
     return out
 
 
-def _start(args: list[str]) -> subprocess.Popen[str]:
+def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         cli_argv(*args),
-        env=cli_env(),
+        env=cli_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -83,16 +91,25 @@ def _start(args: list[str]) -> subprocess.Popen[str]:
 
 
 def test_a_successful_run_logs_json_lines_with_run_id_and_no_traceback(
-    tmp_path: Path, bundle_dir: Path
+    tmp_path: Path, bundle_dir: Path, pauses: Callable[..., Pause]
 ) -> None:
     cat = tmp_path / "catalog"
-    write_shards(cat, [20_000] * 6, row_group_rows=2_000)
+    write_shards(cat, [5_000] * 6, row_group_rows=1_000)
     out = tmp_path / "out"
     args = ["run", *job_args(cat, out, bundle_dir), "--scheduler", "local", "--workers", "2"]
-    args += ["--batch-size", "512", "--log-format", "json"]
+    args += ["--batch-size", "1000", "--log-format", "json"]
+    # The driver is held after its first shard, its cluster up and working: what the cluster
+    # listens on is looked at then for sure, and all along the run besides.
+    first = pauses("between-shards")
     listening: set[tuple[str, int]] = set()
     with _hold_port(8787):
-        proc = _start(args)
+        proc = _start(args, pause_env(first))
+        while proc.poll() is None and not first.pids():
+            listening |= _listening(proc.pid)
+            time.sleep(0.05)
+        first.wait(proc)
+        held = _listening(proc.pid)
+        first.release()
         while proc.poll() is None:
             listening |= _listening(proc.pid)
             time.sleep(0.2)
@@ -107,24 +124,30 @@ def test_a_successful_run_logs_json_lines_with_run_id_and_no_traceback(
     (summary,) = _json_lines(stdout)
     assert summary["event"] == "summary" and summary["run_id"] == run_id
     # The embedded cluster listened (its scheduler and workers), on loopback, not on 8787.
-    assert listening, "the run was over before its cluster was seen"
+    assert held, "nothing of the run listened while its cluster was working"
+    listening |= held
     assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
     assert 8787 not in {port for _, port in listening}
 
 
-def test_ctrl_c_leaves_json_lines_and_no_traceback(tmp_path: Path, bundle_dir: Path) -> None:
+def test_ctrl_c_leaves_json_lines_and_no_traceback(
+    tmp_path: Path, bundle_dir: Path, pauses: Callable[..., Pause]
+) -> None:
     cat = tmp_path / "catalog"
     write_shards(cat, [3_000] * 16, row_group_rows=1_000)
     out = tmp_path / "out"
     args = ["run", *job_args(cat, out, bundle_dir), "--scheduler", "local", "--workers", "2"]
-    args += ["--batch-size", "32", "--task-rows", "1", "--log-format", "json"]
-    proc = _start(args)
-    deadline = time.monotonic() + 120
-    while not any(p.name.startswith(".part-") for p in temporaries(out)):
-        assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, "no shard was being written"
-        time.sleep(0.02)
+    args += ["--batch-size", "1000", "--task-rows", "1", "--log-format", "json"]
+    # Ctrl-C while the workers are held writing their first shards; they go on once the driver
+    # has told them to start no other (only a mark: released in advance).
+    writing, stopping = pauses("batch-written"), pauses("stop-raised")
+    stopping.release()
+    proc = _start(args, pause_env(writing, stopping))
+    writing.wait(proc)
+    assert any(p.name.startswith(".part-") for p in temporaries(out))
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+    stopping.wait(proc)
+    writing.release()
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stderr, stderr

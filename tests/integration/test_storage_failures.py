@@ -8,8 +8,9 @@ run about ``retry_deadline_s`` after it died, not that long per storage call.
 
 How the failures are made (``tests/integration/diskfaults.py``): a tiny tmpfs fills up, a tmpfs
 is remounted read-only (or, not as root, a folder loses its write permission) while the run is
-paused at a named point, and the moto server is killed by its PID while a Dask worker is paused
-in the middle of a shard.
+held at a named point (``_SCORE_CATALOG_PAUSE_AT``, :class:`tests.integration.helpers.Pause`),
+and the moto server is killed by its PID while the Dask workers are held in the middle of a
+shard.
 """
 
 from __future__ import annotations
@@ -27,20 +28,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import write_shards
-from tests.integration.diskfaults import (
-    breakable_folder,
-    pause_env,
-    resume,
-    small_disk,
-    wait_until_paused,
-)
+from tests.integration.diskfaults import breakable_folder, small_disk
 from tests.integration.helpers import (
+    Pause,
     check_report,
     cli,
     control_of,
     job_args,
+    pause_env,
     report,
     start_cli,
+    wait_for_text,
 )
 from tests.integration.netfaults import flaky_proxy
 from tests.integration.servers import S3Bucket, aws_env, start_moto_server
@@ -83,17 +81,19 @@ def _lines(stderr: str) -> list[str]:
 def _run_breaking_rejects(
     tmp_path: Path, bundle: Path, *flags: str
 ) -> tuple[int, str, Path, str, Path]:
-    """Start a run, pause it once it holds its lock (before any shard is scored), make its
+    """Start a run, hold it once it has its lock (before any shard is scored), make its
     rejects folder unwritable, let it go on. (exit code, stderr, output, strerror, rejects)"""
     cat = _catalog(tmp_path / "catalog")
     out, rejects = tmp_path / "scored", tmp_path / "rejects"
-    flag = tmp_path / "paused"
+    locked = Pause("locked", tmp_path / "paused")
     with breakable_folder(rejects) as break_it:
         args = job_args(cat, out, bundle, "--rejects", str(rejects), "--passthrough", "category")
-        proc = start_cli("run", *args, *flags, env=pause_env("locked", flag))
-        pid = wait_until_paused(proc, flag)
-        cause = break_it()
-        resume(pid)
+        proc = start_cli("run", *args, *flags, env=pause_env(locked))
+        try:
+            locked.wait(proc)
+            cause = break_it()
+        finally:
+            locked.release()
         _, stderr = proc.communicate(timeout=300)
     return proc.returncode, stderr, out, cause, rejects
 
@@ -177,12 +177,12 @@ def test_a_full_disk_mid_run_fails_the_run_on_storage(
 def _kill_s3_mid_run(
     tmp_path: Path, bundle: Path, *, output: str, deadline: float | None
 ) -> tuple[int, str, float, Path | None]:
-    """Start a run reading its input from a moto server of its own, pause the first Dask worker
-    that has read a batch, kill the server by its PID, let the worker go on. (exit code, stderr,
+    """Start a run reading its input from a moto server of its own, hold the Dask workers once
+    they have read a batch, kill the server by its PID, let the workers go on. (exit code, stderr,
     seconds from the kill to the run's exit, the local output or None)."""
     local = tmp_path / "catalog"
     write_shards(local, [20_000] * 8, row_group_rows=2_000)
-    flag = tmp_path / "paused"
+    reading = Pause("batch-read", tmp_path / "paused")
     with start_moto_server(tmp_path / "moto.log") as server:
         name = f"dead-{uuid.uuid4().hex[:8]}"
         server.client().create_bucket(Bucket=name)
@@ -202,13 +202,14 @@ def _kill_s3_mid_run(
             passthrough=["category"],
             batch_size=512,
         )
-        env = {**aws_env(), **pause_env("batch-read", flag)}
-        proc = start_cli("run", str(job), "-q", env=env)
-        pid = wait_until_paused(proc, flag)
-        os.kill(server.pid, signal.SIGKILL)
-        server.proc.wait()
-        killed = time.monotonic()
-        resume(pid)
+        proc = start_cli("run", str(job), "-q", env={**aws_env(), **pause_env(reading)})
+        try:
+            reading.wait(proc)
+            os.kill(server.pid, signal.SIGKILL)
+            server.proc.wait()
+            killed = time.monotonic()
+        finally:
+            reading.release()
         _, stderr = proc.communicate(timeout=600)
         took = time.monotonic() - killed
     return proc.returncode, stderr, took, out
@@ -257,12 +258,12 @@ def test_a_killed_s3_server_ends_the_run_within_90s_at_the_default_deadline(
 
 @pytest.mark.slow
 def test_a_short_outage_is_retried_and_the_run_succeeds(tmp_path: Path, bundle_dir: Path) -> None:
-    """A blip is not a failure: S3 (through a proxy) goes away for 2 s in the middle of a shard
-    and comes back well within ``retry_deadline_s``; reads are retried, a write cut short
-    scores its shard again, and the run succeeds with every row."""
+    """A blip is not a failure: S3 (through a proxy) goes away in the middle of a shard until the
+    run has met the outage, and comes back well within ``retry_deadline_s``; reads are retried,
+    a write cut short scores its shard again, and the run succeeds with every row."""
     local = tmp_path / "catalog"
     write_shards(local, [20_000] * 8, row_group_rows=2_000)
-    flag = tmp_path / "paused"
+    reading = Pause("batch-read", tmp_path / "paused")
     with start_moto_server(tmp_path / "moto.log") as server:
         port = int(server.endpoint.rsplit(":", 1)[1])
         with flaky_proxy(port) as proxy:
@@ -281,12 +282,18 @@ def test_a_short_outage_is_retried_and_the_run_succeeds(tmp_path: Path, bundle_d
                 passthrough=["category"],
                 batch_size=512,
             )
-            env = {**aws_env(), **pause_env("batch-read", flag)}
-            proc = start_cli("run", str(job), "-q", env=env)
-            pid = wait_until_paused(proc, flag)
-            proxy.down()
-            resume(pid)
-            time.sleep(2)  # the outage: every request meanwhile is refused or cut
+            env = {**aws_env(), **pause_env(reading)}
+            log = tmp_path / "run.log"
+            proc = start_cli("run", str(job), "-q", "--log-file", str(log), env=env)
+            try:
+                reading.wait(proc)
+                proxy.down()
+            finally:
+                reading.release()
+            # The outage lasts until the run has met it (a request refused or cut, and retried:
+            # the retry layer logs the first retry of each call), not a fixed time that a
+            # slow machine could spend before its next request.
+            wait_for_text(log, "; retry 1 in ", proc)
             proxy.up()
             _, stderr = proc.communicate(timeout=300)
             assert proc.returncode == 0, stderr

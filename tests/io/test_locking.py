@@ -313,7 +313,10 @@ def test_a_sigkilled_holder_is_stale_by_pid(
 
 def test_a_reused_pid_does_not_keep_a_dead_holders_lock(tmp_path: Path) -> None:
     # The lock's pid now belongs to another process (this one, started at another time).
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper = subprocess.Popen(
+        # Alive until the test kills it, however long the run takes (it slept 60 s before).
+        [sys.executable, "-c", "import signal; signal.pause()"]
+    )
     try:
         lock = {
             "host": socket.gethostname(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import pickle
-import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -203,29 +203,42 @@ def test_shard_stats_sample_every_step_th_row_across_batches() -> None:
 # ---------------------------------------------------------------- progress by rows (issue 13)
 
 
-def test_row_reports_are_rate_limited_per_process() -> None:
-    """Thousands of tiny batches send nothing; a steady stream one report per interval."""
+def test_row_reports_are_rate_limited_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of tiny batches send nothing; a steady stream one report per interval.
+
+    On a clock the test moves (``events`` reads ``time.monotonic``): with the real one, "5,000
+    adds take less than an interval" and "a loop of 2.2 s sends 3 to 5 reports" were claims
+    about how fast this machine is, not about the rate limit."""
+    from pipeline.worker import events
     from pipeline.worker.events import PROGRESS_INTERVAL_S, RowProgress, listen_locally
 
+    now = [1000.0]
+    monkeypatch.setattr(events, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     got: list[tuple[str, int, float]] = []
     topic = "test-progress-rate"
-    with listen_locally(topic, lambda rel, n: got.append((rel, n, time.monotonic()))):
+    events.forget([topic])  # its report time, should an earlier test have left one
+    with listen_locally(topic, lambda rel, n: got.append((rel, n, now[0]))):
         quick = RowProgress(topic, "tiny.parquet")
         for _ in range(5_000):
             quick.add(1)
-        assert got == [] and quick.rows == 5_000  # well under one interval: no message
+            now[0] += PROGRESS_INTERVAL_S / 10_000  # all of them within half an interval
+        assert got == [] and quick.rows == 5_000
         steady = RowProgress(topic, "big.parquet")
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 4 * PROGRESS_INTERVAL_S + 0.2:
+        step = 0.01
+        for _ in range(round((4 * PROGRESS_INTERVAL_S + 0.2) / step)):
             steady.add(64)
-            time.sleep(0.01)
-    assert 3 <= len(got) <= 5, got
+            now[0] += step
+    # The first report an interval after the quick adds began (the clock is per process and
+    # run), then one per interval: 4 in 2.2 s plus the quick adds' 0.25 s.
+    assert len(got) == 4, got
     assert all(rel == "big.parquet" for rel, _, _ in got)
     gaps = [b[2] - a[2] for a, b in itertools.pairwise(got)]
     assert all(g >= PROGRESS_INTERVAL_S for g in gaps), gaps
+    assert all(g < PROGRESS_INTERVAL_S + 2 * step for g in gaps), gaps  # no report skipped
     assert [n for _, n, _ in got] == sorted(n for _, n, _ in got)
     # No listener any more: reporting outside a Dask worker is a no-op, never an error.
     RowProgress(topic, "big.parquet").add(1)
+    events.forget([topic])
 
 
 def test_row_feed_drops_reports_of_finished_shards() -> None:
