@@ -6,6 +6,15 @@ analytics on import otherwise, and the bench stays off the network. The model ru
 ``@daft.cls`` with a ``@daft.method.batch`` method, the way Daft documents batch inference:
 the class is set up once per worker and each call gets a batch of rows. Module level, so that
 Daft pickles the class by reference.
+
+The model comes in one of three forms (``form``): ``eager``, the bundle's network rebuilt as
+plain ``torch.nn`` layers from its weights (what a Daft user who trained the model would run);
+``torchscript``, the same module scripted; both made from the bundle by
+:func:`bench.workloads.peer_forms`; and ``export``, the bundle's own ``torch.export`` program
+(``torch.export.load(...).module()``), which imports torch's export machinery in every UDF
+instance (seconds on 2 cores) and costs about 75 us a call against 27 for the eager module.
+The bench's ``daft`` comparator runs Daft's best form here (``bench.suites.DAFT_FORM``), and
+``daft-export`` the export form beside it.
 """
 
 from __future__ import annotations
@@ -27,23 +36,38 @@ import torch
 _LOAD_LOCK = threading.Lock()
 
 
-def load_program(bundle: str) -> Any:
-    """The bundle's exported program, loaded under a lock (see :data:`_LOAD_LOCK`)."""
-    with _LOAD_LOCK:
-        return torch.export.load(str(Path(bundle) / "model.pt2")).module()
+def load_program(bundle: str, form: str = "export", peer: str = "") -> Any:
+    """The model in ``form``: the bundle's exported program (under a lock, see
+    :data:`_LOAD_LOCK`), or one of its peer forms from the folder ``peer``
+    (:func:`bench.workloads.load_peer`)."""
+    if form == "export":
+        with _LOAD_LOCK:
+            return torch.export.load(str(Path(bundle) / "model.pt2")).module()
+    from bench.workloads import load_peer
+
+    return load_peer(form, peer)
 
 
 @daft.cls
 class Scorer:
-    """The bundle's exported program on one torch thread per instance."""
+    """The model in one of its forms (:func:`load_program`), on one torch thread per
+    instance."""
 
-    def __init__(self, bundle: str, columns: list[str] | None, dim: int, outputs: str) -> None:
+    def __init__(
+        self,
+        bundle: str,
+        columns: list[str] | None,
+        dim: int,
+        outputs: str,
+        form: str = "export",
+        peer: str = "",
+    ) -> None:
         # Imported here, not referenced as a global: Daft pickles the class by value and a
         # lock does not pickle.
         from bench.daft_runner import load_program
 
         torch.set_num_threads(1)
-        self.module = load_program(bundle)
+        self.module = load_program(bundle, form, peer)
         self.columns, self.dim, self.outputs = columns, dim, outputs
 
     def _x(self, cols: tuple[Any, ...]) -> torch.Tensor:
@@ -75,15 +99,17 @@ def run_daft(
     spec: dict[str, Any],
     batch: int,
     sink: str = "parquet",
+    form: str = "export",
+    peer: str = "",
 ) -> dict[str, Any]:
     """read_parquet -> the model's batch method -> write_parquet (``sink = "delta"``:
     write_deltalake, a new unpartitioned table), timed from before the plan is built (imports
-    are outside, as for the other loops)."""
+    are outside, as for the other loops); the model in ``form`` (:func:`load_program`)."""
     if batch != 4096:
         raise ValueError("the Daft comparator's batch size is fixed at 4096 (its decorator)")
     columns, column, dim = spec.get("columns"), spec.get("column"), int(spec.get("dim") or 0)
     t0 = time.perf_counter()
-    scorer = Scorer(bundle, columns, dim, spec["outputs"])
+    scorer = Scorer(bundle, columns, dim, spec["outputs"], form, peer)
     inputs = [daft.col(c) for c in (columns or [column])]
     df = daft.read_parquet(shards)
     if spec["outputs"] == "score":
@@ -108,5 +134,5 @@ def run_daft(
     return {
         "rows": rows,
         "seconds": seconds,
-        "extra": {"daft": daft.__version__, "pyarrow": pa.__version__},
+        "extra": {"daft": daft.__version__, "pyarrow": pa.__version__, "form": form},
     }

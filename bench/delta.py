@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import Summary, summarize
-from bench.suites import BATCH, Comparator, Runner, WorkloadResult, score_digest
+from bench.suites import (
+    BATCH,
+    DAFT_FORM,
+    DAFT_FORMS,
+    Comparator,
+    Runner,
+    WorkloadResult,
+    score_digest,
+)
 from bench.workloads import Data, Sizes, shard_files, w1_features
 
 #: Files in each timed commit (issue 24: "commit time for 16 and for 5,000 files").
@@ -129,10 +137,20 @@ def delta_suite(runner: Runner, data: Data, sizes: Sizes) -> WorkloadResult:
     spec = w1_features().to_json()
     shards = [str(p) for p in shard_files(data.w1)]
     daft = runner.daft(
-        "daft-delta", shards, out("daft-delta"), str(model), spec, rows, score_digest, sink="delta"
+        "daft-delta",
+        shards,
+        out("daft-delta"),
+        str(model),
+        spec,
+        rows,
+        score_digest,
+        sink="delta",
+        peer=data.w1_peer,
     )
     if daft is not None:
-        daft.label = "Daft 0.7 native runner, write_deltalake (DO_NOT_TRACK=1)"
+        daft.label = (
+            f"Daft 0.7 native runner, write_deltalake ({DAFT_FORMS[DAFT_FORM]}, DO_NOT_TRACK=1)"
+        )
         daft.exit_codes = (0, ABORT_AT_EXIT)
         comps.append(daft)
     for n in COMMIT_FILES:

@@ -471,11 +471,14 @@ def daft_native(
     spec: dict[str, Any],
     batch: int,
     sink: str = "parquet",
+    form: str = "export",
+    peer: str = "",
 ) -> Result:
-    """Daft's native runner (``bench.daft_runner``; only in ``.venv-daft``)."""
+    """Daft's native runner (``bench.daft_runner``; only in ``.venv-daft``), the model in
+    ``form`` (``peer``: the folder of :func:`bench.workloads.peer_forms`)."""
     from bench.daft_runner import run_daft
 
-    return run_daft(shards, out_dir, bundle, spec, batch, sink)
+    return run_daft(shards, out_dir, bundle, spec, batch, sink, form, peer)
 
 
 def delta_commit(files: int, out_dir: str) -> Result:

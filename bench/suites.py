@@ -37,6 +37,17 @@ from bench.workloads import (
 
 BATCH = 4096
 BIG_BATCH = 65_536
+#: The forms Daft's scorer can load the model in (bench.daft_runner.load_program), and the one
+#: the ``daft`` comparator, the headline's peer, uses: Daft's best here. Loading the bundle's
+#: torch.export program in every UDF instance (``daft-export``, beside it on W1) cost Daft
+#: 1.45x the wall of TorchScript on W1 (3 pairs, 2026-12-04); docs/tuning.md has this run's
+#: figures for the three forms.
+DAFT_FORMS = {
+    "eager": "eager torch.nn module rebuilt from the bundle's weights",
+    "torchscript": "TorchScript of the bundle's network",
+    "export": "the bundle's torch.export program loaded per UDF instance",
+}
+DAFT_FORM = "eager"
 FLOOR_TARGET = 1.0
 # No single run of the full bench should take more than about a minute on 2 cores; a run that
 # takes five is hung, and waiting longer would break the bench's 15-minute budget.
@@ -156,14 +167,22 @@ class Runner:
         rows: int,
         digest: Any,
         sink: str = "parquet",
+        *,
+        peer: Path,
+        form: str = DAFT_FORM,
     ) -> Comparator | None:
         """Daft's native runner on the same shards and model, from ``.venv-daft`` (None, with
         a note in the report, when that venv is missing); ``sink``: ``parquet`` (a folder) or
-        ``delta`` (``write_deltalake``)."""
+        ``delta`` (``write_deltalake``); the model in ``form`` (:data:`DAFT_FORMS`; ``peer``:
+        the folder of :func:`bench.workloads.peer_forms`)."""
         if self.daft_python is None:
-            self.warnings.append("Daft: .venv-daft is missing (make bench builds it); not measured")
+            if "Daft: .venv-daft is missing" not in " ".join(self.warnings):
+                self.warnings.append(
+                    "Daft: .venv-daft is missing (make bench builds it); not measured"
+                )
             return None
         args = {"kind": "daft", "shards": shards, "out_dir": str(out), "bundle": model}
+        args |= {"form": form, "peer": str(peer)}
         argv = [
             self.daft_python,
             "-m",
@@ -172,7 +191,8 @@ class Runner:
         ]
         return Comparator(
             key,
-            "Daft 0.7 native runner (@daft.cls + @daft.method.batch, DO_NOT_TRACK=1)",
+            f"Daft 0.7 native runner (@daft.cls + @daft.method.batch, {DAFT_FORMS[form]}, "
+            "DO_NOT_TRACK=1)",
             "Daft native runner, 1 torch thread per UDF instance",
             BATCH,
             argv,
@@ -526,8 +546,11 @@ def w1(runner: Runner, data: Data, sizes: Sizes, cores: int) -> WorkloadResult:
         ),
     ]
     comps += _score_catalog_w1(runner, data, sizes, BATCH)
-    daft = runner.daft("daft", shards, out("daft"), model, spec, rows, score_digest)
-    comps += [daft] if daft is not None else []
+    for key, form in (("daft", DAFT_FORM), ("daft-export", "export")):
+        daft = runner.daft(
+            key, shards, out(key), model, spec, rows, score_digest, peer=data.w1_peer, form=form
+        )
+        comps += [daft] if daft is not None else []
     wl = WorkloadResult(
         "W1",
         "W1: the demo MLP over the catalog",
@@ -767,7 +790,9 @@ def w1x10(runner: Runner, data: Data, sizes: Sizes, cores: int) -> WorkloadResul
         ),
         _hand_np(runner, shards, out("hand-np"), model, spec, rows, cores),
     ]
-    daft = runner.daft("daft", shards, out("daft"), model, spec, rows, score_digest)
+    daft = runner.daft(
+        "daft", shards, out("daft"), model, spec, rows, score_digest, peer=data.w1_peer
+    )
     comps += [daft] if daft is not None else []
     wl = WorkloadResult(
         "W1X10",
@@ -905,7 +930,9 @@ def w2(runner: Runner, data: Data, sizes: Sizes, cores: int, precision: bool) ->
         _io_ceiling(runner, shards, out("io"), spec, cores, rows),
         cli("cli-fp32", "score-catalog CLI fp32", data.w2, rows),
     ]
-    daft = runner.daft("daft", shards, out("daft"), model, spec, rows, ids_digest)
+    daft = runner.daft(
+        "daft", shards, out("daft"), model, spec, rows, ids_digest, peer=data.w2_peer
+    )
     comps += [daft] if daft is not None else []
     if onnx_engine_available():
         comps.append(cli(ONNX_KEY, ONNX_LABEL, data.w2, rows, ("--engine", "onnx")))

@@ -264,6 +264,89 @@ def without_program_file(bundle: Path, path: Path) -> Path:
     return path
 
 
+def peer_forms(bundle: Path, path: Path) -> Path:
+    """The bundle's network in the forms a peer runs best (``bench.daft_runner``): its
+    ``Linear`` layers' weights and biases as plain tensors (``layers.pt``, loaded with
+    ``weights_only=True`` and rebuilt as ``torch.nn`` layers with ReLU between them: the eager
+    module a team that trained the model holds) and that module scripted (``model.ts``,
+    TorchScript). Made once per bundle and torch version, in a child process (the bench's own
+    process does not import torch.export), and checked against the bundle's program on random
+    rows: the bench's MLPs only (a network that is not Linear and ReLU fails the check)."""
+    model = bundle / "model.pt2"
+    params = {
+        "kind": "peer-forms",
+        "bundle": hashlib.sha256(model.read_bytes()).hexdigest(),
+        "torch": _torch_version(),
+    }
+    if _fresh(path, params):
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    code = "import sys; from bench.workloads import write_peer_forms as w; w(*sys.argv[1:])"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(bundle), str(path)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],  # where `bench` is importable
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"peer forms of {bundle}: {done.stderr.strip().splitlines()[-1:]}")
+    _stamp(path, params)
+    return path
+
+
+def write_peer_forms(bundle: str, path: str) -> None:
+    """The body of :func:`peer_forms` (in its child process)."""
+    import warnings
+
+    import torch
+
+    ep = torch.export.load(str(Path(bundle) / "model.pt2"))
+    names = [n for n in ep.graph_signature.parameters if n.endswith(".weight")]
+    layers = [
+        (ep.state_dict[n].detach(), ep.state_dict[n[: -len("weight")] + "bias"].detach())
+        for n in names
+    ]
+    eager = _sequential(layers)
+    x = torch.randn(64, layers[0][0].shape[1])
+    with torch.inference_mode():
+        gap = float((eager(x) - ep.module()(x)).abs().max())
+    if gap > 1e-5:
+        raise ValueError(f"{bundle}: not a Linear+ReLU MLP (rebuilt differs by {gap:.3g})")
+    torch.save(layers, Path(path) / "layers.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript is deprecated in torch 2.13
+        torch.jit.save(torch.jit.script(eager), str(Path(path) / "model.ts"))
+
+
+def load_peer(form: str, peer: str) -> Any:
+    """A model of :func:`peer_forms`'s folder ``peer``: ``eager`` (``layers.pt`` rebuilt as
+    ``torch.nn.Linear`` layers with ReLU between them) or ``torchscript`` (``model.ts``)."""
+    import torch
+
+    if form == "torchscript":
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript is deprecated in torch 2.13
+            return torch.jit.load(str(Path(peer) / "model.ts")).eval()
+    if form != "eager":
+        raise ValueError(f"unknown form {form!r}: eager, torchscript (or the bundle's export)")
+    return _sequential(torch.load(str(Path(peer) / "layers.pt"), weights_only=True))
+
+
+def _sequential(layers: list[tuple[Any, Any]]) -> Any:
+    """``Linear`` layers of these (weight, bias) pairs, ReLU between them, in eval mode."""
+    import torch
+
+    mods: list[torch.nn.Module] = []
+    for w, b in layers:
+        lin = torch.nn.Linear(w.shape[1], w.shape[0])
+        lin.load_state_dict({"weight": w, "bias": b})
+        mods += [torch.nn.ReLU(), lin] if mods else [lin]
+    return torch.nn.Sequential(*mods).eval()
+
+
 def w2_bundle(path: Path) -> Path:
     """A seeded 64-1024-1024-8 MLP exported with a dynamic batch dimension."""
     params = {"kind": "w2-bundle", "seed": SEED, "toml": W2_TOML, "shape": [W2_DIM, *W2_HIDDEN]}
@@ -288,6 +371,8 @@ class Data:
     w1: Path
     w1_model: Path  # with its program file, as save_bundle writes it
     w1_model_export: Path  # the same bundle without it: torch.export's loader on a cold machine
+    w1_peer: Path  # W1's network as a peer runs it best (peer_forms)
+    w2_peer: Path
     w1x10: Path | None  # generated only when the W1X10 suite runs (1.3 GB)
     w2: Path
     w2_model: Path
@@ -302,13 +387,16 @@ def build(root: Path, repo: Path, sizes: Sizes, *, big: bool = True) -> Data:
     data only when ``big``."""
     d = root / "data"
     m = root / "models"
+    w2_model = w2_bundle(m / "w2-mlp")
     return Data(
         w1=catalog(d / "w1", rows=sizes.w1_rows, shards=sizes.w1_shards),
         w1_model=w1_bundle(m / "w1-mlp", repo),
         w1_model_export=without_program_file(m / "w1-mlp", m / "w1-mlp-export"),
+        w1_peer=peer_forms(m / "w1-mlp", m / "w1-mlp-peer"),
+        w2_peer=peer_forms(w2_model, m / "w2-mlp-peer"),
         w1x10=catalog(d / "w1x10", rows=sizes.w1x10_rows, shards=sizes.w1_shards) if big else None,
         w2=embeddings(d / "w2", rows=sizes.w2_rows, shards=sizes.w2_shards),
-        w2_model=w2_bundle(m / "w2-mlp"),
+        w2_model=w2_model,
         w2_part=embeddings(d / "w2-part", rows=sizes.w2_part_rows, shards=2),
         w3_1x=catalog(d / "w3-1x", rows=sizes.w3_rows, shards=1),
         w3_10x=catalog(d / "w3-10x", rows=10 * sizes.w3_rows, shards=1),

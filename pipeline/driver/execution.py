@@ -168,21 +168,26 @@ def _parity(
     return found
 
 
-#: Rows of the first shard the ``batch_size = "auto"`` sweep scores at each size (sizes up to
-#: it: 1,024 to 16,384), the time it may take on a cold cache (a round of every size takes
-#: about 0.15 s here, so two or three rounds: under 10% of a 2M-row nightly job, 4.3 s), and
-#: the size it keeps unless another is measurably faster.
+#: Rows of the first shard copied for the ``batch_size = "auto"`` measurement (and for plan's
+#: calibration); a pass scores as many of them as the largest size it compares.
 AUTO_SAMPLE_ROWS = 16_384
+#: What measuring the batch size may cost: on a first run (empty cache) :data:`AUTO_ROUNDS`
+#: rounds of the default and its two neighbours within 0.3 s, or :data:`AUTO_JOB_SHARE` of the
+#: job's estimated scoring time when that is more; each later run revalidates the cached size
+#: with :data:`AUTO_CHECK_ROUNDS` round against its neighbours within 0.1 s or
+#: :data:`AUTO_CHECK_SHARE` of the job. A measurement that does not fit is not made: a
+#: 2048-wide MLP at 10k rows/s took 8-12 s to sweep, a third of a 200k-row job, and chose no
+#: better. The first run used to sweep five sizes (1,024 to 16,384) in two or more rounds:
+#: 0.35-0.45 s before the cluster starts, 9% of a 1M-row run's wall here (issue 31).
 AUTO_BUDGET_S = 0.3
-#: A slow model's sweep may take this share of the job's estimated scoring time instead (the
-#: estimate: one probe batch's seconds per row x the job's rows / workers). A sweep that cannot
-#: fit a round of every size over twice the default's rows in its budget is not run: a
-#: 2048-wide MLP at 10k rows/s took 8-12 s, a third of a 200k-row job, and chose no better.
 AUTO_JOB_SHARE = 0.05
+AUTO_ROUNDS = 2
+AUTO_CHECK_S = 0.1
+AUTO_CHECK_SHARE = 0.02
+AUTO_CHECK_ROUNDS = 1
 DEFAULT_BATCH_SIZE = 4096
-#: For tests only: rows per sweep pass, fixed, instead of what the probe's speed fits in the
-#: budget. Which sizes the sweep measures then does not depend on how busy the machine is
-#: (docs/development.md); how many rounds it runs still does.
+#: For tests only: measure whatever the budget (the value caps the rows per pass), so that
+#: which sizes are compared does not depend on how busy the machine is (docs/development.md).
 SWEEP_ROWS_ENV = "_SCORE_CATALOG_AUTO_SWEEP_ROWS"
 
 
@@ -195,6 +200,19 @@ def auto_cache_key(
     return key if engine == "torch" else f"{key}|{engine}"
 
 
+class _Trial(NamedTuple):
+    """What one challenge of a cached (or default) size did: the size to use, the challenge
+    (None when none was run: ``note`` says why), the rows per pass, the seconds spent, and the
+    incumbent's seconds per row (what sizes the next night's measurement)."""
+
+    chosen: int
+    found: tuning.Challenge | None
+    rows: int
+    seconds: float
+    note: str = ""
+    per_row: float | None = None
+
+
 def _auto_batch_size(
     config: JobConfig,
     prepared: LoadedModel,
@@ -203,102 +221,176 @@ def _auto_batch_size(
     job_rows: int,
     call_rows: int | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """``batch_size = "auto"``: the size the whole pipeline scores fastest at, measured on
-    real rows (:func:`pipeline.model.tuning.choose_by_rate` on :func:`pipeline_step`), cached per
-    model, device, precision and thread count. The sweep's rows and time are sized by a probe
-    batch so that it costs at most :data:`AUTO_BUDGET_S` or :data:`AUTO_JOB_SHARE` of the
-    job's ``job_rows`` (:func:`_sweep_rows`)."""
+    """``batch_size = "auto"``: the size the whole pipeline scores fastest at, measured on real
+    rows of the first shard through :func:`pipeline_step`, cached per model, device,
+    precision, thread count and CPU. A first run times the default against its two neighbours
+    (:func:`pipeline.model.tuning.challenge`), and moves only when a neighbour wins twice in a
+    row by :data:`~pipeline.model.tuning.CHALLENGE_MARGIN`; every later run revalidates the
+    cached size the same way, one round a night, the streak carried in the cache."""
     key = auto_cache_key(prepared, config.precision, plan.torch_threads, config.engine)
     # The choice is the CPU's as much as the model's (its caches, its instructions): an entry
     # measured on another CPU model or flags is measured again (tuning.cpu_identity).
     cache = tuning.BatchSizeCache(tuning.default_cache_path())
-    cpu = tuning.cpu_summary(cache.cpu)
     limit = prepared.max_batch
     default = _default_batch(prepared)
-    sizes = [b for b in tuning.PIPELINE_SIZES if limit is None or b <= limit]
-    cached = cache.get(key, allowed={*sizes, default})
-    if cached is not None:
-        return cached, {"cached": True, "key": key, "batch_size": cached, "cpu": cpu}
+    ladder = sorted({b for b in tuning.PIPELINE_SIZES if limit is None or b <= limit} | {default})
+    entry = cache.entry(key, allowed=ladder)
+    head = {"cached": entry is not None, "key": key, "cpu": tuning.cpu_summary(cache.cpu)}
     if sample_from is None:
-        logger.info("batch size auto: no readable rows to measure; using %d", default)
-        return default, {"cached": False, "key": key, "batch_size": default, "cpu": cpu}
+        chosen = int(entry["batch_size"]) if entry is not None else default
+        logger.info("batch size auto: no readable rows to measure; using %d", chosen)
+        return chosen, {**head, "batch_size": chosen}
     before = torch.get_num_threads()
+    t0 = time.perf_counter()
     try:
-        n, rows, chosen, sweep, facts = _sweep(
-            config, prepared, sample_from, plan, job_rows, call_rows, sizes, default
+        trial = _challenge_batch(
+            config, prepared, sample_from, plan, job_rows, call_rows, ladder, entry
         )
     finally:
-        torch.set_num_threads(before)  # the sweep ran as the workers will (plan.torch_threads)
-    if len(sweep) > 1:
-        try:
-            cache.put(key, chosen, sweep)
-        except OSError as e:  # a cache must never stop a run: it measures again next time
-            logger.warning("batch size auto: cannot write %s (%s)", cache.path, e)
-    elif n is not None:
-        # A first shard smaller than every other size: nothing was compared, and a later run
-        # over bigger shards must measure instead of reusing this.
-        logger.info(
-            "batch size auto: the sample (%d rows) fits no size but %d; using it, not cached",
-            rows,
-            chosen,
-        )
-    return chosen, {
-        "cached": False,
-        "key": key,
-        "batch_size": chosen,
-        "cpu": cpu,
+        torch.set_num_threads(before)  # measured as the workers will run (plan.torch_threads)
+    trial = trial._replace(seconds=time.perf_counter() - t0)  # the sample's copy included
+    if entry is not None:
+        check = _revalidated(cache, key, entry, trial, "batch size auto")
+        return trial.chosen, {**head, "batch_size": trial.chosen, "revalidation": check}
+    _first_measured(cache, key, trial)
+    table = trial.found.table(trial.rows) if trial.found is not None else []
+    return trial.chosen, {
+        **head,
+        "batch_size": trial.chosen,
         "basis": "pipeline",
-        **({"noise": facts["noise"]} if "noise" in facts else {}),
-        "sweep_s": facts["sweep_s"],
-        "sweep": [dataclasses.asdict(r) for r in sweep],
+        "sweep_s": trial.seconds,
+        "sweep": [dataclasses.asdict(r) for r in table],
+        **({"note": trial.note} if trial.note else {}),
     }
 
 
-def _sweep(
+def _first_measured(cache: tuning.BatchSizeCache, key: str, trial: _Trial) -> None:
+    """Cache a first run's choice, with its sweep and the streak it leaves; one that could not
+    be measured within its budget is cached with its pace (the next run decides from that
+    whether to measure, at no cost); nothing when no other size fitted the sample (a first
+    shard smaller than every other size: a later run over bigger shards must measure)."""
+    if trial.per_row is None:
+        logger.info("batch size auto: %s; using %d, not cached", trial.note, trial.chosen)
+        return
+    if trial.found is None:
+        logger.info("batch size auto: %s; using %d", trial.note, trial.chosen)
+    extra = {"per_row_s": trial.per_row, **(_streak(trial.found) if trial.found else {})}
+    table = trial.found.table(trial.rows) if trial.found is not None else []
+    try:
+        cache.put(key, trial.chosen, table, extra)
+    except OSError as e:  # a cache must never stop a run: it measures again next time
+        logger.warning("batch size auto: cannot write %s (%s)", cache.path, e)
+
+
+def _streak(found: tuning.Challenge) -> dict[str, Any]:
+    return {"streak": dataclasses.asdict(found.streak) if found.streak else None}
+
+
+def _budget(entry: Mapping[str, Any] | None, per_row: float, job_rows: int, plan: Plan) -> float:
+    """What a first run's measurement (``entry`` None) or a later run's revalidation may cost
+    at ``per_row`` seconds a row through one worker's pipeline."""
+    floor, share = (
+        (AUTO_BUDGET_S, AUTO_JOB_SHARE) if entry is None else (AUTO_CHECK_S, AUTO_CHECK_SHARE)
+    )
+    return max(floor, share * per_row * job_rows / (plan.workers or 1))
+
+
+def _challenge_batch(
     config: JobConfig,
     prepared: LoadedModel,
     sample_from: ShardRef,
     plan: Plan,
     job_rows: int,
     call_rows: int | None,
-    sizes: list[int],
-    default: int,
-) -> tuple[int | None, int, int, list[tuning.BenchRow], dict[str, Any]]:
-    """The sweep of :func:`_auto_batch_size` on real rows: (rows per pass, or None when a sweep
-    would not fit its budget; rows the sample has; the size chosen; the sweep; its facts)."""
-    with pipeline_step(config, prepared, sample_from, plan, call_rows) as (step, rows):
-        t0 = time.perf_counter()
-        probe = min(rows, default)
-        # The first pass is cold (allocations, first writes): timed alone it made the sweep
-        # look 3-5x too slow to fit its budget, and the size was never measured.
-        per_row = min(step(default, probe), step(default, probe)) / probe
-        workers = plan.workers or 1
-        budget = max(AUTO_BUDGET_S, AUTO_JOB_SHARE * per_row * job_rows / workers)
-        fixed = os.environ.get(SWEEP_ROWS_ENV, "")
-        n = (
-            min(rows, int(fixed))
-            if fixed.isdigit()
-            else _sweep_rows(rows, per_row, budget, len(sizes), default)
-        )
-        if n is None:
-            logger.info(
-                "batch size auto: a sweep would take more than %.1fs (%.0f rows/s on a probe "
-                "batch); using %d, not cached",
-                budget,
-                1 / per_row,
-                default,
+    ladder: list[int],
+    entry: Mapping[str, Any] | None,
+) -> _Trial:
+    """The incumbent (the cached size, else the default) against its neighbours on the
+    ladder, in passes of the whole pipeline over the same rows (as many as the largest size
+    compared): :data:`AUTO_ROUNDS` rounds on a first run, :data:`AUTO_CHECK_ROUNDS` on a later
+    one, as many as fit the budget (:func:`_budget`) at the pace of the incumbent's first
+    timed pass (the first round's own). A later run whose cached pace says that even one round
+    would not fit does not read the sample at all."""
+    incumbent = int(entry["batch_size"]) if entry is not None else _default_batch(prepared)
+    rounds = AUTO_ROUNDS if entry is None else AUTO_CHECK_ROUNDS
+    fixed = os.environ.get(SWEEP_ROWS_ENV, "")
+    near = tuning.neighbours(ladder, incumbent)
+    want = min(max([*near, incumbent]), int(fixed) if fixed.isdigit() else AUTO_SAMPLE_ROWS)
+    pace = entry.get("per_row_s") if entry is not None else None
+    if isinstance(pace, float) and pace > 0 and not fixed.isdigit():
+        cost = pace * want * (1 + rounds * (1 + len(near)))
+        if cost > _budget(entry, pace, job_rows, plan):
+            note = f"a round would take about {cost:.2f}s ({1 / pace:,.0f} rows/s cached)"
+            return _Trial(incumbent, None, want, 0.0, note, pace)
+    with pipeline_step(config, prepared, sample_from, plan, call_rows, max_rows=want) as ps:
+        step, rows = ps
+        near = [b for b in near if b <= rows]
+        if not near:
+            return _Trial(
+                incumbent,
+                None,
+                rows,
+                0.0,
+                f"the sample ({rows:,} rows) fits no size but {incumbent:,}",
             )
-            return None, rows, default, [], {"sweep_s": time.perf_counter() - t0}
-        width = n
-        chosen, sweep, facts = tuning.choose_by_rate(
-            lambda b: step(b, width),
-            [b for b in sizes if b <= n],
-            rows=n,
-            default=default,
-            budget_s=budget - (time.perf_counter() - t0),
-        )
-        facts["sweep_s"] = time.perf_counter() - t0
-        return n, rows, chosen, sweep, facts
+        t0 = time.perf_counter()
+        n = min(rows, max([incumbent, *near]))
+        step(incumbent, min(n, incumbent))  # a cold pass: allocations, first writes and calls
+        first = step(incumbent, n)
+        budget = _budget(entry, first / n, job_rows, plan) - (time.perf_counter() - t0)
+        fits = int((budget + first) // (first * (1 + len(near))))
+        rounds = rounds if fixed.isdigit() else min(rounds, fits)
+        if rounds < 1:
+            note = f"a round would take more than {budget:.2f}s ({n / first:,.0f} rows/s)"
+            return _Trial(incumbent, None, n, 0.0, note, first / n)
+        ready = [first]  # the first round's incumbent pass, already timed
+
+        def timed(b: int) -> float:
+            return ready.pop() if ready and b == incumbent else step(b, n)
+
+        streak = tuning.streak_of(entry) if entry is not None else None
+        found = tuning.challenge(timed, incumbent, near, rounds=rounds, streak=streak)
+        return _Trial(found.chosen, found, n, 0.0, per_row=first / n)
+
+
+def _revalidated(
+    cache: tuning.BatchSizeCache,
+    key: str,
+    entry: Mapping[str, Any],
+    trial: _Trial,
+    what: str,
+) -> dict[str, Any]:
+    """Keep a revalidation in the cache and say it in the log; the report's ``revalidation``:
+    ``kept``, ``replaced`` or ``skipped`` (``note`` says why), the cached size and the one
+    used, each neighbour's pass / the cached size's pass of the same round, the streak carried
+    to the next run and the seconds spent."""
+    cached = int(entry["batch_size"])
+    found = trial.found
+    out: dict[str, Any] = {"cached": cached, "chosen": trial.chosen, "seconds": trial.seconds}
+    if found is None:
+        logger.info("%s: cached %d kept, not revalidated: %s", what, cached, trial.note)
+        return {"outcome": "skipped", **out, "note": trial.note}
+    pairs: list[dict[str, Any]] = [
+        {"size": b, "ratios": rs} for b, rs in sorted(found.ratios.items())
+    ]
+    logger.info(
+        "%s: cached %d %s against %s in %.2fs (pass time / the cached size's: %s)",
+        what,
+        cached,
+        "kept" if found.outcome == "kept" else f"replaced by {found.chosen}",
+        " and ".join(f"{b:,}" for b in sorted(found.ratios)),
+        trial.seconds,
+        "; ".join(
+            f"{b:,}: " + ", ".join(f"{q:.2f}" for q in rs) for b, rs in sorted(found.ratios.items())
+        ),
+    )
+    try:
+        pace = {"per_row_s": trial.per_row} if trial.per_row is not None else None
+        cache.revalidated(key, entry, found, pace)
+    except OSError as e:  # a cache that cannot be written costs a measurement, no more
+        logger.warning("%s: cannot write %s (%s)", what, cache.path, e)
+    streak = _streak(found)
+    return {"outcome": found.outcome, **out, "pairs": pairs, **streak}
 
 
 def _default_batch(model: LoadedModel) -> int:
@@ -326,11 +418,14 @@ def _call_rows(
     batch: int,
     job_rows: int,
 ) -> tuple[int | None, dict[str, Any] | None, tuple[str, ...]]:
-    """Rows per model call on this CPU (:func:`pipeline.model.tuning.choose_call_rows`), cached
-    per model, precision, engine, torch threads and CPU like the batch size, with the report's
-    ``call_rows`` and any warning for the report; (None, None, ()) where it is not measured: a
-    CUDA device (big calls are what a GPU wants), ``--compile`` (every call size would be a
-    graph to compile) or a job of fewer than CALL_MIN_BATCHES batches."""
+    """Rows per model call on this CPU (:func:`pipeline.model.tuning.choose_call_rows`), at
+    most the ``min(batch, CALL_SAMPLE_ROWS)`` rows it is measured over (a batch of 8,192 whose
+    4,096 rows ran best in one call is called in two: an 8,192-row call was never measured, and
+    ran 1.3-2.9x slower per batch here), cached per model, precision, engine, torch threads and
+    CPU like the batch size and revalidated in every later run (:func:`_recheck_calls`), with
+    the report's ``call_rows`` and any warning for the report; (None, None, ()) where it is not
+    measured: a CUDA device (big calls are what a GPU wants), ``--compile`` (every call size
+    would be a graph to compile) or a job of fewer than CALL_MIN_BATCHES batches."""
     n = min(batch, tuning.CALL_SAMPLE_ROWS)
     small = job_rows < CALL_MIN_BATCHES * n or n <= min(tuning.CALL_SIZES)
     if prepared.device.type != "cpu" or opts.compile or small:
@@ -358,9 +453,11 @@ def _call_rows(
             note = f"not split: outputs depend on the call's other rows ({gap:.3g})"
             return None, {**found, "cached": False, "note": note}, (warning,)
         sizes = [c for c in tuning.CALL_SIZES if c < n] + [n]
-        cached = cache.get(key, allowed=sizes)
-        if cached is not None:
-            return (cached if cached < n else None), {**found, "cached": True}, ()
+        entry = cache.entry(key, allowed=sizes)
+        if entry is not None:
+            trial = _recheck_calls(prepared, plan, entry, n, job_rows)
+            again = _revalidated(cache, key, entry, trial, "rows per model call")
+            return trial.chosen, {**found, "cached": True, "revalidation": again}, ()
         x = prepared.example(n, random=True, device="cpu")
         chosen, sweep, facts = _measure_call_rows(prepared, plan, x, job_rows)
     finally:
@@ -375,7 +472,7 @@ def _call_rows(
     except OSError as e:  # a read-only cache folder costs a new measurement next time, no more
         logger.warning("rows per model call: cannot write %s (%s)", cache.path, e)
     return (
-        (chosen if chosen < n else None),
+        chosen,
         {
             **found,
             "cached": False,
@@ -414,6 +511,46 @@ def _measure_call_rows(
     return chosen, sweep, facts
 
 
+#: What revalidating a cached rows per call may cost: 0.05 s, or :data:`AUTO_CHECK_SHARE` of
+#: the job's estimated model time when that is more; two rounds against its neighbours (the
+#: demo MLP: about 0.03 s here, against 0.11-0.2 s to measure every size afresh).
+CALL_CHECK_S = 0.05
+CALL_CHECK_ROUNDS = 2
+
+
+def _recheck_calls(
+    prepared: LoadedModel, plan: Plan, entry: Mapping[str, Any], n: int, job_rows: int
+) -> _Trial:
+    """A cached rows per model call against its neighbours
+    (:func:`pipeline.model.tuning.recheck_call_rows`): a choice made once, on a busy moment,
+    is not kept for good (issue 31: a cached 2,048 ran slower night after night than the 1,024
+    that every fresh measurement found). Skipped where the cached measurement says the passes
+    would not fit :data:`CALL_CHECK_S` (or a share of the job), or has no pass times at all
+    (one call per batch because a call was too slow to measure)."""
+    cached = int(entry["batch_size"])
+    rows = {r.get("batch"): r.get("ms") for r in entry.get("sweep") or [] if isinstance(r, dict)}
+    ms = rows.get(cached)
+    passes = 1 + CALL_CHECK_ROUNDS * 3  # warm-up calls, then rounds of 3 sizes
+    if not isinstance(ms, (int, float)) or isinstance(ms, bool) or ms <= 0:
+        return _Trial(cached, None, n, 0.0, "no pass times cached to size a revalidation")
+    pass_s = ms / 1e3
+    budget = max(CALL_CHECK_S, AUTO_CHECK_SHARE * pass_s / n * job_rows / (plan.workers or 1))
+    if passes * pass_s > budget:
+        note = f"{passes} passes of {pass_s:.3f}s would take more than {budget:.2f}s"
+        return _Trial(cached, None, n, 0.0, note)
+    x = prepared.example(n, random=True, device="cpu")
+    found = tuning.recheck_call_rows(
+        lambda xs: forward(prepared, xs),
+        x,
+        prepared.device,
+        batch=n,
+        cached=cached,
+        rounds=CALL_CHECK_ROUNDS,
+        streak=tuning.streak_of(entry),
+    )
+    return _Trial(found.chosen, found, n, found.seconds)
+
+
 #: Rows of the check that a model scores each row on its own (one call, then four calls).
 CHECK_ROWS = 256
 #: The largest difference between a batch's outputs called whole and in slices that is still
@@ -446,16 +583,6 @@ def row_dependence(model: LoadedModel) -> float | None:
     return gap if gap > SLICE_TOLERANCE else None
 
 
-def _sweep_rows(
-    rows: int, per_row: float, budget_s: float, n_sizes: int, default: int
-) -> int | None:
-    """Rows per pass such that a round of all ``n_sizes`` sizes fits ``budget_s`` at
-    ``per_row`` seconds a row (at most the sample's ``rows``); None when that leaves fewer
-    than twice the default's rows, too few to tell sizes apart."""
-    n = min(rows, int(budget_s / (max(n_sizes, 1) * max(per_row, 1e-12))))
-    return n if n >= min(rows, 2 * default) else None
-
-
 @contextlib.contextmanager
 def pipeline_step(
     config: JobConfig,
@@ -463,9 +590,11 @@ def pipeline_step(
     shard: ShardRef,
     plan: Plan,
     call_rows: int | None = None,
+    *,
+    max_rows: int = AUTO_SAMPLE_ROWS,
 ) -> Iterator[tuple[Callable[[int, int], float], int]]:
-    """``step(batch, rows)``: score a local copy of the first ``rows`` (up to
-    :data:`AUTO_SAMPLE_ROWS`) rows of ``shard`` through the workers' own code
+    """``step(batch, rows)``: score a local copy of the first ``rows`` (up to ``max_rows``)
+    rows of ``shard`` through the workers' own code
     (:func:`pipeline.worker.shard.score_shard`: read, features, model, output columns, statistics,
     write, commit, with the run's precision, overlap and thread count) into a scratch folder,
     and return its seconds; and the sample's rows."""
@@ -476,9 +605,9 @@ def pipeline_step(
         for rb in pf.iter_batches(batch_size=8192, columns=columns, use_threads=False):
             pieces.append(rb)
             have += rb.num_rows
-            if have >= AUTO_SAMPLE_ROWS:
+            if have >= max_rows:
                 break
-    table = pa.Table.from_batches(pieces).slice(0, AUTO_SAMPLE_ROWS)
+    table = pa.Table.from_batches(pieces).slice(0, max_rows)
     with tempfile.TemporaryDirectory(prefix="score-catalog-auto-") as tmp:
         samples: dict[int, str] = {}
 

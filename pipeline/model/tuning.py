@@ -7,15 +7,16 @@ with rows first for a model of several inputs: ``fn`` then takes the tuple) and 
 
 - :func:`bench_batch_sizes` times whole passes over a sample at each batch size (the usual
   batch / calls / ms / rows per second table, printed by :func:`format_table`);
-- :func:`choose_by_rate` picks the batch size the whole pipeline scores fastest at, from passes
-  a caller times (``batch_size = "auto"``: ``pipeline.driver.execution``);
+- :func:`challenge` times a size against its neighbours, pass for pass, and says whether a
+  neighbour wins often enough to replace it (``batch_size = "auto"`` and the rows per model
+  call, on a first run and to revalidate a cached choice: ``pipeline.driver.execution``);
 - :class:`BatchSizeCache` remembers the choice per (model, device, precision) in a small JSON file
   so the sweep is paid once per machine, not once per run, with the CPU it was measured on
   (:func:`cpu_identity`): a choice measured on another CPU model or flags is measured again.
 
 Timings on a shared machine are noisy: best-of-``repeats`` is reported because noise only ever
-adds time, and the choice keeps the default unless another size is faster beyond the noise its
-own sweep measured.
+adds time, and a choice moves off a size only when another wins against it twice in a row by
+a margin, each time in a pair of passes run back to back.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import logging
 import math
 import os
 import platform
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -336,7 +338,12 @@ class BatchSizeCache:
         return doc
 
     def get(self, key: str, allowed: Collection[int] | None = None) -> int | None:
-        """The cached batch size for ``key`` measured on this CPU, or None (missing, measured
+        """The cached batch size for ``key`` (see :meth:`entry`), or None."""
+        entry = self.entry(key, allowed)
+        return None if entry is None else int(entry["batch_size"])
+
+    def entry(self, key: str, allowed: Collection[int] | None = None) -> dict[str, Any] | None:
+        """The cached entry for ``key`` measured on this CPU, or None (missing, measured
         on another CPU or by a version that did not record it, or an unusable entry: not an
         integer >= 1, or not one of the ``allowed`` sizes the caller measures, so that a value
         edited by hand never reaches a run: a model exported for at most 2,000 rows took a
@@ -374,20 +381,52 @@ class BatchSizeCache:
                 cpu_summary(self.cpu),
             )
             return None
-        return size
+        return entry
 
-    def put(self, key: str, batch_size: int, sweep: Sequence[BenchRow]) -> None:
-        """Record ``batch_size`` (with this CPU and the sweep it came from) for ``key``,
-        atomically."""
+    def put(
+        self,
+        key: str,
+        batch_size: int,
+        sweep: Sequence[BenchRow],
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Record ``batch_size`` (with this CPU, the sweep it came from and any ``extra``
+        fields, such as a challenger's :class:`Streak`) for ``key``, atomically."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         doc = self._load()
         doc[key] = {
+            **(extra or {}),
             "batch_size": batch_size,
             "cpu": self.cpu,
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "sweep": [asdict(r) for r in sweep],
         }
+        self._write(doc)
+
+    def revalidated(
+        self,
+        key: str,
+        entry: Mapping[str, Any],
+        found: Challenge,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Record a revalidation of ``entry`` (as :meth:`entry` returned it): the size it
+        kept or moved to, when, how many revalidations in all, the streak to continue, and any
+        ``extra`` fields. The measurement the entry came from stays, and so does its CPU."""
+        doc = self._load()
+        doc[key] = {
+            **entry,
+            **(extra or {}),
+            "batch_size": found.chosen,
+            "checked_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "checks": int(entry.get("checks") or 0) + 1,
+            "streak": asdict(found.streak) if found.streak is not None else None,
+            **({"replaced": entry["batch_size"]} if found.outcome == "replaced" else {}),
+        }
+        self._write(doc)
+
+    def _write(self, doc: Mapping[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Hidden and in the same directory: os.replace is atomic only within one filesystem.
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.tmp-")
@@ -404,14 +443,104 @@ class BatchSizeCache:
             raise
 
 
+def streak_of(entry: Mapping[str, Any]) -> Streak | None:
+    """The challenger's streak a cache entry carries (None: none, or not one this writes)."""
+    got = entry.get("streak")
+    if not isinstance(got, dict):
+        return None
+    size, wins = got.get("size"), got.get("wins")
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (size, wins))
+    return Streak(int(size), int(wins)) if ok else None  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------------------------
-# Choosing by the pipeline's own rate
+# Challenging a size with its neighbours
 
 
-#: Batch sizes an end-to-end sweep tries (those up to the sample's row count).
+#: Batch sizes ``batch_size = "auto"`` moves between, one step at a time (those up to the
+#: sample's rows and the program's largest batch).
 PIPELINE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
-#: The noise assumed when only one pass per size fitted the budget.
-DEFAULT_NOISE = 0.05
+#: A neighbour replaces a size only when it beats it by this margin in :data:`CHALLENGE_WINS`
+#: pairs in a row, each pair the two sizes' passes over the same rows one after the other. The
+#: pairs may come from one run or from several (the streak is kept in the cache between runs).
+#: A pair shares its moment's load, which a fastest-pass rule does not: on the shared 2-core
+#: machine here the batch-size sweep's "noise" (largest spread between one size's passes) ran
+#: from 21% to 39% within minutes, and it switched to 8,192 in some runs and not in others.
+CHALLENGE_MARGIN = 0.05
+CHALLENGE_WINS = 2
+
+
+def neighbours(ladder: Sequence[int], size: int) -> list[int]:
+    """The sizes of ``ladder`` just below and just above ``size`` (one or none at an end)."""
+    below = [s for s in ladder if s < size]
+    above = [s for s in ladder if s > size]
+    return ([max(below)] if below else []) + ([min(above)] if above else [])
+
+
+@dataclass(frozen=True)
+class Streak:
+    """A neighbour's wins in a row over the size it challenges, carried between runs."""
+
+    size: int
+    wins: int
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """What :func:`challenge` found: the size to use, whether it is the incumbent
+    (``kept``) or a neighbour (``replaced``), every pass's seconds by size, each neighbour's
+    pass / the incumbent's pass of the same round, and the streak to keep for the next run."""
+
+    chosen: int
+    outcome: str  # "kept" or "replaced"
+    passes: dict[int, list[float]]
+    ratios: dict[int, list[float]]
+    streak: Streak | None
+    seconds: float
+
+    def table(self, rows: int) -> list[BenchRow]:
+        """One :class:`BenchRow` per size: its fastest pass over ``rows`` rows."""
+        return _table({b: min(ts) for b, ts in sorted(self.passes.items()) if ts}, rows)
+
+
+def challenge(
+    step: Callable[[int], float],
+    incumbent: int,
+    challengers: Sequence[int],
+    *,
+    rounds: int,
+    streak: Streak | None = None,
+    margin: float = CHALLENGE_MARGIN,
+    wins: int = CHALLENGE_WINS,
+) -> Challenge:
+    """Time ``rounds`` rounds of one pass per size (``step(size)`` returns a pass's seconds
+    over the same rows at ``size``), the incumbent and its ``challengers`` alternating in
+    order (forward, then backward), and pair each challenger's pass with the incumbent's of
+    the same round. A pair is a win when the challenger took at most ``1 - margin`` of the
+    incumbent's time; a loss ends a streak. ``streak`` (from an earlier run, against the same
+    incumbent) counts toward the challenger it names. A challenger with ``wins`` wins in a row
+    replaces the incumbent (of two, the lower median ratio); else the incumbent is kept and
+    the longest running streak is returned, to be continued by the next run."""
+    t0 = time.perf_counter()
+    sizes = [incumbent, *challengers]
+    passes: dict[int, list[float]] = {b: [] for b in sizes}
+    ratios: dict[int, list[float]] = {c: [] for c in challengers}
+    for r in range(max(rounds, 1)):
+        got = {b: max(step(b), 1e-9) for b in (sizes if r % 2 == 0 else sizes[::-1])}
+        for b in sizes:
+            passes[b].append(got[b])
+        for c in challengers:
+            ratios[c].append(got[c] / got[incumbent])
+    run = {c: streak.wins if streak is not None and streak.size == c else 0 for c in challengers}
+    for c in challengers:
+        for q in ratios[c]:
+            run[c] = run[c] + 1 if q <= 1 - margin else 0
+    seconds = time.perf_counter() - t0
+    by_gain = sorted(challengers, key=lambda c: (-run[c], statistics.median(ratios[c])))
+    if by_gain and run[by_gain[0]] >= wins:
+        return Challenge(by_gain[0], "replaced", passes, ratios, None, seconds)
+    going = Streak(by_gain[0], run[by_gain[0]]) if by_gain and run[by_gain[0]] else None
+    return Challenge(incumbent, "kept", passes, ratios, going, seconds)
 
 
 def _table(seconds: Mapping[int, float], rows: int) -> list[BenchRow]:
@@ -426,60 +555,6 @@ def _table(seconds: Mapping[int, float], rows: int) -> list[BenchRow]:
         )
         for b, t in seconds.items()
     ]
-
-
-def choose_by_rate(
-    step: Callable[[int], float],
-    sizes: Sequence[int],
-    *,
-    rows: int,
-    default: int,
-    budget_s: float,
-    max_rounds: int = 4,
-) -> tuple[int, list[BenchRow], dict[str, Any]]:
-    """Choose a batch size by what ``step`` measures: ``step(b)`` runs one pass over the same
-    ``rows`` rows in batches of ``b`` (the whole pipeline: decode, model, output columns,
-    write) and returns its seconds.
-
-    Sizes are measured round-robin (all of them once, then again while ``budget_s`` lasts, up
-    to ``max_rounds``), so that the machine's load hits every size alike. Each size counts by
-    its fastest pass: a first pass at a new batch shape pays one-time costs (kernel selection,
-    first allocations) and a busy machine only ever adds time, so the minimum is the size's own
-    cost. The noise is the largest spread (max - min over min) any size showed between its
-    passes, at least 2% (:data:`DEFAULT_NOISE` after a single round). The fastest size wins,
-    except that ``default`` is kept whenever it is within the noise of the best: a difference
-    the sweep cannot tell from noise is no reason to move off a size known to work. So the
-    choice is never slower than the best by more than the noise measured. Returns (chosen, one
-    row per size with its fastest pass, facts: rounds, noise, seconds spent).
-    """
-    # Sizes above the sample's rows would time the same single call; the default always runs.
-    sizes = sorted({b for b in sizes if 1 <= b <= max(rows, 1)} | {default})
-    times: dict[int, list[float]] = {b: [] for b in sizes}
-    t0 = time.perf_counter()
-    rounds = 0
-    while rounds < max_rounds and (rounds == 0 or time.perf_counter() - t0 < budget_s):
-        for b in sizes:
-            times[b].append(max(step(b), 1e-9))
-        rounds += 1
-    medians = {b: min(ts) for b, ts in times.items()}  # the fastest pass (see above)
-    spreads = [(max(ts) - min(ts)) / medians[b] for b, ts in times.items() if len(ts) > 1]
-    noise = max([0.02, *spreads]) if spreads else DEFAULT_NOISE
-    best = min(medians, key=lambda b: medians[b])
-    chosen = default if medians[default] <= medians[best] * (1 + noise) else best
-    table = _table(medians, rows)
-    facts = {"rounds": rounds, "noise": noise, "sweep_s": time.perf_counter() - t0}
-    logger.info(
-        "batch size %d by the pipeline's rate: %.0f rows/s (best %d at %.0f rows/s, noise "
-        "%.1f%%, %d rounds in %.2fs)",
-        chosen,
-        rows / medians[chosen],
-        best,
-        rows / medians[best],
-        noise * 100,
-        rounds,
-        facts["sweep_s"],
-    )
-    return chosen, table, facts
 
 
 # --------------------------------------------------------------------------------------------
@@ -549,3 +624,32 @@ def choose_call_rows(
         facts["sweep_s"],
     )
     return chosen, table, facts
+
+
+def recheck_call_rows(
+    fn: ModelFn,
+    x: Sample,
+    device: torch.device,
+    *,
+    batch: int,
+    cached: int,
+    rounds: int = 2,
+    streak: Streak | None = None,
+) -> Challenge:
+    """Revalidate a cached rows per model call: ``cached`` against its neighbours among the
+    sizes :func:`choose_call_rows` measures for ``batch`` (:func:`neighbours`), in passes over
+    the same batch (rows of ``x``, repeated when short) as that measurement, ``rounds`` rounds
+    of :func:`challenge`. A first call at each size's shape comes first, untimed (allocations,
+    kernel choice)."""
+    fn, rows = _as_rows(fn, x)
+    _check_sample(rows)
+    n = min(batch, CALL_SAMPLE_ROWS)
+    data = _slice(_sample_for(rows, n), 0, n)
+    near = neighbours([c for c in CALL_SIZES if c < n] + [n], cached)
+    with torch.inference_mode():
+        for c in [cached, *near]:
+            fn(tuple(t[:c].to(device) for t in data))
+    _sync(device)
+    return challenge(
+        lambda c: _one_pass(fn, data, device, c), cached, near, rounds=rounds, streak=streak
+    )

@@ -168,9 +168,12 @@ class BatchSizeAutoWithSweep(BatchSizeAuto, total=False):
     # Only when measured now (not cached): each size's median pass of the whole pipeline over
     # the sample, the noise between passes, and what the sweep cost.
     basis: Literal["pipeline"]
-    noise: float
+    noise: float  # written by versions before issue 31's revalidation
     sweep_s: float
     sweep: list[BenchRowEntry]
+    note: str  # why nothing was compared, when nothing was
+    # Only when cached: the cached size timed against its neighbours in this run.
+    revalidation: RevalidationWithPairs
 
 
 class CallRows(TypedDict):
@@ -190,6 +193,34 @@ class CallRowsWithSweep(CallRows, total=False):
     note: str
     sweep_s: float
     sweep: list[BenchRowEntry]
+    # Only when cached: the cached size timed against its neighbours in this run.
+    revalidation: RevalidationWithPairs
+
+
+class Revalidation(TypedDict):
+    """``revalidation`` of ``execution.batch_size_auto`` and ``execution.call_rows``: a cached
+    choice timed against its neighbours in this run (docs/tuning.md)."""
+
+    outcome: Literal["kept", "replaced", "skipped"]
+    cached: int  # the size the cache held
+    chosen: int  # the size this run used (and the cache now holds)
+    seconds: float  # what the revalidation cost
+
+
+class RevalidationPair(TypedDict):
+    size: int  # a neighbour of the cached size
+    ratios: list[float]  # its pass's seconds / the cached size's, round by round
+
+
+class Streak(TypedDict):
+    size: int  # the neighbour that won the last pairs in a row
+    wins: int  # how many in a row (two replace the cached size)
+
+
+class RevalidationWithPairs(Revalidation, total=False):
+    pairs: list[RevalidationPair]  # absent when skipped
+    streak: Streak | None  # carried to the next run
+    note: str  # why it was skipped
 
 
 class ExecutionBase(TypedDict):
@@ -545,6 +576,9 @@ SCHEMA_OBJECTS: dict[str, type] = {
     "#/$defs/parity": ParityWithNote,
     "#/$defs/batch_size_auto": BatchSizeAutoWithSweep,
     "#/$defs/call_rows": CallRowsWithSweep,
+    "#/$defs/revalidation": RevalidationWithPairs,
+    "#/$defs/revalidation_pair": RevalidationPair,
+    "#/$defs/streak": Streak,
     "#/$defs/bench_row": BenchRowEntry,
     "#/$defs/threads": ThreadsInfo,
     "#/$defs/model": ModelInfoWithRegistry,

@@ -28,7 +28,6 @@ from pipeline.model.tuning import (
     BenchRow,
     bench_batch_sizes,
     cache_key,
-    choose_by_rate,
     default_cache_path,
     format_table,
 )
@@ -446,7 +445,7 @@ def test_bench_command_input_missing_features_exits_3(bundle_dir: Path, tmp_path
 
 
 # --------------------------------------------------------------------------------------------
-# choose_by_rate: the pipeline's own rate, round-robin, never slower than the best beyond noise
+# challenge: a size against its neighbours, pair by pair, twice in a row by a margin
 
 
 def _steps(seconds: dict[int, list[float]]) -> tuple[Any, list[int]]:
@@ -461,74 +460,112 @@ def _steps(seconds: dict[int, list[float]]) -> tuple[Any, list[int]]:
     return step, calls
 
 
-def test_choose_by_rate_takes_a_clearly_faster_size() -> None:
-    step, calls = _steps({1024: [1.0], 4096: [1.0, 1.01], 8192: [0.5, 0.51]})
-    chosen, rows, facts = choose_by_rate(
-        step, [1024, 8192], rows=10_000, default=4096, budget_s=0.0, max_rounds=2
+def test_neighbours_are_the_next_sizes_down_and_up() -> None:
+    ladder = [1024, 2048, 4096, 8192]
+    assert tuning.neighbours(ladder, 4096) == [2048, 8192]
+    assert tuning.neighbours(ladder, 1024) == [2048]
+    assert tuning.neighbours(ladder, 8192) == [4096]
+    assert tuning.neighbours(ladder, 3000) == [2048, 4096]  # a size off the ladder
+    assert tuning.neighbours([4096], 4096) == []
+
+
+def test_challenge_replaces_a_size_beaten_twice_in_a_row() -> None:
+    step, calls = _steps({4096: [1.0], 2048: [1.0], 8192: [0.8]})
+    found = tuning.challenge(step, 4096, [2048, 8192], rounds=2)
+    assert found.chosen == 8192 and found.outcome == "replaced"
+    assert calls == [4096, 2048, 8192, 8192, 2048, 4096]  # forward, then backward
+    assert found.ratios == {2048: [1.0, 1.0], 8192: [0.8, 0.8]}
+    assert found.streak is None
+
+
+def test_challenge_keeps_a_size_beaten_once_and_carries_the_streak() -> None:
+    # 8192 wins the first pair by 20%, then loses: no streak; 2048 wins only the last pair.
+    step, _ = _steps({4096: [1.0, 1.0], 2048: [1.0, 0.9], 8192: [0.8, 1.1]})
+    found = tuning.challenge(step, 4096, [2048, 8192], rounds=2)
+    assert found.chosen == 4096 and found.outcome == "kept"
+    assert found.streak == tuning.Streak(2048, 1)
+
+
+def test_a_streak_from_an_earlier_run_completes_in_the_next() -> None:
+    step, _ = _steps({4096: [1.0], 8192: [0.9], 2048: [1.2]})
+    one = tuning.challenge(step, 4096, [2048, 8192], rounds=1)
+    assert one.chosen == 4096 and one.streak == tuning.Streak(8192, 1)
+    two = tuning.challenge(step, 4096, [2048, 8192], rounds=1, streak=one.streak)
+    assert two.chosen == 8192 and two.outcome == "replaced"
+    # A streak for another size, or a loss in between, starts over.
+    other = tuning.challenge(step, 4096, [2048, 8192], rounds=1, streak=tuning.Streak(2048, 1))
+    assert other.chosen == 4096 and other.streak == tuning.Streak(8192, 1)
+
+
+def test_a_win_below_the_margin_is_no_win() -> None:
+    # 3% faster in every pair: within the 5% margin, so never a reason to move.
+    step, _ = _steps({4096: [1.0], 8192: [0.97]})
+    found = tuning.challenge(step, 4096, [8192], rounds=3, streak=tuning.Streak(8192, 1))
+    assert found.chosen == 4096 and found.streak is None
+
+
+def test_of_two_winners_the_larger_gain_replaces() -> None:
+    step, _ = _steps({4096: [1.0], 2048: [0.9], 8192: [0.7]})
+    assert tuning.challenge(step, 4096, [2048, 8192], rounds=2).chosen == 8192
+
+
+def test_challenge_table_gives_each_size_its_fastest_pass() -> None:
+    step, _ = _steps({4096: [1.0, 0.5], 8192: [2.0, 1.0]})
+    table = tuning.challenge(step, 4096, [8192], rounds=2).table(10_000)
+    assert [(r.batch, r.ms) for r in table] == [(4096, 500.0), (8192, 1000.0)]
+
+
+def test_a_pair_shares_its_moment_where_fastest_passes_do_not() -> None:
+    # The machine gets busy after round one: each size's own passes spread by 2x, which a
+    # fastest-pass rule reads as noise; pair by pair 8192 still wins both rounds by 20%.
+    step, _ = _steps({4096: [1.0, 2.0], 8192: [0.8, 1.6]})
+    found = tuning.challenge(step, 4096, [8192], rounds=2)
+    assert found.chosen == 8192
+    assert found.ratios[8192] == pytest.approx([0.8, 0.8])
+
+
+def test_recheck_call_rows_times_the_cached_size_against_its_neighbours() -> None:
+    # Cost grows faster than the rows: 512 beats a cached 1,024 in every pair.
+    fn, seen = _cost_model(0.0, 2e-9)
+    found = tuning.recheck_call_rows(
+        fn, torch.zeros(100, 3), torch.device("cpu"), batch=4096, cached=1024, rounds=2
     )
-    assert chosen == 8192
-    assert [r.batch for r in rows] == [1024, 4096, 8192]
-    assert calls[:3] == [1024, 4096, 8192]  # round-robin: every size once, then again
-    assert facts["rounds"] == 1  # a zero budget still measures one round
-
-
-def test_choose_by_rate_keeps_the_default_within_the_noise() -> None:
-    # 8192 is 3% faster by its median, but passes of one size differ by 10%: noise.
-    step, _ = _steps({4096: [1.0, 1.1, 1.0], 8192: [0.97, 0.97, 0.97]})
-    chosen, _, facts = choose_by_rate(
-        step, [8192], rows=50_000, default=4096, budget_s=60.0, max_rounds=3
+    assert sorted(found.passes) == [512, 1024, 2048]
+    assert found.chosen == 512 and found.outcome == "replaced"
+    assert set(seen) == {512, 1024, 2048}  # no call at another size, none over 2,048 rows
+    # A per-call cost favours bigger calls: a cached 256 moves up, never past the batch.
+    fn, _ = _cost_model(2e-3, 0.0)
+    up = tuning.recheck_call_rows(
+        fn, torch.zeros(100, 3), torch.device("cpu"), batch=1024, cached=512, rounds=2
     )
-    assert facts["rounds"] == 3 and facts["noise"] == pytest.approx(0.1)
-    assert chosen == 4096
+    assert sorted(up.passes) == [256, 512, 1024] and up.chosen == 1024
 
 
-def test_choose_by_rate_leaves_the_default_when_it_is_slower_than_the_noise() -> None:
-    step, _ = _steps({2048: [0.6, 0.61], 4096: [1.0, 1.01]})
-    chosen, _, facts = choose_by_rate(
-        step, [2048], rows=50_000, default=4096, budget_s=60.0, max_rounds=2
-    )
-    assert facts["noise"] == pytest.approx(0.02)  # the floor: spreads of 1-2%
-    assert chosen == 2048
+def test_the_cache_keeps_a_revalidation_beside_the_first_measurement(tmp_path: Path) -> None:
+    cache = BatchSizeCache(tmp_path / "b.json", cpu={"model": "x", "flags": "y"})
+    row = BenchRow(batch=2048, calls=2, ms=5.0, samples_per_s=1e6, ms_per_sample=1e-3)
+    cache.put("k", 2048, [row], {"streak": None})
+    entry = cache.entry("k")
+    assert entry is not None and entry["batch_size"] == 2048
+    step, _ = _steps({2048: [1.0], 1024: [0.8], 4096: [1.0]})
+    kept = tuning.challenge(step, 2048, [1024, 4096], rounds=1)
+    cache.revalidated("k", entry, kept, {"per_row_s": 1e-6})
+    again = cache.entry("k")
+    assert again is not None
+    assert again["batch_size"] == 2048 and again["checks"] == 1
+    assert tuning.streak_of(again) == tuning.Streak(1024, 1)
+    assert again["measured_at"] == entry["measured_at"] and again["sweep"] == entry["sweep"]
+    replaced = tuning.challenge(step, 2048, [1024, 4096], rounds=1, streak=tuning.streak_of(again))
+    cache.revalidated("k", again, replaced)
+    last = cache.entry("k")
+    assert last is not None
+    assert (last["batch_size"], last["replaced"], last["checks"]) == (1024, 2048, 2)
+    assert tuning.streak_of(last) is None and last["per_row_s"] == 1e-6
 
 
-def _real_step(m: LoadedModel, rows: int, default: int) -> Callable[[int], float]:
-    """``step(b)``: one pass of the real demo model over ``rows`` rows in batches of ``b``
-    (the default's own work for a size named ``default + 1``, so that two sizes differ only
-    by the machine's noise), in real seconds."""
-    x = torch.randn(rows, m.width)
-
-    def step(batch: int) -> float:
-        b = default if batch == default + 1 else batch
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for lo in range(0, rows, b):
-                forward(m, x[lo : lo + b])
-        return time.perf_counter() - t0
-
-    return step
-
-
-def test_choose_by_rate_on_a_real_model_keeps_the_default_within_the_measured_noise(
-    model: LoadedModel,
-) -> None:
-    # Real passes, so which size is fastest depends on the machine; what cannot depend on it:
-    # the chosen size is within the measured noise of the fastest, and a size doing exactly
-    # the default's work (4097 here) only wins when the default is slower beyond the noise.
-    default = 4096
-    chosen, table, facts = choose_by_rate(
-        _real_step(model, 16_384, default),
-        [1024, 2048, default + 1, 8192],
-        rows=16_384,
-        default=default,
-        budget_s=0.5,
-    )
-    rate = {r.batch: r.samples_per_s for r in table}
-    assert [r.batch for r in table] == [1024, 2048, 4096, 4097, 8192]  # below 4,096 too
-    assert rate[chosen] * (1 + facts["noise"]) >= max(rate.values())
-    if rate[default] * (1 + facts["noise"]) >= max(rate.values()):
-        assert chosen == default
-    else:
-        assert chosen != default
+@pytest.mark.parametrize("streak", [None, "x", {"size": 0, "wins": 1}, {"size": 8, "wins": True}])
+def test_a_streak_the_cache_cannot_vouch_for_is_none(streak: Any) -> None:
+    assert tuning.streak_of({"streak": streak}) is None
 
 
 # --- rows per model call ----------------------------------------------------------------------
