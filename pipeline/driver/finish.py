@@ -151,12 +151,21 @@ def commit(
     if concluded.record is not None:
         manifest.set_verdict(concluded.record)
     manifest.flush()  # fenced; an error names the file
-    _index(prepared, report, warn=True)
     succeeded = report["status"] in SUCCESS_STATUSES
     if not succeeded or stop.requested:
+        _index(prepared, report, warn=True)
         return _not_committed(prepared, locked, concluded, stop, report)
     lock.assert_held()
-    committed = sink.commit(locked.begun, concluded.plan, manifest, prepared.run_id)
+    # The entry is written inside the commit, once the sink recorded its intent where the next
+    # run settles it (a SIGKILL between the entry and a Delta run's pending token left a
+    # "succeeded" entry for a commit that never landed: issue 29 review).
+    committed = sink.commit(
+        locked.begun,
+        concluded.plan,
+        manifest,
+        prepared.run_id,
+        record=lambda: _index(prepared, report, warn=True),
+    )
     section = sink.section(locked.begun, committed).public()
     try:
         report = report.copy()
@@ -218,8 +227,8 @@ def _too_late(stop: StopRequest, committed: Committed) -> str:
     stands as committed (a table's version cannot be taken back by a stop)."""
     where = f" as version {committed.version}" if committed.version is not None else ""
     warning = (
-        f"{stop.signal_name} arrived after the run's output was committed{where}: readers see "
-        "it, and the run stands as committed"
+        f"{stop.signal_name} arrived once the run's commit had begun (it committed{where}): "
+        "readers see it, and the run stands as committed"
     )
     logger.warning("%s", warning)
     return warning

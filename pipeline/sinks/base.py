@@ -287,9 +287,19 @@ class Sink(Protocol, Generic[BegunT, PlanT]):
         (``expected``: each shard in it)."""
         ...
 
-    def commit(self, begun: BegunT, plan: PlanT, manifest: Manifest, run_id: str) -> Committed:
+    def commit(
+        self,
+        begun: BegunT,
+        plan: PlanT,
+        manifest: Manifest,
+        run_id: str,
+        record: Callable[[], object] | None = None,
+    ) -> Committed:
         """Make the run's data visible as one version (a table), after the run succeeded and
-        before its report is written; the manifest records it."""
+        before its report is written; the manifest records it. ``record`` (the run index's
+        entry) is called once the sink has recorded what it is about to commit, where the next
+        run finds it, and before anything is visible: a run killed in between is settled by
+        the next one (its entry made to say the commit never landed)."""
         ...
 
     def seal(self, begun: BegunT, manifest: Manifest, committed: Committed) -> None:

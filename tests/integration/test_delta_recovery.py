@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.dataset as pads
@@ -18,8 +19,8 @@ import pytest
 
 from pipeline.sinks.delta.table import TableRef
 from tests.integration import test_delta_run as delta_run
-from tests.integration.diskfaults import pause_env, resume, small_disk, wait_until_paused
-from tests.integration.helpers import cli, report, start_cli
+from tests.integration.diskfaults import small_disk
+from tests.integration.helpers import Pause, cli, pause_env, report, start_cli
 from tests.integration.netfaults import flaky_proxy
 from tests.integration.servers import S3Bucket, aws_env, start_moto_server
 from tests.integration.test_delta_run import (
@@ -138,13 +139,17 @@ def _index_entry(bucket: S3Bucket, run_id: str) -> dict[str, object]:
 @pytest.mark.slow  # a moto server of its own, three runs: about 20 s here
 @pytest.mark.parametrize("point", ["delta-committed", "delta-after-commit"])
 def test_a_store_that_dies_after_the_commit_landed_is_recorded_by_the_next_run(
-    tmp_path: Path, archive: Path, models: dict[str, Path], point: str
+    tmp_path: Path,
+    archive: Path,
+    models: dict[str, Path],
+    point: str,
+    pauses: Callable[..., Pause],
 ) -> None:
     """The S3 endpoint goes away right after the run's commit landed (before it read the
     table back, or before it recorded the commit), and stays away past the retry deadline:
     the run exits 1 saying its commit landed; the next run records it as recovered, commits
     nothing again, and the dead run's run-index entry says it was committed."""
-    flag = tmp_path / "paused"
+    pause = pauses(point)
     with start_moto_server(tmp_path / "moto.log") as server:
         port = int(server.endpoint.rsplit(":", 1)[1])
         with flaky_proxy(port) as proxy:
@@ -160,11 +165,11 @@ def test_a_store_that_dies_after_the_commit_landed_is_recorded_by_the_next_run(
             ref = TableRef.of(direct.uri("scored"), direct.storage_options)
             day = DAYS[0]
             proc = start_cli(
-                "run", str(job), "--date", day, "-q", env={**aws_env(), **pause_env(point, flag)}
+                "run", str(job), "--date", day, "-q", env={**aws_env(), **pause_env(pause)}
             )
-            pid = wait_until_paused(proc, flag)
+            pause.wait(proc)
             proxy.down()  # for good: past the run's retry deadline
-            resume(pid)
+            pause.release()
             _, stderr = proc.communicate(timeout=300)
             assert proc.returncode == 1, stderr
             landed = table_version(ref)
@@ -196,11 +201,11 @@ def test_a_store_that_dies_after_the_commit_landed_is_recorded_by_the_next_run(
 
 @pytest.mark.slow  # a moto server of its own, two runs: about 15 s here
 def test_a_commit_whose_answer_is_lost_in_a_blip_succeeds_in_the_same_run(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], pauses: Callable[..., Pause]
 ) -> None:
     """The endpoint goes away right after the commit landed and comes back within the retry
     deadline: the same run reads the table back, finds its commit and succeeds (exit 0), once."""
-    flag = tmp_path / "paused"
+    pause = pauses("delta-committed")
     with start_moto_server(tmp_path / "moto.log") as server:
         port = int(server.endpoint.rsplit(":", 1)[1])
         with flaky_proxy(port) as proxy:
@@ -213,11 +218,11 @@ def test_a_commit_whose_answer_is_lost_in_a_blip_succeeds_in_the_same_run(
                 tmp_path, archive, models["1"], f"{via.uri('scored')}/dt={{date}}", storage=opts
             )
             ref = TableRef.of(direct.uri("scored"), direct.storage_options)
-            env = {**aws_env(), **pause_env("delta-committed", flag)}
+            env = {**aws_env(), **pause_env(pause)}
             proc = start_cli("run", str(job), "--date", DAYS[0], "-q", env=env)
-            pid = wait_until_paused(proc, flag)
+            pause.wait(proc)
             proxy.down()
-            resume(pid)
+            pause.release()
             time.sleep(2)  # the outage: every request meanwhile is refused or cut
             proxy.up()
             _, stderr = proc.communicate(timeout=300)
@@ -231,24 +236,24 @@ def test_a_commit_whose_answer_is_lost_in_a_blip_succeeds_in_the_same_run(
 
 
 def test_a_full_disk_at_the_commit_is_one_plain_line_naming_the_cause_and_the_report(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], pauses: Callable[..., Pause]
 ) -> None:
     out = tmp_path / "scored"
     job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
     day = DAYS[0]
     with small_disk(out, "4m"):
         assert run(job, day).returncode == 0
-        flag = tmp_path / "paused"
-        env = pause_env("delta-before-commit", flag)
+        pause = pauses("delta-before-commit")
+        env = pause_env(pause)
         proc = start_cli("run", str(job), "--date", day, "--model", str(models["2"]), "-q", env=env)
-        pid = wait_until_paused(proc, flag)
+        pause.wait(proc)
         with (out / "_filler").open("wb") as filler:  # the rest of the disk
             try:
                 while True:
                     filler.write(b"x" * 65536)
             except OSError:
                 pass
-        resume(pid)
+        pause.release()
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 1, stderr
         lines = [ln for ln in stderr.splitlines() if ln.strip()]

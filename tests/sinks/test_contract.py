@@ -10,7 +10,7 @@ manifest, real tables read back by Polars.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,7 +126,13 @@ def _entry(rel: str, rows: int, run_id: str) -> dict[str, Any]:
     }
 
 
-def run(output: Output, shards: Mapping[str, range], run_id: str, stop_after: str = "") -> None:
+def run(
+    output: Output,
+    shards: Mapping[str, range],
+    run_id: str,
+    stop_after: str = "",
+    record: Callable[[], object] | None = None,
+) -> None:
     """One run of the job over ``shards`` through the seam, in the driver's order; it stops
     (as a killed run does: no later call, nothing cleaned up) right after ``stop_after``."""
     sink = output.sink(run_id)
@@ -163,7 +169,7 @@ def run(output: Output, shards: Mapping[str, range], run_id: str, stop_after: st
     assert sink.verify(begun, plan, manifest, expected) == []
     if stop_after == "verify":
         return
-    committed = sink.commit(begun, plan, manifest, run_id)
+    committed = sink.commit(begun, plan, manifest, run_id, record=record)
     if stop_after == "commit":
         return
     sink.seal(begun, manifest, committed)
@@ -181,6 +187,29 @@ def test_a_run_makes_exactly_its_shards_visible_once(output: Output) -> None:
     run(output, shards(3), "r1")
     assert output.seen() == ids_of(shards(3))
     assert output.sink("check").state(output.manifest()).complete
+
+
+def test_the_run_index_entry_is_recorded_once_where_the_next_run_can_settle_it(
+    output: Output,
+) -> None:
+    """``record`` (the driver writes the run's run-index entry there) is called once per
+    commit; for a table, after the sink saved its pending token (a run killed right after the
+    entry is then settled by the next run) and before the new version is visible."""
+    run(output, shards(2), "r1")
+    before = output.seen()
+    calls: list[tuple[list[int] | None, dict[str, Any]]] = []
+    run(
+        output,
+        shards(3, start=1),
+        "r2",
+        record=lambda: calls.append((output.seen(), dict(output.manifest().format_state or {}))),
+    )
+    assert len(calls) == 1
+    seen, state = calls[0]
+    if output.kind == "delta":
+        assert seen == before  # nothing of r2 is visible yet
+        assert state["pending"]["run_id"] == "r2", state  # the next run finds the token
+    assert output.seen() == ids_of(shards(3, start=1))
 
 
 def test_a_shard_that_left_the_input_leaves_the_output(output: Output) -> None:

@@ -150,9 +150,28 @@ def test_a_file_a_vacuum_deleted_is_named_and_nothing_is_committed(ref: TableRef
     with pytest.raises(UsageError, match=r"file\(s\) it would add back are gone") as refused:
         delta.restore_partition(ref, 1, day("d1"), {"reason": "x"})
     assert all(f"{f.path} (missing)" in str(refused.value) for f in a)
-    assert "nothing was committed" in str(refused.value)
+    assert "Nothing was committed" in str(refused.value)
+    assert "deleted by hand, or by a VACUUM" in str(refused.value)
+    assert "interval" not in str(refused.value)  # "30 days", as a person reads it
+    # The plan (what a dry run prints) says so too, before anything is done.
+    with pytest.raises(UsageError, match=r"file\(s\) it would add back are gone"):
+        delta.restore_changes(ref, 1, day("d1"))
     assert DeltaTable(ref.table_uri).version() == 5  # 3 commits, VACUUM START and END
     assert deltalake_rows(ref) == polars_rows(ref) == before
+
+
+def test_a_partition_that_never_existed_is_refused_naming_those_there_are(ref: TableRef) -> None:
+    _three_days(ref)
+    for refuse in (
+        lambda: delta.restore_partition(ref, 1, day("d9"), {"reason": "typo"}),
+        lambda: delta.restore_changes(ref, 1, day("d9")),
+    ):
+        with pytest.raises(UsageError, match="no partition run_date=d9, now or at version 1") as e:
+            refuse()
+        assert "run_date=d1, run_date=d2, run_date=d3" in str(e.value)
+    assert DeltaTable(ref.table_uri).version() == 3
+    created = next(i for i in delta.history(ref) if i.version == 0)
+    assert created.detail == "created, partitioned by run_date"
 
 
 def test_stats_come_from_the_checkpoint_once_older_commit_files_are_gone(ref: TableRef) -> None:
@@ -197,3 +216,16 @@ def test_a_column_gained_since_reads_as_null_and_a_lost_one_is_refused(ref: Tabl
     with pytest.raises(UsageError, match=r"column\(s\) 'score0', which the table no longer"):
         delta.restore_partition(ref, 3, day("d1"))
     assert DeltaTable(ref.table_uri).version() == 5
+
+
+def test_a_file_removed_twice_is_vacuumed_and_listed_once(ref: TableRef) -> None:
+    """A's files: removed by B (v2), added back by a rollback, removed again by C. delta-rs
+    lists such a path twice (relative and absolute); the vacuum names each file once."""
+    a, b = _three_days(ref)
+    assert delta.restore_partition(ref, 1, day("d1"), {"reason": "B is bad"}) == 4
+    c = [write_file(ref, rows(range(40), "C"), day("d1"))]
+    _commit(ref, c, [f.path for f in a], v=3)
+    deleted = delta.vacuum(ref, 0, dry_run=False, force=True)
+    assert sorted(deleted) == sorted(f.path for f in [*a, *b])
+    assert not any(Path(ref.location.path, f.path).exists() for f in [*a, *b])
+    assert deltalake_rows(ref) == polars_rows(ref)

@@ -51,10 +51,21 @@ def _detail(entry: Mapping[str, Any]) -> str:
             names = []
         return f"added column(s) {', '.join(names) or '?'}"
     if op == "CREATE TABLE":
-        return f"created, partitioned by {params.get('partitionBy', '[]')}"
+        return _created(params)
     return _our_detail(
         {k[len(METADATA_PREFIX) :]: v for k, v in entry.items() if k.startswith(METADATA_PREFIX)}
     )
+
+
+def _created(params: Mapping[str, Any]) -> str:
+    """CREATE TABLE's detail: delta-rs writes the partition columns inside the ``metadata``
+    parameter (a JSON string), not as ``partitionBy``."""
+    try:
+        meta = json.loads(params.get("metadata") or "{}")
+        columns = list(meta.get("partitionColumns") or json.loads(params.get("partitionBy", "[]")))
+    except (TypeError, ValueError, AttributeError):
+        return "created"
+    return f"created, partitioned by {', '.join(columns)}" if columns else "created, unpartitioned"
 
 
 def _our_detail(ours: Mapping[str, Any]) -> str:

@@ -28,6 +28,7 @@ from pipeline.sinks.delta.client import (
     partition_columns,
     prefixed,
 )
+from pipeline.sinks.delta.options import retention_text
 from pipeline.sinks.delta.snapshot import in_partition, table_files
 from pipeline.sinks.delta.stats import file_stats, nan_columns
 from pipeline.sinks.tables import TableFile
@@ -71,12 +72,19 @@ def vacuum(
         kept = table.metadata().configuration.get("delta.deletedFileRetentionDuration")
         raise UsageError(
             f"vacuum of {ref.uri} with a retention of {retention_hours} h refused: the table "
-            f"keeps removed files {kept or 'interval 7 days'} (delta.deletedFileRetention"
+            f"keeps removed files {retention_text(kept)} (delta.deletedFileRetention"
             "Duration), the window in which a rollback, time travel or a long-running reader "
             "may still need them. Use the default, or pass --force to shorten that window (a "
             "rollback to, or a reader on, a version older than the retention then fails)"
         ) from e
-    return sorted(set(files))
+    # delta-rs lists a path once relative and once absolute when the log removed it twice (a
+    # partition rollback added it back, a later run removed it again): 9 "deleted" for 6 files
+    # (issue 29 review). One path per file, relative to the table.
+    roots = [r.rstrip("/") + "/" for r in {ref.table_uri, ref.uri, ref.location.path} if r]
+    relative = set()
+    for path in files:
+        relative.add(next((path[len(r) :] for r in roots if path.startswith(r)), path))
+    return sorted(relative)
 
 
 def optimize(

@@ -148,3 +148,12 @@ def delta_storage_options(uri: str, options: Mapping[str, Any] | None) -> dict[s
             "them in the environment)"
         )
     return out
+
+
+def retention_text(value: str | None) -> str:
+    """A retention table property as a person reads it: ``interval 30 days`` -> ``30 days``
+    (Delta's default, 7 days, where the property is not set)."""
+    if not value:
+        return "7 days (Delta's default)"
+    text = value.strip()
+    return text[len("interval ") :] if text.lower().startswith("interval ") else text

@@ -35,6 +35,7 @@ from pipeline.sinks.delta.client import (
     prefixed,
 )
 from pipeline.sinks.delta.log import log_stats
+from pipeline.sinks.delta.options import retention_text
 from pipeline.sinks.delta.schema import delta_types, type_name
 from pipeline.sinks.delta.snapshot import in_partition, snapshot, table_files
 from pipeline.sinks.delta.stats import file_stats
@@ -47,9 +48,10 @@ _MAX_LISTED = 10  # files named in one message
 
 
 def _file_retention(table: DeltaTable) -> str:
-    """How long the table keeps removed files, as its property says (``interval 30 days``)."""
+    """How long the table keeps removed files, from its property (``interval 30 days``):
+    ``30 days``."""
     found = table.metadata().configuration.get("delta.deletedFileRetentionDuration")
-    return found or "interval 7 days (Delta's default)"
+    return retention_text(found)
 
 
 def restore(
@@ -140,8 +142,34 @@ def restore_changes(
         groups.setdefault(_label_of(f, columns), ([], []))[0].append(f)
     for f in _counted(ref, then.files):
         groups.setdefault(_label_of(f, columns), ([], []))[1].append(f)
+    if partition and not groups:
+        _no_such_partition(ref, partition, version, columns)
     changes = [PartitionChange(k, tuple(a), tuple(b)) for k, (a, b) in sorted(groups.items())]
+    # A file to add back that is gone fails the rollback: said by the plan, so that a dry run
+    # says it too (issue 29 review: the dry run said nothing and the rollback then failed).
+    table = None
+    for change in changes:
+        if change.changed and change.re_added:
+            table = table or open_table(ref)
+            _check_re_added(ref, change, table, version)
     return now.version, changes
+
+
+def _no_such_partition(
+    ref: TableRef, partition: Mapping[str, str], version: int, columns: Sequence[str]
+) -> None:
+    """Refuse a partition that holds no files now nor at ``version`` (a typo in its value
+    would otherwise be "nothing to roll back", exit 0), naming the partitions there are."""
+    label = "/".join(f"{k}={v}" for k, v in partition.items())
+    labels = sorted({_label_of(f, columns) for f in snapshot(ref).files})
+    shown = ", ".join(labels[:_MAX_LISTED]) + (
+        f" (and {len(labels) - _MAX_LISTED} more)" if len(labels) > _MAX_LISTED else ""
+    )
+    raise UsageError(
+        f"the Delta table {ref.uri} has no partition {label}, now or at version {version}: "
+        f"check its name (partitions now: {shown or 'none'}; score-catalog history lists the "
+        "versions)"
+    )
 
 
 def restore_schema(ref: TableRef, version: int) -> tuple[list[str], list[str]]:
@@ -219,6 +247,8 @@ def restore_partition(
             )
         now = [f for f in table_files(table) if in_partition(f, partition)]
         then = [f for f in table_files(open_table(ref, version)) if in_partition(f, partition)]
+    if not now and not then:
+        _no_such_partition(ref, partition, version, columns)
     change = PartitionChange(label, tuple(now), tuple(then))
     if not change.changed:
         return None
@@ -323,7 +353,7 @@ def _check_re_added(
     raise UsageError(
         f"cannot roll {change.label} of {ref.uri} back to version {version}: {len(found)} of "
         f"the {len(files)} file(s) it would add back are gone or changed: "
-        f"{'; '.join(found[:_MAX_LISTED])}{more}. A VACUUM deletes removed files "
-        f"{kept} after their removal; nothing was committed. Roll the partition back to a "
-        "later version (score-catalog history lists them)"
+        f"{'; '.join(found[:_MAX_LISTED])}{more}: deleted by hand, or by a VACUUM (it deletes "
+        f"files {kept} after their removal). Nothing was committed. Roll the partition back "
+        "to a later version (score-catalog history lists them)"
     )

@@ -4,6 +4,7 @@ partition columns as strings, and how a run's output differs from the table's sc
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,8 @@ from deltalake import DeltaTable, Schema
 from pipeline.core.errors import TableSchemaError
 from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN
 from pipeline.sinks.delta.client import TableRef, partition_columns
+
+logger = logging.getLogger(__name__)
 
 
 def _type_problem(name: str, typ: pa.DataType) -> str | None:
@@ -151,5 +154,17 @@ def fit(
             "evolution to add them (allow_schema_evolution = true, --allow-schema-evolution; "
             "older rows read them as null), or score into another table",
             uri=ref.uri,
+        )
+    if refused:
+        # delta-rs 1.x (deltalake) filters wrong on a column that older files lack: `is null`
+        # pruned 12,000 of 18,000 null rows, `is not null` kept 12,000 nulls (issue 29 review;
+        # tests/integration/test_delta_run.py pins it). Polars and DuckDB read it right.
+        logger.warning(
+            "the Delta table %s gains column(s) %s: files committed before this run predate "
+            "them and read them as null; deltalake (delta-rs) filters on these columns return "
+            "wrong rows for those files (filter them in Polars or DuckDB, or after reading), "
+            "until the older partitions are rescored (backfill --force)",
+            ref.uri,
+            ", ".join(repr(c) for c in refused),
         )
     return added

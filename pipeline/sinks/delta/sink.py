@@ -21,7 +21,7 @@ describes it all.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -354,7 +354,12 @@ class DeltaSink:
         return problems
 
     def commit(
-        self, begun: DeltaBegun, plan: DeltaPlan, manifest: Manifest, run_id: str
+        self,
+        begun: DeltaBegun,
+        plan: DeltaPlan,
+        manifest: Manifest,
+        run_id: str,
+        record: Callable[[], object] | None = None,
     ) -> Committed:
         """ONE commit of the run's new files and the removes ``plan`` names, with the run's
         token; then the manifest marks them committed and the committed version is checked
@@ -364,6 +369,8 @@ class DeltaSink:
         in_table = {f.path for f in begun.snapshot.files} if begun.snapshot is not None else set()
         adds = new_files(entries, self.partition, in_table)
         if not adds and not plan.removes:
+            if record is not None:
+                record()
             token = TokenState.read(manifest.format_state, self.app_id)
             manifest.set_format_state(token.idle().public())
             manifest.save()
@@ -371,7 +378,7 @@ class DeltaSink:
             version = begun.recovered.table_version if begun.recovered else None
             snap_version = begun.snapshot.version if begun.snapshot is not None else None
             return Committed(visible=True, version=version or snap_version)
-        version = self._commit(begun, plan, manifest, run_id, adds)
+        version = self._commit(begun, plan, manifest, run_id, adds, record)
         try:
             self._record(begun, plan, manifest, run_id, version, {a.path for a in adds})
         except BaseException as e:  # the store died after the commit landed: say so
@@ -408,6 +415,7 @@ class DeltaSink:
         manifest: Manifest,
         run_id: str,
         adds: list[NewFile],
+        record: Callable[[], object] | None,
     ) -> int:
         if begun.schema is None:
             raise CommitRefused(
@@ -418,6 +426,10 @@ class DeltaSink:
         after = begun.snapshot.version if begun.snapshot is not None else None
         manifest.set_format_state(token.committing(begun.run_version, run_id, after).public())
         manifest.save()  # fenced: only the lock holder records a pending token
+        # The run index's entry after the pending token (a kill between them: the next run
+        # finds the token and makes the entry say the commit never landed), before the commit.
+        if record is not None:
+            record()
         checkpoint("delta-before-commit")
         version = delta.commit(
             self.table,

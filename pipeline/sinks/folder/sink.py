@@ -28,7 +28,7 @@ anything is written.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -336,8 +336,15 @@ class FolderSink:
         return verify(self.root, expected, self.options)
 
     def commit(
-        self, begun: FolderBegun, plan: FolderPlan, manifest: Manifest, run_id: str
+        self,
+        begun: FolderBegun,
+        plan: FolderPlan,
+        manifest: Manifest,
+        run_id: str,
+        record: Callable[[], object] | None = None,
     ) -> Committed:
+        if record is not None:
+            record()
         return Committed()  # each shard's file was published as it finished
 
     def seal(self, begun: FolderBegun, manifest: Manifest, committed: Committed) -> None:
