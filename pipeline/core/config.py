@@ -188,7 +188,7 @@ class JobConfig:
     # "auto": the size the
     # whole worker path scores fastest at, measured on real rows of the first shard (1,024 to
     # 32,768; the default 4,096 unless another is faster beyond the noise), cached per
-    # model/device/precision/threads (pipeline.driver.execution).
+    # model/device/precision/threads (pipeline.driver.autotune).
     batch_size: int | Literal["auto"] = field(
         default=4096,
         metadata=meta(

@@ -153,7 +153,7 @@ def _refusal(config: JobConfig, prepared: Night) -> str | None:
     """Why no row may be carried tonight whatever the baseline holds, or None."""
     if config.force:
         return "--force (force = true) rescores every row"
-    from pipeline.driver.execution import row_dependence  # the model's own check
+    from pipeline.driver.autotune import row_dependence  # the model's own check
 
     gap = row_dependence(prepared.model)
     if gap is not None:

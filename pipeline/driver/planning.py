@@ -18,9 +18,10 @@ import torch
 from pipeline.core import storage_options
 from pipeline.core.config import JobConfig
 from pipeline.driver import incremental
+from pipeline.driver.autotune import auto_cache_key, pipeline_step
 from pipeline.driver.cluster import Plan, thread_plan
 from pipeline.driver.dispatch import group_tasks
-from pipeline.driver.execution import SAMPLE_ROWS, auto_cache_key, pipeline_step, sample_rows
+from pipeline.driver.execution import SAMPLE_ROWS, sample_rows
 from pipeline.driver.inspect import (
     Inspection,
     Settings,

@@ -67,7 +67,7 @@ class Scoring:
     overlap_depth: int = 0  # batches read ahead / written behind in background threads
     on_invalid_rows: str = "reject"  # errors.on_invalid_rows: "reject" or "fail"
     # Rows per model call when a batch runs faster in slices on this CPU (the driver measures
-    # it: pipeline.driver.execution); None: one call per batch.
+    # it: pipeline.driver.autotune); None: one call per batch.
     call_rows: int | None = None
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pipeline.core.config import JobConfig
-from pipeline.driver import execution
+from pipeline.driver import autotune, execution
 from pipeline.driver.cluster import Plan
 from pipeline.io.listing import ShardRef, list_shards
 from pipeline.model import tuning
@@ -75,7 +75,7 @@ def _night(
 
 
 def _calls_key(model: LoadedModel, n: int = 4096) -> str:
-    return execution.auto_cache_key(model, "fp32", PLAN.torch_threads) + f"|calls{n}"
+    return autotune.auto_cache_key(model, "fp32", PLAN.torch_threads) + f"|calls{n}"
 
 
 def _doc(path: Path) -> dict[str, Any]:
@@ -160,14 +160,14 @@ def test_a_first_night_times_the_default_against_its_neighbours_only(
     cache_home: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(execution.SWEEP_ROWS_ENV, str(execution.AUTO_SAMPLE_ROWS))
+    monkeypatch.setenv(autotune.SWEEP_ROWS_ENV, str(autotune.AUTO_SAMPLE_ROWS))
     ex = _night(tmp_path, bundle_dir, model, shard, "auto")
     auto = ex.report["batch_size_auto"]
     assert auto["cached"] is False and auto["basis"] == "pipeline"
     assert [r["batch"] for r in auto["sweep"]] == [2048, 4096, 8192]  # not 1,024 or 16,384
     assert all(r["calls"] == -(-8192 // r["batch"]) for r in auto["sweep"])  # same rows each
     assert ex.batch_size in (2048, 4096, 8192) and ex.batch_size == auto["batch_size"]
-    entry = _doc(cache_home)[execution.auto_cache_key(model, "fp32", PLAN.torch_threads)]
+    entry = _doc(cache_home)[autotune.auto_cache_key(model, "fp32", PLAN.torch_threads)]
     assert entry["batch_size"] == ex.batch_size and entry["per_row_s"] > 0
     assert "streak" in entry
 
@@ -180,8 +180,8 @@ def test_a_cached_batch_size_is_revalidated_against_its_neighbours_each_night(
     cache_home: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(execution.SWEEP_ROWS_ENV, str(execution.AUTO_SAMPLE_ROWS))
-    key = execution.auto_cache_key(model, "fp32", PLAN.torch_threads)
+    monkeypatch.setenv(autotune.SWEEP_ROWS_ENV, str(autotune.AUTO_SAMPLE_ROWS))
+    key = autotune.auto_cache_key(model, "fp32", PLAN.torch_threads)
     tuning.BatchSizeCache(cache_home).put(key, 2048, [], {"per_row_s": 1e-6})
     ex = _night(tmp_path, bundle_dir, model, shard, "auto")
     auto = ex.report["batch_size_auto"]
@@ -189,7 +189,7 @@ def test_a_cached_batch_size_is_revalidated_against_its_neighbours_each_night(
     assert auto["cached"] is True and "sweep" not in auto
     assert check["cached"] == 2048 and check["outcome"] in ("kept", "replaced")
     assert [p["size"] for p in check["pairs"]] == [1024, 4096]
-    assert all(len(p["ratios"]) == execution.AUTO_CHECK_ROUNDS for p in check["pairs"])
+    assert all(len(p["ratios"]) == autotune.AUTO_CHECK_ROUNDS for p in check["pairs"])
     assert check["seconds"] > 0 and ex.batch_size == check["chosen"]
     entry = _doc(cache_home)[key]
     assert entry["checks"] == 1 and entry["batch_size"] == ex.batch_size
@@ -200,7 +200,7 @@ def test_a_cached_pace_too_slow_for_the_budget_skips_without_reading_the_sample(
 ) -> None:
     # 10 ms a row: even one round of three 8,192-row passes is minutes; the shard is never
     # opened (it is deleted first, so reading it would fail the run).
-    key = execution.auto_cache_key(model, "fp32", PLAN.torch_threads)
+    key = autotune.auto_cache_key(model, "fp32", PLAN.torch_threads)
     tuning.BatchSizeCache(cache_home).put(key, 4096, [], {"per_row_s": 1e-2})
     Path(shard.uri.removeprefix("file://")).unlink()
     ex = _night(tmp_path, bundle_dir, model, shard, "auto", job_rows=100_000)
@@ -217,5 +217,5 @@ def test_a_first_shard_smaller_than_every_neighbour_is_not_cached(
     ex = _night(tmp_path, bundle_dir, model, small, "auto")
     auto = ex.report["batch_size_auto"]
     assert ex.batch_size == 4096 and auto["sweep"] == [] and "fits no size" in auto["note"]
-    key = execution.auto_cache_key(model, "fp32", PLAN.torch_threads)
+    key = autotune.auto_cache_key(model, "fp32", PLAN.torch_threads)
     assert key not in _doc(cache_home)  # (the rows per call are cached: they were measured)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,23 @@ def commits(ref: TableRef) -> list[dict[str, Any]]:
     return [h for h in reversed(t.history()) if h.get("operation") == "WRITE"]
 
 
+@dataclass(frozen=True)
+class LocalTable:
+    """The setup most tests here repeat: a table on local disk under ``tmp_path`` (``out``),
+    its job file scoring the archive with model 1 (``job``) and its reference (``ref``)."""
+
+    out: Path
+    job: Path
+    ref: TableRef
+
+
+@pytest.fixture
+def table(tmp_path: Path, archive: Path, models: dict[str, Path]) -> LocalTable:
+    out = tmp_path / "scored"
+    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
+    return LocalTable(out, job, TableRef.of(str(out)))
+
+
 def run(job: Path, day: str, *extra: str, env: dict[str, str] | None = None) -> Any:
     return cli("run", str(job), "--date", day, *extra, env=env)
 
@@ -148,11 +166,9 @@ def run(job: Path, day: str, *extra: str, env: dict[str, str] | None = None) -> 
 
 
 def test_two_runs_are_two_versions_holding_exactly_each_runs_scores(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], table: LocalTable
 ) -> None:
-    out = tmp_path / "scored"
-    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
-    ref = TableRef.of(str(out))
+    out, job, ref = table.out, table.job, table.ref
     day = DAYS[0]
 
     first = run(job, day)
@@ -175,13 +191,13 @@ def test_two_runs_are_two_versions_holding_exactly_each_runs_scores(
     assert rows_of(ref) == expected_rows(archive, {day: "2"}, models)
     assert rows_of(ref, v1) == expected_rows(archive, {day: "1"}, models)
     # The scores are the model's: the latest version's equal a direct forward of model 2.
-    table = pl.scan_delta(str(out)).sort(ID).collect().to_arrow()
+    latest = pl.scan_delta(str(out)).sort(ID).collect().to_arrow()
     inputs = pa.concat_tables(
         [pq.read_table(p) for p in sorted((archive / f"dt={day}").glob("*.parquet"))]
     ).sort_by(ID)
     score, label = reference_scores(models["2"], inputs)
-    np.testing.assert_allclose(table.column("score").to_numpy(), score, rtol=1e-5, atol=1e-6)
-    assert table.column("label").to_pylist() == label.tolist()
+    np.testing.assert_allclose(latest.column("score").to_numpy(), score, rtol=1e-5, atol=1e-6)
+    assert latest.column("label").to_pylist() == label.tolist()
     # Every committed file is one of the report's, and each WRITE says whose it is.
     writes = commits(ref)
     assert [w["score_catalog.run_id"] for w in writes] == [rep1["run_id"], second_run_id(out, day)]
@@ -196,11 +212,9 @@ def second_run_id(out: Path, day: str) -> str:
 
 
 def test_a_killed_run_leaves_the_latest_version_whole_and_its_rerun_commits_once(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], table: LocalTable
 ) -> None:
-    out = tmp_path / "scored"
-    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
-    ref = TableRef.of(str(out))
+    out, job, ref = table.out, table.job, table.ref
     day = DAYS[0]
     assert run(job, day).returncode == 0
     assert run(job, day, "--model", str(models["2"])).returncode == 0
@@ -238,11 +252,9 @@ def test_a_killed_run_leaves_the_latest_version_whole_and_its_rerun_commits_once
 
 
 def test_a_commit_that_landed_before_a_kill_is_never_committed_again(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], table: LocalTable
 ) -> None:
-    out = tmp_path / "scored"
-    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
-    ref = TableRef.of(str(out))
+    out, job, ref = table.out, table.job, table.ref
     day = DAYS[0]
     assert run(job, day).returncode == 0
 
@@ -272,15 +284,13 @@ def test_a_commit_that_landed_before_a_kill_is_never_committed_again(
 
 
 def test_a_run_killed_just_before_its_commit_is_a_failure_in_the_run_index(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], table: LocalTable
 ) -> None:
     """The run index's entry is written once the pending token is saved, just before the
     commit: a SIGKILL there leaves an entry that says "succeeded" for a commit that never
     landed, and the next run, finding the token, makes it say so (issue 29 review: the entry
     used to come before the token, and a kill between them left it "succeeded" for good)."""
-    out = tmp_path / "scored"
-    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
-    ref = TableRef.of(str(out))
+    job, ref = table.job, table.ref
     day = DAYS[0]
     assert run(job, day).returncode == 0
     v1 = table_version(ref)
@@ -305,11 +315,9 @@ def test_a_run_killed_just_before_its_commit_is_a_failure_in_the_run_index(
 
 
 def test_a_failed_run_commits_nothing(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], table: LocalTable
 ) -> None:
-    out = tmp_path / "scored"
-    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
-    ref = TableRef.of(str(out))
+    out, job, ref = table.out, table.job, table.ref
     day = DAYS[0]
     assert run(job, day).returncode == 0
     v1 = table_version(ref)
@@ -330,11 +338,9 @@ def test_a_failed_run_commits_nothing(
 
 
 def test_a_vanished_input_shard_is_removed_in_the_next_commit(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], table: LocalTable
 ) -> None:
-    out = tmp_path / "scored"
-    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
-    ref = TableRef.of(str(out))
+    out, job, ref = table.out, table.job, table.ref
     day = DAYS[0]
     assert run(job, day).returncode == 0
     v1 = table_version(ref)
@@ -352,11 +358,9 @@ def test_a_vanished_input_shard_is_removed_in_the_next_commit(
 
 
 def test_a_backfill_is_three_partitions_of_one_table_and_a_rescore_changes_one(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], table: LocalTable
 ) -> None:
-    out = tmp_path / "scored"
-    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
-    ref = TableRef.of(str(out))
+    out, job, ref = table.out, table.job, table.ref
     done = cli("backfill", str(job), "--from", DAYS[0], "--to", DAYS[-1])
     assert done.returncode == 0, done.output
     assert sorted(p.name for p in out.iterdir()) == ["_delta_log", *(f"dt={d}" for d in DAYS)]
@@ -377,11 +381,9 @@ def test_a_backfill_is_three_partitions_of_one_table_and_a_rescore_changes_one(
 
 
 def test_rollback_restores_a_version_exactly_and_history_says_so(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], table: LocalTable
 ) -> None:
-    out = tmp_path / "scored"
-    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
-    ref = TableRef.of(str(out))
+    out, job, ref = table.out, table.job, table.ref
     day = DAYS[0]
     assert run(job, day).returncode == 0
     v1 = table_version(ref)
@@ -477,11 +479,13 @@ def test_a_version_whose_drift_alert_is_open_is_no_baseline_for_its_partition(
 
 
 def test_optimize_and_vacuum_keep_every_row_and_take_the_table_lock(
-    tmp_path: Path, archive: Path, models: dict[str, Path], pauses: Callable[..., Pause]
+    tmp_path: Path,
+    archive: Path,
+    models: dict[str, Path],
+    table: LocalTable,
+    pauses: Callable[..., Pause],
 ) -> None:
-    out = tmp_path / "scored"
-    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
-    ref = TableRef.of(str(out))
+    out, job, ref = table.out, table.job, table.ref
     for day in DAYS[:2]:
         assert run(job, day).returncode == 0
     want = expected_rows(archive, dict.fromkeys(DAYS[:2], "1"), models)
@@ -532,11 +536,9 @@ def test_optimize_and_vacuum_keep_every_row_and_take_the_table_lock(
 
 
 def test_a_model_that_adds_a_column_is_refused_unless_evolution_is_allowed(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], table: LocalTable
 ) -> None:
-    out = tmp_path / "scored"
-    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
-    ref = TableRef.of(str(out))
+    out, job, ref = table.out, table.job, table.ref
     day = DAYS[0]
     assert run(job, DAYS[1]).returncode == 0
     assert run(job, day).returncode == 0
@@ -657,11 +659,9 @@ def test_on_s3_two_runs_are_two_versions_and_racing_runs_commit_once(
 
 
 def test_vacuum_below_the_retention_is_refused_unless_forced(
-    tmp_path: Path, archive: Path, models: dict[str, Path]
+    tmp_path: Path, archive: Path, models: dict[str, Path], table: LocalTable
 ) -> None:
-    out = tmp_path / "scored"
-    job = job_file(tmp_path, archive, models["1"], f"{out}/dt={{date}}")
-    ref = TableRef.of(str(out))
+    out, job, ref = table.out, table.job, table.ref
     day = DAYS[0]
     assert run(job, day).returncode == 0
     assert run(job, day, "--model", str(models["2"])).returncode == 0  # removes v1's 2 files

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.driver.execution import AUTO_SAMPLE_ROWS, SWEEP_ROWS_ENV
+from pipeline.driver.autotune import AUTO_SAMPLE_ROWS, SWEEP_ROWS_ENV
 from pipeline.model import tuning
 from tests.conftest import reference_scores, write_shards
 from tests.integration.helpers import (

@@ -12,8 +12,8 @@ import pytest
 
 from pipeline.core.config import JobConfig
 from pipeline.driver import planning
+from pipeline.driver.autotune import AUTO_SAMPLE_ROWS, SWEEP_ROWS_ENV
 from pipeline.driver.cluster import Plan
-from pipeline.driver.execution import AUTO_SAMPLE_ROWS, SWEEP_ROWS_ENV
 from tests.integration.helpers import cli, job_args
 
 pytestmark = pytest.mark.integration
