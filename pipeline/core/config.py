@@ -334,7 +334,7 @@ class JobConfig:
         default=False,
         metadata=meta(
             "Score only new and changed rows; carry the others' scores from the baseline night "
-            "(the output still equals a full rescore)."
+            "(the output still equals a full rescore, scores up to the last bit of float rounding)."
         ),
     )
     # backfill only: a day whose input folder does not exist is listed as missing and accepted

@@ -185,6 +185,13 @@ def _entry(prepared: Night, run_id: str) -> Mapping[str, Any]:
         )
     recorded = entry.get("scorer")
     run = entry.get("run_id")
+    if not isinstance(recorded, Mapping) and entry.get("restored_by") is not None:
+        raise _Unusable(
+            f"the baseline, run {run} ({entry.get('output')}), is what a rollback to version "
+            f"{entry['restored_by']} restored, and the run index does not say which scorer "
+            "scored it (its run's entry is gone or older than fingerprints): the next night "
+            "has one"
+        )
     if not isinstance(recorded, Mapping):
         raise _Unusable(
             f"the baseline, run {run} ({entry.get('output')}), was not incremental: its rows "

@@ -260,6 +260,10 @@ def _partition_record(found: Plan, label: str, info: VersionInfo | None) -> dict
     record["run_id"] = info.run_id
     job = info.metadata.get("job")
     entry = runindex.entry(target.area.uri, target.table.storage_options, job, info.run_id)
+    if entry is not None and isinstance(entry.get("scorer"), dict):
+        # Whose scores the partition holds again: an incremental night may carry from it
+        # (issue 31 review: without it the next night scored every row, "not incremental").
+        record["scorer"] = entry["scorer"]
     if entry is not None and entry.get("outputs"):
         record["rows_out"] = entry.get("rows_out")
         record["outputs"] = entry["outputs"]

@@ -317,6 +317,7 @@ def _restored(restores: list[dict[str, Any]], job: str) -> list[dict[str, Any]]:
                     "outputs": part["outputs"],
                     "dataset": f"restored:{rec.get('version')}:{part.get('output')}",
                     "restored_by": rec.get("version"),
+                    **({"scorer": part["scorer"]} if isinstance(part.get("scorer"), dict) else {}),
                 }
             )
     return out

@@ -256,3 +256,31 @@ def test_a_compacted_baseline_is_still_carried_from(tmp_path: Path) -> None:
     inc = second["incremental"]
     assert inc["baseline"]["files"] == 1 and inc["baseline"]["files_skipped"] == 0
     assert inc["rows_scored"] == FEATURE_CHANGED + NEW
+
+
+def test_a_day_a_rollback_restored_is_carried_from(tmp_path: Path) -> None:
+    """Day 1 scored, day 2 scored twice (the second by another model), day 2 rolled back to
+    its first version: the restored day is the next night's baseline, carried from like the
+    run that wrote it (issue 31 review: the rollback's record had no scorer, and the night
+    scored every row, saying its baseline "was not incremental")."""
+    n = _nights(tmp_path, "delta")
+    n.run(DAYS[0], "--incremental")
+    n.run(DAYS[1], "--incremental")
+    n.run(DAYS[1], "--model", str(n.other_bundle), drift=True)
+    undo = cli(
+        "rollback",
+        str(n.root / "out" / f"run_date={DAYS[1]}"),
+        "--to-version",
+        "2",
+        "--reason",
+        "model 2 was bad",
+    )
+    assert undo.returncode == 0, undo.stderr
+    third = n.run(DAYS[2], "--incremental")
+    inc = third["incremental"]
+    assert inc["full_reason"] is None, inc
+    assert inc["rows_scored"] == 0 and inc["rows_carried"] == len(n.night2), inc
+    assert inc["baseline"]["output"].endswith(f"run_date={DAYS[1]}"), inc["baseline"]
+    full = cli(*n.args(DAYS[2], output="full"))
+    assert full.returncode == 0, full.stderr
+    _assert_equal_to_full(n.rows(DAYS[2]), n.rows(DAYS[2], output="full"), n.night2)
