@@ -17,7 +17,11 @@ The folder holds plain ``.npy`` arrays, one row per baseline row, in the order t
 * ``slots.npy``: an open-addressing hash table over the id hashes (linear probing, at most 2/3
   full), each slot the row that sits there or -1;
 * ``rep.npy``: per row, the first row of the table with the same id hash (the driver counts
-  distinct ids with it; workers do not read it).
+  distinct ids with it; workers do not read it);
+* ``once.npy`` (bool): the row's id hash is on no other row. A lookup stops at such a row's
+  id whatever its fingerprint: a changed row is answered at its own slot instead of probing on
+  to an empty one (at load 2/3, about five slots: a 100%-changed W1 x 10 night spent 1.9x a
+  full rescore's wall before this).
 
 Why a hash table and not a sorted array: on 20M rows (W1 x 10) a lookup through the table
 touches about three cache lines (slot, id, fingerprint) where a binary search touches about
@@ -50,7 +54,7 @@ logger = logging.getLogger(__name__)
 _INSERT_CHUNK = 1 << 20
 #: Table slots per row, at least: linear probing stays short at this load (2/3 full at most).
 _LOAD = 1.5
-_NAMES = ("ids.npy", "fps.npy", "slots.npy", "rep.npy")
+_NAMES = ("ids.npy", "fps.npy", "slots.npy", "once.npy", "rep.npy")
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,14 @@ class IndexWriter:
         slots, rep = build_table(ids)
         np.save(self.folder / "slots.npy", slots)
         np.save(self.folder / "rep.npy", rep)
+        once = np.zeros(len(self.ids), dtype=bool)  # as long as ids.npy: rows announced
+        once[: self.rows] = True
+        # Rows that are not their id's first, and those firsts: a sequential compare and a few
+        # random writes (0.02 s on 20M rows; a bincount over rep took 0.7 s).
+        later = np.flatnonzero(rep != np.arange(rep.size, dtype=rep.dtype))
+        once[later] = False
+        once[rep[later]] = False
+        np.save(self.folder / "once.npy", once)
         for mm in (self.ids, self.fps, *self.outs):
             mm.flush()
         meta = {"rows": self.rows, "slots": int(slots.size)}
@@ -199,6 +211,7 @@ class BaselineIndex:
         self.ids = load(folder / "ids.npy", mmap_mode="r")
         self.fps = load(folder / "fps.npy", mmap_mode="r")
         self.slots = load(folder / "slots.npy", mmap_mode="r")
+        self.once = load(folder / "once.npy", mmap_mode="r")
         self.outs = [load(folder / f"out{i}.npy", mmap_mode="r") for i in range(len(ref.outputs))]
         self.mask = np.int64(self.slots.size - 1)
         self.umask = np.uint64(self.slots.size - 1)
@@ -227,17 +240,36 @@ class BaselineIndex:
             first[pending[new_first]] = at[new_first]
             hit = same if fps is None else same & (self.fps[at] == fps[pending])
             found[pending[hit]] = at[hit]
-            go_on = taken & ~hit
+            # An id on one row only: its slot answers, fingerprint equal or not.
+            go_on = taken & ~hit & ~(same & self.once[at])
             pending = pending[go_on]
             pos = (pos[go_on] + 1) & self.mask
         return found, first
 
     def match(
-        self, ids: np.ndarray, fps: np.ndarray, use: np.ndarray
+        self, ids: np.ndarray, fps: np.ndarray, use: np.ndarray, hint: int = -1
     ) -> tuple[np.ndarray, np.ndarray]:
         """(index row to carry or -1, whether the id is in the baseline) for each row; only
-        rows where ``use`` is set are looked up (the others: -1, False)."""
-        found, first = self._probe(ids, fps, np.flatnonzero(use))
+        rows where ``use`` is set are looked up (the others: -1, False).
+
+        ``hint``: the index row the batch's first row is expected at (tonight's shard in the
+        baseline's order, :attr:`Carry.hint`). Rows whose id hash and fingerprint are at their
+        expected row are matched by one sequential read; only the others are probed in the
+        table, whose random reads cost 1.6 ms per 4,096 rows over a 20M-row index here."""
+        rows = np.flatnonzero(use)
+        if hint < 0 or not rows.size:
+            found, first = self._probe(ids, fps, rows)
+            return found, first >= 0
+        at = rows + hint
+        inside = at < self.ref.rows  # ids.npy may be longer: rows announced, never added
+        at = np.where(inside, at, 0)
+        same = inside & (self.ids[at] == ids[rows])
+        hit = same & (self.fps[at] == fps[rows])
+        changed = same & ~hit & self.once[at]  # its id's only row: known, not carried
+        rest = rows[~(hit | changed)]
+        found, first = self._probe(ids, fps, rest)
+        found[rows[hit]] = at[hit]
+        first[rows[hit | changed]] = at[hit | changed]
         return found, first >= 0
 
     def first_rows(self, ids: np.ndarray, use: np.ndarray) -> np.ndarray:
@@ -279,7 +311,7 @@ _COPY_PREFIX = "score-catalog-baseline-copy-"
 def _copy_here(loc: storage.Location, ref: IndexRef) -> Path:
     """The remote index folder ``loc`` copied into a local temporary folder."""
     folder = Path(tempfile.mkdtemp(prefix=f"{_COPY_PREFIX}{ref.tag}-"))
-    names = [*_NAMES[:3], *(f"out{i}.npy" for i in range(len(ref.outputs)))]
+    names = [*_NAMES[:4], *(f"out{i}.npy" for i in range(len(ref.outputs)))]
     try:
         for name in names:
             with storage.open_input(loc.child(name)) as src, open(folder / name, "wb") as dst:

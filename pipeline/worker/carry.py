@@ -64,6 +64,10 @@ class Carry:
         self.index = index  # None: fingerprints are written, every row is scored
         self.layouts = layouts
         self.counts = CarryCounts()
+        # The index row the next batch's first row is expected at: the shard read in the
+        # baseline's order (the same shard, or its rows in the same order) matches by
+        # sequential reads (BaselineIndex.match); -1 until a row matched.
+        self.hint = -1
 
     def split(self, tensors: tuple[Any, ...], ids: pa.Array, valid: np.ndarray) -> Split:
         """Fingerprint the batch (its model inputs as the model sees them, on the CPU) and look
@@ -79,8 +83,12 @@ class Carry:
             self.counts.add(split.counts)
             return split
         hashes, has_id = id_hashes(ids)
-        found, known = self.index.match(hashes, fps, valid & has_id)
+        found, known = self.index.match(hashes, fps, valid & has_id, self.hint)
         carry = found >= 0
+        matched = np.flatnonzero(carry)
+        if matched.size:
+            last = int(matched[-1])
+            self.hint = int(found[last]) + (m - last)
         send = valid & ~carry
         counts = CarryCounts(
             carried=int(carry.sum()),

@@ -35,15 +35,25 @@ def _index(
 @given(
     base=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3)), max_size=300),
     query=st.lists(st.tuples(st.integers(0, 45), st.integers(0, 3), st.booleans()), max_size=200),
+    hint=st.integers(-1, 320),
+    aligned=st.booleans(),
 )
 def test_lookups_find_exactly_the_same_id_and_fingerprint(
     tmp_path_factory: pytest.TempPathFactory,
     base: list[tuple[int, int]],
     query: list[tuple[int, int, bool]],
+    hint: int,
+    aligned: bool,
 ) -> None:
     """Many duplicate ids, several fingerprints per id: a row is found iff some baseline row
     has its id and fingerprint (and its output values are that row's); the id is known iff
-    some baseline row has it; rows not asked about are neither."""
+    some baseline row has it; rows not asked about are neither. Whatever the position hint:
+    none, anywhere (past the end included), or right (the query is the baseline's rows from
+    ``hint`` on, a few changed: what a shard read in the baseline's order asks)."""
+    if aligned and base:
+        hint = min(hint, len(base) - 1) if hint >= 0 else 0
+        query = [(b[0], b[1] if k % 7 else (b[1] + 1) % 4, True) for k, b in enumerate(base)]
+        query = query[hint:]
     folder = tmp_path_factory.mktemp("idx")
     ids = np.array([b[0] for b in base], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     fps = np.array([b[1] for b in base], dtype=np.int64)
@@ -51,7 +61,7 @@ def test_lookups_find_exactly_the_same_id_and_fingerprint(
     q_ids = np.array([q[0] for q in query], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     q_fps = np.array([q[1] for q in query], dtype=np.int64)
     use = np.array([q[2] for q in query], dtype=bool)
-    found, known = index.match(q_ids, q_fps, use)
+    found, known = index.match(q_ids, q_fps, use, hint)
     pairs = set(zip(ids.tolist(), fps.tolist(), strict=True))
     for i in range(len(query)):
         if not use[i]:
