@@ -59,7 +59,9 @@ class StagedParquetWriter:
             self._file: Any = self._stack.enter_context(
                 storage.staged_open(loc, point=point, before_publish=before_publish, tag=tag)
             )
-            self._writer = pq.ParquetWriter(self._file, schema, compression="zstd")
+            self._writer = pq.ParquetWriter(
+                self._file, schema, compression="zstd", use_dictionary=_dictionary(schema)
+            )
         self._buffer: list[pa.RecordBatch] = []
         self._buffered = 0
         # Once committed: the file's size in bytes and its footer (for the output format's
@@ -283,3 +285,12 @@ def _no_fence() -> None:
 
 def _write_item(item: tuple[StagedParquetWriter, pa.RecordBatch]) -> None:
     item[0].write(item[1])
+
+
+def _dictionary(schema: pa.Schema) -> bool | list[str]:
+    """Columns to try dictionary encoding on: every one but the fingerprint (64 random bits a
+    row, never repeated: the attempt cost 0.08 s per 1.25M rows here, a third of writing the
+    file, for nothing)."""
+    names = [f.name for f in schema if f.name != MODEL_INPUT_HASH_COLUMN]
+    return True if len(names) == len(schema) else names
+
