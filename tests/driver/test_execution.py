@@ -152,15 +152,17 @@ def test_a_call_size_revalidation_over_its_budget_is_skipped(
 # ------------------------------------------------------------------------ batch size auto
 
 
-def test_a_first_night_times_the_default_against_its_neighbours_only(
-    tmp_path: Path,
-    bundle_dir: Path,
-    model: LoadedModel,
-    shard: ShardRef,
-    cache_home: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def whole_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measure whatever the budget (autotune.SWEEP_ROWS_ENV): which sizes are compared must not
+    depend on how busy the machine is."""
     monkeypatch.setenv(autotune.SWEEP_ROWS_ENV, str(autotune.AUTO_SAMPLE_ROWS))
+
+
+@pytest.mark.usefixtures("whole_sample")
+def test_a_first_night_times_the_default_against_its_neighbours_only(
+    tmp_path: Path, bundle_dir: Path, model: LoadedModel, shard: ShardRef, cache_home: Path
+) -> None:
     ex = _night(tmp_path, bundle_dir, model, shard, "auto")
     auto = ex.report["batch_size_auto"]
     assert auto["cached"] is False and auto["basis"] == "pipeline"
@@ -172,15 +174,10 @@ def test_a_first_night_times_the_default_against_its_neighbours_only(
     assert "streak" in entry
 
 
+@pytest.mark.usefixtures("whole_sample")
 def test_a_cached_batch_size_is_revalidated_against_its_neighbours_each_night(
-    tmp_path: Path,
-    bundle_dir: Path,
-    model: LoadedModel,
-    shard: ShardRef,
-    cache_home: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, bundle_dir: Path, model: LoadedModel, shard: ShardRef, cache_home: Path
 ) -> None:
-    monkeypatch.setenv(autotune.SWEEP_ROWS_ENV, str(autotune.AUTO_SAMPLE_ROWS))
     key = autotune.auto_cache_key(model, "fp32", PLAN.torch_threads)
     tuning.BatchSizeCache(cache_home).put(key, 2048, [], {"per_row_s": 1e-6})
     ex = _night(tmp_path, bundle_dir, model, shard, "auto")
