@@ -293,4 +293,3 @@ def _dictionary(schema: pa.Schema) -> bool | list[str]:
     file, for nothing)."""
     names = [f.name for f in schema if f.name != MODEL_INPUT_HASH_COLUMN]
     return True if len(names) == len(schema) else names
-
