@@ -342,6 +342,7 @@ def removed_rows(config: JobConfig, baseline: Baseline, shards: Sequence[str]) -
                     hashes, has_id = id_hashes(batch.column(0))
                     first = index.first_rows(hashes, has_id)
                     seen[rep[first[first >= 0]]] = True
+            index.release()  # one input file's pages at a time, not the whole index
     except Exception as e:
         logger.warning("incremental: could not count the baseline's removed ids: %s", describe(e))
         return None

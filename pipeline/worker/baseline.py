@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -141,6 +142,11 @@ class IndexWriter:
         """Build the hash table over the rows added (at most those announced), write
         everything down and say where it is (``where``: the folder as the workers see it)."""
         self.rows = self.filled  # rows left out (a null id) were announced, never added
+        for mm in (self.ids, self.fps, *self.outs):
+            mm.flush()
+        # What is written stays in the page cache, not in this process's memory (PSS): the
+        # build's peak was 936 MiB on W1 x 10 before, every written page still mapped here.
+        release(self.fps, *self.outs)
         ids = np.asarray(self.ids[: self.rows])
         slots, rep = build_table(ids)
         np.save(self.folder / "slots.npy", slots)
@@ -153,11 +159,22 @@ class IndexWriter:
         once[later] = False
         once[rep[later]] = False
         np.save(self.folder / "once.npy", once)
-        for mm in (self.ids, self.fps, *self.outs):
-            mm.flush()
+        release(self.ids)
         meta = {"rows": self.rows, "slots": int(slots.size)}
         (self.folder / "index.json").write_text(json.dumps(meta))
         return IndexRef(where, self.rows, int(slots.size), self.outputs, tag)
+
+
+def release(*arrays: np.ndarray) -> None:
+    """Drop this process's mapping of the pages of memory-mapped ``arrays`` (MADV_DONTNEED):
+    they stay in the page cache, and the next read maps them again (a minor fault). Clean
+    pages only (flush first): a file mapped read-only, or flushed."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    for a in arrays:
+        mm = getattr(a, "_mmap", None)
+        if isinstance(mm, mmap.mmap):
+            mm.madvise(mmap.MADV_DONTNEED)
 
 
 def table_size(rows: int) -> int:
@@ -278,6 +295,12 @@ class BaselineIndex:
     def first_rows(self, ids: np.ndarray, use: np.ndarray) -> np.ndarray:
         """The first index row with each id hash (-1: not in the baseline), for ``use`` rows."""
         return self._probe(ids, None, np.flatnonzero(use))[1]
+
+    def release(self) -> None:
+        """Unmap the pages read so far (:func:`release`); a worker does it after each shard, so
+        that the index it holds is one shard's pages, not every page it ever read (the
+        workers' memory grew by the whole index, 600 MB on W1 x 10, before)."""
+        release(self.ids, self.fps, self.slots, self.once, *self.outs)
 
     def outputs(self, rows: np.ndarray) -> list[np.ndarray]:
         """The output values of index rows ``rows``, one array per output column."""

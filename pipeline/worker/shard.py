@@ -438,6 +438,8 @@ class _Shard:
         """The scored shard's result, statistics included."""
         task, stats = self.task, self.stats
         stats.finish()
+        if self.carry is not None and self.carry.index is not None:
+            self.carry.index.release()
         stats.lossy_casts = dict(self.dataset.lossy) if self.dataset is not None else {}
         return ShardResult(
             task.rel_path,
