@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +48,7 @@ from pipeline.worker.baseline import (
     IndexRef,
     IndexWriter,
     OutputLayout,
+    new_folder,
     remove_folder,
 )
 from pipeline.worker.batching import ShardBatches
@@ -129,7 +129,7 @@ def choose(
             "files_skipped": len(files) - len(usable),
             "rows": rows,
         }
-        folder = Path(tempfile.mkdtemp(prefix=f"score-catalog-baseline-{run_id}-"))
+        folder = new_folder(run_id)
         cleanup.callback(remove_folder, folder)
         ref = _build(prepared, usable, rows, folder, run_id)
         source = {**source, "rows": ref.rows}

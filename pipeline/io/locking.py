@@ -119,6 +119,21 @@ def _identity() -> dict[str, Any]:
     }
 
 
+def process_identity() -> dict[str, Any]:
+    """This process, as :func:`process_gone` recognises it later (host, boot, pid namespace,
+    pid and its start time)."""
+    return _identity()
+
+
+def process_gone(recorded: Mapping[str, Any]) -> bool:
+    """True only when the process ``recorded`` (:func:`process_identity`) ran on this machine
+    and boot and has exited (or its pid was reused); anything uncertain is not gone."""
+    pid = recorded.get("pid")
+    if not isinstance(pid, int) or not _same_machine(recorded, _identity()):
+        return False
+    return _local_holder_state(pid, recorded.get("pid_start")) in ("gone", "reused")
+
+
 def _same_machine(held: Mapping[str, Any], me: Mapping[str, Any]) -> bool:
     """True when ``held`` was written in our pid namespace on this very machine and boot.
 

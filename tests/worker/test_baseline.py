@@ -139,3 +139,41 @@ def test_an_index_writer_refuses_more_rows_than_announced(tmp_path: Path) -> Non
     w = IndexWriter(tmp_path, 2, [OutputLayout("s", "float32")])
     with pytest.raises(ValueError, match="more baseline rows"):
         w.add(np.arange(3, dtype=np.uint64), np.zeros(3, np.int64), [np.zeros(3, np.float32)])
+
+
+def test_index_folders_of_exited_processes_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    """A SIGKILLed night leaves its index folder in the temporary folder (up to 0.8 GB at 20M
+    rows); the next night removes it. A live process's folder, one from another machine and
+    one without a mark are left alone."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from pipeline.io.locking import process_identity
+
+    def folder(name: str, owner: dict[str, object] | None) -> Path:
+        d = tmp_path / f"score-catalog-baseline-{name}"
+        d.mkdir()
+        (d / "ids.npy").write_bytes(b"x" * 100)
+        if owner is not None:
+            (d / "owner.json").write_text(json.dumps(owner))
+        return d
+
+    code = "import json, sys; from pipeline.io.locking import process_identity; "
+    code += "print(json.dumps(process_identity()), flush=True); sys.stdin.read()"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    killed_owner = json.loads(child.stdout.readline())
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    killed = folder("killed-1", killed_owner)
+    live = folder("live-2", process_identity())
+    elsewhere = folder("elsewhere-3", {**killed_owner, "host": "another-machine"})
+    unmarked = folder("unmarked-4", None)
+    assert baseline.remove_abandoned(tmp_path) == [killed]
+    assert not killed.exists()
+    assert live.exists() and elsewhere.exists() and unmarked.exists()
