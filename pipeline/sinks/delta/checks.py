@@ -125,14 +125,17 @@ def add_actions_of(
             f"what the run reported: {shown}{more}. Nothing was committed; rerun the run",
             uri=ref.uri,
         )
-    return [
-        AddAction(
-            path=n.path,
-            size=n.size,
-            partition_values=dict(n.partition_values),
-            modification_time=n.modification_time,
-            data_change=True,
-            stats=n.stats,
-        )
-        for n in adds
-    ]
+    return [add_action(n, n.stats) for n in adds]
+
+
+def add_action(f: NewFile | TableFile, stats: str) -> AddAction:
+    """The add action of a file with these ``stats``: a run's new file, or one a partition's
+    rollback adds back as it was (size, partition values, modification time)."""
+    return AddAction(
+        path=f.path,
+        size=f.size,
+        partition_values=dict(f.partition_values),
+        modification_time=f.modification_time,
+        data_change=True,
+        stats=stats,
+    )

@@ -17,7 +17,7 @@ from deltalake import DeltaTable
 from deltalake.transaction import AddAction, CommitProperties, RemoveAction
 
 from pipeline.core.errors import StorageError, UsageError
-from pipeline.sinks.delta.checks import footer
+from pipeline.sinks.delta.checks import add_action, footer
 from pipeline.sinks.delta.client import (
     FILES_ADDED,
     FILES_REMOVED,
@@ -313,17 +313,7 @@ def _partition_actions(
         )
         for f in change.removed
     ]
-    adds = [
-        AddAction(
-            path=f.path,
-            size=f.size,
-            partition_values=dict(f.partition_values),
-            modification_time=f.modification_time,
-            data_change=True,
-            stats=stats[f.path],
-        )
-        for f in change.re_added
-    ]
+    adds = [add_action(f, stats[f.path]) for f in change.re_added]
     return removes + adds
 
 
