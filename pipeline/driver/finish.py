@@ -29,7 +29,7 @@ from pipeline.core.errors import (
 )
 from pipeline.core.faults import checkpoint
 from pipeline.core.interrupt import StopRequest
-from pipeline.core.statuses import SUCCESS_STATUSES, FailureKind
+from pipeline.core.statuses import SUCCESS_STATUSES, FailureKind, ShardStatus
 from pipeline.driver import incremental
 from pipeline.driver.dispatch import not_scored
 from pipeline.driver.phases import Locked, Prepared, Scored
@@ -135,8 +135,13 @@ def _incremental(
     baseline = locked.baseline
     if not baseline.enabled:
         return None
-    readable = [s.uri for s in prepared.shards if s.rel_path not in prepared.failed]
-    removed = incremental.removed_rows(prepared.config, baseline, readable)
+    marked = {r.rel_path for r in ordered if r.status == ShardStatus.SCORED and r.ids_marked}
+    unread = [
+        s.uri
+        for s in prepared.shards
+        if s.rel_path not in prepared.failed and s.rel_path not in marked
+    ]
+    removed = incremental.removed_rows(prepared.config, baseline, unread)
     return incremental.section(baseline, ordered, removed)
 
 

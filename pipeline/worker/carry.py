@@ -60,14 +60,20 @@ class Split:
 class Carry:
     """A shard's side of an incremental night: fingerprints, lookups and the merge."""
 
-    def __init__(self, index: BaselineIndex | None, layouts: tuple[OutputLayout, ...]) -> None:
+    def __init__(
+        self, index: BaselineIndex | None, layouts: tuple[OutputLayout, ...], start: int = -1
+    ) -> None:
         self.index = index  # None: fingerprints are written, every row is scored
         self.layouts = layouts
         self.counts = CarryCounts()
         # The index row the next batch's first row is expected at: the shard read in the
         # baseline's order (the same shard, or its rows in the same order) matches by
-        # sequential reads (BaselineIndex.match); -1 until a row matched.
-        self.hint = -1
+        # sequential reads (BaselineIndex.match). ``start``: where the baseline file that
+        # scored the same input shard begins (-1: none; then from the first row found).
+        self.hint = start
+        # Every row's id this shard read was marked in the index's seen.npy (the driver's
+        # count of removed ids need not read the shard again).
+        self.marked = index is not None
 
     def split(self, tensors: tuple[Any, ...], ids: pa.Array, valid: np.ndarray) -> Split:
         """Fingerprint the batch (its model inputs as the model sees them, on the CPU) and look
@@ -83,12 +89,22 @@ class Carry:
             self.counts.add(split.counts)
             return split
         hashes, has_id = id_hashes(ids)
-        found, known = self.index.match(hashes, fps, valid & has_id, self.hint)
+        found, same_id = self.index.match(hashes, fps, valid & has_id, self.hint)
         carry = found >= 0
-        matched = np.flatnonzero(carry)
+        known = same_id >= 0
+        others = has_id & ~valid  # rejected rows: their ids are still in tonight's input
+        seen = same_id[known]
+        if others.any():
+            elsewhere = self.index.first_rows(hashes, others)
+            seen = np.concatenate([seen, elsewhere[elsewhere >= 0]])
+        self.marked = self.index.mark(seen) and self.marked
+        # From the batch's last row whose id the baseline has, carried or changed: a night
+        # with every row changed reads in the baseline's order too (it probed every row
+        # before, 11% of a W1 x 10 worker's samples at 100% changed).
+        matched = np.flatnonzero(known)
         if matched.size:
             last = int(matched[-1])
-            self.hint = int(found[last]) + (m - last)
+            self.hint = int(same_id[last]) + (m - last)
         send = valid & ~carry
         counts = CarryCounts(
             carried=int(carry.sum()),

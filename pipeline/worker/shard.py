@@ -90,6 +90,9 @@ class ShardResult:
     # An incremental run's counts for the shard (carried, through the model, new, changed);
     # None when the run is not incremental or the shard was not scored now.
     incremental: CarryCounts | None = None
+    # Every id of the shard was marked in this machine's baseline index (its seen.npy): the
+    # driver's count of the ids the night removed need not read the shard again.
+    ids_marked: bool = False
 
     @classmethod
     def failed(
@@ -123,7 +126,7 @@ class ShardResult:
 
     def public(self) -> dict[str, Any]:
         """The per-shard entry of ``_report.json`` (timings are made relative by the report)."""
-        hidden = ("stats", "written", "incremental")
+        hidden = ("stats", "written", "incremental", "ids_marked")
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in hidden}
         if self.incremental is not None:
             out["incremental"] = self.incremental.public()
@@ -275,7 +278,8 @@ class _Shard:
         if inc.fingerprint:
             index = open_index(inc.index, spec.io.storage_options) if inc.index else None
             layouts = tuple(OutputLayout.of(n, t) for n, t in self.out_fields)
-            self.carry = Carry(index, layouts)
+            start = index.ref.start_of(task.rel_path) if index is not None else -1
+            self.carry = Carry(index, layouts, start)
         self.numeric = [
             i for i, (_, t) in enumerate(self.out_fields) if not pa.types.is_fixed_size_list(t)
         ]
@@ -458,6 +462,7 @@ class _Shard:
             stats=stats,
             rejects_by_reason=stats.rejects_by_reason,
             incremental=self.carry.counts if self.carry and self.spec.incremental.counted else None,
+            ids_marked=self.carry is not None and self.carry.marked,
         )
 
 

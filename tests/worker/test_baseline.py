@@ -28,7 +28,8 @@ def _index(
     for a, b in itertools.pairwise(cuts):
         w.add(ids[a:b], fps[a:b], [rows[a:b], vec[a:b]])
     ref = w.finish(str(folder), "run-1")
-    return BaselineIndex(folder, ref), np.load(folder / "rep.npy")
+    _, rep, _ = build_table(ids)  # deterministic: the table a lookup builds has these reps
+    return BaselineIndex(folder, ref), rep
 
 
 @settings(max_examples=60, deadline=None)
@@ -45,11 +46,14 @@ def test_lookups_find_exactly_the_same_id_and_fingerprint(
     hint: int,
     aligned: bool,
 ) -> None:
-    """Many duplicate ids, several fingerprints per id: a row is found iff some baseline row
-    has its id and fingerprint (and its output values are that row's); the id is known iff
-    some baseline row has it; rows not asked about are neither. Whatever the position hint:
-    none, anywhere (past the end included), or right (the query is the baseline's rows from
-    ``hint`` on, a few changed: what a shard read in the baseline's order asks)."""
+    """Many duplicate ids, several fingerprints per id: a row found is always a baseline row
+    with its id and fingerprint (and its output values are that row's); a row is found iff
+    some baseline row has its id and fingerprint, unless its id sits at its expected row with
+    another fingerprint (changed there: a duplicate's other rows are not searched); the id is
+    known iff some baseline row has it; rows not asked about are neither. Whatever the
+    position hint: none, anywhere (past the end included), or right (the query is the
+    baseline's rows from ``hint`` on, a few changed: what a shard read in the baseline's order
+    asks)."""
     if aligned and base:
         hint = min(hint, len(base) - 1) if hint >= 0 else 0
         query = [(b[0], b[1] if k % 7 else (b[1] + 1) % 4, True) for k, b in enumerate(base)]
@@ -61,20 +65,27 @@ def test_lookups_find_exactly_the_same_id_and_fingerprint(
     q_ids = np.array([q[0] for q in query], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     q_fps = np.array([q[1] for q in query], dtype=np.int64)
     use = np.array([q[2] for q in query], dtype=bool)
-    found, known = index.match(q_ids, q_fps, use, hint)
+    found, same = index.match(q_ids, q_fps, use, hint)
+    known = same >= 0
     pairs = set(zip(ids.tolist(), fps.tolist(), strict=True))
     for i in range(len(query)):
         if not use[i]:
             assert found[i] == -1 and not known[i]
             continue
         assert known[i] == (int(q_ids[i]) in set(ids.tolist()))
-        if (int(q_ids[i]), int(q_fps[i])) in pairs:
+        if known[i]:  # a row of the baseline with the same id (the next batch's hint)
+            assert ids[same[i]] == q_ids[i]
+        expected = i + hint if hint >= 0 else -1
+        at_place = 0 <= expected < ids.size and ids[expected] == q_ids[i]
+        if found[i] >= 0:
             r = int(found[i])
             assert ids[r] == q_ids[i] and fps[r] == q_fps[i]
             row, vec = index.outputs(np.array([r]))
             assert row[0] == r and vec[0].tolist() == [r, -r]
-        else:
-            assert found[i] == -1
+        elif (int(q_ids[i]), int(q_fps[i])) in pairs:
+            assert at_place and fps[expected] != q_fps[i]  # changed at its place
+        if at_place:
+            assert same[i] == expected
     # rep: each row's first row with the same id; distinct ids = rows that are their own rep.
     assert np.array_equal(ids[rep], ids)
     assert int(np.count_nonzero(rep == np.arange(ids.size))) == len(set(ids.tolist()))
@@ -87,8 +98,8 @@ def test_rows_inserted_together_that_share_a_slot_find_one_another(tmp_path: Pat
     ids = np.array([5, 5 + size, 5, 5 + 2 * size, 5 + size, 6], dtype=np.uint64)
     fps = np.arange(6, dtype=np.int64)
     index, rep = _index(tmp_path, ids, fps, chunks=1)
-    found, known = index.match(ids, fps, np.ones(6, dtype=bool))
-    assert found.tolist() == [0, 1, 2, 3, 4, 5] and known.all()
+    found, same = index.match(ids, fps, np.ones(6, dtype=bool))
+    assert found.tolist() == [0, 1, 2, 3, 4, 5] and (same >= 0).all()
     assert rep[2] == rep[0] and rep[4] == rep[1] and len(set(rep.tolist())) == 4
 
 
@@ -96,16 +107,33 @@ def test_a_table_over_many_insert_chunks(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(baseline, "_INSERT_CHUNK", 7)
     rng = np.random.default_rng(3)
     ids = rng.integers(0, 50, 200).astype(np.uint64)
-    slots, rep = build_table(ids)
+    slots, rep, later = build_table(ids)
     assert sorted(s for s in slots.tolist() if s >= 0) == list(range(200))
     assert np.array_equal(ids[rep], ids)
     assert int(np.count_nonzero(rep == np.arange(200))) == np.unique(ids).size
+    assert np.array_equal(later, np.flatnonzero(rep != np.arange(200)))
+
+
+def test_marks_count_the_distinct_ids_tonight_no_longer_has(tmp_path: Path) -> None:
+    """Workers mark the rows whose ids they met (any row of a duplicated id); the driver counts
+    the distinct ids left unmarked, whichever of an id's rows was marked."""
+    ids = np.array([10, 11, 12, 11, 13, 12, 14], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    index, rep = _index(tmp_path, ids, np.zeros(7, np.int64))
+    assert rep[1] == rep[3] and rep[2] == rep[5] and len(set(rep.tolist())) == 5
+    tonight = ids[[3, 0, 6]]  # ids 11 (its later row), 10 and 14: 12 and 13 are gone
+    _, same = index.match(tonight, np.ones(3, np.int64), np.ones(3, bool))
+    assert index.mark(same[same >= 0])
+    seen = np.load(tmp_path / "seen.npy").astype(bool)
+    assert baseline.removed_ids(tmp_path, index.ref, seen) == 2
+    # A worker's copy of a remote index has no seen.npy: it cannot mark.
+    (tmp_path / "seen.npy").unlink()
+    assert not BaselineIndex(tmp_path, index.ref).mark(np.array([0]))
 
 
 def test_an_empty_baseline_finds_nothing(tmp_path: Path) -> None:
     index, _ = _index(tmp_path, np.zeros(0, np.uint64), np.zeros(0, np.int64), chunks=1)
-    found, known = index.match(np.array([1, 2], np.uint64), np.zeros(2, np.int64), np.ones(2, bool))
-    assert found.tolist() == [-1, -1] and not known.any()
+    found, same = index.match(np.array([1, 2], np.uint64), np.zeros(2, np.int64), np.ones(2, bool))
+    assert found.tolist() == [-1, -1] and same.tolist() == [-1, -1]
 
 
 def test_output_layouts_round_trip_the_arrow_columns() -> None:
@@ -177,3 +205,25 @@ def test_index_folders_of_exited_processes_are_removed_and_live_ones_kept(tmp_pa
     assert baseline.remove_abandoned(tmp_path) == [killed]
     assert not killed.exists()
     assert live.exists() and elsewhere.exists() and unmarked.exists()
+
+
+def test_the_id_table_is_built_only_when_a_row_is_not_at_its_place(tmp_path: Path) -> None:
+    """A shard read in its baseline file's order never needs the hash table; the first lookup
+    that does builds it, once, and another process's index maps the same one."""
+    ids = np.arange(1, 101, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    fps = np.arange(100, dtype=np.int64)
+    index, _ = _index(tmp_path, ids, fps)
+    fps_tonight = fps.copy()
+    fps_tonight[::10] += 1  # changed at their place
+    found, same = index.match(ids[40:], fps_tonight[40:], np.ones(60, bool), hint=40)
+    assert (same == np.arange(40, 100)).all() and (found >= 0).sum() == 54
+    assert not (tmp_path / "slots.npy").exists()
+    new_id = np.array([999], dtype=np.uint64)
+    moved = np.concatenate([new_id, ids[:1]])  # a new row first: the rest are one off
+    found, same = index.match(moved, fps[[0, 0]], np.ones(2, bool), hint=0)
+    assert found.tolist() == [-1, 0] and same.tolist() == [-1, 0]
+    assert (tmp_path / "slots.npy").exists() and (tmp_path / "once.npy").exists()
+    built = (tmp_path / "slots.npy").stat().st_mtime_ns
+    other = BaselineIndex(tmp_path, index.ref)  # another worker of the machine
+    assert other.match(ids[5:6], fps[5:6], np.ones(1, bool))[0].tolist() == [5]
+    assert (tmp_path / "slots.npy").stat().st_mtime_ns == built  # not built again

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.worker.fingerprint import fingerprints
+from pipeline.worker.fingerprint import fingerprints, id_hashes
 
 
 def _inputs(rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,3 +72,21 @@ def test_bad_inputs_are_refused() -> None:
         fingerprints(())
     with pytest.raises(ValueError, match="row counts"):
         fingerprints((torch.zeros(3, 2), torch.zeros(4)))
+
+
+def test_fingerprints_and_id_hashes_stay_what_earlier_nights_wrote() -> None:
+    """Known answers: a baseline's model_input_hash column was written by an earlier version;
+    a change to the hash would make every row of the next night look changed."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    y = np.array([[1], [2], [3]], dtype=np.int64)
+    assert fingerprints([x, y]).tolist() == [
+        -8755855808244083658,
+        6657976793611657732,
+        -1802100716932281429,
+    ]
+    ints, _ = id_hashes(pa.array([1, 2, None, 4]))
+    assert ints.tolist()[:2] == [2832646461707325668, 11887974587072941390]
+    assert ints.tolist()[3] == 16368291371470781600
+    strings, _ = id_hashes(pa.array(["a", "bb", None, "cccccccccc"]))
+    assert strings.tolist()[:2] == [443152007074966827, 5072295120723408409]
+    assert strings.tolist()[3] == 14619752522172788018
