@@ -435,7 +435,7 @@ def section(
 
 def preview(
     night: Night,
-    to_score: Sequence[str],
+    to_score: Sequence[tuple[str, str]],
     readable: Sequence[str],
     widths: tuple[int, ...],
     batch_size: int,
@@ -443,14 +443,17 @@ def preview(
     """What an incremental night would send through the model (``score-catalog plan``): the
     shards it would score (``to_score``, input URIs) read, fingerprinted and looked up in the
     baseline as a worker would, without the model. It reads every row it would score, so it
-    costs what a run's reading and featurising costs."""
+    costs what a run's reading and featurising costs. ``to_score``: (path relative to the
+    input, URI) of each shard."""
     config = night.config
     with contextlib.ExitStack() as cleanup:
         baseline = choose(night, "plan", cleanup, remote=False)
         if baseline.index is None or baseline.folder is None:
             return {"baseline": None, "full_reason": baseline.reason}
-        carry = Carry(BaselineIndex(Path(baseline.folder), baseline.index), output_layouts(night))
-        for uri in to_score:
+        index = BaselineIndex(Path(baseline.folder), baseline.index)
+        counts = CarryCounts()
+        for rel, uri in to_score:
+            carry = Carry(index, output_layouts(night), baseline.index.start_of(rel))
             batches = ShardBatches(
                 uri,
                 night.model.spec,
@@ -461,10 +464,11 @@ def preview(
             )
             for batch in batches:
                 carry.split(batch.tensors, batch.meta.column(0), batch.features.valid)
+            counts.add(carry.counts)
         removed = removed_rows(config, baseline, readable)
     return {
         "baseline": dict(baseline.source),
         "full_reason": None,
-        **carry.counts.public(),
+        **counts.public(),
         "rows_removed": removed,
     }

@@ -143,7 +143,7 @@ def _incremental(
     """What an incremental run would send through the model and carry
     (:func:`pipeline.driver.incremental.preview`)."""
     night = incremental.Night(config, scorer, model, where.output, where.control, sink)
-    to_score = [e["input"] for e in entries if e["action"] == "score"]
+    to_score = [(e["rel_path"], e["input"]) for e in entries if e["action"] == "score"]
     readable = [e["input"] for e in entries if e["action"] != "fail"]
     assert found.widths is not None
     return incremental.preview(
