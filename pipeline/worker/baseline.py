@@ -405,7 +405,10 @@ class BaselineIndex:
         same byte from several workers at once are harmless: a mark is only ever set."""
         if self.seen is None:
             return False
-        self.seen[rows] = 1
+        if rows.size > 1 and bool((np.diff(rows) == 1).all()):
+            self.seen[int(rows[0]) : int(rows[-1]) + 1] = 1  # a batch in order: one slice
+        else:
+            self.seen[rows] = 1
         return True
 
     def release(self) -> None:

@@ -181,9 +181,12 @@ def id_hashes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarra
     )
     canon, integer = _canonical(column)
     if integer:
-        values = canon.fill_null(0).to_numpy().view(np.uint64).reshape(-1, 1)
+        if canon.null_count:
+            canon = canon.fill_null(0)
+        values = canon.to_numpy().view(np.uint64).reshape(-1, 1)
         return _fold(values, _INT_SEED, 8), has_id
-    canon = canon.fill_null(b"")
+    if canon.null_count:
+        canon = canon.fill_null(b"")
     bufs = canon.buffers()
     offsets = np.frombuffer(bufs[1], dtype=np.int64)[canon.offset : canon.offset + len(canon) + 1]
     data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)

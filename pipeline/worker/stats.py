@@ -199,7 +199,8 @@ class DuplicateIds:
         """Rows whose id (by 64-bit value or hash) already appeared in the shard."""
         if not self._hashes:
             return 0
-        # Repeats are the equal neighbours once sorted: 0.5 ms for 125,000 ids here, where
-        # np.unique took 14 ms (8% of a W1 worker's time).
-        allh = np.sort(np.concatenate(self._hashes))
-        return int(np.count_nonzero(allh[1:] == allh[:-1]))
+        # Rows less distinct ids, through pandas' hash table: 28 ms for a W1 x 10 shard's
+        # 1.25M ids here, against 76 ms to sort them (np.unique, which sorts too, took 14 ms
+        # for 125,000 ids: 8% of a W1 worker's time).
+        allh = np.concatenate(self._hashes)
+        return int(allh.size - pd.unique(allh).size)
