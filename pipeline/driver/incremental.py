@@ -308,19 +308,21 @@ def _build(
     columns = (config.id_column, MODEL_INPUT_HASH_COLUMN, *(o.name for o in layouts))
     want = night.scorer.hash.encode()
 
-    def read(piece: _Piece) -> list[tuple[np.ndarray, np.ndarray, list[np.ndarray]]]:
+    def read(piece: _Piece) -> tuple[tuple[int, int] | None, list[Any]]:
+        """The piece's id bounds (its footer's) and rows."""
         with open_parquet(piece.uri, config.storage) as pf:
             # The footer of the very file read: one another run replaced since it was listed
             # (a rerun of that night) is read only if it is still this scorer's.
             if (pf.metadata.metadata or {}).get(SCORER_KEY) != want:
                 logger.warning("incremental: %s changed since it was listed; not read", piece.uri)
-                return []
+                return None, []
             if not piece.groups:
-                return []
+                return None, []
+            bounds = _id_bounds(pf, piece.groups, config.id_column)
             batches = pf.iter_batches(READ_ROWS, row_groups=piece.groups, columns=list(columns))
-            return [_rows(batch, layouts, config.id_column) for batch in batches]
+            return bounds, [_rows(batch, layouts, config.id_column) for batch in batches]
 
-    ahead: deque[tuple[_Piece, Future[list[Any]]]] = deque()
+    ahead: deque[tuple[_Piece, Future[tuple[tuple[int, int] | None, list[Any]]]]] = deque()
     todo = iter(pieces)
     with ThreadPoolExecutor(BUILD_THREADS) as pool:
         for piece in itertools.islice(todo, BUILD_THREADS + 1):
@@ -331,9 +333,11 @@ def _build(
             if following is not None:
                 ahead.append((following, pool.submit(read, following)))
             try:
-                chunks = fut.result()
+                bounds, chunks = fut.result()
                 if piece.input_rel and piece.groups[:1] == (0,) and chunks:
                     writer.start(piece.input_rel)  # where tonight's same shard is expected
+                if chunks:
+                    writer.bound(bounds)
                 for ids, fps, outs in chunks:
                     writer.add(ids, fps, outs)
             except Exception as e:
@@ -341,6 +345,31 @@ def _build(
                     other.cancel()
                 raise _Unusable(f"baseline file {piece.uri} cannot be read: {describe(e)}") from e
     return writer.finish(str(folder), run_id)
+
+
+def _id_bounds(pf: Any, groups: Sequence[int], id_col: str) -> tuple[int, int] | None:
+    """The smallest and largest id of row groups ``groups`` of the open file ``pf``, from its
+    footer's statistics; None unless the ids are integers every row group bounds."""
+    field = pf.schema_arrow.field(id_col)
+    if not pa.types.is_integer(field.type):
+        return None
+    meta = pf.metadata
+    lows, highs = [], []
+    for g in groups:
+        rg = meta.row_group(g)
+        stats = next(
+            (
+                rg.column(k).statistics
+                for k in range(rg.num_columns)
+                if rg.column(k).path_in_schema == id_col
+            ),
+            None,
+        )
+        if stats is None or not stats.has_min_max:
+            return None
+        lows.append(int(stats.min))
+        highs.append(int(stats.max))
+    return (min(lows), max(highs)) if lows else None
 
 
 def _rows(

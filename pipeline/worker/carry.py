@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.worker.baseline import BaselineIndex, OutputLayout
 from pipeline.worker.fingerprint import fingerprints, id_hashes
@@ -89,7 +90,7 @@ class Carry:
             self.counts.add(split.counts)
             return split
         hashes, has_id = id_hashes(ids)
-        found, same_id = self.index.match(hashes, fps, valid & has_id, self.hint)
+        found, same_id = self.index.match(hashes, fps, valid & has_id, self.hint, self._new(ids))
         carry = found >= 0
         known = same_id >= 0
         others = has_id & ~valid  # rejected rows: their ids are still in tonight's input
@@ -114,6 +115,19 @@ class Carry:
         counts.new = counts.scored - counts.changed
         self.counts.add(counts)
         return Split(fps, carry, found[carry], send, counts)
+
+    def _new(self, ids: pa.Array) -> np.ndarray | None:
+        """Rows whose integer id lies outside the baseline's ids (new, with no lookup: the
+        next item ids of a catalog that numbers its items in order); None when not known."""
+        bounds = self.index.ref.id_range if self.index is not None else None
+        if bounds is None or not pa.types.is_integer(ids.type):
+            return None
+        try:
+            low, high = pa.scalar(bounds[0]), pa.scalar(bounds[1])
+            outside = pc.or_(pc.less(ids, low), pc.greater(ids, high))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError):
+            return None  # an unsigned id beyond int64, against signed bounds: look them up
+        return np.asarray(outside.fill_null(False).to_numpy(zero_copy_only=False), dtype=bool)
 
     def merge(self, split: Split, scored: list[pa.Array], keep: np.ndarray) -> list[pa.Array]:
         """The output columns of the ``keep`` rows in input order: the model's values

@@ -284,3 +284,69 @@ def test_a_day_a_rollback_restored_is_carried_from(tmp_path: Path) -> None:
     full = cli(*n.args(DAYS[2], output="full"))
     assert full.returncode == 0, full.stderr
     _assert_equal_to_full(n.rows(DAYS[2]), n.rows(DAYS[2], output="full"), n.night2)
+
+
+def test_a_night_in_its_baseline_files_order_needs_no_id_table(tmp_path: Path) -> None:
+    """Shards that keep their names and their rows' order (features changed in place, rows
+    deleted, new items numbered on inserted and appended) are matched near each row's place:
+    the id table is never built, and the counts and output are a full rescore's. The same
+    night with a new id inside the baseline's range (an id that cannot be known new without
+    the table) builds it once, and carries the same rows."""
+    bundle = tmp_path / "bundle"
+    export_bundle(make_model(), bundle, demo_toml(), n_in=16)
+    first = make_rows(0, 3000, 0)
+    night1 = tmp_path / "in" / DAYS[0]
+    night1.mkdir(parents=True)
+    for i in range(3):
+        part = first.slice(1000 * i, 1000)
+        pq.write_table(part, night1 / f"part-{i}.parquet", row_group_size=300)
+    df = first.to_pandas()
+    df.loc[5:34, "f3"] = df.loc[5:34, "f3"] + np.float32(0.5)  # 30 changed in place
+    new = make_rows(3000, 12, 9).to_pandas()  # ids 3000..3011: beyond night 1's
+    shard1 = pd.concat([new.iloc[:5], df.iloc[1000:1400], df.iloc[1410:2000]])  # 10 deleted
+    shard2 = pd.concat([df.iloc[2000:3000], new.iloc[5:]])
+    night2 = [df.iloc[:1000], shard1, shard2]
+
+    def write(day: str, parts: list[pd.DataFrame]) -> pd.DataFrame:
+        folder = tmp_path / "in" / day
+        folder.mkdir(parents=True)
+        for i, part in enumerate(parts):
+            table = pa.Table.from_pandas(part, schema=first.schema, preserve_index=False)
+            pq.write_table(table, folder / f"part-{i}.parquet", row_group_size=300)
+        return pd.concat(parts).sort_values("item_id").reset_index(drop=True)
+
+    def night(day: str, *extra: str, output: str = "out") -> tuple[dict[str, Any], str]:
+        args = [
+            "run", "--input", str(tmp_path / "in" / "{date}"),
+            "--output", str(tmp_path / output / "run_date={date}"),
+            "--model", str(bundle), "--passthrough", "category", "--date", day,
+            "--scheduler", "sync", *extra,
+        ]  # fmt: skip
+        r = cli(*args)
+        assert r.returncode == 0, r.stderr
+        return report(tmp_path / output / f"run_date={day}"), r.stderr
+
+    def rows(day: str, output: str) -> pd.DataFrame:
+        parts = read_tree(tmp_path / output / f"run_date={day}")
+        frame = pa.concat_tables(parts.values()).to_pandas()
+        return frame.sort_values("item_id").reset_index(drop=True)
+
+    night(DAYS[0], "--incremental")
+    inputs = write(DAYS[1], night2)
+    second, log = night(DAYS[1], "--incremental")
+    inc = second["incremental"]
+    assert (inc["rows_changed"], inc["rows_new"], inc["rows_removed"]) == (30, 12, 10)
+    assert inc["rows_scored"] == 42 and inc["rows_carried"] == 3000 - 10 - 30
+    assert "id table built" not in log
+    night(DAYS[1], output="full")
+    _assert_equal_to_full(rows(DAYS[1], "out"), rows(DAYS[1], "full"), inputs)
+
+    gap = make_rows(1500, 1, 3).to_pandas()  # id 1500: inside the range, and deleted above
+    gap["item_id"] = 1405
+    inputs = write(DAYS[2], [night2[0], pd.concat([night2[1], gap]), night2[2]])
+    third, log = night(DAYS[2], "--incremental")
+    inc = third["incremental"]
+    assert inc["rows_new"] == 1 and inc["rows_changed"] == 0 and inc["rows_scored"] == 1
+    assert log.count("id table built") == 1
+    night(DAYS[2], output="full")
+    _assert_equal_to_full(rows(DAYS[2], "out"), rows(DAYS[2], "full"), inputs)

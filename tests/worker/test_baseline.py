@@ -38,6 +38,7 @@ def _index(
     query=st.lists(st.tuples(st.integers(0, 45), st.integers(0, 3), st.booleans()), max_size=200),
     hint=st.integers(-1, 320),
     aligned=st.booleans(),
+    window=st.sampled_from([3, baseline.WINDOW]),
 )
 def test_lookups_find_exactly_the_same_id_and_fingerprint(
     tmp_path_factory: pytest.TempPathFactory,
@@ -45,6 +46,7 @@ def test_lookups_find_exactly_the_same_id_and_fingerprint(
     query: list[tuple[int, int, bool]],
     hint: int,
     aligned: bool,
+    window: int,
 ) -> None:
     """Many duplicate ids, several fingerprints per id: a row found is always a baseline row
     with its id and fingerprint (and its output values are that row's); a row is found iff
@@ -65,9 +67,16 @@ def test_lookups_find_exactly_the_same_id_and_fingerprint(
     q_ids = np.array([q[0] for q in query], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     q_fps = np.array([q[1] for q in query], dtype=np.int64)
     use = np.array([q[2] for q in query], dtype=bool)
-    found, same = index.match(q_ids, q_fps, use, hint)
+    default, baseline.WINDOW = baseline.WINDOW, window  # 3: most rows beyond it, probed
+    try:
+        found, same = index.match(q_ids, q_fps, use, hint)
+    finally:
+        baseline.WINDOW = default
     known = same >= 0
     pairs = set(zip(ids.tolist(), fps.tolist(), strict=True))
+    used = np.flatnonzero(use)
+    lo = max(0, hint + int(used[0]) - window) if used.size else 0
+    hi = min(ids.size, hint + int(used[-1]) + window + 1) if used.size else 0
     for i in range(len(query)):
         if not use[i]:
             assert found[i] == -1 and not known[i]
@@ -83,9 +92,14 @@ def test_lookups_find_exactly_the_same_id_and_fingerprint(
             row, vec = index.outputs(np.array([r]))
             assert row[0] == r and vec[0].tolist() == [r, -r]
         elif (int(q_ids[i]), int(q_fps[i])) in pairs:
-            assert at_place and fps[expected] != q_fps[i]  # changed at its place
+            # Answered near its place, by a row of its id with another fingerprint: changed.
+            assert hint >= 0 and fps[same[i]] != q_fps[i]
         if at_place:
             assert same[i] == expected
+        elif hint >= 0 and known[i]:
+            near = [r for r in range(lo, hi) if ids[r] == q_ids[i]]
+            if near:  # the first row of its id near the batch
+                assert same[i] == near[0]
     # rep: each row's first row with the same id; distinct ids = rows that are their own rep.
     assert np.array_equal(ids[rep], ids)
     assert int(np.count_nonzero(rep == np.arange(ids.size))) == len(set(ids.tolist()))
@@ -227,3 +241,28 @@ def test_the_id_table_is_built_only_when_a_row_is_not_at_its_place(tmp_path: Pat
     other = BaselineIndex(tmp_path, index.ref)  # another worker of the machine
     assert other.match(ids[5:6], fps[5:6], np.ones(1, bool))[0].tolist() == [5]
     assert (tmp_path / "slots.npy").stat().st_mtime_ns == built  # not built again
+
+
+def test_rows_shifted_by_inserts_and_deletes_are_found_near_their_place(tmp_path: Path) -> None:
+    """Rows inserted and deleted upstream shift the rest of a batch: the rows are found in the
+    baseline rows around the batch, carried or changed there, without the id table."""
+    ids = np.arange(1, 2001, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    fps = np.arange(2000, dtype=np.int64)
+    index, _ = _index(tmp_path, ids, fps)
+    keep = np.ones(2000, bool)
+    keep[100:110] = False  # deleted upstream
+    t_ids, t_fps = ids[keep].copy(), fps[keep].copy()
+    t_fps[500] += 1  # changed, after the deletion
+    inserted = np.array([7777], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    t_ids = np.concatenate([t_ids[:50], inserted, t_ids[50:]])
+    t_fps = np.concatenate([t_fps[:50], [5], t_fps[50:]])
+    new = np.zeros(t_ids.size, bool)
+    new[50] = True  # what Carry knows of an id beyond the baseline's range
+    found, same = index.match(t_ids, t_fps, np.ones(t_ids.size, bool), hint=0, new=new)
+    rows = np.flatnonzero(keep)
+    expect = np.concatenate([rows[:50], [-1], rows[50:]])
+    assert same.tolist() == expect.tolist()
+    carried = expect.copy()
+    carried[501] = -1  # the changed row (one further on: the inserted row before it)
+    assert found.tolist() == carried.tolist()
+    assert not (tmp_path / "slots.npy").exists()
