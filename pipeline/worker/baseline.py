@@ -441,7 +441,7 @@ class BaselineIndex:
         hit = same & (self.fps[at] == fps[rows])
         found[rows[hit]] = at[hit]
         first[rows[same]] = at[same]
-        rest = rows[~same]
+        rest: np.ndarray = rows[~same]
         lo, hi = max(0, hint + int(rows[0]) - WINDOW), min(n, hint + int(rows[-1]) + WINDOW + 1)
         if not rest.size or lo >= hi:
             return rest
@@ -454,7 +454,8 @@ class BaselineIndex:
         hit = same & (self.fps[at] == fps[rest])
         found[rest[hit]] = at[hit]
         first[rest[same]] = at[same]
-        return rest[~same]
+        left: np.ndarray = rest[~same]
+        return left
 
     def first_rows(self, ids: np.ndarray, use: np.ndarray) -> np.ndarray:
         """The first index row with each id hash (-1: not in the baseline), for ``use`` rows."""
