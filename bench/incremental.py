@@ -4,7 +4,11 @@ For each workload (W1, W1 x 10, W2 at 600,000 rows) one night is scored with ``-
 (untimed: the baseline), then, alternating round by round, a plain run over night 2's input
 (``full``, no ``--incremental``, the rescore every night pays today) and an incremental night 2
 over each changed copy of the input. A changed row has its first feature moved by 1.0: a change
-the model sees, so the row goes through the model. Every run is a whole ``score-catalog run``
+the model sees, so the row goes through the model. Two more nights of the 1%-changed input:
+``inc-1pct-moved``, its shards under each other's names (each shard's rows out of their
+baseline file's place: looked up through the id table, which the night builds), and
+``inc-1pct-catalog``, 0.5% of each shard's items deleted and as many new ones appended,
+numbered on (what a catalog's night looks like). Every run is a whole ``score-catalog run``
 process (``--scheduler local``), wall time from its start to its exit; peak memory is the
 proportional set size (PSS) of its process tree, sampled every 50 ms, so that the index the
 workers map from one file is counted once, as the machine holds it (RSS would count it once per
@@ -14,6 +18,7 @@ worker).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -38,6 +43,10 @@ W2_ROWS = 600_000  # the issue's W2 night: 600,000 rows
 TARGETS = {("W2", 0.01): 0.25, ("W1X10", 0.01): 0.5}
 HUNDRED_TARGET = 1.05  # 100% changed: the fingerprint is not a tax
 MEMORY_TARGET = 1.5  # W1 x 10, 1% changed: peak memory against a plain run's
+#: The 1%-changed night with its shards under each other's names (rows out of their place).
+MOVED = "inc-1pct-moved"
+#: The 1%-changed night with 0.5% of the items deleted and 0.5% new ones numbered on.
+CATALOG = "inc-1pct-catalog"
 
 
 def _key(fraction: float) -> str:
@@ -72,6 +81,53 @@ def _changed_copy(src: Path, dest: Path, fraction: float, column: str) -> Path:
             values[picked if picked is not None else slice(None)] += values.dtype.type(1.0)
             new = pa.array(values)
         table = table.set_column(table.schema.get_field_index(column), column, new)
+        pq.write_table(
+            table,
+            dest / path.name,
+            row_group_size=ROW_GROUP_ROWS,
+            use_dictionary=False,
+            compression="zstd",
+        )
+    mark.write_text(json.dumps(stamp))
+    return dest
+
+
+def _moved_copy(src: Path, dest: Path) -> Path:
+    """``src``'s shards under each other's names (shard k's rows in the file named k + 1): every
+    shard is first compared with another shard's baseline file, so its rows are looked up in
+    the id table (built once, by the first worker that needs it). Hard links, not copies."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    files = shard_files(src)
+    for k, path in enumerate(files):
+        os.link(path, dest / files[(k + 1) % len(files)].name)
+    return dest
+
+
+def _catalog_copy(src: Path, dest: Path, id_column: str) -> Path:
+    """A catalog's night: ``src`` (1% of the rows' features changed) with 0.5% of each shard's
+    rows deleted and as many new items appended, numbered on from the largest id. Cached by a
+    stamp."""
+    stamp = {"src": str(src), "source": (src / "_bench.json").read_text(), "rg": ROW_GROUP_ROWS}
+    mark = dest / "_bench.json"
+    if mark.exists() and json.loads(mark.read_text()) == stamp:
+        return dest
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    files = shard_files(src)
+    top = max(int(pq.read_table(p, columns=[id_column]).column(0).to_numpy().max()) for p in files)
+    for k, path in enumerate(files):
+        table = pq.read_table(path)
+        n = table.num_rows
+        rng = np.random.default_rng([11, k])
+        gone = rng.choice(n, max(1, n // 200), replace=False)
+        keep = np.ones(n, dtype=bool)
+        keep[gone] = False
+        added = table.take(pa.array(rng.choice(n, gone.size, replace=False)))
+        ids = pa.array(np.arange(top + 1, top + 1 + gone.size), added.schema.field(id_column).type)
+        top += gone.size
+        added = added.set_column(added.schema.get_field_index(id_column), id_column, ids)
+        table = pa.concat_tables([table.filter(pa.array(keep)), added])
         pq.write_table(
             table,
             dest / path.name,
@@ -180,6 +236,8 @@ def _night(
     for f in FRACTIONS:
         inputs[_key(f)] = night1 if f == 0 else _changed_copy(night1, data / _key(f), f, column)
     inputs["full"] = inputs[_key(0.01)]  # the full rescore of the night the targets are for
+    inputs[MOVED] = _moved_copy(inputs[_key(0.01)], data / MOVED)
+    inputs[CATALOG] = _catalog_copy(inputs[_key(0.01)], data / CATALOG, "item_id")
     root = runner.root / "out" / "incremental" / key.lower()
     shutil.rmtree(root, ignore_errors=True)
     return _Night(key, title, model, night1, inputs, root, rows)
@@ -233,7 +291,7 @@ def incremental_suite(
                 W2_ROWS // (10 if sizes.quick else 1),
             )
         )
-    keys = ["full", *(_key(f) for f in FRACTIONS)]
+    keys = ["full", *(_key(f) for f in FRACTIONS), MOVED, CATALOG]
     wl = WorkloadResult(
         "INCREMENTAL",
         "INCREMENTAL: nights that score only what changed",
