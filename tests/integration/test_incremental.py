@@ -26,6 +26,7 @@ import pytest
 from pipeline.cli.demo import export_bundle, make_rows
 from tests.conftest import demo_toml, make_model
 from tests.integration.helpers import KILL_AT, cli, read_tree, report
+from tests.integration.servers import DaskCluster
 
 pytestmark = pytest.mark.integration
 
@@ -237,6 +238,26 @@ def test_a_sigkilled_incremental_night_resumes_to_a_full_rescore(
     if not (n.root / "full" / f"run_date={day}").exists():
         n.run(day, output="full")
     _assert_equal_to_full(n.rows(day, out), n.rows(day, "full"), n.night2)
+
+
+def test_an_incremental_night_on_a_dask_cluster_elsewhere(
+    nights: Nights, dask_cluster: DaskCluster
+) -> None:
+    """Workers of a cluster started apart (a scheduler and two workers) copy the index from
+    the output's control area, build the id table in their copy when rows moved (night 2 is
+    re-cut), and mark nothing: the driver reads the input's ids to count the removed ones.
+    The counts and the output are those of a night on this machine."""
+    n = nights
+    out = f"remote-{n.fmt}"
+    _first_night(n, DAYS[0], out)
+    second = n.run(DAYS[1], "--incremental", "--scheduler", dask_cluster.address, output=out)
+    inc = second["incremental"]
+    assert (inc["rows_new"], inc["rows_changed"]) == (NEW, FEATURE_CHANGED)
+    assert inc["rows_scored"] == FEATURE_CHANGED + NEW and inc["rows_removed"] == DELETED
+    if not (n.root / "full" / f"run_date={DAYS[1]}").exists():
+        n.run(DAYS[1], output="full")
+    _assert_equal_to_full(n.rows(DAYS[1], out), n.rows(DAYS[1], "full"), n.night2)
+    assert not list(n.root.rglob("_baseline/*/*"))  # the uploaded index is gone
 
 
 def _first_night(n: Nights, day: str, output: str) -> None:
