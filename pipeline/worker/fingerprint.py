@@ -38,10 +38,6 @@ _F1 = np.uint64(0xFF51AFD7ED558CCD)
 _F2 = np.uint64(0xC4CEB9FE1A85EC53)
 
 
-def _rotl(x: np.ndarray, r: int) -> np.ndarray:
-    return (x << np.uint64(r)) | (x >> np.uint64(64 - r))
-
-
 def _fmix(h: np.ndarray) -> np.ndarray:
     h ^= h >> np.uint64(33)
     h *= _F1
