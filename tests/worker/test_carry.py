@@ -54,3 +54,19 @@ def test_ids_that_are_not_integers_or_do_not_compare_are_looked_up(tmp_path: Pat
     assert new is None or new.tolist() == [True, False]
     ref = dataclasses.replace(index.ref, id_range=None)
     assert Carry(BaselineIndex(tmp_path, ref), carry.layouts)._new(pa.array([9])) is None
+
+
+def test_a_rejected_row_marks_its_id_near_its_place_and_is_never_carried(tmp_path: Path) -> None:
+    """A row whose features are invalid tonight is not carried, even with the baseline's
+    fingerprint; its id is still marked as met, found at its place (no id table built)."""
+    x = torch.arange(40, dtype=torch.float32).reshape(20, 2)
+    ids = pa.array(np.arange(100, 120), pa.int64())
+    index = _baseline(tmp_path, ids, x)
+    carry = Carry(index, (OutputLayout("score", "float32"),), start=0)
+    valid = np.ones(20, bool)
+    valid[[3, 7]] = False
+    split = carry.split((x,), ids, valid)
+    assert split.counts.carried == 18 and split.counts.scored == 0
+    assert not split.carry[3] and not split.carry[7]
+    assert np.load(tmp_path / "seen.npy")[:20].all()  # every id met, the rejected ones too
+    assert not (tmp_path / "slots.npy").exists()
