@@ -53,6 +53,13 @@ def _key(fraction: float) -> str:
     return f"inc-{round(fraction * 100):g}pct"
 
 
+def _write(table: pa.Table, path: Path) -> None:
+    """A night's shard written as the workload's shards are (row groups, no dictionary, zstd)."""
+    pq.write_table(
+        table, path, row_group_size=ROW_GROUP_ROWS, use_dictionary=False, compression="zstd"
+    )
+
+
 def _changed_copy(src: Path, dest: Path, fraction: float, column: str) -> Path:
     """``src``'s shards with ``fraction`` of each shard's rows' ``column`` moved by 1.0 (the
     first value of a list column), cached by a stamp."""
@@ -81,13 +88,7 @@ def _changed_copy(src: Path, dest: Path, fraction: float, column: str) -> Path:
             values[picked if picked is not None else slice(None)] += values.dtype.type(1.0)
             new = pa.array(values)
         table = table.set_column(table.schema.get_field_index(column), column, new)
-        pq.write_table(
-            table,
-            dest / path.name,
-            row_group_size=ROW_GROUP_ROWS,
-            use_dictionary=False,
-            compression="zstd",
-        )
+        _write(table, dest / path.name)
     mark.write_text(json.dumps(stamp))
     return dest
 
@@ -128,13 +129,7 @@ def _catalog_copy(src: Path, dest: Path, id_column: str) -> Path:
         top += gone.size
         added = added.set_column(added.schema.get_field_index(id_column), id_column, ids)
         table = pa.concat_tables([table.filter(pa.array(keep)), added])
-        pq.write_table(
-            table,
-            dest / path.name,
-            row_group_size=ROW_GROUP_ROWS,
-            use_dictionary=False,
-            compression="zstd",
-        )
+        _write(table, dest / path.name)
     mark.write_text(json.dumps(stamp))
     return dest
 
