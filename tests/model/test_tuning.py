@@ -349,7 +349,7 @@ def test_an_entry_measured_on_another_cpu_is_measured_again(
     path = tmp_path / "batch_sizes.json"
     BatchSizeCache(path, cpu=_other_cpu(what)).put("k", 1024, SWEEP)  # another machine's
     here = BatchSizeCache(path)
-    with caplog.at_level(logging.INFO, logger="pipeline.model.tuning"):
+    with caplog.at_level(logging.INFO, logger="pipeline.model.tuningcache"):
         assert here.get("k") is None
     assert "measured on another CPU" in caplog.text
     here.put("k", 2048, SWEEP)  # this machine's own choice replaces it
