@@ -150,3 +150,18 @@ def delete_files(root: Location, names: tuple[str, ...]) -> None:
     for name in names:
         storage.remove(root.child(name))
         logger.info("deleted %s: written by a run that never committed", root.child(name).uri)
+
+
+def missing_files(root: Location, prefix: str, paths: Iterable[str]) -> frozenset[str]:
+    """Of a table partition's files ``paths`` (relative to the table's root; ``prefix``: the
+    partition folder ``root``'s path below it), those storage does not hold: one listing of the
+    partition's folder (every data file of a partition lies directly in it: ours, a
+    compaction's and a rollback's), not a request per file."""
+    paths = list(paths)
+    if not paths:
+        return frozenset()
+    try:
+        names = {e.name for e in storage.ls(root)}
+    except FileNotFoundError:
+        names = set()
+    return frozenset(p for p in paths if not (p.startswith(prefix) and p[len(prefix) :] in names))

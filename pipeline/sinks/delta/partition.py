@@ -21,7 +21,7 @@ from pipeline.io.storage import Location
 from pipeline.sinks.base import Expected, Removal
 from pipeline.sinks.delta.stats import stats_problem
 from pipeline.sinks.delta.table import Snapshot, TableRef, version_of
-from pipeline.sinks.files import file_problems, folder_of, uncommitted_names
+from pipeline.sinks.files import file_problems, folder_of, missing_files, uncommitted_names
 from pipeline.sinks.token import IndexPlace, Recovered, TokenState, settle_index
 
 logger = logging.getLogger(__name__)
@@ -111,21 +111,11 @@ def _stale_stats(loc: Location, entry: Mapping[str, Any], options: Mapping[str, 
 def not_in_storage(
     root: Location, partition: Mapping[str, str], snap: Snapshot | None
 ) -> frozenset[str]:
-    """The files ``snap`` lists in this partition that storage does not hold: one listing of
-    the partition's folder (every data file of a partition lies directly in it: ours,
-    OPTIMIZE's and a rollback's), not a request per file."""
-    if snap is None or not snap.files:
+    """The files ``snap`` lists in this partition that storage does not hold
+    (:func:`pipeline.sinks.files.missing_files`)."""
+    if snap is None:
         return frozenset()
-    try:
-        names = {e.name for e in storage.ls(root)}
-    except FileNotFoundError:
-        names = set()
-    prefix = folder_of(partition)
-    return frozenset(
-        f.path
-        for f in snap.files
-        if not (f.path.startswith(prefix) and f.path[len(prefix) :] in names)
-    )
+    return missing_files(root, folder_of(partition), [f.path for f in snap.files])
 
 
 def check_folder(table: TableRef, output: Location) -> None:
