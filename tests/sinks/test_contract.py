@@ -1,11 +1,12 @@
 """The sink seam's contract, run against every sink on local disk (the Parquet folder, a Delta
-table's partition and an Iceberg table's): a run's calls in order (begin -> plan -> delete_stale -> verify -> commit ->
-seal) make exactly the run's shards visible, once; a run stopped after any step leaves readers
-the previous output, whole, and the next run ends where an uninterrupted one would; a commit
-retried after it landed does not land twice; a file storage lost is work to do; abort takes
-back the claim of completeness. Real Parquet files written the way a worker writes them (its
-footer marks; a table's stats from :data:`~pipeline.sinks.base.WriterSpec.file_facts`), a real
-manifest, real tables read back by Polars (Delta) and pyiceberg (Iceberg).
+table's partition and an Iceberg table's): a run's calls in order (begin -> plan ->
+delete_stale -> verify -> commit -> seal) make exactly the run's shards visible, once; a run
+stopped after any step leaves readers the previous output, whole, and the next run ends where
+an uninterrupted one would; a commit retried after it landed does not land twice; a file
+storage lost is work to do; abort takes back the claim of completeness. Real Parquet files
+written the way a worker writes them (its footer marks; a table's stats from
+:data:`~pipeline.sinks.base.WriterSpec.file_facts`), a real manifest, real tables read back by
+Polars (Delta) and pyiceberg (Iceberg).
 """
 
 from __future__ import annotations
