@@ -210,3 +210,15 @@ def ensure_table(
 
     storage.makedirs(ref.location)
     return _sqlite_retried(ref, "making the table in", _make)
+
+
+def check_location(ref: IcebergRef, table: Table) -> None:
+    """Refuse a table its catalog places somewhere else than ``ref``'s folder (moved, or another
+    table of that name): its data files would not be where this tool writes them."""
+    found = table.metadata.location.rstrip("/")
+    if found != ref.table_location.rstrip("/"):
+        raise ConfigError(
+            f"output {ref.uri}: the catalog {ref.catalog_uri} has a table {ref.identifier} at "
+            f"{found}, not at {ref.table_location}: write to another folder, or move the table "
+            "back"
+        )

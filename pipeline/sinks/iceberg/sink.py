@@ -163,6 +163,7 @@ class IcebergSink:
         check_folder(self.table, self.root, table)
         if table is None:
             return
+        catalog.check_location(self.table, table)
         if table.properties.get(catalog.WRITER_PROPERTY) != catalog.WRITER_PROPERTY_VALUE:
             raise ConfigError(
                 f"output {self.root.uri}: the Iceberg table {self.table.identifier} was not "
@@ -249,6 +250,7 @@ class IcebergSink:
         wanted = schema.iceberg_schema(self.table.uri, output, partition_by)
         if table is None:
             table = catalog.ensure_table(self.table, wanted, partition_by, {})
+        catalog.check_location(self.table, table)
         added = schema.fit(
             self.table.uri, table, wanted, partition_by, allow_new=self.allow_new_columns
         )
