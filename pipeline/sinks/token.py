@@ -53,6 +53,12 @@ class Recovered:
         return {"run_id": self.run_id, "table_version": self.table_version}
 
 
+#: The keys :meth:`TokenState.public` writes itself; any other key is the sink's (``extra``).
+_OWN_KEYS = frozenset(
+    {"format", "app_id", "committed", "table_version", "run_id", "pending", "runs"}
+)
+
+
 @dataclass(frozen=True)
 class TokenState:
     """What a partition's manifest keeps of the token (its ``output_format`` key)."""
@@ -64,7 +70,9 @@ class TokenState:
     run_id: str | None = None  # the run that made it
     pending: Pending | None = None
     runs: tuple[str, ...] = ()  # runs whose files may lie uncommitted in the partition
-    extra: Mapping[str, Any] = field(default_factory=dict)  # table, partition: for readers
+    #: Where the table is, for readers of the manifest (table, partition; an Iceberg table's
+    #: catalog and identifier): kept as the sink wrote them.
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def read(cls, state: Mapping[str, Any] | None, app_id: str, fmt: str) -> TokenState:
@@ -89,7 +97,7 @@ class TokenState:
             run_id=found.get("run_id"),
             pending=pending,
             runs=tuple(str(r) for r in found.get("runs") or ()),
-            extra={k: found[k] for k in ("table", "partition") if k in found},
+            extra={k: v for k, v in found.items() if k not in _OWN_KEYS},
         )
 
     def public(self) -> dict[str, Any]:
