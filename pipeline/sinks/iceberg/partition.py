@@ -4,6 +4,7 @@ what became of the previous run's pending commit (:func:`settle_pending`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,9 +44,10 @@ class IcebergBegun:
     cleared: tuple[Removal, ...] = ()
     foreign: ForeignFiles = field(default_factory=ForeignFiles)
 
-    @property
+    @functools.cached_property
     def files(self) -> dict[str, int]:
-        """The partition's files in the table: path -> size."""
+        """The partition's files in the table: path -> size (read once: ``done`` asks per
+        shard)."""
         return {f.path: f.size for f in self.snapshot.files} if self.snapshot is not None else {}
 
     @property
