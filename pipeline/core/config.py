@@ -648,8 +648,9 @@ def _format_problems(good: Mapping[str, Any], bad: set[str]) -> list[Keyed]:
         problems.append(
             (
                 "format",
-                f"format = 'iceberg' needs {', '.join(missing)}, which is not installed here: "
-                "pip install 'score-catalog[iceberg]', or use format 'delta' or 'parquet'",
+                f"format = 'iceberg' needs {' and '.join(missing)}, which "
+                f"{'is' if len(missing) == 1 else 'are'} not installed here: pip install "
+                "'score-catalog[iceberg]', or use format 'delta' or 'parquet'",
             )
         )
     return problems
