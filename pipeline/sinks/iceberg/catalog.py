@@ -12,8 +12,8 @@ Only the driver imports this module: Dask workers use :mod:`pipeline.sinks.icebe
 
 from __future__ import annotations
 
-import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -126,11 +126,39 @@ class IcebergRef:
         return f"{self.table_location}/{rel}"
 
 
-@functools.lru_cache(maxsize=16)
+#: The catalogs this process opened, by SQLite file: one engine each.
+_OPEN: dict[str, SqlCatalog] = {}
+
+
 def _catalog(path: str) -> SqlCatalog:
     """The catalog on the SQLite file ``path`` (made when missing), one per process and file."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return SqlCatalog(CATALOG_NAME, uri=f"sqlite:///{path}", warehouse=Path(path).parent.as_uri())
+    found = _OPEN.get(path)
+    if found is None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        found = SqlCatalog(
+            CATALOG_NAME, uri=f"sqlite:///{path}", warehouse=Path(path).parent.as_uri()
+        )
+        _OPEN[path] = found
+    return found
+
+
+def _forget() -> None:
+    """Drop the catalogs opened (their engines closed): the next use opens afresh."""
+    for cat in _OPEN.values():
+        cat.engine.dispose()
+    _OPEN.clear()
+
+
+def _forget_in_child() -> None:
+    """A process forked from the driver (a Dask worker) never uses the driver's SQLite
+    connections: SQLAlchemy's rule for a fork, ``dispose(close=False)`` (the parent keeps
+    them), and the child opens its own if it ever needs one."""
+    for cat in _OPEN.values():
+        cat.engine.dispose(close=False)
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _sqlite_retried(ref: IcebergRef, what: str, fn: Callable[[], T]) -> T:
@@ -143,7 +171,7 @@ def _sqlite_retried(ref: IcebergRef, what: str, fn: Callable[[], T]) -> T:
             last = e
             logger.debug("%s %s: %s (again)", what, ref.identifier, e)
             time.sleep(0.05 * (attempt + 1))
-            _catalog.cache_clear()
+            _forget()
     raise StorageError(
         f"{what} the Iceberg catalog {ref.catalog_uri} failed {BOOTSTRAP_ATTEMPTS} times: {last}",
         uri=ref.uri,
