@@ -100,3 +100,22 @@ def test_object_storage_is_refused_for_now(tmp_path: Path) -> None:
         catalog.IcebergRef.of(
             storage.locate("memory://bucket/scored"), storage.locate(str(tmp_path / "area"))
         )
+
+
+def test_an_unpartitioned_table_is_replaced_whole_by_each_run(tmp_path: Path) -> None:
+    from tests.sinks.test_contract import Output, ids_of, run, shards
+
+    config = JobConfig(
+        input=str(tmp_path / "in"), output=str(tmp_path / "scored"), model="m", format="iceberg"
+    )
+    output = Output("iceberg", config, tmp_path / "scored")
+    run(output, shards(3), "r1")
+    run(output, shards(2, start=1), "r2")
+    sink = output.sink("check")
+    assert isinstance(sink, IcebergSink) and sink.partition == {}
+    table = catalog.load(sink.table)
+    assert table is not None and table.spec().fields == ()
+    ids = sorted(table.scan().to_arrow().column("item_id").to_pylist())
+    assert ids == ids_of(shards(2, start=1))
+    assert len(table.snapshots()) == 2
+    assert sink.state(output.manifest()).complete
