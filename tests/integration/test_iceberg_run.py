@@ -140,7 +140,7 @@ def test_a_backfill_is_one_table_read_by_day_and_a_rescore_is_one_snapshot_of_on
     out = tmp_path / "scored"
     done = cli("backfill", str(job), "--from", DAYS[0], "--to", DAYS[-1])
     assert done.returncode == 0, done.output
-    assert sorted(p.name for p in out.iterdir()) == ["metadata", *(f"dt={d}" for d in DAYS)]
+    assert sorted(p.name for p in out.iterdir()) == [*(f"dt={d}" for d in DAYS), "metadata"]
     section = report(out / f"dt={DAYS[0]}")["output_format"]
     assert section["identifier"] == "score_catalog.scored"
     table = table_of(section)
