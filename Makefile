@@ -31,7 +31,7 @@ $(VENV)/.installed: pyproject.toml
 	else \
 	  $(PY) -m pip install -q "$(CPU_TORCH)"; \
 	fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,iceberg]'
 	touch $@
 
 # The demo catalog (generated, not committed) and the demo bundle (committed; retrained if absent).

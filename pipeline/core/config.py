@@ -51,6 +51,11 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 Engine = Literal["torch", "onnx"]
 #: What ``engine = "onnx"`` imports: the runtime, and torch.onnx.export's dynamo exporter.
 ONNX_PACKAGES = ("onnxruntime", "onnx", "onnxscript")
+#: What ``format = "iceberg"`` imports (the ``iceberg`` extra): pyiceberg and its SQL catalog.
+ICEBERG_PACKAGES = ("pyiceberg", "sqlalchemy")
+#: The table formats: an output template's fixed part is the table, its key={...} folders
+#: partition columns (pipeline.core.templates.partition_columns).
+TABLE_FORMATS = ("delta", "iceberg")
 
 
 def missing_packages(names: tuple[str, ...]) -> list[str]:
@@ -309,12 +314,14 @@ class JobConfig:
     # Where the scores go. "parquet": a folder of Parquet files, _SUCCESS when complete.
     # "delta": a Delta Lake table (docs/delta.md): the template's fixed part is the table, each
     # key={placeholder} folder below it a partition column; every run is one commit.
-    format: Literal["parquet", "delta"] = field(
+    # "iceberg": an Apache Iceberg table the same way (docs/iceberg.md; the iceberg extra), one
+    # snapshot per run, its catalog an embedded SQLite file beside the table.
+    format: Literal["parquet", "delta", "iceberg"] = field(
         default="parquet",
         metadata=meta(
             "parquet: a folder of Parquet files and _SUCCESS; delta: a Delta Lake table, one "
             "commit per run (the template's fixed part is the table, key={date} folders its "
-            "partitions)."
+            "partitions); iceberg: an Iceberg table the same way, one snapshot per run."
         ),
     )
     # format = "delta": a model that adds an output column adds it to the table (older rows
@@ -616,11 +623,7 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[Keyed]:
                 "its files, or a rollback to it fails",
             )
         )
-    if good.get("format") == "delta" and "output" in good and "output" not in bad:
-        try:
-            partition_columns(good["output"])
-        except ConfigError as e:
-            problems += [("output", p) for p in e.problems]
+    problems += _format_problems(good, bad)
     if good.get("engine") == "onnx":
         problems += [("engine", p) for p in _engine_problems(good)]
     if "output" in good and "output" not in bad:
@@ -628,6 +631,28 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[Keyed]:
             index_root(good["output"])  # where the run index lives: checked now, not after scoring
         except ConfigError as e:
             problems += [("output", p) for p in e.problems]
+    return problems
+
+
+def _format_problems(good: Mapping[str, Any], bad: set[str]) -> list[Keyed]:
+    """What a table format needs: an output template whose folders are partitions, and (for
+    ``format = "iceberg"``) the ``iceberg`` extra."""
+    problems: list[Keyed] = []
+    fmt = good.get("format")
+    if fmt in TABLE_FORMATS and "output" in good and "output" not in bad:
+        try:
+            partition_columns(good["output"], fmt=fmt)
+        except ConfigError as e:
+            problems += [("output", p) for p in e.problems]
+    if fmt == "iceberg" and (missing := missing_packages(ICEBERG_PACKAGES)):
+        problems.append(
+            (
+                "format",
+                f"format = 'iceberg' needs {' and '.join(missing)}, which "
+                f"{'is' if len(missing) == 1 else 'are'} not installed here: pip install "
+                "'score-catalog[iceberg]', or use format 'delta' or 'parquet'",
+            )
+        )
     return problems
 
 

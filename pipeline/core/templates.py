@@ -182,9 +182,10 @@ def single_segment_pattern(template: str, root: str) -> re.Pattern[str] | None:
 _PARTITION_SEGMENT = re.compile(r"(?P<key>[A-Za-z][A-Za-z0-9_]*)=\{(?P<field>[A-Za-z_]+)\}\Z")
 
 
-def partition_columns(template: str) -> list[tuple[str, str]]:
-    """The partition columns of the Delta table an output template writes (``format =
-    "delta"``): for each folder below the template's root, ``(column, placeholder)``.
+def partition_columns(template: str, fmt: str = "delta") -> list[tuple[str, str]]:
+    """The partition columns of the table an output template writes (``format = "delta"`` or
+    ``"iceberg"``: ``fmt``, which messages name): for each folder below the template's root,
+    ``(column, placeholder)``.
 
     The table is the root (``data/scored`` for ``data/scored/run_date={date}``); each folder
     below it must be ``key={placeholder}``, which becomes the string column ``key``. A template
@@ -197,7 +198,7 @@ def partition_columns(template: str) -> list[tuple[str, str]]:
         return []
     if root in (".", "/"):
         raise ConfigError(
-            f'output = {template!r} with format = "delta": the table would be {root!r} '
+            f'output = {template!r} with format = "{fmt}": the table would be {root!r} '
             "itself; put the partitions under a table folder (data/scored/run_date={date})"
         )
     rest = below(root, template)
@@ -213,7 +214,7 @@ def partition_columns(template: str) -> list[tuple[str, str]]:
                 else "every folder below the table must be key={placeholder}, e.g. run_date={date}"
             )
             raise ConfigError(
-                f'output = {template!r} with format = "delta": the table is {root!r} and '
+                f'output = {template!r} with format = "{fmt}": the table is {root!r} and '
                 f"{segment!r} below it is not a partition folder; {hint}"
             )
         if m.group("key") in {c for c, _ in columns}:

@@ -456,7 +456,7 @@ class RecoveredCommit(TypedDict):
 class OutputFormatCore(TypedDict):
     """The key every ``output_format`` has."""
 
-    format: str  # "parquet_folder" or "delta"
+    format: str  # "parquet_folder", "delta" or "iceberg"
 
 
 class OutputFormatSection(OutputFormatCore, total=False):
@@ -467,10 +467,13 @@ class OutputFormatSection(OutputFormatCore, total=False):
     title: str
     summary: str
     table: str
+    catalog: str  # iceberg: the catalog's URI
+    identifier: str  # iceberg: namespace.table
     partition: str | None
     app_id: str
     run_version: int | None
     version: int | None
+    snapshot_id: int | None  # iceberg
     committed: bool
     files_added: int
     files_removed: int

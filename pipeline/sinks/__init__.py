@@ -1,7 +1,7 @@
 """Where a run's scores go: one seam (:mod:`pipeline.sinks.base`), one package per format
-(:mod:`~pipeline.sinks.folder`, :mod:`~pipeline.sinks.delta`), and :func:`sink_for`, the only
-place a format is named. Dask workers import the seam's values only (pyarrow, no table client);
-a format's package is imported here, by the driver, downward."""
+(:mod:`~pipeline.sinks.folder`, :mod:`~pipeline.sinks.delta`, :mod:`~pipeline.sinks.iceberg`),
+and :func:`sink_for`, the only place a format is named. Dask workers import the seam's values
+only (pyarrow, no table client); a format's package is imported here, by the driver, downward."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core import jobfile
-from pipeline.core.errors import NotATableError
+from pipeline.core.errors import ConfigError, NotATableError
 from pipeline.core.templates import below, control_area, fixed_part
-from pipeline.io import storage
+from pipeline.io import layout, storage
 from pipeline.io.layout import Places
 from pipeline.io.storage import Location
 from pipeline.sinks.base import Sink
@@ -32,9 +32,23 @@ def sink_for(config: JobConfig, places: Places, run_id: str) -> Sink[Any, Any]:
         from pipeline.sinks.delta.sink import DeltaSink
 
         return DeltaSink.of(config, places, run_id)
+    if config.format == "iceberg":
+        return _iceberg_sink(config, places, run_id)
     from pipeline.sinks.folder.sink import FolderSink
 
     return FolderSink(places.output, dict(config.storage))
+
+
+def _iceberg_sink(config: JobConfig, places: Places, run_id: str) -> Sink[Any, Any]:
+    """The Iceberg sink (downward and only here, as Delta's), or what to install for it."""
+    try:
+        from pipeline.sinks.iceberg.sink import IcebergSink
+    except ImportError as e:
+        raise ConfigError(
+            f"format = 'iceberg' needs pyiceberg ({e.name or e}), which is not installed here: "
+            "pip install 'score-catalog[iceberg]', or use format 'delta' or 'parquet'"
+        ) from e
+    return IcebergSink.of(config, places, run_id)
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,12 @@ def locate_table(output: str, options: Mapping[str, Any] | None = None) -> Table
     from pipeline.sinks.delta.ops import table_above  # downward, as sink_for
 
     found = table_above(loc, opts)
+    if found is None and _iceberg_metadata_above(loc):
+        raise NotATableError(
+            f'{loc.uri} is an Iceberg table (format = "iceberg"): history, rollback, optimize '
+            "and vacuum work on Delta tables only so far (docs/iceberg.md#not-done-yet)",
+            uri=loc.uri,
+        )
     if found is None:
         raise NotATableError(
             f"no table at {loc.uri} or above it (no _delta_log/): give the table's folder, a "
@@ -73,3 +93,16 @@ def locate_table(output: str, options: Mapping[str, Any] | None = None) -> Table
     rest = below(root.path, loc.path)
     partition = dict(s.partition("=")[::2] for s in rest.split("/") if s) if rest else None
     return TableTarget(table, partition, storage.sibling(root, control_area(root.uri)))
+
+
+def _iceberg_metadata_above(loc: Location) -> bool:
+    """Whether ``loc`` or a folder above it holds an Iceberg table's ``metadata/`` folder with a
+    ``*.metadata.json`` (a listing per folder; no table client)."""
+    for folder in (loc, *layout.ancestors(loc)):
+        try:
+            names = [e.name for e in storage.ls(folder.child("metadata"))]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if any(n.endswith(".metadata.json") for n in names):
+            return True
+    return False

@@ -4,16 +4,20 @@ became a folder of the same name, or the reverse)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pipeline.core.errors import ConfigError, ShardError
 from pipeline.io import storage
 from pipeline.io.layout import INPUT_FINGERPRINT_KEY, INPUT_KEY, MODEL_SHA_KEY, SETTINGS_KEY
+from pipeline.io.manifest import Manifest
 from pipeline.io.ownership import remove_rejects
 from pipeline.io.parquet import read_footer
 from pipeline.io.storage import Location
 from pipeline.sinks.base import Expected
+
+logger = logging.getLogger(__name__)
 
 
 def in_the_way(files: set[str], wanted: Iterable[str]) -> dict[str, list[str]]:
@@ -98,3 +102,66 @@ def _input_problems(loc: Location, meta: Mapping[bytes, bytes], expected: Expect
             f"{found or 'unknown'}, now {expected.input_fingerprint})"
         ]
     return []
+
+
+def folder_of(partition: Mapping[str, str]) -> str:
+    """The partition's folder relative to the table's root, with a trailing ``/`` ('' for an
+    unpartitioned table)."""
+    return "".join(f"{k}={v}/" for k, v in partition.items())
+
+
+def forget_another_outputs(manifest: Manifest, name: str) -> None:
+    """Entries a manifest kept for another output at this place (a Parquet folder moved away
+    before the table was made here, as the README says to do) describe no file of this table:
+    forgotten with one line, instead of a warning per shard that its entry names no file of
+    the table."""
+    state = manifest.format_state or {}
+    if not manifest.shards or state.get("format") == name:
+        return
+    logger.info(
+        "the manifest %s described a Parquet folder output that is no longer here: its %d "
+        "entries are not this table's; every shard is scored",
+        manifest.loc.uri,
+        len(manifest.shards),
+    )
+    for rel in list(manifest.shards):
+        manifest.forget(rel)
+
+
+def uncommitted_names(
+    root: Location, prefix: str, runs: tuple[str, ...], taken: set[str]
+) -> tuple[str, ...]:
+    """The names of files in a table partition's folder ``root`` (``prefix``: its path below
+    the table's root, :func:`folder_of`) written by the runs ``runs`` that never committed
+    (their names end in ``-<run>.parquet``), less the paths ``taken`` (relative to the table's
+    root: in the table, or taken over by this run): no version of the table ever listed them."""
+    if not runs:
+        return ()
+    suffixes = tuple(f"-{r}.parquet" for r in runs)
+    return tuple(
+        name
+        for name in storage.list_files(root)
+        if "/" not in name and name.endswith(suffixes) and prefix + name not in taken
+    )
+
+
+def delete_files(root: Location, names: tuple[str, ...]) -> None:
+    """Delete files of runs that never committed (:func:`uncommitted_names`)."""
+    for name in names:
+        storage.remove(root.child(name))
+        logger.info("deleted %s: written by a run that never committed", root.child(name).uri)
+
+
+def missing_files(root: Location, prefix: str, paths: Iterable[str]) -> frozenset[str]:
+    """Of a table partition's files ``paths`` (relative to the table's root; ``prefix``: the
+    partition folder ``root``'s path below it), those storage does not hold: one listing of the
+    partition's folder (every data file of a partition lies directly in it: ours, a
+    compaction's and a rollback's), not a request per file."""
+    paths = list(paths)
+    if not paths:
+        return frozenset()
+    try:
+        names = {e.name for e in storage.ls(root)}
+    except FileNotFoundError:
+        names = set()
+    return frozenset(p for p in paths if not (p.startswith(prefix) and p[len(prefix) :] in names))

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from pipeline.core import config
 from pipeline.core.config import SECTIONS, SETTINGS, ErrorPolicy, JobConfig, from_flags
 from pipeline.core.errors import EXIT_USAGE, ConfigError
 from pipeline.core.jobfile import MetricsDestination, build_config, metrics_destination
@@ -861,3 +862,20 @@ def test_metrics_destination_without_a_readable_job_file(tmp_path: Path) -> None
     env = {"SCORE_CATALOG_PUSHGATEWAY": "http://gw:9091"}
     assert metrics_destination(job, env=env) == MetricsDestination("broken", None, "http://gw:9091")
     assert metrics_destination(tmp_path / "missing.toml", env={}) is None
+
+
+def test_an_iceberg_output_is_a_table_and_needs_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``format = "iceberg"``: the template's folders are partitions (as for Delta, the message
+    names the format), and without pyiceberg the job is refused with the extra to install."""
+    with pytest.raises(ConfigError) as excinfo:
+        JobConfig(input="i", output="data/scored/{date}", model="m", format="iceberg")
+    assert has_problem(problems_of(excinfo), 'format = "iceberg"', "run_date={date}")
+    monkeypatch.setattr(
+        config, "missing_packages", lambda names: ["pyiceberg"] if "pyiceberg" in names else []
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        JobConfig(input="i", output="data/scored/run_date={date}", model="m", format="iceberg")
+    assert problems_of(excinfo) == [
+        "format = 'iceberg' needs pyiceberg, which is not installed here: pip install "
+        "'score-catalog[iceberg]', or use format 'delta' or 'parquet'"
+    ]

@@ -1,15 +1,17 @@
-"""The sink seam's contract, run against every sink on local disk (the Parquet folder and a Delta
-table's partition): a run's calls in order (begin -> plan -> delete_stale -> verify -> commit ->
-seal) make exactly the run's shards visible, once; a run stopped after any step leaves readers
-the previous output, whole, and the next run ends where an uninterrupted one would; a commit
-retried after it landed does not land twice; a file storage lost is work to do; abort takes
-back the claim of completeness. Real Parquet files written the way a worker writes them (its
-footer marks; a table's stats from :data:`~pipeline.sinks.base.WriterSpec.file_facts`), a real
-manifest, real tables read back by Polars.
+"""The sink seam's contract, run against every sink on local disk (the Parquet folder, a Delta
+table's partition and an Iceberg table's): a run's calls in order (begin -> plan ->
+delete_stale -> verify -> commit -> seal) make exactly the run's shards visible, once; a run
+stopped after any step leaves readers the previous output, whole, and the next run ends where
+an uninterrupted one would; a commit retried after it landed does not land twice; a file
+storage lost is work to do; abort takes back the claim of completeness. Real Parquet files
+written the way a worker writes them (its footer marks; a table's stats from
+:data:`~pipeline.sinks.base.WriterSpec.file_facts`), a real manifest, real tables read back by
+Polars (Delta) and pyiceberg (Iceberg).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ from pipeline.io.manifest import Manifest
 from pipeline.sinks import sink_for
 from pipeline.sinks.base import Expected, Outcome, Sink, WrittenFile
 
+_HAS_ICEBERG = importlib.util.find_spec("pyiceberg") is not None
 SHA = "a" * 64
 SETTINGS = "0123456789abcdef"
 DAY = "2026-12-01"
@@ -66,13 +69,42 @@ class Output:
                 return None
             files = sorted(p for p in out.rglob("*.parquet") if layout.is_visible(p.name))
             return sorted(i for f in files for i in pq.read_table(f).column("item_id").to_pylist())
+        if self.kind == "iceberg":
+            return _iceberg_ids(self)
         if not (self.root / "_delta_log").exists():
             return None
         frame = pl.scan_delta(str(self.root)).filter(pl.col("run_date") == DAY).collect()
         return sorted(frame["item_id"].to_list())
 
+    @property
+    def table(self) -> bool:
+        return self.kind != "parquet"
 
-@pytest.fixture(params=["parquet", "delta"])
+
+def _iceberg_ids(output: Output) -> list[int] | None:
+    """The ids pyiceberg's scan of the day's partition returns (None: no table yet)."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    db = output.root.parent / "_score_catalog" / output.root.name / "_iceberg" / "catalog.db"
+    if not db.exists():
+        return None
+    cat = SqlCatalog("score_catalog", uri=f"sqlite:///{db}")  # the name is part of its rows
+    if not cat.table_exists(f"score_catalog.{output.root.name}"):
+        return None
+    table = cat.load_table(f"score_catalog.{output.root.name}")
+    if table.current_snapshot() is None:
+        return None
+    rows = table.scan(row_filter=f"run_date == '{DAY}'").to_arrow()
+    return sorted(rows.column("item_id").to_pylist())
+
+
+@pytest.fixture(
+    params=[
+        "parquet",
+        "delta",
+        pytest.param("iceberg", marks=pytest.mark.skipif(not _HAS_ICEBERG, reason="no pyiceberg")),
+    ]
+)
 def output(request: pytest.FixtureRequest, tmp_path: Path) -> Output:
     config = JobConfig(
         input=str(tmp_path / "in"),
@@ -206,7 +238,7 @@ def test_the_run_index_entry_is_recorded_once_where_the_next_run_can_settle_it(
     )
     assert len(calls) == 1
     seen, state = calls[0]
-    if output.kind == "delta":
+    if output.table:
         assert seen == before  # nothing of r2 is visible yet
         assert state["pending"]["run_id"] == "r2", state  # the next run finds the token
     assert output.seen() == ids_of(shards(3, start=1))
@@ -227,14 +259,14 @@ def test_a_run_stopped_after_any_step_leaves_readers_whole_and_its_rerun_ends_as
     newer = shards(3, start=1)  # every shard rescored (other rows), one more
     run(output, newer, "r2", stop_after=stop_after)
     seen = output.seen()
-    if output.kind == "delta":
+    if output.table:
         # A table: the previous version, whole, until the commit; then the new one.
         assert seen == (ids_of(newer) if stop_after == "commit" else before)
     else:
         assert seen is None  # no _SUCCESS: nothing vouched for
     # Complete only where the previous output is still all there is (a table whose run stopped
     # before it wrote anything); the folder's _SUCCESS was withdrawn as the run began.
-    complete = output.kind == "delta" and stop_after == "begin"
+    complete = output.table and stop_after == "begin"
     assert output.sink("check").state(output.manifest()).complete is complete
     run(output, newer, "r3")
     assert output.seen() == ids_of(newer)
@@ -253,8 +285,8 @@ def test_a_commit_retried_after_it_landed_does_not_land_twice(output: Output) ->
     plan = sink.plan(begun, manifest, outcome, output.rejects())
     sink.delete_stale(plan)
     sink.commit(begun, plan, manifest, "r2")
-    seen = output.seen() if output.kind == "delta" else None
-    if output.kind == "delta":
+    seen = output.seen() if output.table else None
+    if output.table:
         with pytest.raises(AlreadyCommitted, match="is not committed again"):
             sink.commit(begun, plan, manifest, "r2")
         assert output.seen() == seen == ids_of(shards(2, 5))
@@ -283,7 +315,7 @@ def test_a_file_storage_lost_is_work_to_do(output: Output) -> None:
 def test_abort_takes_back_the_claim_of_completeness_and_nothing_else(output: Output) -> None:
     run(output, shards(2), "r1")
     output.sink("r2").abort()
-    if output.kind == "delta":
+    if output.table:
         assert output.seen() == ids_of(shards(2))  # a table keeps its version
     else:
         assert output.seen() is None  # no _SUCCESS
@@ -294,8 +326,9 @@ def test_abort_takes_back_the_claim_of_completeness_and_nothing_else(output: Out
 def test_sections_are_rendered_without_knowing_the_format(output: Output) -> None:
     run(output, shards(1), "r1")
     section = output.sink("r2").section(None, None).public()
-    assert section["format"] in ("parquet_folder", "delta")
-    if output.kind == "delta":
-        assert section["title"] == "Delta table" and section["summary"].startswith(str(output.root))
+    assert section["format"] in ("parquet_folder", "delta", "iceberg")
+    if output.table:
+        title = {"delta": "Delta table", "iceberg": "Iceberg table"}[output.kind]
+        assert section["title"] == title and section["summary"].startswith(str(output.root))
     else:
         assert "summary" not in section and "title" not in section

@@ -17,6 +17,7 @@ from pipeline.io.manifest import Manifest
 from pipeline.sinks import sink_for
 from pipeline.sinks.base import Committed
 from pipeline.sinks.folder.sink import FolderSink
+from pipeline.sinks.token import TokenState
 
 SHA = "a" * 64
 SETTINGS = "0123456789abcdef"
@@ -78,3 +79,16 @@ def test_begin_takes_away_an_output_in_the_way_of_a_shard_that_changed_shape(
     )
     assert [r.rel_path for r in begun.cleared] == ["d"]
     assert not (out / "d").exists()
+
+
+def test_the_token_state_keeps_the_sinks_words_through_every_step() -> None:
+    """What a table sink writes beside the token (its table, partition, an Iceberg table's
+    catalog and identifier) survives a read and every later state: readers of the manifest
+    find the table from it."""
+    where = {"table": "t", "partition": "d=1", "catalog": "sqlite:///c.db", "identifier": "n.t"}
+    state = TokenState("app", "iceberg").begun("r1", **where).committing(2, "r1", 1)
+    again = TokenState.read(state.public(), "app", "iceberg").made(2, 3, "r1").sealed()
+    public = again.public()
+    assert {k: public[k] for k in where} == where
+    assert public["format"] == "iceberg" and public["committed"] == 2
+    assert TokenState.read(public, "another app", "iceberg").extra == {}

@@ -12,17 +12,17 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.core.errors import ConfigError, PipelineError, ShardError
-from pipeline.io import layout, runindex, storage
+from pipeline.core.errors import ConfigError, ShardError
+from pipeline.io import layout, storage
 from pipeline.io.manifest import Manifest
 from pipeline.io.ownership import ForeignFiles
 from pipeline.io.parquet import open_parquet
 from pipeline.io.storage import Location
 from pipeline.sinks.base import Expected, Removal
-from pipeline.sinks.delta.protocol import Pending, Recovered, TokenState
 from pipeline.sinks.delta.stats import stats_problem
 from pipeline.sinks.delta.table import Snapshot, TableRef, version_of
-from pipeline.sinks.files import file_problems
+from pipeline.sinks.files import file_problems, folder_of, missing_files, uncommitted_names
+from pipeline.sinks.token import IndexPlace, Recovered, TokenState, settle_index
 
 logger = logging.getLogger(__name__)
 
@@ -108,30 +108,14 @@ def _stale_stats(loc: Location, entry: Mapping[str, Any], options: Mapping[str, 
     return [f"{loc.uri}: {problem} (recorded by another version?)"] if problem else []
 
 
-def folder_of(partition: Mapping[str, str]) -> str:
-    """The partition's folder relative to the table's root, with a trailing ``/`` ('' for an
-    unpartitioned table)."""
-    return "".join(f"{k}={v}/" for k, v in partition.items())
-
-
 def not_in_storage(
     root: Location, partition: Mapping[str, str], snap: Snapshot | None
 ) -> frozenset[str]:
-    """The files ``snap`` lists in this partition that storage does not hold: one listing of
-    the partition's folder (every data file of a partition lies directly in it: ours,
-    OPTIMIZE's and a rollback's), not a request per file."""
-    if snap is None or not snap.files:
+    """The files ``snap`` lists in this partition that storage does not hold
+    (:func:`pipeline.sinks.files.missing_files`)."""
+    if snap is None:
         return frozenset()
-    try:
-        names = {e.name for e in storage.ls(root)}
-    except FileNotFoundError:
-        names = set()
-    prefix = folder_of(partition)
-    return frozenset(
-        f.path
-        for f in snap.files
-        if not (f.path.startswith(prefix) and f.path[len(prefix) :] in names)
-    )
+    return missing_files(root, folder_of(partition), [f.path for f in snap.files])
 
 
 def check_folder(table: TableRef, output: Location) -> None:
@@ -162,109 +146,13 @@ def check_folder(table: TableRef, output: Location) -> None:
     )
 
 
-def forget_another_outputs(manifest: Manifest, name: str) -> None:
-    """Entries a manifest kept for another output at this place (a Parquet folder moved away
-    before the table was made here, as the README says to do) describe no file of this table:
-    forgotten with one line, instead of a warning per shard that its entry names no file of
-    the table."""
-    state = manifest.format_state or {}
-    if not manifest.shards or state.get("format") == name:
-        return
-    logger.info(
-        "the manifest %s described a Parquet folder output that is no longer here: its %d "
-        "entries are not this table's; every shard is scored",
-        manifest.loc.uri,
-        len(manifest.shards),
-    )
-    for rel in list(manifest.shards):
-        manifest.forget(rel)
-
-
-@dataclass(frozen=True)
-class IndexPlace:
-    """Where a partition's runs are indexed, and who is asking (the run that settles)."""
-
-    area: Location  # the table's control area (the run index's root)
-    options: Mapping[str, Any]
-    job: str
-    run_id: str
-    app_id: str
-    table: str
-
-
-def settle_index(
-    where: IndexPlace, pending: Pending, *, landed: bool, version: int | None = None
-) -> None:
-    """Log what became of a pending commit, and make the pending run's entry in the run index
-    say it: it is written before the commit, and a run whose storage died after (or during)
-    the commit could not rewrite it. Best effort: the index is a record on top of the table."""
-    if landed:
-        logger.warning(
-            "the commit of run %s (run version %s of %s) landed as version %s of %s before it "
-            "stopped: the manifest is brought up to date, nothing is committed again",
-            pending.run_id,
-            pending.run_version,
-            where.app_id,
-            version,
-            where.table,
-        )
-    else:
-        logger.warning(
-            "the commit of run %s (run version %s of %s) did not land: its files are reused "
-            "where their footers check out, and deleted otherwise",
-            pending.run_id,
-            pending.run_version,
-            where.app_id,
-        )
-    if pending.run_id is None:
-        return
-    try:
-        changed = runindex.settle_commit(
-            where.area.uri,
-            where.options,
-            where.job,
-            pending.run_id,
-            landed=landed,
-            by=where.run_id,
-            table_version=version,
-        )
-    except (OSError, PipelineError) as e:
-        logger.warning(
-            "could not record the outcome of run %s in the run index: %s", pending.run_id, e
-        )
-        return
-    if changed:
-        state = "committed" if landed else "failed"
-        logger.info("run index: run %s recorded as %s", pending.run_id, state)
-
-
 def uncommitted_files(
     root: Location, partition: Mapping[str, str], begun: DeltaBegun, kept: set[str]
 ) -> tuple[str, ...]:
     """The names of files in the partition's folder written by runs that never committed
-    (their names end in ``-<run>.parquet``) which this run does not take over: no version of
-    the table ever listed them."""
-    runs = begun.token.runs
-    if not runs:
-        return ()
+    which this run does not take over (:func:`pipeline.sinks.files.uncommitted_names`)."""
     in_table = {f.path for f in begun.snapshot.files} if begun.snapshot is not None else set()
-    prefix = folder_of(partition)
-    suffixes = tuple(f"-{r}.parquet" for r in runs)
-    return tuple(
-        name
-        for name in storage.list_files(root)
-        if "/" not in name
-        and name.endswith(suffixes)
-        and prefix + name not in kept
-        and prefix + name not in in_table
-    )
-
-
-def delete_files(root: Location, names: tuple[str, ...]) -> None:
-    """Delete files of runs that never committed (:func:`uncommitted_files`)."""
-    for name in names:
-        storage.remove(root.child(name))
-        logger.info("deleted %s: written by a run that never committed", root.child(name).uri)
+    return uncommitted_names(root, folder_of(partition), begun.token.runs, in_table | kept)
 
 
 def settle_pending(
@@ -274,7 +162,7 @@ def settle_pending(
     in the run index, with the manifest's entries brought in line with the table: a recovered
     commit's files are committed; a committed file the table no longer holds (rolled back,
     compacted or removed since) is scored again (:meth:`DeltaBegun.done` says why)."""
-    found = TokenState.read(manifest.format_state, where.app_id)
+    found = TokenState.read(manifest.format_state, where.app_id, "delta")
     done = snap.transaction_version(where.app_id) if snap is not None else None
     pending = found.pending
     landed_as = None

@@ -51,15 +51,11 @@ from pipeline.sinks.delta.partition import (
     STALE_REASON,
     UNKNOWN_REASON,
     DeltaBegun,
-    IndexPlace,
     check_folder,
-    delete_files,
-    forget_another_outputs,
     not_in_storage,
     settle_pending,
     uncommitted_files,
 )
-from pipeline.sinks.delta.protocol import TokenState
 from pipeline.sinks.delta.runcommit import (
     check_committed,
     commit_info,
@@ -67,9 +63,15 @@ from pipeline.sinks.delta.runcommit import (
     section_details,
 )
 from pipeline.sinks.delta.stats import NewFile, check_partition_values, delta_facts
-from pipeline.sinks.files import clear_rejects_way, file_problems
+from pipeline.sinks.files import (
+    clear_rejects_way,
+    delete_files,
+    file_problems,
+    forget_another_outputs,
+)
 from pipeline.sinks.naming import app_id_of, partition_label
 from pipeline.sinks.tables import table_lock_root
+from pipeline.sinks.token import IndexPlace, TokenState
 
 if TYPE_CHECKING:
     from pipeline.core.config import JobConfig
@@ -197,7 +199,7 @@ class DeltaSink:
             if delta.table_exists(self.table)
             else None
         )
-        token = TokenState.read(manifest.format_state, self.app_id)
+        token = TokenState.read(manifest.format_state, self.app_id, self.name)
         return self._begun(snap, token, manifest)
 
     def _begun(
@@ -371,7 +373,7 @@ class DeltaSink:
         if not adds and not plan.removes:
             if record is not None:
                 record()
-            token = TokenState.read(manifest.format_state, self.app_id)
+            token = TokenState.read(manifest.format_state, self.app_id, self.name)
             manifest.set_format_state(token.idle().public())
             manifest.save()
             self._remove_rejects(plan)
@@ -402,7 +404,7 @@ class DeltaSink:
             if entry.get("file") in added:
                 entry["committed"] = True
                 entry.pop("gone_from_table", None)
-        token = TokenState.read(manifest.format_state, self.app_id)
+        token = TokenState.read(manifest.format_state, self.app_id, self.name)
         manifest.set_format_state(token.made(begun.run_version, version, run_id).public())
         manifest.save()
         self._remove_rejects(plan)
@@ -422,7 +424,7 @@ class DeltaSink:
                 f"nothing to commit to {self.table.uri}: the run has no output schema",
                 uri=self.table.uri,
             )
-        token = TokenState.read(manifest.format_state, self.app_id)
+        token = TokenState.read(manifest.format_state, self.app_id, self.name)
         after = begun.snapshot.version if begun.snapshot is not None else None
         manifest.set_format_state(token.committing(begun.run_version, run_id, after).public())
         manifest.save()  # fenced: only the lock holder records a pending token
@@ -452,7 +454,7 @@ class DeltaSink:
     def seal(self, begun: DeltaBegun, manifest: Manifest, committed: Committed) -> None:
         """The run's report names its commit: the pending token is settled. (The commit is the
         success marker: a table has no ``_SUCCESS``.)"""
-        token = TokenState.read(manifest.format_state, self.app_id)
+        token = TokenState.read(manifest.format_state, self.app_id, self.name)
         if token.pending is None:
             return
         manifest.set_format_state(token.sealed().public())

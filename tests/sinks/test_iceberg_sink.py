@@ -1,0 +1,121 @@
+"""The Iceberg sink's own refusals and its schema rules, before anything is written: a folder
+that is not its table, a table another writer made, a model that adds a column (refused unless
+schema evolution is allowed; then the older rows read it as null). What every sink does is
+tests/sinks/test_contract.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+pytest.importorskip("pyiceberg")
+
+from pipeline.core.config import JobConfig
+from pipeline.core.errors import ConfigError, TableSchemaError
+from pipeline.io import layout, storage
+from pipeline.io.manifest import Manifest
+from pipeline.sinks import sink_for
+from pipeline.sinks.iceberg import catalog
+from pipeline.sinks.iceberg.sink import IcebergSink
+
+DAY = "2026-12-01"
+SCHEMA = pa.schema([("item_id", pa.int64()), ("score", pa.float32())])
+
+
+def _sink(tmp_path: Path, **changes: object) -> IcebergSink:
+    config = JobConfig(
+        input=str(tmp_path / "in"),
+        output=str(tmp_path / "scored" / "run_date={date}"),
+        model="m",
+        format="iceberg",
+        date=DAY,
+        name="nightly",
+    )
+    config = dataclasses.replace(config, **changes)
+    sink = sink_for(config, layout.for_run(config, "r1"), "r1")
+    assert isinstance(sink, IcebergSink)
+    return sink
+
+
+def _begin(sink: IcebergSink, schema: pa.Schema) -> None:
+    manifest = Manifest.load(sink.control)
+    rejects = storage.locate(str(Path(sink.control.path).parent / "rejects"))
+    sink.check("refuse", schema)
+    sink.begin(manifest, rejects, (), "refuse", schema)
+
+
+def test_the_table_is_named_after_its_folder_in_an_embedded_catalog(tmp_path: Path) -> None:
+    sink = _sink(tmp_path)
+    assert sink.name == "iceberg" and sink.places.table and sink.places.mark is None
+    assert sink.table.identifier == "score_catalog.scored"
+    assert sink.table.catalog_path == str(
+        tmp_path / "_score_catalog" / "scored" / "_iceberg" / "catalog.db"
+    )
+    _begin(sink, SCHEMA)
+    table = catalog.load(sink.table)
+    assert table is not None and table.current_snapshot() is None  # made empty
+    assert [f.name for f in table.schema().fields] == ["item_id", "score", "run_date"]
+    assert table.properties[catalog.WRITER_PROPERTY] == catalog.WRITER_PROPERTY_VALUE
+
+
+def test_a_folder_that_holds_something_else_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "scored").mkdir()
+    (tmp_path / "scored" / "notes.txt").write_text("x")
+    with pytest.raises(ConfigError, match="needs a folder of its own"):
+        _sink(tmp_path).check("refuse", SCHEMA)
+
+
+def test_a_table_another_writer_made_is_refused(tmp_path: Path) -> None:
+    sink = _sink(tmp_path)
+    _begin(sink, SCHEMA)
+    table = catalog.load(sink.table)
+    assert table is not None
+    with table.transaction() as tx:
+        tx.remove_properties(catalog.WRITER_PROPERTY)
+    with pytest.raises(ConfigError, match="not made by score-catalog"):
+        sink.check("refuse", SCHEMA)
+
+
+def test_a_new_column_is_refused_unless_schema_evolution_is_allowed(tmp_path: Path) -> None:
+    _begin(_sink(tmp_path), SCHEMA)
+    wider = SCHEMA.append(pa.field("label", pa.int64()))
+    with pytest.raises(TableSchemaError, match="adds column 'label'"):
+        _sink(tmp_path).check("refuse", wider)
+    narrower = pa.schema([("item_id", pa.int64()), ("score", pa.float64())])
+    with pytest.raises(TableSchemaError, match="'score' is float in the table and double"):
+        _sink(tmp_path).check("refuse", narrower)
+    evolving = _sink(tmp_path, allow_schema_evolution=True)
+    _begin(evolving, wider)
+    table = catalog.load(evolving.table)
+    assert table is not None
+    assert [f.name for f in table.schema().fields] == ["item_id", "score", "run_date", "label"]
+    assert "label" in table.metadata.name_mapping()._field_by_name  # type: ignore[union-attr]
+
+
+def test_object_storage_is_refused_for_now(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="local folder for now"):
+        catalog.IcebergRef.of(
+            storage.locate("memory://bucket/scored"), storage.locate(str(tmp_path / "area"))
+        )
+
+
+def test_an_unpartitioned_table_is_replaced_whole_by_each_run(tmp_path: Path) -> None:
+    from tests.sinks.test_contract import Output, ids_of, run, shards
+
+    config = JobConfig(
+        input=str(tmp_path / "in"), output=str(tmp_path / "scored"), model="m", format="iceberg"
+    )
+    output = Output("iceberg", config, tmp_path / "scored")
+    run(output, shards(3), "r1")
+    run(output, shards(2, start=1), "r2")
+    sink = output.sink("check")
+    assert isinstance(sink, IcebergSink) and sink.partition == {}
+    table = catalog.load(sink.table)
+    assert table is not None and table.spec().fields == ()
+    ids = sorted(table.scan().to_arrow().column("item_id").to_pylist())
+    assert ids == ids_of(shards(2, start=1))
+    assert len(table.snapshots()) == 2
+    assert sink.state(output.manifest()).complete
