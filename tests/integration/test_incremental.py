@@ -1,4 +1,4 @@
-"""Incremental nights through the real CLI, in both output formats (docs/incremental.md).
+"""Incremental nights through the real CLI, in the three output formats (docs/incremental.md).
 
 Four nights of one job over a date-partitioned input, each a real ``score-catalog run``
 process: night 1 scores every row; night 2 reads night 1's rows re-cut into other shards in
@@ -98,6 +98,15 @@ class Nights:
 
             ref = TableRef.of(str(self.root / output), {})
             table = read(ref, partition={"run_date": day})
+        elif self.fmt == "iceberg":
+            # Through the catalog and identifier the night's report names, filtered by day.
+            from pyiceberg.catalog.sql import SqlCatalog
+            from pyiceberg.expressions import EqualTo
+
+            section = report(self.root / output / f"run_date={day}")["output_format"]
+            found = SqlCatalog("score_catalog", uri=section["catalog"])
+            scan = found.load_table(section["identifier"]).scan(EqualTo("run_date", day))
+            table = scan.to_arrow()
         else:
             parts = read_tree(self.root / output / f"run_date={day}")
             table = pa.concat_tables(parts.values())
@@ -134,7 +143,7 @@ def _nights(root: Path, fmt: str) -> Nights:
     )
 
 
-@pytest.fixture(scope="module", params=["parquet", "delta"])
+@pytest.fixture(scope="module", params=["parquet", "delta", "iceberg"])
 def nights(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Nights]:
