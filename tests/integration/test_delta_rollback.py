@@ -23,8 +23,8 @@ from deltalake import DeltaTable
 from pipeline.cli.demo import export_bundle
 from pipeline.core.errors import AlreadyCommitted
 from pipeline.sinks.delta import table as delta
-from pipeline.sinks.delta.sink import app_id_of
 from pipeline.sinks.delta.table import TableRef
+from pipeline.sinks.naming import app_id_of
 from tests.conftest import demo_toml, make_model, write_shards
 from tests.delta_helpers import arrow_filesystem
 from tests.integration.helpers import cli, report

@@ -12,9 +12,9 @@ from pipeline.core.errors import CommitRefused
 from pipeline.io.manifest import fingerprint_hash
 from pipeline.sinks.base import Committed
 from pipeline.sinks.delta import table as delta
-from pipeline.sinks.delta.partition import DeltaBegun
 from pipeline.sinks.delta.stats import NewFile
 from pipeline.sinks.naming import partition_label
+from pipeline.sinks.partition import TableBegun
 
 
 def commit_info(
@@ -72,7 +72,7 @@ def section_details(
     table: str,
     label: str,
     app_id: str,
-    begun: DeltaBegun | None,
+    begun: TableBegun | None,
     committed: Committed | None,
 ) -> dict[str, Any]:
     """The report's ``output_format`` of a run on the table's partition ``label``: the version

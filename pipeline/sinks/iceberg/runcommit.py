@@ -13,8 +13,8 @@ from pipeline.io.manifest import fingerprint_hash
 from pipeline.sinks.base import Committed
 from pipeline.sinks.iceberg import catalog
 from pipeline.sinks.iceberg.catalog import IcebergRef
-from pipeline.sinks.iceberg.partition import IcebergBegun
-from pipeline.sinks.iceberg.view import data_files
+from pipeline.sinks.iceberg.view import PartitionView, data_files
+from pipeline.sinks.partition import TableBegun
 
 
 def commit_summary(
@@ -77,7 +77,7 @@ def section_details(
     ref: IcebergRef,
     label: str,
     app_id: str,
-    begun: IcebergBegun | None,
+    begun: TableBegun | None,
     committed: Committed | None,
 ) -> dict[str, Any]:
     """The report's ``output_format`` of a run on the table's partition ``label``: where any
@@ -94,7 +94,7 @@ def section_details(
         "app_id": app_id,
         "run_version": begun.run_version if made and begun is not None else None,
         "version": snap.version if snap is not None else None,
-        "snapshot_id": snap.snapshot_id if snap is not None else None,
+        "snapshot_id": snap.snapshot_id if isinstance(snap, PartitionView) else None,
         "committed": made,
         "files_added": 0,
         "files_removed": 0,

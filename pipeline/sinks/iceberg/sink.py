@@ -16,50 +16,30 @@ the run's token (:mod:`.commit`). The token's states in the manifest are the Del
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from pipeline.core.errors import CommitRefused, ConfigError, mark_landed
-from pipeline.core.faults import checkpoint
+from pipeline.core.errors import ConfigError
 from pipeline.core.templates import below, fixed_part, partition_columns
 from pipeline.io import storage
 from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN, Places
 from pipeline.io.manifest import Manifest
-from pipeline.io.ownership import remove_rejects
 from pipeline.io.storage import Location
-from pipeline.sinks.base import (
-    Committed,
-    Expected,
-    Outcome,
-    Removal,
-    Section,
-    SinkPlaces,
-    Visible,
-    WriterSpec,
-    WrittenFile,
-)
-from pipeline.sinks.files import (
-    clear_rejects_way,
-    delete_files,
-    file_problems,
-    folder_of,
-    forget_another_outputs,
-    missing_files,
-    uncommitted_names,
-)
+from pipeline.sinks.base import Committed, Section, WriterSpec, WrittenFile
+from pipeline.sinks.files import clear_rejects_way, forget_another_outputs
 from pipeline.sinks.iceberg import catalog, schema
 from pipeline.sinks.iceberg.catalog import IcebergRef
 from pipeline.sinks.iceberg.commit import NewFile, RunCommit, commit
 from pipeline.sinks.iceberg.facts import iceberg_facts
-from pipeline.sinks.iceberg.partition import IcebergBegun, check_folder, settle_pending
+from pipeline.sinks.iceberg.partition import check_folder
 from pipeline.sinks.iceberg.runcommit import check_committed, commit_summary, section_details
-from pipeline.sinks.iceberg.view import PartitionView, committed_run_version, view
-from pipeline.sinks.naming import app_id_of, partition_label
-from pipeline.sinks.tables import table_lock_root
-from pipeline.sinks.token import IndexPlace, TokenState
+from pipeline.sinks.iceberg.view import PartitionView, committed_run_version, landed_as, view
+from pipeline.sinks.partition import TableBegun, TablePartitionSink, TablePlan, settle_pending
+from pipeline.sinks.tables import TableFile
+from pipeline.sinks.token import Pending, Recovered, TokenState
 
 if TYPE_CHECKING:
     from pyiceberg.table import Table
@@ -68,32 +48,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Why a file of the partition that this run does not keep goes, when no shard names it.
-UNKNOWN_REASON = (
-    "replaced: no shard in this output's manifest lists it (an earlier run's file whose record "
-    "was replaced)"
-)
-STALE_REASON = "its input shard no longer exists"
-
 
 @dataclass(frozen=True)
-class IcebergPlan:
-    """What the run's commit removes, decided before it is made."""
-
-    removes: tuple[str, ...]  # paths of files of the partition the commit deletes
-    removed: tuple[Removal, ...]  # of those, what readers stop seeing, and why
-    uncommitted: tuple[str, ...]  # names of files of runs that never committed: deleted now
-    rejects_after: tuple[tuple[Location, Location], ...]
-    foreign: tuple[str, ...] = ()
-
-    @property
-    def at_commit(self) -> bool:
-        return True
-
-
-@dataclass(frozen=True)
-class IcebergSink:
+class IcebergSink(TablePartitionSink):
     """One run's output as an Iceberg table's partition (see the module doc)."""
+
+    TABLE_NAMES = ("metadata",)
+    KIND = "Iceberg table"
 
     table: IcebergRef
     root: Location  # the partition's folder (the table's root when unpartitioned)
@@ -136,26 +97,6 @@ class IcebergSink:
     def name(self) -> str:
         return "iceberg"
 
-    @property
-    def places(self) -> SinkPlaces:
-        return SinkPlaces(
-            output=self.root,
-            dataset=self.table.location,
-            lock_root=self.control,
-            exclusive_with=(table_lock_root(self.area),),
-            mark=None,
-            table=True,
-            table_names=("metadata",),
-        )
-
-    @property
-    def app_id(self) -> str:
-        return app_id_of(self.job, self.partition)
-
-    @property
-    def label(self) -> str:
-        return partition_label(self.partition)
-
     def check(self, mode: str, schema_: pa.Schema | None) -> None:
         """Refuse a table folder that is not this tool's Iceberg table, a table another writer
         made, and a run whose output does not fit the table's schema (read only)."""
@@ -184,7 +125,7 @@ class IcebergSink:
     def _view(self, table: Table | None) -> PartitionView | None:
         return view(self.table, table, self.partition) if table is not None else None
 
-    def state(self, manifest: Manifest) -> IcebergBegun:
+    def state(self, manifest: Manifest) -> TableBegun:
         """The partition as it is now (``plan``, a backfill): read only, no lock."""
         table = catalog.load(self.table)
         token = TokenState.read(manifest.format_state, self.app_id, self.name)
@@ -192,23 +133,22 @@ class IcebergSink:
 
     def _begun(
         self, table: Table | None, token: TokenState, manifest: Manifest, **more: Any
-    ) -> IcebergBegun:
-        snap = self._view(table)
+    ) -> TableBegun:
         done = committed_run_version(table.metadata, self.app_id) if table is not None else None
-        paths = [f.path for f in snap.files] if snap is not None else []
-        return IcebergBegun(
-            table=self.table,
-            root=self.root,
-            snapshot=snap,
-            missing=missing_files(self.root, folder_of(self.partition), paths),
-            run_version=(done or 0) + 1,
-            committed_run_version=done,
-            token=token,
-            owners={str(e["file"]): rel for rel, e in manifest.shards.items() if "file" in e},
-            manifest_files=frozenset(
-                str(e["file"]) for e in manifest.shards.values() if e.get("file")
-            ),
-            **more,
+        begun: TableBegun = self._begun_of(self._view(table), done, token, manifest, **more)
+        return begun
+
+    def _settle(
+        self, manifest: Manifest, table: Table | None
+    ) -> tuple[TokenState, Recovered | None]:
+        done = committed_run_version(table.metadata, self.app_id) if table is not None else None
+
+        def landed(pending: Pending) -> int | None:
+            at = landed_as(table.metadata, self.app_id, pending.run_version) if table else None
+            return at[0] if at is not None else None
+
+        return settle_pending(
+            self._index_place(), self.name, manifest, self._view(table), done, landed
         )
 
     def begin(
@@ -218,17 +158,14 @@ class IcebergSink:
         wanted: tuple[str, ...],
         mode: str,
         schema_: pa.Schema | None,
-    ) -> IcebergBegun:
+    ) -> TableBegun:
         """Under the run lock: the table made (or its schema checked and evolved), its
         partition read, and the manifest brought up to date with it (the token settled)."""
         table = catalog.load(self.table)
         if schema_ is not None:
             table = self._ensure(table, schema_)
         forget_another_outputs(manifest, self.name)
-        where = IndexPlace(
-            self.area, self.options, self.job, self.run_id, self.app_id, self.table.uri
-        )
-        token, recovered = settle_pending(where, table, manifest, self._view(table))
+        token, recovered = self._settle(manifest, table)
         begun = self._begun(table, token, manifest, recovered=recovered, schema=schema_)
         manifest.set_format_state(
             token.begun(
@@ -261,111 +198,26 @@ class IcebergSink:
     def writer(self) -> WriterSpec:
         return WriterSpec(self.root.uri, "per_run", iceberg_facts)
 
-    def visible(self, output: str) -> Visible:
-        """The files of the table's partition at ``output`` in the table's current snapshot."""
-        loc = storage.locate(output, self.options)
-        try:
-            rest = below(self.table.location.path, loc.path)
-        except ValueError:
-            raise ConfigError(f"{loc.uri} is not in the Iceberg table {self.table.uri}") from None
-        values = dict(s.partition("=")[::2] for s in rest.split("/") if s)
+    def _partition_files(
+        self, values: Mapping[str, str]
+    ) -> tuple[tuple[TableFile, ...], int | None]:
         table = catalog.load(self.table)
         if table is None:
             raise ConfigError(f"no Iceberg table at {self.table.uri} ({self.table.catalog_uri})")
         snap = view(self.table, table, values)
-        files = tuple(self.table.location.child(f.path).uri for f in snap.files)
-        return Visible(files, snap.version)
+        return snap.files, snap.version
 
     def keeps_fingerprints(self) -> bool:
         table = catalog.load(self.table)
         return table is not None and MODEL_INPUT_HASH_COLUMN in table.schema()._name_to_id
 
-    def entry_of(self, written: WrittenFile | None) -> dict[str, Any]:
-        if written is None:
-            return {}
-        base = self.table.location.uri.rstrip("/") + "/"
-        if not written.uri.startswith(base):
-            raise ValueError(f"{written.uri} is not in the table {self.table.uri}")
-        return {
-            "file": written.uri[len(base) :],
-            "size": written.size,
-            "rows": int(written.facts.get("rows", 0)),
-            "nan_columns": list(written.facts.get("nan_columns") or ()),
-            "committed": False,
-        }
+    def _entry_facts(self, written: WrittenFile) -> dict[str, Any]:
+        return {"nan_columns": list(written.facts.get("nan_columns") or ())}
 
-    def plan(
-        self, begun: IcebergBegun, manifest: Manifest, outcome: Outcome, rejects: Location
-    ) -> IcebergPlan:
-        """The commit's removes: every file of the partition the run does not keep; the files
-        of runs that never committed, not reused now; rejects of shards that leave."""
-        entries = manifest.shards
-        kept = {str(entries[r]["file"]) for r in outcome.keep if "file" in entries.get(r, {})}
-        current = list(begun.files)
-        removes = tuple(p for p in current if p not in kept)
-        removed = []
-        for path in removes:
-            rel = begun.owners.get(path)
-            if rel is not None and rel in outcome.keep:
-                continue  # rescored: its new file replaces it
-            reason = UNKNOWN_REASON if rel is None else outcome.reasons.get(rel, STALE_REASON)
-            removed.append(Removal(rel or path, self.table.location.child(path).uri, reason))
-        gone = (outcome.ours | set(outcome.reasons)) - outcome.keep
-        uncommitted = uncommitted_names(
-            self.root, folder_of(self.partition), begun.token.runs, set(current) | kept
-        )
-        return IcebergPlan(
-            removes=removes,
-            removed=tuple(removed),
-            uncommitted=uncommitted,
-            rejects_after=tuple((rejects.child(r), self.root.child(r)) for r in sorted(gone)),
-        )
-
-    def delete_stale(self, plan: IcebergPlan) -> tuple[Removal, ...]:
-        delete_files(self.root, plan.uncommitted)
-        return ()  # what readers stop seeing goes with the commit
-
-    def verify(
-        self,
-        begun: IcebergBegun,
-        plan: IcebergPlan,
-        manifest: Manifest,
-        expected: Mapping[str, Expected],
-    ) -> list[str]:
-        """How the snapshot this run would commit differs from the report: each shard's file
-        read back from its footer, and no other file."""
-        entries = manifest.shards
-        problems: list[str] = []
-        planned: set[str] = set()
-        for rel, want in sorted(expected.items()):
-            path = entries.get(rel, {}).get("file")
-            if not isinstance(path, str):
-                problems.append(f"{self.root.child(rel).uri} is in the report but has no data file")
-                continue
-            planned.add(path)
-            problems += file_problems(self.table.location.child(path), want, self.options)
-        after = set(begun.files) - set(plan.removes)
-        for path in sorted(after - planned):
-            problems.append(
-                f"{self.table.location.child(path).uri} would stay in the table's partition but "
-                "is not in the report"
-            )
-        return problems
-
-    def commit(
-        self,
-        begun: IcebergBegun,
-        plan: IcebergPlan,
-        manifest: Manifest,
-        run_id: str,
-        record: Callable[[], object] | None = None,
-    ) -> Committed:
-        """ONE snapshot of the run's new files and the removes ``plan`` names, with the run's
-        token; then the manifest marks them committed and the snapshot is checked against the
-        report. Nothing to add or remove: no snapshot."""
-        entries = manifest.shards
-        in_table = set(begun.files)
-        adds = [
+    def _new_files(
+        self, entries: Mapping[str, Mapping[str, Any]], in_table: set[str]
+    ) -> list[NewFile]:
+        return [
             NewFile(
                 str(e["file"]),
                 int(e["size"]),
@@ -375,58 +227,16 @@ class IcebergSink:
             for e in entries.values()
             if isinstance(e.get("file"), str) and e["file"] not in in_table
         ]
-        if not adds and not plan.removes:
-            return self._nothing(begun, plan, manifest, record)
-        version, snapshot_id = self._commit(begun, plan, manifest, run_id, adds, record)
-        try:
-            self._record(begun, plan, manifest, run_id, version, snapshot_id, adds)
-        except BaseException as e:  # the store died after the commit landed: say so
-            mark_landed(e, version, self.table.uri)
-            raise
-        details = {
-            "files_added": len(adds),
-            "files_removed": len(plan.removes),
-            "snapshot_id": snapshot_id,
-        }
-        return Committed(visible=True, version=version, made=True, details=details)
 
-    def _nothing(
+    def _land(
         self,
-        begun: IcebergBegun,
-        plan: IcebergPlan,
-        manifest: Manifest,
-        record: Callable[[], object] | None,
-    ) -> Committed:
-        if record is not None:
-            record()
-        token = TokenState.read(manifest.format_state, self.app_id, self.name)
-        manifest.set_format_state(token.idle().public())
-        manifest.save()
-        self._remove_rejects(plan)
-        version = begun.recovered.table_version if begun.recovered else None
-        snap_version = begun.snapshot.version if begun.snapshot is not None else None
-        return Committed(visible=True, version=version or snap_version)
-
-    def _commit(
-        self,
-        begun: IcebergBegun,
-        plan: IcebergPlan,
+        begun: TableBegun,
+        plan: TablePlan,
         manifest: Manifest,
         run_id: str,
         adds: list[NewFile],
-        record: Callable[[], object] | None,
-    ) -> tuple[int, int]:
-        if begun.schema is None:
-            raise CommitRefused(
-                f"nothing to commit to {self.table.uri}: the run has no output schema",
-                uri=self.table.uri,
-            )
-        token = TokenState.read(manifest.format_state, self.app_id, self.name)
-        after = begun.snapshot.version if begun.snapshot is not None else None
-        manifest.set_format_state(token.committing(begun.run_version, run_id, after).public())
-        manifest.save()  # fenced: only the lock holder records a pending token
-        if record is not None:
-            record()  # the run index's entry: after the pending token, before the commit
+    ) -> tuple[int, dict[str, Any]]:
+        assert begun.schema is not None  # checked by the shared commit
         expected = schema.iceberg_schema(self.table.uri, begun.schema, list(self.partition))
         run = RunCommit(
             partition=self.partition,
@@ -438,45 +248,11 @@ class IcebergSink:
                 run_id, self.job, self.label, manifest.shards, begun.schema, self.meta_columns
             ),
         )
-        found = commit(self.table, run, expected)
-        checkpoint("iceberg-after-commit")
-        return found
+        version, snapshot_id = commit(self.table, run, expected)
+        return version, {"snapshot_id": snapshot_id}
 
-    def _record(
-        self,
-        begun: IcebergBegun,
-        plan: IcebergPlan,
-        manifest: Manifest,
-        run_id: str,
-        version: int,
-        snapshot_id: int,
-        adds: list[NewFile],
-    ) -> None:
-        added = {a.path for a in adds}
-        for entry in manifest.shards.values():
-            if entry.get("file") in added:
-                entry["committed"] = True
-                entry.pop("gone_from_table", None)
-        token = TokenState.read(manifest.format_state, self.app_id, self.name)
-        manifest.set_format_state(token.made(begun.run_version, version, run_id).public())
-        manifest.save()
-        self._remove_rejects(plan)
-        check_committed(self.table, self.partition, snapshot_id, manifest.shards)
+    def _check_landed(self, version: int, details: Mapping[str, Any], manifest: Manifest) -> None:
+        check_committed(self.table, self.partition, details["snapshot_id"], manifest.shards)
 
-    def _remove_rejects(self, plan: IcebergPlan) -> None:
-        for rejects, output in plan.rejects_after:
-            remove_rejects(rejects, output, self.options)
-
-    def seal(self, begun: IcebergBegun, manifest: Manifest, committed: Committed) -> None:
-        """The run's report names its commit: the pending token is settled."""
-        token = TokenState.read(manifest.format_state, self.app_id, self.name)
-        if token.pending is None:
-            return
-        manifest.set_format_state(token.sealed().public())
-        manifest.save()
-
-    def abort(self) -> None:
-        return None  # a table keeps its snapshots: the current one stays whole
-
-    def section(self, begun: IcebergBegun | None, committed: Committed | None) -> Section:
+    def section(self, begun: TableBegun | None, committed: Committed | None) -> Section:
         return Section(section_details(self.table, self.label, self.app_id, begun, committed))
