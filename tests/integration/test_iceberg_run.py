@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.cli.demo import export_bundle
+from pipeline.io.layout import LOCK_NAME
 from tests.conftest import demo_toml, make_model, reference_scores, write_shards
-from tests.integration.helpers import cli, manifest_path, report
+from tests.integration.helpers import Pause, cli, manifest_path, pause_env, report, start_cli
 
 pyiceberg = pytest.importorskip("pyiceberg")
 from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
@@ -222,3 +224,51 @@ def test_a_commit_that_landed_before_a_kill_is_never_committed_again(
     assert rep["recovered"] == {"run_id": killed_run, "table_version": landed.sequence_number}
     assert rep["committed"] is False
     check_day(table, archive, models["2"], day, "2")
+
+
+def test_runs_at_once_on_a_new_table_all_commit_and_one_day_twice_commits_once(
+    tmp_path: Path,
+    archive: Path,
+    models: dict[str, Path],
+    job: Path,
+    pauses: Callable[..., Pause],
+) -> None:
+    """Three days started at once on a table that does not exist yet: the first runs make the
+    catalog, the namespace and the table together, and every day commits its own snapshot
+    (the catalog's compare-and-swap, pyiceberg's retries, none losing another's day). Then
+    two runs of one day: A held just before its commit, B refused by the partition's run
+    lock with nothing committed; A commits once."""
+    out = tmp_path / "scored"
+    procs = [start_cli("run", str(job), "--date", d) for d in DAYS]
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, stdout + stderr
+    table = table_of(report(out / f"dt={DAYS[0]}")["output_format"])
+    assert sorted(s["score_catalog.partition"] for s in snapshots(table)) == [
+        f"dt={d}" for d in DAYS
+    ]
+    for day in DAYS:
+        check_day(table, archive, models["1"], day, "1")
+
+    day = DAYS[1]
+    committing = pauses("iceberg-before-commit")
+    a = start_cli(
+        "run", str(job), "--date", day, "--model", str(models["2"]), env=pause_env(committing)
+    )
+    try:
+        committing.wait(a)
+        assert (tmp_path / "_score_catalog" / "scored" / f"dt={day}" / LOCK_NAME).exists()
+        b = run(job, day, "--model", str(models["2"]))
+        assert b.returncode == 1, b.output
+        assert "locked by run" in b.output, b.output
+        assert len(table.refresh().snapshots()) == 3
+    finally:
+        committing.release()
+    stdout, stderr = a.communicate(timeout=120)
+    assert a.returncode == 0, stdout + stderr
+    table = table.refresh()
+    assert len(table.snapshots()) == 4
+    assert snapshots(table)[-1]["score_catalog.app_version"] == "2"
+    check_day(table, archive, models["2"], day, "2")
+    for other in (DAYS[0], DAYS[2]):
+        check_day(table, archive, models["1"], other, "1")
