@@ -21,12 +21,20 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("pyiceberg")
 
 import polars as pl
 import pyiceberg.table.snapshots
+from pyiceberg.partitioning import UNPARTITIONED_PARTITION_SPEC
+from pyiceberg.schema import Schema
 from pyiceberg.table import Table
+from pyiceberg.table.metadata import TableMetadata, new_table_metadata
+from pyiceberg.table.refs import SnapshotRef, SnapshotRefType
+from pyiceberg.table.snapshots import Operation, Snapshot, SnapshotLogEntry, Summary
+from pyiceberg.table.sorting import UNSORTED_SORT_ORDER
 
 from pipeline.core.config import JobConfig
 from pipeline.core.errors import CommitConflict, ConfigError, UsageError
@@ -385,3 +393,106 @@ def test_a_vacuum_stopped_before_its_expiry_commit_is_finished_by_the_next(
     assert maintenance.vacuum(scored.table(), scored.ref.location, {}, 40, False, True, BY) == []
     assert {s.snapshot_id for s in scored.table().snapshots()} == {ids[k] for k in "xcd"}
     assert _rows(scored.table(), DAY1) == _rows(scored.table(), DAY1, ids["d"])
+
+
+def test_a_file_a_partition_rollback_added_back_is_kept(scored: Scored) -> None:
+    """Reachability decides, not an expired snapshot's delete entries: a's files, removed 50 h
+    ago, are listed again by a commit that rolled day 1 back to a (made here with the run's
+    producer, as a partition rollback makes it), and stay."""
+    ids = _history(scored)
+    table = scored.table()
+    back = [
+        t.file
+        for t in table.scan(row_filter=f"run_date == '{DAY1}'", snapshot_id=ids["a"]).plan_files()
+    ]
+    now = [t.file for t in table.scan(row_filter=f"run_date == '{DAY1}'").plan_files()]
+    tx = table.transaction()
+    with commit.LeanOverwrite(
+        operation=Operation.OVERWRITE, transaction=tx, io=table.io
+    ) as producer:
+        for f in now:
+            producer.delete_data_file(f)
+        for f in back:
+            producer.append_data_file(f)
+    tx.commit_transaction()
+    rolled = _rows(scored.table(), DAY1)
+    assert rolled == _rows(scored.table(), DAY1, ids["a"])
+
+    deleted = maintenance.vacuum(scored.table(), scored.ref.location, {}, 40, False, True, BY)
+
+    assert deleted == []  # a's files are the current snapshot's; b's are x's
+    assert {s.snapshot_id for s in scored.table().snapshots()} >= {ids[k] for k in "xcd"}
+    assert ids["a"] not in {s.snapshot_id for s in scored.table().snapshots()}
+    assert _rows(scored.table(), DAY1) == rolled
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+@st.composite
+def _histories(draw: st.DrawFn) -> tuple[list[int], list[frozenset[str]], int]:
+    """A main branch's snapshots: commit times (ms, increasing), the files each lists (some
+    removed and added back later), and a cutoff among them."""
+    n = draw(st.integers(1, 8))
+    gaps = draw(st.lists(st.integers(1, 5), min_size=n, max_size=n))
+    times = [sum(gaps[: i + 1]) * 1000 for i in range(n)]
+    files = draw(st.lists(st.frozensets(st.sampled_from("abcdef")), min_size=n, max_size=n))
+    # At, just before or just after a commit: the boundaries are where the rules could part.
+    cutoff = draw(st.sampled_from([0, *times, times[-1] + 1000])) + draw(
+        st.sampled_from([-1, 0, 1])
+    )
+    return times, files, cutoff
+
+
+def _metadata(times: list[int], files: list[frozenset[str]]) -> TableMetadata:
+    snaps = [
+        Snapshot(
+            snapshot_id=i + 1,
+            parent_snapshot_id=i or None,
+            sequence_number=i + 1,
+            timestamp_ms=t,
+            manifest_list=f"snap-{i}.avro",
+            summary=Summary(Operation.OVERWRITE),
+        )
+        for i, t in enumerate(times)
+    ]
+    empty = new_table_metadata(
+        Schema(), UNPARTITIONED_PARTITION_SPEC, UNSORTED_SORT_ORDER, "file:///t", {}
+    )
+    return empty.model_copy(
+        update={
+            "snapshots": snaps,
+            "current_snapshot_id": len(snaps),
+            "snapshot_log": [
+                SnapshotLogEntry(snapshot_id=s.snapshot_id, timestamp_ms=s.timestamp_ms)
+                for s in snaps
+            ],
+            "refs": {
+                "main": SnapshotRef(
+                    snapshot_id=len(snaps), snapshot_ref_type=SnapshotRefType.BRANCH
+                )
+            },
+        }
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(_histories())
+def test_what_vacuum_deletes_is_what_delta_deletes(
+    history: tuple[list[int], list[frozenset[str]], int],
+) -> None:
+    """Delta's lite vacuum deletes a file the table no longer holds whose last removal is older
+    than the cutoff; expiring the snapshots older than it but the one current at the cutoff,
+    then deleting what only expired snapshots list, deletes exactly those files."""
+    times, files, cutoff = history
+    expired = maintenance._expired(_metadata(times, files), cutoff, 1)
+    ours = set().union(*(files[i - 1] for i in expired)) - set().union(
+        *(f for i, f in enumerate(files, 1) if i not in expired)
+    )
+    removed_at: dict[str, int] = {}
+    for before, after, t in zip(files, files[1:], times[1:], strict=False):
+        for f in before - after:
+            removed_at[f] = t  # the last removal wins
+    delta = {f for f, t in removed_at.items() if t < cutoff and f not in files[-1]}
+    assert ours == delta
+    assert len(files) not in expired  # the current snapshot always stays

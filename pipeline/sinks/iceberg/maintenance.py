@@ -110,9 +110,9 @@ def optimize(
         )
     live = _live_files(table, root, columns, partition or {})
     target = target_size or compaction.DEFAULT_TARGET_SIZE
-    small = [
+    small = [  # by path: the same table compacts the same way (plan order is manifest order)
         compaction.Small(rel, int(f.file_size_in_bytes), partition_label(values))
-        for rel, (f, values) in live.items()
+        for rel, (f, values) in sorted(live.items())
     ]
     plan = compaction.bins(small, target)
     if not plan:
@@ -410,18 +410,16 @@ def _expired(metadata: TableMetadata, cutoff: int, keep_last: int) -> set[int]:
     """The snapshots older than ``cutoff`` (ms) to expire: not a branch's or tag's head, not
     one of the main branch's ``keep_last`` newest, and not the one current at ``cutoff`` (what
     a reader at that moment read: Delta keeps the files removed after it, so do we)."""
+    chain = list(ancestors_of(metadata.current_snapshot(), metadata))  # newest first
     keep = {ref.snapshot_id for ref in metadata.refs.values()}
-    keep |= {
-        s.snapshot_id for s in list(ancestors_of(metadata.current_snapshot(), metadata))[:keep_last]
-    }
-    before = [e for e in metadata.snapshot_log if e.timestamp_ms <= cutoff]
+    keep |= {s.snapshot_id for s in chain[:keep_last]}
+    # The log is in commit order: its last entry before the cutoff was current then.
+    before = [e for e in metadata.snapshot_log if e.timestamp_ms < cutoff]
     if before:
-        keep.add(max(before, key=lambda e: e.timestamp_ms).snapshot_id)
-    older = [
-        s for s in ancestors_of(metadata.current_snapshot(), metadata) if s.timestamp_ms <= cutoff
-    ]
-    if older:  # the log lost it (a rollback's entry expired): the newest ancestor before
-        keep.add(older[0].snapshot_id)
+        keep.add(before[-1].snapshot_id)
+    older = next((s for s in chain if s.timestamp_ms < cutoff), None)
+    if older is not None:  # the log lost it (a rollback's entry expired): the newest ancestor
+        keep.add(older.snapshot_id)
     return {s.snapshot_id for s in metadata.snapshots if s.timestamp_ms < cutoff} - keep
 
 
