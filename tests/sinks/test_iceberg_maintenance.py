@@ -37,7 +37,7 @@ from pyiceberg.table.snapshots import Operation, Snapshot, SnapshotLogEntry, Sum
 from pyiceberg.table.sorting import UNSORTED_SORT_ORDER
 
 from pipeline.core.config import JobConfig
-from pipeline.core.errors import CommitConflict, ConfigError, UsageError
+from pipeline.core.errors import CommitConflict, ConfigError, TableError, UsageError
 from pipeline.io import storage
 from pipeline.sinks.iceberg import catalog, commit, maintenance
 from pipeline.sinks.iceberg.catalog import IcebergRef
@@ -496,3 +496,13 @@ def test_what_vacuum_deletes_is_what_delta_deletes(
     delta = {f for f, t in removed_at.items() if t < cutoff and f not in files[-1]}
     assert ours == delta
     assert len(files) not in expired  # the current snapshot always stays
+
+
+def test_optimize_names_a_file_the_table_lists_that_is_gone(scored: Scored) -> None:
+    scored.run(DAY1, shards(3), "r1")
+    gone = sorted(scored.files(DAY1))[1]
+    (Path(scored.ref.location.path) / gone).unlink()
+    with pytest.raises(TableError, match=f"1 file.* missing .*{gone}.*Nothing was committed"):
+        maintenance.optimize(scored.table(), None, None, BY)
+    assert len(scored.table().snapshots()) == 1
+    assert not [p for p in scored.on_disk() if "compacted-" in p]

@@ -200,6 +200,14 @@ def _compacted(
     partition's folder, and its ``DataFile``; the file is checked as a run's adds are."""
     rel = folder_of(values) + name
     sources = [root.child(p) for p, _ in old]
+    missing = [s.uri for s in sources if not storage.exists(s)]
+    if missing:
+        raise TableError(
+            f"optimize of {root.uri}: {len(missing)} file(s) the table lists are missing "
+            f"({', '.join(missing[:5])}): deleted by hand, or by another tool's cleanup. Nothing "
+            "was committed; roll the partition back to a snapshot whose files are there",
+            uri=root.uri,
+        )
     schema = _bin_schema(table, sources, columns)
 
     def align(t: pa.Table) -> pa.Table:
