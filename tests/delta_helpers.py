@@ -21,8 +21,9 @@ from deltalake import DeltaTable
 
 from pipeline.core.errors import PipelineError
 from pipeline.io import storage
+from pipeline.sinks.compaction import nan_columns
 from pipeline.sinks.delta import table as delta
-from pipeline.sinks.delta.stats import NewFile, data_file_path, nan_columns, new_file
+from pipeline.sinks.delta.stats import NewFile, data_file_path, new_file
 from pipeline.sinks.delta.table import TableRef
 
 SCHEMA = pa.schema([("id", pa.int64()), ("score", pa.float32()), ("model_version", pa.string())])

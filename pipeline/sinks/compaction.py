@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.io import storage
@@ -60,6 +61,18 @@ def bins(files: Sequence[Small], target_size: int) -> list[list[Small]]:
     return [b for b in out if len(b) > 1]
 
 
+def nan_columns(data: pa.Table | pa.RecordBatch) -> set[str]:
+    """The floating-point columns of ``data`` that hold a NaN: footers leave NaN out of their
+    min/max, so a format's statistics give those columns no bounds (a reader that orders NaN
+    above every number must not skip the file on them). A writer collects them over its
+    batches."""
+    found = set()
+    for name, column in zip(data.schema.names, data.columns, strict=True):
+        if pa.types.is_floating(column.type) and pc.any(pc.is_nan(column)).as_py():
+            found.add(name)
+    return found
+
+
 @dataclass(frozen=True)
 class Rewritten:
     """The file one bin became: where, how big, its footer and the float columns it holds a
@@ -77,7 +90,6 @@ def rewrite(
     target: Location,
     schema: pa.Schema,
     align: Callable[[pa.Table], pa.Table],
-    nan_columns: Callable[[pa.Table], set[str]],
     keep: Sequence[bytes] = (),
 ) -> Rewritten:
     """Read ``sources`` in order and write their rows to ``target`` (staged: visible whole or

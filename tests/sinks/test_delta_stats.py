@@ -25,13 +25,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.core.errors import ConfigError
+from pipeline.sinks.compaction import nan_columns
 from pipeline.sinks.delta.bounds import MAX_STRING_STAT_CHARS
 from pipeline.sinks.delta.stats import (
     check_partition_values,
     data_file_path,
     delta_facts,
     file_stats,
-    nan_columns,
     new_file,
     stats_problem,
 )

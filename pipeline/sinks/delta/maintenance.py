@@ -30,7 +30,7 @@ from pipeline.sinks.delta.client import (
 )
 from pipeline.sinks.delta.options import retention_text
 from pipeline.sinks.delta.snapshot import in_partition, table_files
-from pipeline.sinks.delta.stats import file_stats, nan_columns
+from pipeline.sinks.delta.stats import file_stats
 from pipeline.sinks.tables import TableFile
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,6 @@ def _compacted(
         ref.location.child(path),
         data_schema,
         align,
-        nan_columns,
         # Rows of one incremental scorer stay a baseline once compacted (docs/incremental.md).
         keep=(WRITER_KEY, SCORER_KEY),
     )

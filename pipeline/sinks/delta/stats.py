@@ -88,7 +88,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.core.errors import ConfigError
@@ -173,16 +172,6 @@ def data_file_path(partition_values: Mapping[str, str], name: str) -> str:
     if "/" in name or name.startswith(("_", ".")) or not name.endswith(".parquet"):
         raise ValueError(f"data file name {name!r}: a plain name ending in .parquet")
     return "/".join([*(f"{k}={v}" for k, v in partition_values.items()), name])
-
-
-def nan_columns(data: pa.Table | pa.RecordBatch) -> set[str]:
-    """The floating-point columns of ``data`` that hold a NaN. A writer collects them over its
-    batches and passes the others as ``nan_free`` to :func:`file_stats`."""
-    found = set()
-    for name, column in zip(data.schema.names, data.columns, strict=True):
-        if pa.types.is_floating(column.type) and pc.any(pc.is_nan(column)).as_py():
-            found.add(name)
-    return found
 
 
 def file_stats(metadata: pq.FileMetaData, *, nan_free: Collection[str] = ()) -> str:

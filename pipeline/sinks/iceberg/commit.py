@@ -139,15 +139,17 @@ def _footer(ref: IcebergRef, new: NewFile) -> tuple[int, pq.FileMetaData] | str:
     return int(size or 0), meta
 
 
-def _data_file(
-    ref: IcebergRef,
+def data_file(
     table: Table,
+    file_path: str,
     new: NewFile,
     partition: Mapping[str, str],
     meta: pq.FileMetaData,
 ) -> DataFile:
-    """The ``DataFile`` of ``new``: the partition given, statistics from its footer by column
-    name (the table's name mapping), no bounds for columns holding a NaN."""
+    """The ``DataFile`` of ``new`` (at ``file_path`` in the table): the partition given (in the
+    spec's order), statistics from its footer ``meta`` by column name (the table's name
+    mapping), no bounds for columns holding a NaN. A run's files and a compaction's are built
+    here alike."""
     schema = table.schema()
     stats = data_file_statistics_from_parquet_metadata(
         parquet_metadata=meta,
@@ -160,7 +162,7 @@ def _data_file(
             stats.column_aggregates.pop(field_id, None)
     return DataFile.from_args(
         content=DataFileContent.DATA,
-        file_path=ref.file_path(new.path),
+        file_path=file_path,
         file_format=FileFormat.PARQUET,
         partition=Record(*partition.values()),
         file_size_in_bytes=new.size,
@@ -218,7 +220,7 @@ def build_adds(
             if problem:
                 problems.append(f"{new.path}: {problem}")
             elif not isinstance(found, str):
-                built.append(_data_file(ref, table, new, partition, found[1]))
+                built.append(data_file(table, ref.file_path(new.path), new, partition, found[1]))
     if problems:
         shown = "; ".join(problems[:_MAX_LISTED])
         more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
