@@ -19,6 +19,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("pyiceberg")
 
@@ -349,3 +351,57 @@ def test_a_command_finds_the_table_from_its_folder_a_partition_or_its_job_file(
         locate_table(str(tmp_path / "foreign"))
     with pytest.raises(NotATableError, match="nor an Iceberg metadata/"):
         locate_table(str(tmp_path / "nothing"))
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> list[tuple[str, int]]:
+    """Runs on three days, in any order: (day, rows) each, 2 to 6 of them."""
+    return draw(
+        st.lists(
+            st.tuples(st.sampled_from([D1, D2, D3]), st.integers(1, 30)), min_size=2, max_size=6
+        )
+    )
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(runs=histories(), data=st.data())
+def test_any_rollback_gives_each_day_the_rows_it_must_hold(
+    runs: list[tuple[str, int]], data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """For any history of runs, a day rolled back to any earlier version holds exactly its rows
+    of then and every other day its rows of now; the whole table rolled back holds every day's
+    rows of then; each in one new snapshot, read by pyiceberg and Polars alike."""
+    tmp = tmp_path_factory.mktemp("history")
+    root = storage.locate(str(tmp / "scored"))
+    ref = IcebergRef.of(root, storage.locate(str(tmp / "_score_catalog" / "scored")))
+    catalog.ensure_table(ref, iceberg_schema(ref.uri, OUTPUT, ["dt"]), ["dt"], {})
+    ops = IcebergTableOps(ref)
+    states: dict[int, dict[str, list[tuple[Any, ...]]]] = {}
+    held: dict[str, tuple[str, ...]] = {}
+    versions: dict[str, int] = {}
+    for k, (day, n) in enumerate(runs):
+        versions[day] = versions.get(day, 0) + 1
+        new = _file(ref, day, f"r{k}", range(1000 * k, 1000 * k + n), f"m{k}")
+        seq = _commit(ref, day, [new], versions[day], removes=held.get(day, ()))
+        held[day] = (new.path,)
+        states[seq] = {d: day_rows(ref, d) for d in (D1, D2, D3)}
+    latest = len(runs)
+    to = data.draw(st.integers(1, latest - 1), label="to")
+    day = data.draw(st.sampled_from([D1, D2, D3]), label="day")
+    now = states[latest]
+    if not now[day] and not states[to][day]:
+        with pytest.raises(UsageError, match="no partition"):
+            ops.restore_partition(to, {"dt": day}, {})
+    else:
+        done = ops.restore_partition(to, {"dt": day}, {})
+        changed = now[day] != states[to][day]
+        assert done == (latest + 1 if changed else None)
+        for d in (D1, D2, D3):
+            assert day_rows(ref, d) == (states[to][d] if d == day else now[d])
+    top = len(_table(ref).snapshots())
+    assert ops.restore(to, {}, []) == top + 1
+    assert {d: day_rows(ref, d) for d in (D1, D2, D3)} == states[to]
