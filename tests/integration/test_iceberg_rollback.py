@@ -23,6 +23,9 @@ pytest.importorskip("pyiceberg")
 
 from pyiceberg.table import Table
 
+from pipeline.io import storage
+from pipeline.io.locking import RunLock
+from pipeline.sinks.tables import table_lock_root
 from tests.integration import test_iceberg_run as iceberg_run
 from tests.integration.helpers import cli, report
 from tests.integration.test_iceberg_run import DAYS, check_day, day_rows, table_of
@@ -195,6 +198,23 @@ def test_the_whole_table_rolls_back_as_one_snapshot_and_that_can_be_undone(
     # Every earlier state is still readable at its snapshot.
     snap_3 = next(s for s in table.snapshots() if s.sequence_number == 3)
     assert {d: day_rows(table, d, snap_3.snapshot_id).to_pylist() for d in DAYS} == at_3
+
+    # The locks Delta's rollback takes: refused while a run holds a partition's lock, and a
+    # run refused while the table lock is held; nothing changed either way.
+    area = storage.locate(str(tmp_path / "_score_catalog" / "scored"))
+    running = RunLock.acquire(area.child(f"dt={D2}"), "a-run", stale_after_s=3600)
+    try:
+        busy = cli("rollback", str(out), "--to-version", "3", "--reason", "undo")
+        assert busy.returncode == 1 and "in progress" in busy.output, busy.output
+    finally:
+        running.release()
+    held = RunLock.acquire(table_lock_root(area), "rollback-by-hand", stale_after_s=3600)
+    try:
+        refused = cli("run", str(job), "--date", D2)
+        assert refused.returncode == 1 and "rollback-by-hand" in refused.output, refused.output
+    finally:
+        held.release()
+    assert len(table.refresh().snapshots()) == 4
 
     # The rollback is a version like any other: rolling back to 3 undoes it.
     undo = cli("rollback", str(out), "--to-version", "3", "--reason", "undo")
