@@ -1,5 +1,5 @@
-"""``score-catalog history | rollback | optimize | vacuum OUTPUT``: a Delta table's versions and
-its maintenance (``format = "delta"``, docs/delta.md).
+"""``score-catalog history | rollback | optimize | vacuum OUTPUT``: a table's versions and its
+maintenance (``format = "delta"``, docs/delta.md; ``format = "iceberg"``, docs/iceberg.md).
 
 Registered by ``pipeline.cli`` (``main.add_command``). Each command parses its options and calls
 one function of :mod:`pipeline.driver.tables`; OUTPUT is the table's folder, one of its
@@ -51,8 +51,9 @@ def _fail(e: Exception, what: str) -> NoReturn:
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Newest N versions only.")
 @click.option("--json", "as_json", is_flag=True, help="Print the versions as JSON.")
 def history(output: str, storage: dict[str, Any], limit: int | None, as_json: bool) -> None:
-    """List the versions of the Delta table at OUTPUT, newest first: run id, model, rows,
-    status and time of each run's commit, and the restores, compactions and vacuums.
+    """List the versions of the Delta or Iceberg table at OUTPUT, newest first: run id, model,
+    rows, status and time of each run's commit, and the restores, compactions and vacuums (an
+    Iceberg table's version: a snapshot's sequence number).
 
     Pointed at a partition folder, only that partition's commits (and the table-wide
     operations) are listed. A rollback says which partitions it restored (a partition's
@@ -112,19 +113,22 @@ def rollback(
     by: str | None,
     dry_run: bool,
 ) -> None:
-    """Roll the Delta table at OUTPUT, or one partition of it, back to version N.
+    """Roll the Delta or Iceberg table at OUTPUT, or one partition of it, back to version N.
 
     A partition (OUTPUT a partition folder, or --partition COLUMN=VALUE): only its files become
     version N's again, in one new version; every other partition stays as it is.
 
     The whole table (OUTPUT the table's folder, or a job file: a job file names its output
-    template's table, not a day; add --partition to name one): Delta RESTORE, every partition
-    as at version N, so partitions written since are removed and the schema reverts.
+    template's table, not a day; add --partition to name one): every partition as at version
+    N, in one new version (Delta RESTORE; for Iceberg one new snapshot), so partitions written
+    since are removed. A Delta table's schema reverts; an Iceberg table's stays (a column gained
+    since reads as null).
 
     Before it acts it prints each partition it changes, rows now -> after (partitions it
     leaves as they are are counted, not listed); --dry-run stops there. It takes the table
     lock (refused while a run on any partition is in progress) and records who, when, why,
-    which partitions and which runs it undid in the commit info and the run index. Run
+    which partitions and which runs it undid in the commit (Delta's commit info, the Iceberg
+    snapshot's summary) and the run index. Run
     versions are not rolled back: a retry of an undone run is still refused. The next run of
     a partition it changed scores again the shards the table no longer holds, and its drift
     compares with what the partition holds now. OUTPUT: the table's folder, a partition folder

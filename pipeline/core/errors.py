@@ -55,7 +55,7 @@ DEMO_EXIT_CODES_HELP = (
 TABLE_EXIT_CODES_HELP = (
     "Exit codes: 0 done (history printed; the table rolled back, compacted or vacuumed); 1 the "
     "table is locked (a run on one of its partitions, or another maintenance command), or the "
-    "storage could not be read or written; 2 usage error, or no Delta table at OUTPUT."
+    "storage could not be read or written; 2 usage error, or no Delta or Iceberg table at OUTPUT."
 )
 BACKFILL_EXIT_CODES_HELP = (
     "Exit codes: the worst of the days': 143 or 130 a day was stopped by SIGTERM or SIGINT (the "
@@ -180,8 +180,8 @@ class TableSchemaError(InputError):
 
 
 class NotATableError(UsageError):
-    """A command that reads a Delta table (history, rollback, vacuum, optimize) was pointed at
-    a location without one. Exit 2."""
+    """A command that reads a table (history, rollback, vacuum, optimize) was pointed at a
+    location without one this tool can open (Delta, or Iceberg in its own catalog). Exit 2."""
 
     def __init__(self, message: str, *, uri: str) -> None:
         super().__init__(message)

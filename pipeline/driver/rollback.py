@@ -1,10 +1,13 @@
-"""``score-catalog rollback``: a Delta table, or one partition of it, back to an older version.
+"""``score-catalog rollback``: a table (Delta or Iceberg), or one partition of it, back to an
+older version.
 
 Pointed at a partition (a partition folder as OUTPUT, or ``--partition COLUMN=VALUE``), a
 rollback restores only that partition's files to what the version held, as ONE new commit,
 and leaves every other partition as it is (:meth:`pipeline.sinks.tables.TableOps.
 restore_partition`). Pointed at the table (its folder, or a job file: its output template's
-table), it is Delta's RESTORE of the whole table. Either way it first works out what it changes,
+table), it restores the whole table as one new version (Delta's RESTORE; for an Iceberg table
+one new snapshot: :meth:`~pipeline.sinks.tables.TableOps.restore`). Either way it first works
+out what it changes,
 partition by partition, with row counts (:func:`plan`), and hands that to ``announce`` before
 it acts: a rollback that removes other days says so before it does (``--dry-run`` stops there).
 
@@ -48,7 +51,7 @@ class Plan:
     """What rolling ``target`` (or ``partition`` of it) back to ``to_version`` changes."""
 
     target: Target
-    partition: dict[str, str] | None  # None: the whole table (Delta RESTORE)
+    partition: dict[str, str] | None  # None: the whole table (a RESTORE)
     from_version: int  # the latest version now
     to_version: int
     changes: list[PartitionChange]  # the partitions it changes, by label
@@ -343,9 +346,10 @@ def _schema_lines(found: Plan) -> list[str]:
     if not found.gained:
         return []
     cols = ", ".join(found.gained)
-    if found.partition is None:
+    if found.partition is None and found.target.table.schema_reverts:
         return [f"  the schema reverts to version {found.to_version}'s: column(s) {cols} go"]
-    return [f"  column(s) {cols}, added after version {found.to_version}, read as null there"]
+    where = "there" if found.partition is not None else "in the rows restored"
+    return [f"  column(s) {cols}, added after version {found.to_version}, read as null {where}"]
 
 
 def done_text(entry: Mapping[str, Any]) -> str:

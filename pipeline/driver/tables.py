@@ -194,7 +194,7 @@ def history_table(target: Target, rows: list[dict[str, Any]]) -> str:
     """``history``'s rows for the terminal."""
     where = f" partition {target.label}" if target.label else ""
     lines = [
-        f"Delta table {target.table.uri}{where}: {len(rows)} version(s), newest first",
+        f"{target.table.kind} {target.table.uri}{where}: {len(rows)} version(s), newest first",
         f"  {'version':>7}  {'time (UTC)':<25} {'status':<26} {'run':<24} {'model':<12} "
         f"{'rows':>10}  partition / detail",
     ]

@@ -66,33 +66,63 @@ class TableTarget:
 
 def locate_table(output: str, options: Mapping[str, Any] | None = None) -> TableTarget:
     """The table ``output`` names: a job file (``*.toml``: its output template's table, its
-    ``[storage]`` options), or a path or URI of the table's root or of a partition folder."""
+    ``[storage]`` options), or a path or URI of the table's root or of a partition folder (a
+    Delta table's ``_delta_log/`` looked for first, then an Iceberg table's ``metadata/``)."""
     opts = dict(options or {})
+    job: JobConfig | None = None
     if output.endswith(".toml") and Path(output).is_file():
         job = jobfile.build_config(output)
         opts = {**dict(job.storage), **opts}
         loc = storage.locate(fixed_part(job.output)[0], opts)
     else:
         loc = storage.locate(output, opts)
-    from pipeline.sinks.delta.ops import table_above  # downward, as sink_for
+    found: tuple[TableOps, Location] | None
+    if job is not None and job.format == "iceberg":
+        found = _iceberg_ops(loc, opts, job)  # what the job says: its table, not a search
+    else:
+        from pipeline.sinks.delta.ops import table_above  # downward, as sink_for
 
-    found = table_above(loc, opts)
-    if found is None and _iceberg_metadata_above(loc):
-        raise NotATableError(
-            f'{loc.uri} is an Iceberg table (format = "iceberg"): history, rollback, optimize '
-            "and vacuum work on Delta tables only so far (docs/iceberg.md#not-done-yet)",
-            uri=loc.uri,
-        )
+        found = table_above(loc, opts) or _iceberg_above(loc, opts)
     if found is None:
         raise NotATableError(
-            f"no table at {loc.uri} or above it (no _delta_log/): give the table's folder, a "
-            'partition folder in it, or the job file of a job with format = "delta"',
+            f"no table at {loc.uri} or above it (no _delta_log/ nor an Iceberg metadata/): give "
+            "the table's folder, a partition folder in it, or the job file of a job with "
+            'format = "delta" or "iceberg"',
             uri=loc.uri,
         )
     table, root = found
     rest = below(root.path, loc.path)
     partition = dict(s.partition("=")[::2] for s in rest.split("/") if s) if rest else None
     return TableTarget(table, partition, storage.sibling(root, control_area(root.uri)))
+
+
+def _iceberg_ops(
+    loc: Location, options: Mapping[str, Any], job: JobConfig
+) -> tuple[TableOps, Location]:
+    """The Iceberg table of ``job`` (its output template's fixed part is ``loc``)."""
+    try:
+        from pipeline.sinks.iceberg.ops import ops_at
+    except ImportError as e:
+        raise _no_pyiceberg(loc, e) from e
+    return ops_at(loc, options, job), loc
+
+
+def _iceberg_above(loc: Location, options: Mapping[str, Any]) -> tuple[TableOps, Location] | None:
+    """The Iceberg table at ``loc`` or above it, if pyiceberg is here to read it."""
+    try:
+        from pipeline.sinks.iceberg.ops import table_above
+    except ImportError as e:
+        if _iceberg_metadata_above(loc):
+            raise _no_pyiceberg(loc, e) from e
+        return None
+    return table_above(loc, options)
+
+
+def _no_pyiceberg(loc: Location, e: ImportError) -> ConfigError:
+    return ConfigError(
+        f"{loc.uri} is an Iceberg table; reading it needs pyiceberg ({e.name or e}), which is "
+        "not installed here: pip install 'score-catalog[iceberg]'"
+    )
 
 
 def _iceberg_metadata_above(loc: Location) -> bool:

@@ -1,7 +1,8 @@
 """What every table format says of itself, for history and maintenance: its versions, its files,
 what a rollback changes, and the operations a table offers (:class:`TableOps`); and the table
 lock maintenance takes, beside the table. No table client here: a format implements
-:class:`TableOps` in its own package (:mod:`pipeline.sinks.delta.ops`)."""
+:class:`TableOps` in its own package (:mod:`pipeline.sinks.delta.ops`,
+:mod:`pipeline.sinks.iceberg.ops`)."""
 
 from __future__ import annotations
 
@@ -105,7 +106,14 @@ class TableOps(Protocol):
 
     @property
     def kind(self) -> str:
-        """The format's name, for messages: "Delta table"."""
+        """The format's name, for messages: "Delta table", "Iceberg table"."""
+        ...
+
+    @property
+    def schema_reverts(self) -> bool:
+        """Whether a rollback of the whole table reverts its schema to the version's (Delta's
+        RESTORE does; an Iceberg snapshot carries no schema, so there a column gained since
+        stays, null in the rows restored)."""
         ...
 
     def history(self, limit: int | None = None) -> list[VersionInfo]:

@@ -20,9 +20,8 @@ pytest.importorskip("pyiceberg")
 
 from pyiceberg.table import Table, Transaction
 
-from pipeline.core.errors import AlreadyCommitted, CommitRefused, NotATableError
+from pipeline.core.errors import AlreadyCommitted, CommitRefused
 from pipeline.io import storage
-from pipeline.sinks import locate_table
 from pipeline.sinks.iceberg import catalog, commit
 from pipeline.sinks.iceberg.catalog import IcebergRef
 from pipeline.sinks.iceberg.commit import NewFile, RunCommit
@@ -204,12 +203,3 @@ def test_a_column_holding_a_nan_has_no_bounds(ref: IcebergRef) -> None:
     assert score not in (task.file.lower_bounds or {})
     assert score not in (task.file.upper_bounds or {})
     assert item in task.file.lower_bounds
-
-
-def test_history_and_maintenance_say_they_do_not_take_an_iceberg_table_yet(
-    ref: IcebergRef,
-) -> None:
-    _commit(ref, _run("2026-12-01", [_file(ref, "2026-12-01", "a", range(5))], 1))
-    for where in (ref.uri, f"{ref.uri}/dt=2026-12-01"):
-        with pytest.raises(NotATableError, match="is an Iceberg table"):
-            locate_table(where)

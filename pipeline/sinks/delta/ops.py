@@ -40,6 +40,10 @@ class DeltaTableOps:
     def kind(self) -> str:
         return "Delta table"
 
+    @property
+    def schema_reverts(self) -> bool:
+        return True  # RESTORE brings back the version's metaData
+
     def history(self, limit: int | None = None) -> list[VersionInfo]:
         return delta.history(self.ref, limit)
 

@@ -36,6 +36,7 @@ from typing import Literal
 import pyarrow.parquet as pq
 from pydantic import Field
 from pyiceberg.exceptions import CommitFailedException, ValidationException
+from pyiceberg.expressions import BooleanExpression
 from pyiceberg.io.pyarrow import (
     compute_statistics_plan,
     data_file_statistics_from_parquet_metadata,
@@ -287,20 +288,34 @@ def _stage(
     token = AssertTokenAbsent(app_id=run.app_id, run_version=run.run_version)
     tx._stage((), (token,))  # type: ignore[arg-type]
     tx.set_properties({TXN_PREFIX + run.app_id: str(run.run_version)})
+    scope = partition_filter(run.partition) if run.partition else None
+    stage_snapshot(tx, table, scope, removes, adds, summary)
+    return tx
+
+
+def stage_snapshot(
+    tx: Transaction,
+    table: Table,
+    scope: BooleanExpression | None,
+    removes: Sequence[DataFile],
+    adds: Sequence[DataFile],
+    summary: Mapping[str, str],
+) -> None:
+    """Stage ONE snapshot in ``tx`` that deletes ``removes`` and adds ``adds`` (a run's, a
+    rollback's), its summary ``summary``; ``scope`` (a partition's predicate) limits the
+    manifests rewritten and pyiceberg's conflict checks to what it matches: only the files
+    given are deleted either way."""
     has_snapshot = tx.table_metadata.snapshot_by_name("main") is not None
     op = Operation.OVERWRITE if has_snapshot else Operation.APPEND
     with LeanOverwrite(
-        operation=op, transaction=tx, io=table.io, snapshot_properties=summary
+        operation=op, transaction=tx, io=table.io, snapshot_properties=dict(summary)
     ) as producer:
-        if run.partition:
-            # Scopes the manifests rewritten and pyiceberg's conflict checks to the partition:
-            # only the files given to delete_data_file are deleted.
-            producer.delete_by_predicate(partition_filter(run.partition))
+        if scope is not None:
+            producer.delete_by_predicate(scope)
         for f in removes:
             producer.delete_data_file(f)
         for f in adds:
             producer.append_data_file(f)
-    return tx
 
 
 def _attempt(
