@@ -272,3 +272,51 @@ def test_runs_at_once_on_a_new_table_all_commit_and_one_day_twice_commits_once(
     check_day(table, archive, models["2"], day, "2")
     for other in (DAYS[0], DAYS[2]):
         check_day(table, archive, models["1"], other, "1")
+
+
+def test_optimize_and_vacuum_through_the_cli_keep_every_day_exact(
+    tmp_path: Path, archive: Path, models: dict[str, Path], job: Path
+) -> None:
+    """``optimize`` of one day compacts its two files into one in one snapshot that history
+    shows; ``vacuum`` refuses a retention below the table's unless forced, lists without
+    deleting on a dry run, and with ``--force`` deletes exactly the files no kept snapshot
+    reads; every day reads the same throughout, and the next run of the compacted day
+    commits."""
+    out = tmp_path / "scored"
+    done = cli("backfill", str(job), "--from", DAYS[0], "--to", DAYS[1])
+    assert done.returncode == 0, done.output
+    table = table_of(report(out / f"dt={DAYS[0]}")["output_format"])
+    first_files = sorted(p.name for p in (out / f"dt={DAYS[0]}").iterdir())
+    assert len(first_files) == 2
+
+    opt = cli("optimize", str(out / f"dt={DAYS[0]}"))
+    assert opt.returncode == 0, opt.output
+    assert f"partition dt={DAYS[0]}: 2 file(s) compacted into 1" in opt.stdout, opt.stdout
+    table = table.refresh()
+    assert len(table.snapshots()) == 3
+    for day in DAYS[:2]:
+        check_day(table, archive, models["1"], day, "1")
+    shown = cli("history", str(out), "--json")
+    assert shown.returncode == 0, shown.output
+    assert json.loads(shown.stdout)[0]["operation"] == "OPTIMIZE"
+
+    short = cli("vacuum", str(out), "--retention-hours", "1")
+    assert short.returncode == 2 and "retention" in short.output, short.output
+    compacted = sorted(p.name for p in (out / f"dt={DAYS[0]}").iterdir())
+    dry = cli("vacuum", str(out), "--dry-run", "--retention-hours", "0", "--force")
+    assert dry.returncode == 0, dry.output
+    assert "would delete 2 file(s)" in dry.stdout, dry.stdout
+    assert sorted(p.name for p in (out / f"dt={DAYS[0]}").iterdir()) == compacted
+    gone = cli("vacuum", str(out), "--retention-hours", "0", "--force")
+    assert gone.returncode == 0 and "deleted 2 file(s)" in gone.stdout, gone.output
+    left = sorted(p.name for p in (out / f"dt={DAYS[0]}").iterdir())
+    assert len(left) == 1 and left[0] not in first_files
+    table = table.refresh()
+    for day in DAYS[:2]:
+        check_day(table, archive, models["1"], day, "1")
+
+    rescore = run(job, DAYS[0], "--model", str(models["2"]))
+    assert rescore.returncode == 0, rescore.output
+    table = table.refresh()
+    check_day(table, archive, models["2"], DAYS[0], "2")
+    check_day(table, archive, models["1"], DAYS[1], "1")
