@@ -95,10 +95,14 @@ def test_a_new_column_is_refused_unless_schema_evolution_is_allowed(tmp_path: Pa
     assert "label" in table.metadata.name_mapping()._field_by_name  # type: ignore[union-attr]
 
 
-def test_object_storage_is_refused_for_now(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="local folder for now"):
+def test_object_storage_needs_a_catalog_and_s3(tmp_path: Path) -> None:
+    area = storage.locate(str(tmp_path / "area"))
+    with pytest.raises(ConfigError, match="needs a catalog that every run reaches") as e:
+        catalog.IcebergRef.of(storage.locate("memory://bucket/scored"), area)
+    assert "--catalog sqlite:///PATH" in str(e.value)
+    with pytest.raises(ConfigError, match="a local path or s3:// here, not memory://"):
         catalog.IcebergRef.of(
-            storage.locate("memory://bucket/scored"), storage.locate(str(tmp_path / "area"))
+            storage.locate("memory://bucket/scored"), area, f"sqlite:///{tmp_path}/c.db"
         )
 
 
