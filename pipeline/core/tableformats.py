@@ -123,12 +123,12 @@ class CatalogSpec:
         return shown
 
     def text(self) -> str:
-        """The catalog in a message (no secret)."""
+        """The catalog in a message, after the word "catalog" (no secret)."""
         found = self.public()
         if isinstance(found, str):
             return found
         rest = ", ".join(f"{k}={v}" for k, v in found.items() if k != "name")
-        return f"catalog {self.name!r}" + (f" ({rest})" if rest else "")
+        return f"{self.name!r}" + (f" ({rest})" if rest else "")
 
     def secrets(self) -> list[str]:
         """Every secret value of the catalog (scrubbed from any text that may quote them)."""

@@ -151,7 +151,7 @@ def test_a_catalog_spec_names_its_catalog_without_secrets(tmp_path: Path) -> Non
     )
     assert props.properties == {"type": "glue", "client.secret-access-key": "K3Y", "retries": "3"}
     assert props.public() == {"name": "glue", "type": "glue", "retries": "3"}
-    assert props.text() == "catalog 'glue' (type=glue, retries=3)"
+    assert props.text() == "'glue' (type=glue, retries=3)"
     assert props.scrub("denied for K3Y") == "denied for ***"
 
 
