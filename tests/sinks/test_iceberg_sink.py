@@ -184,7 +184,7 @@ def test_a_catalog_that_does_not_answer_is_named_without_its_secrets(tmp_path: P
         sink.check("refuse", SCHEMA)
     text = str(e.value)
     assert f"the Iceberg catalog 'lake' (type=rest, uri={url})" in text
-    assert "S3CRET" not in text and "check that it runs" in text
+    assert "S3CRET" not in text and "check that the catalog runs" in text
 
 
 def test_a_catalog_pyiceberg_cannot_open_is_a_config_error_without_its_secrets(

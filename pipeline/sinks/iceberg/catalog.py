@@ -202,11 +202,13 @@ def _catalog(ref: IcebergRef) -> Catalog:
 
 
 def _unreachable(ref: IcebergRef, what: str, e: Exception) -> StorageError:
-    """A catalog that did not answer (or refused): the message names it, never a secret."""
+    """A catalog that did not answer or refused, or a table file it points to that could not be
+    read: the message names them, never a secret."""
     return StorageError(
-        f"{what} the Iceberg catalog {ref.catalog.text()} failed ({type(e).__name__}: "
-        f"{ref.catalog.scrub(str(e))}): check that it runs and that its address and "
-        "credentials (the catalog key) are right",
+        f"{what} the Iceberg catalog {ref.catalog.text()} failed for {ref.identifier} "
+        f"({type(e).__name__}: {ref.catalog.scrub(str(e))}): check that the catalog runs, that "
+        "its address and credentials (the catalog key) are right, and that the table's files "
+        f"are in {ref.uri}",
         uri=ref.uri,
     )
 
