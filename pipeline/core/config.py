@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import importlib.util
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,33 +43,20 @@ from pipeline.core.settings import (
     template,
     url,
 )
-from pipeline.core.templates import default_rejects, fixed_part, index_root, partition_columns
+from pipeline.core.tableformats import (
+    CatalogSpec,
+    catalog_problems,
+    format_problems,
+    table_problems,
+)
+from pipeline.core.tableformats import missing_packages as missing_packages  # ONNX's too
+from pipeline.core.templates import default_rejects, fixed_part, index_root
 
 Precision = Literal["fp32", "bf16", "fp16", "int8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 Engine = Literal["torch", "onnx"]
 #: What ``engine = "onnx"`` imports: the runtime, and torch.onnx.export's dynamo exporter.
 ONNX_PACKAGES = ("onnxruntime", "onnx", "onnxscript")
-#: What ``format = "iceberg"`` imports (the ``iceberg`` extra): pyiceberg and its SQL catalog.
-ICEBERG_PACKAGES = ("pyiceberg", "sqlalchemy")
-#: The table formats: an output template's fixed part is the table, its key={...} folders
-#: partition columns (pipeline.core.templates.partition_columns).
-TABLE_FORMATS = ("delta", "iceberg")
-
-
-def missing_packages(names: tuple[str, ...]) -> list[str]:
-    """Those of ``names`` that cannot be imported here (found without importing them)."""
-    missing = []
-    for name in names:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
-
-
 # --------------------------------------------------------------------------------------------
 # The job
 
@@ -324,6 +310,32 @@ class JobConfig:
             "partitions); iceberg: an Iceberg table the same way, one snapshot per run."
         ),
     )
+    # format = "iceberg": the pyiceberg catalog that holds the table. A URI (sqlite:///PATH: a
+    # SQL catalog in that SQLite file; http(s)://...: a REST catalog) or a [catalog] table of
+    # pyiceberg catalog properties (name = its name, the others passed to load_catalog; secret
+    # ones never shown). None: an embedded SQLite catalog in the table's control area (local
+    # outputs only). docs/iceberg.md#catalog-and-table
+    catalog: str | Mapping[str, Any] | None = field(
+        default=None,
+        metadata=meta(
+            "iceberg: the catalog, sqlite:///PATH or http(s):// REST (default: an embedded "
+            "SQLite catalog beside the table; a [catalog] table of pyiceberg properties in a "
+            "job file).",
+            checks=(catalog_problems,),
+            metavar="URI",
+        ),
+    )
+    # format = "iceberg": the table's identifier in its catalog, <namespace>.<table> or <table>
+    # (namespace score_catalog). None: score_catalog.<the table folder's name>.
+    table: str | None = field(
+        default=None,
+        metadata=meta(
+            "iceberg: the table's identifier, NAMESPACE.TABLE or TABLE (default "
+            "score_catalog.<the table folder's name>).",
+            checks=(table_problems,),
+            metavar="ID",
+        ),
+    )
     # format = "delta": a model that adds an output column adds it to the table (older rows
     # read it as null) instead of being refused. Type changes are refused either way.
     allow_schema_evolution: bool = field(
@@ -443,10 +455,13 @@ class JobConfig:
         return self.rejects.format(date=self.run_date, run_id=run_id)
 
     def redacted(self) -> dict[str, Any]:
-        """A JSON-able view for logs and reports: storage option values are never shown."""
+        """A JSON-able view for logs and reports: storage option values and the catalog's
+        secrets are never shown."""
         d = dataclasses.asdict(self)
         d["passthrough"] = list(self.passthrough)
         d["storage"] = {k: "***" for k in self.storage}
+        if self.catalog is not None:
+            d["catalog"] = CatalogSpec.of(self.catalog).public()
         return d
 
 
@@ -623,7 +638,7 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[Keyed]:
                 "its files, or a rollback to it fails",
             )
         )
-    problems += _format_problems(good, bad)
+    problems += format_problems(good, bad)
     if good.get("engine") == "onnx":
         problems += [("engine", p) for p in _engine_problems(good)]
     if "output" in good and "output" not in bad:
@@ -631,28 +646,6 @@ def _cross_problems(good: Mapping[str, Any], bad: set[str]) -> list[Keyed]:
             index_root(good["output"])  # where the run index lives: checked now, not after scoring
         except ConfigError as e:
             problems += [("output", p) for p in e.problems]
-    return problems
-
-
-def _format_problems(good: Mapping[str, Any], bad: set[str]) -> list[Keyed]:
-    """What a table format needs: an output template whose folders are partitions, and (for
-    ``format = "iceberg"``) the ``iceberg`` extra."""
-    problems: list[Keyed] = []
-    fmt = good.get("format")
-    if fmt in TABLE_FORMATS and "output" in good and "output" not in bad:
-        try:
-            partition_columns(good["output"], fmt=fmt)
-        except ConfigError as e:
-            problems += [("output", p) for p in e.problems]
-    if fmt == "iceberg" and (missing := missing_packages(ICEBERG_PACKAGES)):
-        problems.append(
-            (
-                "format",
-                f"format = 'iceberg' needs {' and '.join(missing)}, which "
-                f"{'is' if len(missing) == 1 else 'are'} not installed here: pip install "
-                "'score-catalog[iceberg]', or use format 'delta' or 'parquet'",
-            )
-        )
     return problems
 
 

@@ -188,7 +188,7 @@ def _parse_list(raw: str) -> list[str]:
 class Kind:
     """A key's type, read from its type hint: how to check it, parse it from text, name it."""
 
-    name: str  # str, int, float, bool, list, int_or_word, bool_or_word, table
+    name: str  # str, int, float, bool, list, int_or_word, bool_or_word, table, str_or_table
     word: str  # for messages: "an integer"
     accepts: Callable[[Any], bool]
     # From the text of an environment variable or a flag; raises ValueError. None: no text form.
@@ -213,6 +213,16 @@ def kind_of(hint: Any) -> Kind:
         rest = tuple(a for a in args if a is not type(None))
         if len(rest) == 1:
             return dataclasses.replace(kind_of(rest[0]), optional=len(rest) < len(args))
+        if len(rest) == 2 and rest[0] is str and get_origin(rest[1]) is Mapping:
+            # str | Mapping[str, Any]: a word (from text too: a variable, a flag) or a table
+            # (a job file only), never merged key by key across the layers.
+            return Kind(
+                "str_or_table",
+                "a string or a table",
+                lambda v: isinstance(v, (str, Mapping)),
+                str,
+                optional=len(rest) < len(args),
+            )
         if len(rest) == 2 and rest[0] in (bool, int) and get_origin(rest[1]) is Literal:
             # bool | Literal["auto"], int | Literal["auto"]: a value, or one of a few words.
             scalar, words = _SCALARS[rest[0]], get_args(rest[1])

@@ -10,10 +10,13 @@ written, as is an output that is the fixed part of a template another job writes
 What is checked, and what it costs on object storage (every run does it):
 
 * below: the output's own tree, listed once (reconcile lists it again at the end), for another
-  output's mark (``_SCORE_CATALOG``), manifest, or a control folder (``_score_catalog/``);
+  output's mark (``_SCORE_CATALOG``), manifest, or a control folder (``_score_catalog/``), and
+  for a table: a Delta table's ``_delta_log/``, an Iceberg table's ``metadata/`` holding a
+  ``*.metadata.json``;
 * above: each folder from the output's parent up to the bucket or filesystem root, for a mark,
-  a manifest, or a control area beside it (the root of a template): three ``exists`` calls
-  per level, no listing;
+  a manifest, a table (a Delta log, an Iceberg ``metadata/`` folder), or a control area beside
+  it (the root of a template): four ``exists`` calls and one listing (of ``metadata/``, which
+  normally does not exist) per level;
 * as a template root: the run index a template rooted at the output would keep (in the
   output's control area, or inside it in the older layout): one listing of a folder that
   normally does not exist, and one small read per job found there (its newest entry).
@@ -32,6 +35,10 @@ An output belongs to one job (:func:`check_owner`): its manifest records the job
 output template and the output's real path, and a run of another job, or of the same job
 through another template or a symlink, is refused before anything is written. All checks look
 at real paths (symlinks resolved, local disk).
+
+A table is known by its files alone, listed (no table client here): a Delta table by its
+``_delta_log/``, an Iceberg table by a ``metadata/`` folder holding a ``*.metadata.json`` (its
+catalog may be anywhere; the folder is where its files are).
 """
 
 from __future__ import annotations
@@ -54,6 +61,16 @@ __all__ = ["check", "check_owner", "check_root", "check_run", "owner_record", "t
 _SIGNS = (layout.OUTPUT_MARK, MANIFEST_NAME)
 #: A Delta table's log: a table is an output too (``format = "delta"``), or another writer's.
 _LOG = "_delta_log"
+#: An Iceberg table's metadata folder (``format = "iceberg"``), a table when it holds a
+#: ``*.metadata.json``.
+_METADATA = "metadata"
+_METADATA_JSON = ".metadata.json"
+#: A sign's kind -> what it says the folder is, in messages; a table's kind is its format.
+_KINDS = {
+    "output": "an output of score-catalog",
+    "delta": "a Delta table",
+    "iceberg": "an Iceberg table",
+}
 _DATED = re.compile(r"^(?P<key>[^=/]+=)?\d{4}-\d{2}-\d{2}$")
 
 
@@ -64,13 +81,15 @@ def check(
     table_names: tuple[str, ...] = (_LOG,),
 ) -> None:
     """Refuse ``out`` when it lies inside a control or default rejects area, contains an output
-    of this tool or a Delta table, lies inside one, lies inside the root of another template
-    than its own (``root``: the real fixed part of the run's template; None: not checked), or
-    is the fixed part of a template another job writes under (its run index says so).
+    of this tool or a table (Delta or Iceberg), lies inside one, lies inside the root of another
+    template than its own (``root``: the real fixed part of the run's template; None: not
+    checked), or is the fixed part of a template another job writes under (its run index says
+    so).
 
     ``table``: the table ``out`` is a partition of (or is, unpartitioned); what it keeps in
-    its root (``table_names``: a Delta table's ``_delta_log/``) is no sign of another output.
-    None: a Parquet folder, which no table log may be in, above or below."""
+    its root (``table_names``: a Delta table's ``_delta_log/``, an Iceberg table's
+    ``metadata/``) is no sign of another output. None: a Parquet folder, which no table may be
+    in, above or below."""
     out = storage.real_path(out)
     if table is not None:
         table = storage.real_path(table)
@@ -79,7 +98,7 @@ def check(
     if table is not None and _same(table, out):
         files = [f for f in files if f.split("/")[0] not in table_names]
     _refuse_outputs_below(out, files)
-    _refuse_inside_another(out, root, table)
+    _refuse_inside_another(out, root, table, table_names)
     _refuse_template_root(out, files)
 
 
@@ -110,6 +129,8 @@ def _nested_in(rel: str) -> str | None:
     parts = rel.split("/")
     if _LOG in parts[:-1]:
         return "/".join(parts[: parts.index(_LOG)]) or "."  # a Delta table (or its log)
+    if len(parts) >= 2 and parts[-2] == _METADATA and parts[-1].endswith(_METADATA_JSON):
+        return "/".join(parts[:-2]) or "."  # an Iceberg table
     if layout.CONTROL_DIR in parts[:-1]:
         # A control folder of outputs below (an older layout kept it beside each output).
         i = parts.index(layout.CONTROL_DIR)
@@ -130,14 +151,28 @@ def _suggestion(out: Location, nested: str) -> str:
     )
 
 
+def _kind_of(rel: str) -> str:
+    """What the sign ``rel`` (found by :func:`_nested_in`) says its folder is: a table's format,
+    or ``output``."""
+    parts = rel.split("/")
+    if _LOG in parts[:-1]:
+        return "delta"
+    if len(parts) >= 2 and parts[-2] == _METADATA and parts[-1].endswith(_METADATA_JSON):
+        return "iceberg"
+    return "output"
+
+
+def _holds(out: Location, nested: str) -> str:
+    """``contains <folder>`` (or ``is`` itself, when the sign is in the output's own root)."""
+    return "is itself" if nested == "." else f"contains {out.child(nested).uri},"
+
+
 def _refuse_outputs_below(out: Location, files: list[str]) -> None:
-    for rel in files:
-        nested = _nested_in(rel)
-        if nested is None:
-            continue
-        what = "a Delta table" if f"/{_LOG}/" in f"/{rel}" else "an output of score-catalog"
+    signs = [(rel, nested) for rel in files if (nested := _nested_in(rel)) is not None]
+    # A table is named before the control files beside it (its catalog, its runs' reports).
+    for rel, nested in sorted(signs, key=lambda s: _kind_of(s[0]) == "output")[:1]:
         raise ConfigError(
-            f"output {out.uri} contains {out.child(nested).uri}, {what} "
+            f"output {out.uri} {_holds(out, nested)} {_KINDS[_kind_of(rel)]} "
             f"({out.child(rel).uri} is there): a run into {out.uri} would take its files for "
             f"its own and remove them. Nothing was written. Outputs never nest: "
             f"{_suggestion(out, nested)}."
@@ -145,27 +180,25 @@ def _refuse_outputs_below(out: Location, files: list[str]) -> None:
 
 
 def _refuse_inside_another(
-    out: Location, root: Location | None, table: Location | None = None
+    out: Location,
+    root: Location | None,
+    table: Location | None = None,
+    table_names: tuple[str, ...] = (),
 ) -> None:
     for folder in layout.ancestors(out):
         own_table = table is not None and _same(folder, table)
-        sign = _sign_in(folder, with_log=not own_table)
-        if (
-            sign is not None
-            and sign.path.endswith(_LOG)
-            and root is not None
-            and _same(folder, root)
-        ):
+        found = _sign_in(folder, skip=table_names if own_table else ())
+        if found is not None:
+            sign, kind = found
+            if kind != "output" and root is not None and _same(folder, root):
+                raise ConfigError(
+                    f"output {out.uri} lies inside {folder.uri}, {_KINDS[kind]} ({sign.uri} is "
+                    "there), which is this template's own root: a table is written as one, "
+                    f'with format = "{kind}" (--format {kind}, SCORE_CATALOG_FORMAT={kind}). '
+                    f"Nothing was written. Set it, or choose an output outside {folder.uri}."
+                )
             raise ConfigError(
-                f"output {out.uri} lies inside {folder.uri}, a Delta table ({sign.uri} is "
-                "there), which is this template's own root: a table is written as one, with "
-                'format = "delta" (--format delta, SCORE_CATALOG_FORMAT=delta). Nothing was '
-                f"written. Set it, or choose an output outside {folder.uri}."
-            )
-        if sign is not None:
-            what = "a Delta table" if sign.path.endswith(_LOG) else "an output of score-catalog"
-            raise ConfigError(
-                f"output {out.uri} lies inside {folder.uri}, {what} "
+                f"output {out.uri} lies inside {folder.uri}, {_KINDS[kind]} "
                 f"({sign.uri} is there): its next run would remove this run's files, and "
                 f"readers of {folder.uri} would count them as its scores. Nothing was "
                 f"written. Outputs never nest: choose an output outside {folder.uri}."
@@ -177,14 +210,31 @@ def _refuse_inside_another(
             raise _inside_root(out, folder, area)
 
 
-def _sign_in(folder: Location, *, with_log: bool = True) -> Location | None:
-    """The mark or manifest in ``folder`` that says it is an output of this tool, or its
-    ``_delta_log/`` that says it is a Delta table (``with_log``), or None."""
-    for name in (*_SIGNS, _LOG) if with_log else _SIGNS:
+def _sign_in(folder: Location, *, skip: tuple[str, ...] = ()) -> tuple[Location, str] | None:
+    """(the sign, its kind: ``output``, ``delta`` or ``iceberg``) in ``folder``: the mark or
+    manifest that says it is an output of this tool, the ``_delta_log/`` of a Delta table, the
+    ``metadata/*.metadata.json`` of an Iceberg table; None when it has none. ``skip``: what a
+    table keeps in its root that is no sign here (the run's own table's)."""
+    for name in _SIGNS:
         sign = folder.child(name)
         if storage.exists(sign):
-            return sign
+            return sign, "output"
+    if _LOG not in skip and storage.exists(folder.child(_LOG)):
+        return folder.child(_LOG), "delta"
+    if _METADATA not in skip:
+        found = _iceberg_metadata(folder)
+        if found is not None:
+            return found, "iceberg"
     return None
+
+
+def _iceberg_metadata(folder: Location) -> Location | None:
+    """A ``*.metadata.json`` in ``folder``'s ``metadata/`` (a listing), or None."""
+    try:
+        entries = storage.ls(folder.child(_METADATA))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return next((e for e in entries if e.name.endswith(_METADATA_JSON)), None)
 
 
 def _same(a: Location, b: Location) -> bool:
@@ -272,11 +322,11 @@ def _refuse_in_area(what: str, loc: Location, own_root: Location | None = None) 
 
 def _dataset_at(folder: Location) -> str | None:
     """What makes ``folder`` a dataset, in words: an output of this tool (its mark or manifest
-    is there) or the root of a template (a control area beside it); None when neither. Up to
-    three ``exists`` calls."""
-    sign = _sign_in(folder)
-    if sign is not None:
-        return f"an output of score-catalog ({sign.uri} is there)"
+    is there), a table (Delta or Iceberg) or the root of a template (a control area beside it);
+    None when none. Up to four ``exists`` calls and a listing."""
+    found = _sign_in(folder)
+    if found is not None:
+        return f"{_KINDS[found[1]]} ({found[0].uri} is there)"
     area = _control_area_of(folder)
     if area is not None and storage.exists(area):
         return f"the fixed part of an output template ({area.uri} holds its control files)"
@@ -290,8 +340,8 @@ def check_rejects(rejects: Location, root: Location, template: str, *, explicit:
 
     The default (``<root's parent>/_rejects/<root's name>/...``) lies beside the root by
     construction, and its folders above are the output's, which :func:`check` walks: only
-    the first two checks apply to it. An explicit one is walked up (up to three ``exists``
-    calls per folder) and listed.
+    the first two checks apply to it. An explicit one is walked up (up to four ``exists``
+    calls and a listing per folder) and listed.
     """
     rej = storage.real_path(rejects)
     if storage.same_filesystem(rej, root) and _inside(rej, root):
@@ -318,10 +368,10 @@ def check_rejects(rejects: Location, root: Location, template: str, *, explicit:
         nested = _nested_in(rel)
         if nested is not None:
             raise ConfigError(
-                f"rejects {rej.uri} contains {rej.child(nested).uri}, an output of "
-                f"score-catalog ({rej.child(rel).uri} is there): this run would write and clean "
-                "up rejects among its files. Nothing was written. Choose a rejects folder "
-                "that holds no output."
+                f"rejects {rej.uri} {_holds(rej, nested)} {_KINDS[_kind_of(rel)]} "
+                f"({rej.child(rel).uri} is there): this run would write and clean up rejects "
+                "among its files. Nothing was written. Choose a rejects folder that holds no "
+                "output."
             )
 
 

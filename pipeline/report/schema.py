@@ -467,7 +467,7 @@ class OutputFormatSection(OutputFormatCore, total=False):
     title: str
     summary: str
     table: str
-    catalog: str  # iceberg: the catalog's URI
+    catalog: str | dict[str, str]  # iceberg: the catalog's URI, or its properties (no secret)
     identifier: str  # iceberg: namespace.table
     partition: str | None
     app_id: str

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pipeline.core import config
+from pipeline.core import tableformats
 from pipeline.core.config import SECTIONS, SETTINGS, ErrorPolicy, JobConfig, from_flags
 from pipeline.core.errors import EXIT_USAGE, ConfigError
 from pipeline.core.jobfile import MetricsDestination, build_config, metrics_destination
@@ -871,7 +871,9 @@ def test_an_iceberg_output_is_a_table_and_needs_its_extra(monkeypatch: pytest.Mo
         JobConfig(input="i", output="data/scored/{date}", model="m", format="iceberg")
     assert has_problem(problems_of(excinfo), 'format = "iceberg"', "run_date={date}")
     monkeypatch.setattr(
-        config, "missing_packages", lambda names: ["pyiceberg"] if "pyiceberg" in names else []
+        tableformats,
+        "missing_packages",
+        lambda names: ["pyiceberg"] if "pyiceberg" in names else [],
     )
     with pytest.raises(ConfigError) as excinfo:
         JobConfig(input="i", output="data/scored/run_date={date}", model="m", format="iceberg")

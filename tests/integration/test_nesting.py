@@ -366,3 +366,33 @@ def test_nesting_is_refused_on_s3(s3_bucket: S3Bucket, bundle_dir: Path, tmp_pat
     assert inside.returncode == 2, inside.output
     assert f"lies inside {s3_bucket.uri(f'scored/run_date={DAYS[0]}')}" in inside.stderr
     assert objects() == before
+
+
+def test_no_output_nests_in_or_around_an_iceberg_table(
+    catalog: Path, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """A run makes an Iceberg table (its embedded catalog beside it); a Parquet folder output
+    inside it, and a Delta table one level above it (holding it), are refused before anything
+    is written, naming the Iceberg table; a folder output of its own template root is told to
+    set the format."""
+    pytest.importorskip("pyiceberg")
+    lake = tmp_path / "lake"
+    template = lake / "scored" / "run_date={date}"
+    first = _run(catalog, template, bundle_dir, "--date", DAYS[0], "--format", "iceberg")
+    assert first.returncode == 0, first.output
+    before = _files(tmp_path, "catalog")
+
+    inside = lake / "scored" / "run_date=2026-11-29" / "extra"
+    r = _run(catalog, inside, bundle_dir)
+    assert r.returncode == 2, r.output
+    assert f"output {inside} lies inside {lake / 'scored'}, an Iceberg table" in r.stderr
+
+    r = _run(catalog, template, bundle_dir, "--date", DAYS[1])  # format parquet
+    assert r.returncode == 2, r.output
+    assert "which is this template's own root" in r.stderr
+    assert 'format = "iceberg" (--format iceberg' in r.stderr
+
+    r = _run(catalog, lake, bundle_dir, "--format", "delta")
+    assert r.returncode == 2, r.output
+    assert f"output {lake} contains {lake / 'scored'}, an Iceberg table" in r.stderr
+    assert _files(tmp_path, "catalog") == before

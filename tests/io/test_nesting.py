@@ -293,6 +293,106 @@ def test_a_folder_run_into_its_own_templates_table_is_told_to_set_the_format(
     assert "this template's own root" in str(e.value) and "--format delta" in str(e.value)
 
 
+# -------------------------------------------------------------- Iceberg tables (format = "iceberg")
+
+
+def _iceberg(root: Path, *partitions: str) -> None:
+    """An Iceberg table's folder as its files show it: ``metadata/`` holding a
+    ``*.metadata.json`` (and a manifest), and a data file in each partition folder."""
+    (root / "metadata").mkdir(parents=True)
+    (root / "metadata" / "00001-5b7c.metadata.json").write_text("{}")
+    (root / "metadata" / "snap-1-0-5b7c.avro").write_bytes(b"Obj")
+    for p in partitions:
+        (root / p).mkdir()
+        (root / p / "part-00000-x.parquet").write_bytes(b"PAR1")
+
+
+def test_a_folder_output_inside_an_iceberg_table_is_refused(tmp_path: Path) -> None:
+    _iceberg(tmp_path / "scored", "run_date=2026-11-28")
+    inner = tmp_path / "scored" / "run_date=2026-11-29"
+    with pytest.raises(ConfigError) as e:
+        nesting.check(storage.locate(str(inner)))
+    sign = tmp_path / "scored" / "metadata" / "00001-5b7c.metadata.json"
+    want = f"lies inside {tmp_path / 'scored'}, an Iceberg table ({sign} is there)"
+    assert want in str(e.value)
+
+
+@pytest.mark.parametrize("table_names", [(), ("_delta_log",)])
+def test_a_folder_or_delta_output_containing_an_iceberg_table_is_refused(
+    tmp_path: Path, table_names: tuple[str, ...]
+) -> None:
+    """One level above an Iceberg table: a folder output, or an unpartitioned Delta table whose
+    root would hold it (its own log is no sign; the Iceberg table's metadata is)."""
+    _iceberg(tmp_path / "out" / "scored", "run_date=2026-11-28")
+    out = storage.locate(str(tmp_path / "out"))
+    with pytest.raises(ConfigError) as e:
+        if table_names:
+            nesting.check(out, out, out, table_names)
+        else:
+            nesting.check(out)
+    assert f"contains {tmp_path / 'out' / 'scored'}, an Iceberg table" in str(e.value)
+
+
+def test_a_metadata_folder_without_a_table_file_is_no_table(tmp_path: Path) -> None:
+    (tmp_path / "scored" / "metadata").mkdir(parents=True)
+    (tmp_path / "scored" / "metadata" / "notes.json").write_text("{}")
+    nesting.check(storage.locate(str(tmp_path / "scored" / "run_date=2026-11-29")))
+    nesting.check(storage.locate(str(tmp_path)))
+
+
+def test_a_partition_of_its_own_iceberg_table_passes_and_a_delta_run_into_it_is_told(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "scored"
+    _iceberg(root, "run_date=2026-11-28")
+    part = storage.locate(str(root / "run_date=2026-11-29"))
+    table = storage.locate(str(root))
+    nesting.check(part, table, table, ("metadata",))  # its own metadata: no other output
+    nesting.check(table, table, table, ("metadata",))  # unpartitioned: the table itself
+    with pytest.raises(ConfigError) as e:
+        nesting.check(part, table, table, ("_delta_log",))  # a Delta run into it
+    assert "an Iceberg table" in str(e.value) and "this template's own root" in str(e.value)
+    assert 'format = "iceberg" (--format iceberg' in str(e.value)
+    with pytest.raises(ConfigError, match="this template's own root"):
+        nesting.check(part, table)  # a folder run into it
+    _table(tmp_path / "delta")
+    delta_part = storage.locate(str(tmp_path / "delta" / "run_date=2026-11-29"))
+    delta = storage.locate(str(tmp_path / "delta"))
+    with pytest.raises(ConfigError, match=r'a Delta table .* format = "delta"'):
+        nesting.check(delta_part, delta, delta, ("metadata",))  # an Iceberg run into Delta
+
+
+def test_rejects_inside_an_iceberg_table_are_refused(tmp_path: Path) -> None:
+    _iceberg(tmp_path / "lake" / "scores")
+    root = storage.real_path(storage.locate(str(tmp_path / "scored")))
+    rejects = storage.locate(str(tmp_path / "lake" / "scores" / "rejects"))
+    with pytest.raises(ConfigError, match=r"lies inside .*scores, an Iceberg table"):
+        nesting.check_rejects(rejects, root, "x/run_date={date}", explicit=True)
+    with pytest.raises(ConfigError, match=r"contains .*scores, an Iceberg table"):
+        nesting.check_rejects(
+            storage.locate(str(tmp_path / "lake")), root, "x/run_date={date}", explicit=True
+        )
+
+
+def test_a_table_pyiceberg_made_is_a_sign_of_a_table(tmp_path: Path) -> None:
+    """The same, on a table pyiceberg wrote (its own file names), with no catalog read."""
+    pytest.importorskip("pyiceberg")
+    import pyarrow as pa
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    cat = SqlCatalog("elsewhere", uri=f"sqlite:///{tmp_path / 'c.db'}")
+    cat.create_namespace("ns")
+    cat.create_table(
+        "ns.t",
+        schema=pa.schema([("item_id", pa.int64())]),
+        location=(tmp_path / "lake" / "t").as_uri(),
+    )
+    with pytest.raises(ConfigError, match="an Iceberg table"):
+        nesting.check(storage.locate(str(tmp_path / "lake" / "t" / "day=1")))
+    with pytest.raises(ConfigError, match=r"contains .*t, an Iceberg table"):
+        nesting.check(storage.locate(str(tmp_path / "lake")))
+
+
 # ---------------------------------------------------------------- a template root's children
 
 

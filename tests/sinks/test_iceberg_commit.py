@@ -2,7 +2,13 @@
 land a run twice: a duplicate of the run landing between its token check and its catalog swap
 (pyiceberg retries the stale attempt on the new table; the token requirement refuses it inside
 that retry), a commit whose answer was lost, and another partition's commit landing in between
-(rebased, both kept). Real tables in an embedded SQLite catalog, real Parquet files."""
+(rebased, both kept). Real tables in an embedded SQLite catalog, real Parquet files.
+
+The duplicate tests run twice: as the SQL catalog commits (the token requirement checked in its
+swap) and as a REST catalog's commit is staged (no requirement of this tool's: it cannot travel
+over REST). The SQL catalog checks pyiceberg's own ``assert-ref-snapshot-id`` in its swap as a
+REST server does, so the second run shows what keeps a REST commit from landing twice: the token
+checked on the very table version each attempt is built on, and that assertion."""
 
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from pipeline.core.errors import AlreadyCommitted, CommitRefused
 from pipeline.io import storage
 from pipeline.sinks.iceberg import catalog, commit
 from pipeline.sinks.iceberg.catalog import IcebergRef
-from pipeline.sinks.iceberg.commit import NewFile, RunCommit
+from pipeline.sinks.iceberg.commit import NewFile, RunCommit, TokenAlreadyCommitted
 from pipeline.sinks.iceberg.schema import iceberg_schema
 
 OUTPUT = pa.schema([("item_id", pa.int64()), ("score", pa.float32())])
@@ -94,26 +100,43 @@ def _before_swap(monkeypatch: pytest.MonkeyPatch, action: Callable[[], Any]) -> 
     monkeypatch.setattr(commit, "checkpoint", point)
 
 
+@pytest.fixture(params=["sql", "as-over-rest"])
+def staging(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the commit is staged: with the token requirement (the SQL catalog), or without it,
+    as for a REST catalog (the same real SQL catalog underneath)."""
+    if request.param == "as-over-rest":
+        monkeypatch.setattr(catalog, "is_sql", lambda _ref: False)
+    return str(request.param)
+
+
 def test_a_duplicate_that_lands_before_the_swap_is_refused_by_the_catalog(
-    ref: IcebergRef, monkeypatch: pytest.MonkeyPatch
+    ref: IcebergRef, monkeypatch: pytest.MonkeyPatch, staging: str
 ) -> None:
     run = _run("2026-12-01", [_file(ref, "2026-12-01", "a", range(5))], 1)
     # The duplicate (a second process resuming the same run) lands between this attempt's
-    # token check and its swap: the catalog checks the token requirement against the table it
-    # swaps, and refuses.
+    # token check and its swap. SQL: the catalog checks the token requirement against the
+    # table it swaps, and refuses. As over REST: the duplicate moved main, so the swap refuses
+    # the attempt's assert-ref-snapshot-id; pyiceberg reloads to retry, and the producer finds
+    # the token on the reloaded table.
     _before_swap(monkeypatch, lambda: _commit(ref, run))
-    with pytest.raises(AlreadyCommitted, match="is not committed again"):
+    monkeypatch.setattr(time, "sleep", lambda _s: None)
+    with pytest.raises(AlreadyCommitted, match="is not committed again") as excinfo:
         _commit(ref, run)
+    assert isinstance(excinfo.value.__context__, TokenAlreadyCommitted)
     assert _with_tokens(ref, run.app_id) == ["1"]
     assert _ids(ref, "2026-12-01") == list(range(5))  # once, not twice
 
 
 def test_a_duplicate_that_lands_during_pyicebergs_retry_is_refused_there(
-    ref: IcebergRef, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ref: IcebergRef,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    staging: str,
 ) -> None:
     """Another partition's commit makes the attempt stale; while pyiceberg waits to retry it
-    on the new table, the duplicate lands: the retried attempt carries the token requirement
-    too, and is refused (a check outside pyiceberg's loop would have let it land twice)."""
+    on the new table, the duplicate lands: the retried attempt is refused inside pyiceberg's
+    loop (the producer checks the token on the table it rebases on; SQL: the requirement
+    too), not by this tool's own loop around it (no "again")."""
     run = _run("2026-12-01", [_file(ref, "2026-12-01", "a", range(5))], 1)
     other = _run("2026-12-02", [_file(ref, "2026-12-02", "b", range(100, 103))], 1)
     _before_swap(monkeypatch, lambda: _commit(ref, other))
@@ -128,11 +151,13 @@ def test_a_duplicate_that_lands_during_pyicebergs_retry_is_refused_there(
 
     monkeypatch.setattr(time, "sleep", sleep)
     with (
-        caplog.at_level(logging.WARNING, logger="pyiceberg"),
-        pytest.raises(AlreadyCommitted, match="is not committed again"),
+        caplog.at_level(logging.INFO),
+        pytest.raises(AlreadyCommitted, match="is not committed again") as excinfo,
     ):
         _commit(ref, run)
     assert any("retrying (1/" in r.getMessage() for r in caplog.records)
+    assert not any("; again" in r.getMessage() for r in caplog.records)
+    assert isinstance(excinfo.value.__context__, TokenAlreadyCommitted)
     assert _with_tokens(ref, run.app_id) == ["1"]
     assert _ids(ref, "2026-12-01") == list(range(5))
     assert _ids(ref, "2026-12-02") == list(range(100, 103))

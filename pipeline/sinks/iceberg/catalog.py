@@ -1,11 +1,15 @@
-"""The one door to pyiceberg's catalog: a table reference, the embedded SQLite catalog that holds
-its pointer, the table made once (namespace and table, retried where SQLite races), and the
-names this tool writes into a table (its writer property, its snapshot summary keys).
+"""The one door to pyiceberg's catalogs: a table reference (the catalog that holds the table,
+its identifier there, where its files are), the catalog opened once per process, the table made
+once (namespace and table, retried where SQLite races), and the names this tool writes into a
+table (its writer property, its snapshot summary keys).
 
-With no catalog configured, the catalog is an embedded pyiceberg ``SqlCatalog`` on SQLite, kept
-in the table's control area beside the table (``<area>/_iceberg/catalog.db``): nothing to start,
-and it holds nothing but each table's current metadata pointer (the compare-and-swap every
-commit goes through). The table's metadata and data stay in the table's folder.
+The catalog is the job's ``catalog`` key (:class:`~pipeline.core.tableformats.CatalogSpec`): a
+SQL catalog in a SQLite file, a REST catalog, or pyiceberg catalog properties. With none given,
+it is an embedded pyiceberg ``SqlCatalog`` on SQLite in the table's control area
+(``<area>/_iceberg/catalog.db``): nothing to start, and it holds nothing but each table's current
+metadata pointer (the compare-and-swap every commit goes through). The table's metadata and data
+stay in the table's folder, on local disk or object storage (the job's ``[storage]`` options as
+pyiceberg's FileIO properties: :mod:`.options`). Nothing here logs or raises a catalog's secret.
 
 Only the driver imports this module: Dask workers use :mod:`pipeline.sinks.iceberg.facts`.
 """
@@ -16,12 +20,19 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pydantic import ValidationError
+from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.catalog.sql import SqlCatalog
-from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+from pyiceberg.exceptions import (
+    NoSuchNamespaceError,
+    NoSuchTableError,
+    NotInstalledError,
+    RESTError,
+)
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table, TableProperties
@@ -29,21 +40,18 @@ from pyiceberg.transforms import IdentityTransform
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from pipeline.core.errors import ConfigError, StorageError
+from pipeline.core.tableformats import CATALOG_NAME, CatalogSpec, table_identifier
 from pipeline.io import storage
 from pipeline.io.storage import Location
+from pipeline.sinks.iceberg.options import fileio_properties
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: The namespace of every table this tool makes in its embedded catalog.
-NAMESPACE = "score_catalog"
 #: The catalog's folder in the table's control area, and its SQLite file.
 CATALOG_DIR = "_iceberg"
 CATALOG_FILE = "catalog.db"
-#: The catalog's name: pyiceberg's SQL catalog keys its rows by it, so a reader opens the file
-#: with this name (SqlCatalog("score_catalog", uri=...)) or finds no table.
-CATALOG_NAME = "score_catalog"
 
 #: The table property that says this tool made the table: a run replaces whole partitions,
 #: which are not its to replace in another writer's table.
@@ -78,40 +86,67 @@ BOOTSTRAP_ATTEMPTS = 8
 @dataclass(frozen=True)
 class IcebergRef:
     """An Iceberg table this tool writes: its folder (the output template's fixed part), the
-    SQLite file of its embedded catalog, and its identifier there."""
+    catalog that holds it and its identifier there."""
 
     uri: str  # the table's folder as the user wrote it (every message names it)
     location: Location
-    catalog_path: str  # absolute local path of the catalog's SQLite file
     identifier: str  # namespace.table
+    catalog: CatalogSpec  # secrets included: shown only as catalog.public() / .text()
+    embedded: bool = True  # the default catalog in the control area (None given)
+    #: pyiceberg FileIO properties from the job's [storage] options (s3.endpoint, ...): under
+    #: the catalog's own properties, which win. Secrets: never shown.
+    io_properties: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, root: Location, area: Location) -> IcebergRef:
-        """The table at ``root`` with its embedded catalog in the control area ``area``."""
-        if not root.is_local or not area.is_local:
-            raise ConfigError(
-                f"output {root.uri}: an Iceberg table is written to a local folder for now (its "
-                "embedded SQLite catalog cannot live on object storage, and no other catalog can "
-                'be configured yet); write it locally, or use format = "delta" on object storage'
-            )
+    def of(
+        cls,
+        root: Location,
+        area: Location,
+        catalog: str | Mapping[str, Any] | None = None,
+        table: str | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> IcebergRef:
+        """The table at ``root`` in ``catalog`` (None: the embedded one, in the control area
+        ``area``) as ``table`` (None: ``score_catalog.<root's folder name>``); ``options``: the
+        job's [storage] options, for the table's files on object storage."""
         name = root.name
-        if not name or not name.replace("_", "").replace("-", "").isalnum():
+        if table is None and (not name or not name.replace("_", "").replace("-", "").isalnum()):
             raise ConfigError(
                 f"output {root.uri}: the Iceberg table's name is its folder's, {name!r}, which "
-                "must be letters, digits, '_' and '-' only"
+                "must be letters, digits, '_' and '-' only; or set table (--table "
+                "NAMESPACE.TABLE)"
+            )
+        identifier = table_identifier(table, name)
+        if catalog is not None:
+            io = fileio_properties(root.uri, options)
+            return cls(root.uri, root, identifier, CatalogSpec.of(catalog), False, io)
+        if not root.is_local or not area.is_local:
+            raise ConfigError(
+                f"output {root.uri}: an Iceberg table on object storage needs a catalog that "
+                "every run reaches (the embedded one is a SQLite file beside the table, on local "
+                "disk only): set catalog (--catalog sqlite:///PATH on this machine's disk, an "
+                "http(s):// REST catalog, or a [catalog] table of pyiceberg properties)"
             )
         db = area.child(CATALOG_DIR).child(CATALOG_FILE)
-        return cls(root.uri, root, db.path, f"{NAMESPACE}.{name.replace('-', '_')}")
+        spec = CatalogSpec("sql", CATALOG_NAME, {"type": "sql", "uri": f"sqlite:///{db.path}"})
+        return cls(root.uri, root, identifier, spec, True, {})
 
     @property
-    def catalog_uri(self) -> str:
-        """The catalog's SQLAlchemy URI (``sqlite:////abs/path/catalog.db``), as reports name it."""
-        return f"sqlite:///{self.catalog_path}"
+    def catalog_path(self) -> str | None:
+        """The catalog's SQLite file (the embedded one, or a sqlite:/// catalog); None for
+        any other catalog."""
+        return self.catalog.sqlite_path
+
+    @property
+    def namespace(self) -> str:
+        return self.identifier.rsplit(".", 1)[0]
 
     @property
     def table_location(self) -> str:
-        """The table's location as its metadata records it (a ``file://`` URI)."""
-        return Path(self.location.path).absolute().as_uri()
+        """The table's location as its metadata records it (a ``file://`` URI on local disk)."""
+        if self.location.is_local:
+            return Path(self.location.path).absolute().as_uri()
+        return self.location.uri.rstrip("/")
 
     def rel(self, file_path: str, location: str | None = None) -> str:
         """A data file's path relative to the table's root (its ``file_path`` unchanged when
@@ -126,26 +161,71 @@ class IcebergRef:
         return f"{self.table_location}/{rel}"
 
 
-#: The catalogs this process opened, by SQLite file: one engine each.
-_OPEN: dict[str, SqlCatalog] = {}
+#: The catalogs this process opened, by what opens them: one each (one SQLite engine each).
+_OPEN: dict[tuple[Any, ...], Catalog] = {}
 
 
-def _catalog(path: str) -> SqlCatalog:
-    """The catalog on the SQLite file ``path`` (made when missing), one per process and file."""
-    found = _OPEN.get(path)
-    if found is None:
+def _key(ref: IcebergRef) -> tuple[Any, ...]:
+    return (
+        ref.catalog.name,
+        tuple(sorted(ref.catalog.properties.items())),
+        tuple(sorted(ref.io_properties.items())),
+    )
+
+
+def _catalog(ref: IcebergRef) -> Catalog:
+    """The catalog of ``ref``, opened once per process (a SQLite file made when missing)."""
+    key = _key(ref)
+    found = _OPEN.get(key)
+    if found is not None:
+        return found
+    path = ref.catalog_path
+    props = {**ref.io_properties, **ref.catalog.properties}
+    if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        found = SqlCatalog(
-            CATALOG_NAME, uri=f"sqlite:///{path}", warehouse=Path(path).parent.as_uri()
-        )
-        _OPEN[path] = found
+        props.pop("type", None)
+        if ref.embedded:
+            props["warehouse"] = Path(path).parent.as_uri()
+        found = SqlCatalog(ref.catalog.name, **props)
+    else:
+        try:
+            found = load_catalog(ref.catalog.name, **props)
+        except (ValueError, ImportError, NotInstalledError, ValidationError) as e:
+            raise ConfigError(
+                f"catalog {ref.catalog.text()}: pyiceberg cannot open it: "
+                f"{ref.catalog.scrub(str(e))}. Fix the catalog key (--catalog, [catalog])"
+            ) from None
+        except (OSError, RESTError) as e:
+            raise _unreachable(ref, "opening", e) from None
+    _OPEN[key] = found
     return found
+
+
+def _unreachable(ref: IcebergRef, what: str, e: Exception) -> StorageError:
+    """A catalog that did not answer or refused, or a table file it points to that could not be
+    read: the message names them, never a secret."""
+    return StorageError(
+        f"{what} the Iceberg catalog {ref.catalog.text()} failed for {ref.identifier} "
+        f"({type(e).__name__}: {ref.catalog.scrub(str(e))}): check that the catalog runs, that "
+        "its address and credentials (the catalog key) are right, and that the table's files "
+        f"are in {ref.uri}",
+        uri=ref.uri,
+    )
+
+
+def is_sql(ref: IcebergRef) -> bool:
+    """Whether ``ref``'s catalog validates a commit's requirements in this process, against
+    the table it is about to swap (pyiceberg's SQL catalog): a requirement of this tool's own
+    (the run token) can ride along. A REST catalog sends them over the wire, where only
+    pyiceberg's own kinds exist."""
+    return isinstance(_catalog(ref), SqlCatalog)
 
 
 def _forget() -> None:
     """Drop the catalogs opened (their engines closed): the next use opens afresh."""
     for cat in _OPEN.values():
-        cat.engine.dispose()
+        if isinstance(cat, SqlCatalog):
+            cat.engine.dispose()
     _OPEN.clear()
 
 
@@ -154,7 +234,8 @@ def _forget_in_child() -> None:
     connections: SQLAlchemy's rule for a fork, ``dispose(close=False)`` (the parent keeps
     them), and the child opens its own if it ever needs one."""
     for cat in _OPEN.values():
-        cat.engine.dispose(close=False)
+        if isinstance(cat, SqlCatalog):
+            cat.engine.dispose(close=False)
     _OPEN.clear()
 
 
@@ -162,7 +243,8 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _sqlite_retried(ref: IcebergRef, what: str, fn: Callable[[], T]) -> T:
-    """``fn`` retried on the races of a new SQLite catalog (see :data:`BOOTSTRAP_ATTEMPTS`)."""
+    """``fn`` retried on the races of a new SQLite catalog (see :data:`BOOTSTRAP_ATTEMPTS`); a
+    catalog that does not answer is a :class:`StorageError` naming it."""
     last: Exception | None = None
     for attempt in range(BOOTSTRAP_ATTEMPTS):
         try:
@@ -172,14 +254,19 @@ def _sqlite_retried(ref: IcebergRef, what: str, fn: Callable[[], T]) -> T:
             logger.debug("%s %s: %s (again)", what, ref.identifier, e)
             time.sleep(0.05 * (attempt + 1))
             _forget()
+        except (OSError, RESTError) as e:
+            raise _unreachable(ref, what, e) from e
     raise StorageError(
-        f"{what} the Iceberg catalog {ref.catalog_uri} failed {BOOTSTRAP_ATTEMPTS} times: {last}",
+        f"{what} the Iceberg catalog {ref.catalog.text()} failed {BOOTSTRAP_ATTEMPTS} times: "
+        f"{last}",
         uri=ref.uri,
     ) from last
 
 
 def catalog_exists(ref: IcebergRef) -> bool:
-    return Path(ref.catalog_path).is_file()
+    """Whether the catalog is there to ask: its SQLite file exists (any other catalog: yes)."""
+    path = ref.catalog_path
+    return path is None or Path(path).is_file()
 
 
 def load(ref: IcebergRef) -> Table | None:
@@ -190,7 +277,7 @@ def load(ref: IcebergRef) -> Table | None:
 
     def _load() -> Table | None:
         try:
-            return _catalog(ref.catalog_path).load_table(ref.identifier)
+            return _catalog(ref).load_table(ref.identifier)
         except (NoSuchTableError, NoSuchNamespaceError):
             return None
 
@@ -226,8 +313,8 @@ def ensure_table(
     }
 
     def _make() -> Table:
-        cat = _catalog(ref.catalog_path)
-        cat.create_namespace_if_not_exists(NAMESPACE)
+        cat = _catalog(ref)
+        cat.create_namespace_if_not_exists(ref.namespace)
         return cat.create_table_if_not_exists(
             ref.identifier,
             schema=schema,
@@ -246,7 +333,8 @@ def check_location(ref: IcebergRef, table: Table) -> None:
     found = table.metadata.location.rstrip("/")
     if found != ref.table_location.rstrip("/"):
         raise ConfigError(
-            f"output {ref.uri}: the catalog {ref.catalog_uri} has a table {ref.identifier} at "
-            f"{found}, not at {ref.table_location}: write to another folder, or move the table "
-            "back"
+            f"output {ref.uri}: the catalog {ref.catalog.text()} has a table {ref.identifier} at "
+            f"{found}, not at {ref.table_location}: an Iceberg table is the output template's "
+            "fixed part, so write to that table's folder, name another table (table, --table), "
+            "or move the table back"
         )

@@ -15,9 +15,21 @@ docs/iceberg.md). So, each attempt on a freshly loaded table:
    the size and rows the worker reported, a footer pyiceberg reads as the table's columns)
    become ``DataFile`` objects with the partition given (not inferred from footers, which hold
    no partition column) and statistics from their footers;
-4. one transaction: :class:`AssertTokenAbsent` (checked by the SQL catalog against the table it
+4. one transaction: :class:`AssertTokenAbsent` (SQL catalog: checked against the table it
    swaps, on every attempt of pyiceberg's own retries), the txn property, and one
-   :class:`LeanOverwrite` snapshot scoped to the partition with the run's summary.
+   :class:`LeanOverwrite` snapshot scoped to the partition with the run's summary. The
+   producer checks the token again before each of pyiceberg's retries, on the table pyiceberg
+   just reloaded to rebase the attempt on (:meth:`LeanOverwrite._validate_concurrency`).
+
+Over a REST catalog the requirement cannot travel (pyiceberg's requirements are a closed union
+of the protocol's kinds), so there the token is checked on the very table version each attempt
+is built on (step 1, then the producer's check on every retry), and the attempt carries
+pyiceberg's own ``assert-ref-snapshot-id`` on ``main``, which the server checks inside its
+swap: every commit that sets a token adds a snapshot to ``main``, so a duplicate that lands
+after the check moves ``main`` and the server refuses the stale attempt (HTTP 409); pyiceberg
+reloads, and the producer finds the token. What is left is docs/iceberg.md's: a change of the
+token property without a new snapshot on ``main`` (this tool makes none), or ``main`` moved back
+to the same snapshot in between.
 
 A failure whose outcome is unknown (not pyiceberg's "did not land" exceptions) reloads the
 table: a token that reached ``run_version`` means it landed and its answer was lost.
@@ -116,6 +128,21 @@ class LeanOverwrite(_OverwriteFiles):
     deleted entries of earlier overwrites): pyiceberg 0.12 keeps each one, so a table with a run
     per partition per day grew a manifest per run, and its scan planning with it (60 manifests
     after 60 runs; 4 with this). Java's ManifestFilterManager drops them too."""
+
+    #: The run's (app_id, run version): checked before each of pyiceberg's retries.
+    token: tuple[str, int] | None = None
+
+    def _validate_concurrency(self) -> None:
+        """pyiceberg calls this before each retry, on the table it has just reloaded and is
+        about to rebase the attempt on: the token is checked on that very table version
+        (``_table``: the transaction's base; its ``table_metadata`` holds this commit's own
+        txn property already)."""
+        if self.token is not None:
+            app_id, run_version = self.token
+            done = committed_run_version(self._transaction._table.metadata, app_id)
+            if done is not None and done >= run_version:
+                raise TokenAlreadyCommitted(app_id, run_version, done)
+        super()._validate_concurrency()
 
     def _existing_manifests(self) -> list[ManifestFile]:
         return [
@@ -273,23 +300,30 @@ class RunCommit:
 
 
 def _stage(
-    table: Table, run: RunCommit, adds: list[DataFile], removes: list[DataFile]
+    table: Table,
+    run: RunCommit,
+    adds: list[DataFile],
+    removes: list[DataFile],
+    *,
+    requirement: bool = True,
 ) -> Transaction:
-    """The transaction of one attempt (see the module doc, step 4)."""
+    """The transaction of one attempt (see the module doc, step 4); ``requirement``: stage
+    :class:`AssertTokenAbsent` (a catalog that validates requirements in this process)."""
     summary = {METADATA_PREFIX + k: v for k, v in run.summary.items()}
     summary[METADATA_PREFIX + catalog.APP_ID] = run.app_id
     summary[METADATA_PREFIX + catalog.APP_VERSION] = str(run.run_version)
     summary[METADATA_PREFIX + catalog.FILES_ADDED] = str(len(adds))
     summary[METADATA_PREFIX + catalog.FILES_REMOVED] = str(len(removes))
     tx = table.transaction()
-    # Staged before the property it guards: _stage validates a new requirement against the
-    # metadata with the updates staged so far.
-    # A requirement of our own: pyiceberg's union of requirements is closed (SQL catalog only).
-    token = AssertTokenAbsent(app_id=run.app_id, run_version=run.run_version)
-    tx._stage((), (token,))  # type: ignore[arg-type]
+    if requirement:
+        # Staged before the property it guards: _stage validates a new requirement against
+        # the metadata with the updates staged so far.
+        # A requirement of our own: pyiceberg's union of requirements is closed (SQL only).
+        token = AssertTokenAbsent(app_id=run.app_id, run_version=run.run_version)
+        tx._stage((), (token,))  # type: ignore[arg-type]
     tx.set_properties({TXN_PREFIX + run.app_id: str(run.run_version)})
     scope = partition_filter(run.partition) if run.partition else None
-    stage_snapshot(tx, table, scope, removes, adds, summary)
+    stage_snapshot(tx, table, scope, removes, adds, summary, (run.app_id, run.run_version))
     return tx
 
 
@@ -300,6 +334,7 @@ def stage_snapshot(
     removes: Sequence[DataFile],
     adds: Sequence[DataFile],
     summary: Mapping[str, str],
+    token: tuple[str, int] | None = None,
 ) -> None:
     """Stage ONE snapshot in ``tx`` that deletes ``removes`` and adds ``adds`` (a run's, a
     rollback's), its summary ``summary``; ``scope`` (a partition's predicate) limits the
@@ -307,10 +342,16 @@ def stage_snapshot(
     given are deleted either way."""
     has_snapshot = tx.table_metadata.snapshot_by_name("main") is not None
     op = Operation.OVERWRITE if has_snapshot else Operation.APPEND
-    with LeanOverwrite(
+    producer = LeanOverwrite(
         operation=op, transaction=tx, io=table.io, snapshot_properties=dict(summary)
-    ) as producer:
+    )
+    # A run's token: checked again on the table each pyiceberg retry rebases onto (a rollback
+    # carries none).
+    producer.token = token
+    with producer:
         if scope is not None:
+            # Scopes the manifests rewritten and pyiceberg's conflict checks to the partition:
+            # only the files given to delete_data_file are deleted.
             producer.delete_by_predicate(scope)
         for f in removes:
             producer.delete_data_file(f)
@@ -356,7 +397,7 @@ def commit(ref: IcebergRef, run: RunCommit, expected: Schema) -> tuple[int, int]
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
         table, built, removes = _attempt(ref, run, expected, built)
         try:
-            tx = _stage(table, run, built, removes)
+            tx = _stage(table, run, built, removes, requirement=catalog.is_sql(ref))
             checkpoint("iceberg-before-commit")
             tx.commit_transaction()
         except TokenAlreadyCommitted as e:

@@ -67,7 +67,7 @@ class IcebergTableOps:
         found = catalog.load(self.ref)
         if found is None:
             raise NotATableError(
-                f"the catalog {self.ref.catalog_uri} has no table {self.ref.identifier} (for "
+                f"the catalog {self.ref.catalog.text()} has no table {self.ref.identifier} (for "
                 f"{self.ref.uri}): no run has committed to it, or its control area moved",
                 uri=self.ref.uri,
             )
@@ -164,10 +164,12 @@ def ops_at(
     it: :mod:`.catalog`); a :class:`NotATableError` when its catalog has no such table."""
     area = storage.sibling(root, control_area(root.uri))
     try:
-        # The one place a command's table reference is made: where a job names its catalog
-        # and identifier (issue 32, in progress), they come from ``job`` here; until then the
-        # embedded catalog is the only one a job can have.
-        ref = IcebergRef.of(root, area)
+        # The one place a command's table reference is made: a job file's catalog, identifier
+        # and [storage] options; a bare path, the embedded catalog beside the table.
+        if job is not None:
+            ref = IcebergRef.of(root, area, job.catalog, job.table, {**job.storage, **options})
+        else:
+            ref = IcebergRef.of(root, area, options=options)
     except ConfigError as e:
         raise NotATableError(
             f"{root.uri} holds an Iceberg table that score-catalog cannot open: {e}", uri=root.uri
@@ -176,7 +178,7 @@ def ops_at(
     table = catalog.load(ref)
     if table is None:
         raise NotATableError(
-            f"{root.uri} holds an Iceberg table's metadata/, but its catalog {ref.catalog_uri} "
+            f"{root.uri} holds an Iceberg table's metadata/, but its catalog {ref.catalog.text()} "
             f"has no table {ref.identifier}: not a table score-catalog made (format = "
             '"iceberg"), or its control area moved. Give the folder of a table this tool writes',
             uri=root.uri,

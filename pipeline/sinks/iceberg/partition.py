@@ -28,7 +28,7 @@ def check_folder(ref: IcebergRef, output: Location, table: Table | None) -> None
         return
     raise ConfigError(
         f"output {output.uri}: {ref.uri} holds {', '.join(names[:10])}"
-        f"{' ...' if len(names) > 10 else ''} but its catalog ({ref.catalog_uri}) has no table "
+        f"{' ...' if len(names) > 10 else ''} but its catalog ({ref.catalog.text()}) has no table "
         f"{ref.identifier}: an Iceberg table needs a folder of its own. Nothing was written. "
         "Point the output at a new folder (or move the old output away)."
     )

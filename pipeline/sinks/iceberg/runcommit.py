@@ -88,7 +88,7 @@ def section_details(
     d: dict[str, Any] = {
         "format": "iceberg",
         "table": ref.uri,
-        "catalog": ref.catalog_uri,
+        "catalog": ref.catalog.public(),
         "identifier": ref.identifier,
         "partition": label or None,
         "app_id": app_id,

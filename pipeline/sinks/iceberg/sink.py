@@ -4,8 +4,9 @@
 The table is the output template's fixed part (its metadata in ``metadata/`` there); a run's
 output is one partition of it (the template's ``key={placeholder}`` folders, identity partition
 columns typed string), or the whole table when the template has no placeholder. Its catalog is
-an embedded SQLite ``SqlCatalog`` in the table's control area (:mod:`.catalog`); the identifier
-is ``score_catalog.<the table folder's name>``. Workers write each shard's data file exactly as
+the job's ``catalog`` (by default an embedded SQLite ``SqlCatalog`` in the table's control area:
+:mod:`.catalog`); its identifier the job's ``table`` (by default ``score_catalog.<the table
+folder's name>``). Workers write each shard's data file exactly as
 for a Delta table (a name no other run uses, directly in the partition's folder, no partition
 column inside). Nothing is visible to a reader until :meth:`IcebergSink.commit`: ONE snapshot
 that adds the run's new files and deletes every file of the partition it does not keep, with
@@ -81,7 +82,7 @@ class IcebergSink(TablePartitionSink):
                 f"(partition columns {columns})"
             )
         return cls(
-            table=IcebergRef.of(root, places.index),
+            table=IcebergRef.of(root, places.index, config.catalog, config.table, opts),
             root=places.output,
             partition=values,
             control=places.control,
@@ -172,7 +173,7 @@ class IcebergSink(TablePartitionSink):
                 self.run_id,
                 table=self.table.uri,
                 partition=self.label,
-                catalog=self.table.catalog_uri,
+                catalog=self.table.catalog.public(),
                 identifier=self.table.identifier,
             ).public()
         )
@@ -203,7 +204,7 @@ class IcebergSink(TablePartitionSink):
     ) -> tuple[tuple[TableFile, ...], int | None]:
         table = catalog.load(self.table)
         if table is None:
-            raise ConfigError(f"no Iceberg table at {self.table.uri} ({self.table.catalog_uri})")
+            raise ConfigError(f"no Iceberg table at {self.table.uri} ({self.table.catalog.text()})")
         snap = view(self.table, table, values)
         return snap.files, snap.version
 
