@@ -11,6 +11,7 @@ PYTEST_ARGS ?=
 # the mlflow-skinny client (the `mlflow` extra, also in `dev`).
 MLFLOW_VENV ?= .venv-mlflow
 DUCKDB_DELTA_VENV ?= .venv-duckdb-delta
+DUCKDB_ICEBERG_VENV ?= .venv-duckdb-iceberg
 JOB ?= jobs/score_catalog.toml
 RUN_ARGS ?=
 # torch wheel for machines without an NVIDIA GPU: the local CPU build, installed before the
@@ -94,11 +95,14 @@ archive-demo: install
 # The suite without the tests marked slow (each over ~5 s here: S3 outages, races, killed
 # servers): under 10 minutes on 2 cores. `make test-slow` runs the rest; CI (.ci/run) runs both.
 TEST_ENV = MLFLOW_SERVER_BIN=$(abspath $(MLFLOW_VENV))/bin/mlflow \
-  DUCKDB_DELTA_PYTHON=$(abspath $(DUCKDB_DELTA_VENV))/bin/python
-test: install $(MLFLOW_VENV)/.installed $(DUCKDB_DELTA_VENV)/.installed
+  DUCKDB_DELTA_PYTHON=$(abspath $(DUCKDB_DELTA_VENV))/bin/python \
+  DUCKDB_ICEBERG_PYTHON=$(abspath $(DUCKDB_ICEBERG_VENV))/bin/python
+TEST_VENVS = $(MLFLOW_VENV)/.installed $(DUCKDB_DELTA_VENV)/.installed \
+  $(DUCKDB_ICEBERG_VENV)/.installed
+test: install $(TEST_VENVS)
 	$(TEST_ENV) $(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
-test-slow: install $(MLFLOW_VENV)/.installed $(DUCKDB_DELTA_VENV)/.installed
+test-slow: install $(TEST_VENVS)
 	$(TEST_ENV) $(BIN)/pytest -m slow $(PYTEST_ARGS)
 
 $(MLFLOW_VENV)/.installed:
@@ -114,6 +118,16 @@ $(DUCKDB_DELTA_VENV)/.installed:
 	test -x $(DUCKDB_DELTA_VENV)/bin/python || $(PYTHON) -m venv $(DUCKDB_DELTA_VENV)
 	$(DUCKDB_DELTA_VENV)/bin/python -m pip install -q --upgrade pip
 	$(DUCKDB_DELTA_VENV)/bin/python -m pip install -q "duckdb==1.4.4" "duckdb-ext-delta==1.4.4.20260205"
+	touch $@
+
+# DuckDB's Iceberg reader (tests/integration/test_iceberg_duckdb.py), the same way: duckdb 1.4.4
+# loads its iceberg extension offline from duckdb-ext-iceberg, which reads the manifests through
+# the avro extension (duckdb-ext-avro; the iceberg package does not depend on it).
+$(DUCKDB_ICEBERG_VENV)/.installed:
+	test -x $(DUCKDB_ICEBERG_VENV)/bin/python || $(PYTHON) -m venv $(DUCKDB_ICEBERG_VENV)
+	$(DUCKDB_ICEBERG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DUCKDB_ICEBERG_VENV)/bin/python -m pip install -q "duckdb==1.4.4" \
+	  "duckdb-ext-iceberg==1.4.4.20260205" "duckdb-ext-avro==1.4.4.20260205"
 	touch $@
 
 test-fast: install
@@ -150,4 +164,4 @@ clean:
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(MLFLOW_VENV) $(DAFT_VENV) $(DUCKDB_DELTA_VENV)
+	rm -rf $(VENV) $(MLFLOW_VENV) $(DAFT_VENV) $(DUCKDB_DELTA_VENV) $(DUCKDB_ICEBERG_VENV)
