@@ -127,6 +127,7 @@ def test_duckdb_reads_each_day_of_the_table_exactly(tmp_path: Path) -> None:
     done = cli("backfill", str(job), "--from", DAYS[0], "--to", DAYS[-1])
     assert done.returncode == 0, done.output
     section = report(out / f"run_date={DAYS[0]}")["output_format"]
+    assert section["commit_s"] > 0  # the snapshot's own time, beside the run's duration_s
     catalog = SqlCatalog("score_catalog", uri=section["catalog"])
     before = catalog.load_table(section["identifier"]).current_snapshot()
     assert before is not None
