@@ -19,7 +19,7 @@ RUN_ARGS ?=
 CPU_TORCH ?= torch==2.13.0
 
 .PHONY: install data score-catalog test test-slow test-fast lint format clean distclean help-check bench \
-	bench-scaling bench-ab bench-incremental archive-demo \
+	bench-scaling bench-ab bench-incremental bench-formats archive-demo \
   gpu-check
 
 install: $(VENV)/.installed
@@ -71,6 +71,14 @@ $(DAFT_VENV)/.installed-deltalake: $(DAFT_VENV)/.installed
 BASE ?= HEAD~1
 bench-ab: install
 	$(BIN)/python -m bench.ab --base $(BASE)
+
+# W1 as a Parquet folder, a Delta table and an Iceberg table side by side (interleaved whole
+# processes), then night 1 of a 30-night Delta and Iceberg table rescored (bench/formats.py):
+# writes BENCHMARKS_FORMATS.md, a section for BENCHMARKS.md. FORMATS_ARGS="--smoke" checks the
+# bench at a small size; "--rounds 7 --days 60" measures more.
+FORMATS_ARGS ?=
+bench-formats: install
+	$(BIN)/python -m bench.formats $(FORMATS_ARGS)
 
 # The INCREMENTAL suite alone (make bench runs it with the others): nights with 0/1/10/100% of
 # the rows changed against a full rescore; INCR_ARGS="W2" for one workload, "--quick" for a tenth.
