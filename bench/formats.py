@@ -195,7 +195,16 @@ def _backfill(runner: Runner, days: Path, model: Path, fmt: str, plan: Plan) -> 
         "commit_s": commits,
         "metadata_files": len(files),
         "metadata_bytes": sum(p.stat().st_size for p in files),
+        # What each commit reads and rewrites whole: Iceberg's metadata file (every snapshot is
+        # in it), Delta's last commit file (one version's actions).
+        "newest_bytes": max((p.stat().st_size for p in files if p.suffix == ".json"), default=0)
+        if fmt == "iceberg"
+        else _newest(files).stat().st_size,
     }
+
+
+def _newest(files: Sequence[Path]) -> Path:
+    return max((p for p in files if p.suffix == ".json"), key=lambda p: p.name)
 
 
 def _commit_s(path: Path) -> float | None:
@@ -328,6 +337,7 @@ def history_rows(wl: WorkloadResult) -> list[dict[str, Any]]:
                 "rescore_commit": _median([s.extra.get("commit_s") for s in samples]),
                 "rescore_wall": _median([s.wall_s for s in samples]),
                 "meta": f"{built['metadata_files']:,} / {built['metadata_bytes'] / 2**10:,.0f}",
+                "newest": built["newest_bytes"] / 2**10,
             }
         )
     return rows
@@ -344,6 +354,7 @@ def history_columns(days: int) -> list[Column]:
         Column(f"rescore of night 1 after {days}: commit s", "rescore_commit", _num(3), right=True),
         Column("its wall s", "rescore_wall", _num(2), right=True),
         Column(f"metadata files / KiB after {days}", "meta", right=True),
+        Column("a commit's metadata file, KiB", "newest", _num(1), right=True),
     ]
 
 

@@ -68,6 +68,7 @@ def test_the_history_row_puts_night_1_beside_night_n_and_the_rescore() -> None:
         "commit_s": [0.5, 0.1, 0.2, 0.3, 0.4, 0.9],
         "metadata_files": 1234,
         "metadata_bytes": 10 * 2**10,
+        "newest_bytes": 3 * 2**9,
     }
     wl = WorkloadResult("HISTORY", "t", [], [], meta={"built": {"iceberg": built}})
     wl.samples["rescore-iceberg"] = [sample(8.0, 1, 0.6), sample(9.0, 2, 0.8)]
@@ -78,7 +79,9 @@ def test_the_history_row_puts_night_1_beside_night_n_and_the_rescore() -> None:
     assert row["rescore_commit"] == pytest.approx(0.7) and row["rescore_wall"] == 8.5
     lines = markdown_table(rows, history_columns(6))
     assert "commit s, night 6" in lines[0] and "median, nights 4-6" in lines[0]
-    assert lines[2] == "| iceberg | 0.500 | 0.900 | 0.200 | 0.400 | 0.700 | 8.50 | 1,234 / 10 |"
+    assert lines[2] == (
+        "| iceberg | 0.500 | 0.900 | 0.200 | 0.400 | 0.700 | 8.50 | 1,234 / 10 | 1.5 |"
+    )
 
 
 def test_a_night_s_report_is_in_its_partition_s_control_folder() -> None:
