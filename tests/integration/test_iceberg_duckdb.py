@@ -31,7 +31,8 @@ from tests.integration.helpers import cli, report
 pyiceberg = pytest.importorskip("pyiceberg")
 from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
 
-pytestmark = pytest.mark.integration
+# Two CLI processes (a three-night backfill, a rescore) and DuckDB's: 10-17 s here.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 DAYS = ["2025-01-01", "2025-01-02", "2025-01-03"]
