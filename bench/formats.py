@@ -2,12 +2,13 @@
 table side by side, and what a table's history costs a night. ``python -m bench.formats``
 (``make bench-formats``; ``FORMATS_ARGS="--smoke"`` for a small development run).
 
-1. **One night each.** The same input, model and flags through the CLI with ``--format
-   parquet``, ``delta`` and ``iceberg`` into ``scored/run_date={date}`` (the nightly job's
-   shape), whole processes, interleaved (folder, delta, iceberg, folder, ...), each on an empty
-   output, each format primed by one untimed run. Per round: each format's wall time, the ratios
-   delta/folder and iceberg/folder, and the run report's ``output_format.commit_s`` (the commit,
-   which comes after the report's ``duration_s``); then the medians of each column.
+1. **Nights.** The same input, model and flags through the CLI with ``--format parquet``,
+   ``delta`` and ``iceberg`` into ``scored/run_date={date}`` (the nightly job's shape), whole
+   processes, interleaved (folder, delta, iceberg, folder, ...). Night 0 makes each output (a
+   table's creation; untimed, its wall noted); round r is night r, a new partition, as a nightly
+   job writes one. Per round: each format's wall time, the ratios delta/folder and
+   iceberg/folder, and the run report's ``output_format.commit_s`` (the commit, which comes
+   after the report's ``duration_s``); then the medians of each column.
 2. **History.** For Delta and Iceberg: a backfill of N nights (16 small shards a night, as W1
    has 16: a commit costs per file and per snapshot, not per row), each night's ``commit_s``
    read from its report; then, alternating, a forced rescore of night 1 with W1's input on the
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from bench import report, workloads
 from bench.mdtable import Column, markdown_table
@@ -103,39 +106,52 @@ def report_path(table: Path, date: str) -> Path:
     return table.parent / "_score_catalog" / table.name / f"run_date={date}" / "_report.json"
 
 
-def _cli(runner: Runner, data: Path, table: Path, model: Path, fmt: str, *extra: str) -> list[str]:
-    flags = ("--format", fmt, "--date", day(0), *extra)
+def _cli(runner: Runner, data: Path, table: Path, model: Path, fmt: str, night: int) -> list[str]:
+    flags = ("--format", fmt, "--date", day(night))
     return runner.cli_argv(data, table / "run_date={date}", model, BATCH, extra=flags)
 
 
+def _loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in psutil.getloadavg())
+
+
 def nights(runner: Runner, data: Path, model: Path, plan: Plan) -> WorkloadResult:
-    """Part 1: one night of W1 in each format, interleaved."""
-    comps = []
-    for fmt in FORMATS:
-        table = runner.out_dir("formats", fmt) / "scored"
-        comps.append(
-            Comparator(
-                f"cli-{fmt}",
-                f"score-catalog CLI, --format {fmt}",
-                "Dask LocalCluster",
-                BATCH,
-                _cli(runner, data, table, model, fmt),
-                "cli",
-                plan.rows,
-                output=table,
-                digest=score_digest,
-                report=report_path(table, day(0)),
-                prime=True,
-            )
+    """Part 1: W1 in each format, interleaved: night 0 makes each output (its table), untimed;
+    round r is night r, a new partition of it, as a nightly job writes one."""
+    tables = {fmt: runner.out_dir("formats", fmt) / "scored" for fmt in FORMATS}
+    comps = {
+        fmt: Comparator(
+            f"cli-{fmt}",
+            f"score-catalog CLI, --format {fmt}",
+            "Dask LocalCluster",
+            BATCH,
+            [],
+            "cli",
+            plan.rows,
         )
-    wl = WorkloadResult(
-        "FORMATS", "FORMATS: W1 as a folder, a Delta and an Iceberg table", [], comps
-    )
-    runner.run_alternating(wl, plan.rounds)
-    digests = {json_key(v) for v in wl.digests.values()}
+        for fmt in FORMATS
+    }
+    title = "FORMATS: W1 as a folder, a Delta and an Iceberg table"
+    wl = WorkloadResult("FORMATS", title, [], list(comps.values()))
+    first = WorkloadResult("FIRST", "night 0", [], [])
+    wl.load_before = _loadavg()
+    for night in range(plan.rounds + 1):
+        runner.log(
+            f"[FORMATS] night {night} of {plan.rounds}" + (" (untimed)" if not night else "")
+        )
+        for fmt, comp in comps.items():
+            if not night:
+                clear_output(tables[fmt])
+            comp.argv = _cli(runner, data, tables[fmt], model, fmt, night)
+            comp.report = report_path(tables[fmt], day(night))
+            runner.run_one(first if not night else wl, comp, night - 1)
+    wl.load_after = _loadavg()
+    wl.meta["first"] = {k: v[0].wall_s for k, v in first.samples.items()}
+    wl.failures.update({f"{k} (night 0)": v for k, v in first.failures.items()})
+    digests = {fmt: json_key(score_digest(t / f"run_date={day(1)}")) for fmt, t in tables.items()}
     wl.checks.append(
-        f"the {len(wl.digests)} outputs hold the same rows, ids and score sum: "
-        + ("yes" if len(digests) == 1 and len(wl.digests) == len(FORMATS) else "NO")
+        f"night 1 holds the same rows, ids and score sum in the {len(FORMATS)} formats: "
+        + ("yes" if len(set(digests.values())) == 1 else f"NO: {digests}")
     )
     return wl
 
@@ -391,8 +407,9 @@ def section(
         "",
         f"W1: {plan.rows:,} rows in {plan.shards} shards, the W1 MLP, batch {BATCH}, "
         f"`--scheduler local`, into `scored/run_date={{date}}`; {_rounds(plan.rounds)} of whole "
-        "processes, folder, Delta and Iceberg interleaved in each, each on an empty output, each "
-        "format primed by one untimed run. Wall: the whole process. Commit: the run report's "
+        "processes, folder, Delta and Iceberg interleaved in each. Night 0 makes each output (a "
+        "table's creation), untimed; round r writes night r, a new partition, as a nightly job "
+        "does. Wall: the whole process. Commit: the run report's "
         "`output_format.commit_s` (the commit, after the report's `duration_s`; a folder has "
         "none: its files are published shard by shard).",
         "",
@@ -406,6 +423,8 @@ def section(
         *markdown_table(phase_rows(night.samples), PHASE_COLUMNS),
         "",
         *(f"- {c}" for c in night.checks),
+        "- night 0 (makes the output; one untimed run each, the first of the bench): "
+        + ", ".join(f"{k.removeprefix('cli-')} {v:.2f} s" for k, v in night.meta["first"].items()),
         f"- load average before / after: {night.load_before} / {night.load_after}",
         *(f"- {k} failed: {'; '.join(v)}" for k, v in night.failures.items()),
         "",
