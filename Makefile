@@ -19,7 +19,7 @@ RUN_ARGS ?=
 CPU_TORCH ?= torch==2.13.0
 
 .PHONY: install data score-catalog test test-slow test-fast lint format clean distclean help-check bench \
-	bench-scaling bench-ab bench-incremental bench-formats archive-demo \
+	bench-scaling bench-ab bench-incremental bench-formats archive-demo test-spark-iceberg \
   gpu-check
 
 install: $(VENV)/.installed
@@ -138,6 +138,31 @@ $(DUCKDB_ICEBERG_VENV)/.installed:
 	  "duckdb-ext-iceberg==1.4.4.20260205" "duckdb-ext-avro==1.4.4.20260205"
 	touch $@
 
+# Spark's Iceberg reader (tests/integration/test_iceberg_spark.py), on demand, not in `make test`
+# nor CI: its runtime jar is a Maven artifact, found offline only inside a third party's wheel
+# without the shaded Jackson it references, which tests/spark_jars.py relocates from another
+# with Debian's jarjar (docs/iceberg.md, Readers). Needs a JRE: apt-get install
+# default-jre-headless libjarjar-java.
+SPARK_ICEBERG_VENV ?= .venv-spark-iceberg
+$(SPARK_ICEBERG_VENV)/.installed: $(VENV)/.installed
+	command -v java >/dev/null || { echo "needs a JRE: apt-get install default-jre-headless"; exit 1; }
+	test -x $(SPARK_ICEBERG_VENV)/bin/python || $(PYTHON) -m venv $(SPARK_ICEBERG_VENV)
+	$(SPARK_ICEBERG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SPARK_ICEBERG_VENV)/bin/python -m pip install -q "pyspark==3.5.9" \
+	  "snowpark-connect-deps-iceberg==1.0.3"
+	rm -rf $(SPARK_ICEBERG_VENV)/wheels
+	$(SPARK_ICEBERG_VENV)/bin/python -m pip download -q --no-deps -d $(SPARK_ICEBERG_VENV)/wheels \
+	  "snowpark-connect-deps-2==3.56.7"
+	$(PY) -m tests.spark_jars $(SPARK_ICEBERG_VENV)/wheels/snowpark_connect_deps_2-*.whl \
+	  $(SPARK_ICEBERG_VENV)/jars
+	rm -rf $(SPARK_ICEBERG_VENV)/wheels
+	touch $@
+
+test-spark-iceberg: install $(SPARK_ICEBERG_VENV)/.installed
+	SPARK_ICEBERG_PYTHON=$(abspath $(SPARK_ICEBERG_VENV))/bin/python \
+	  SPARK_ICEBERG_JARS=$(abspath $(SPARK_ICEBERG_VENV))/jars \
+	  $(BIN)/pytest tests/integration/test_iceberg_spark.py $(PYTEST_ARGS)
+
 test-fast: install
 	$(BIN)/pytest -m "not integration and not slow" $(PYTEST_ARGS)
 
@@ -172,4 +197,5 @@ clean:
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(MLFLOW_VENV) $(DAFT_VENV) $(DUCKDB_DELTA_VENV) $(DUCKDB_ICEBERG_VENV)
+	rm -rf $(VENV) $(MLFLOW_VENV) $(DAFT_VENV) $(DUCKDB_DELTA_VENV) $(DUCKDB_ICEBERG_VENV) \
+	  $(SPARK_ICEBERG_VENV)

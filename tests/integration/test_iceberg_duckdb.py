@@ -18,25 +18,16 @@ import os
 import subprocess
 import textwrap
 from pathlib import Path
-from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cli.demo import export_bundle
-from tests.conftest import demo_toml, make_model, write_shards
-from tests.integration.helpers import cli, report
-
 pyiceberg = pytest.importorskip("pyiceberg")
-from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
+from tests.iceberg_readers import DAYS, ID, check_answer, write_table  # noqa: E402
 
 # Two CLI processes (a three-night backfill, a rescore) and DuckDB's: 10-17 s here.
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-DAYS = ["2025-01-01", "2025-01-02", "2025-01-03"]
-ID = "item_id"
 
 # Runs inside the DuckDB 1.4.4 venv: loads the extensions from the package's own folder, with
 # autoinstall and autoload off so that nothing is ever downloaded. Answers each day's rows by a
@@ -84,64 +75,10 @@ def _duckdb_python() -> Path:
     return path
 
 
-def _job(tmp_path: Path) -> tuple[Path, Path]:
-    """Three daily partitions of two shards, two model bundles (versions "1" and "2"), and a job
-    scoring them with model 1 into an Iceberg table, no catalog configured."""
-    archive = tmp_path / "archive"
-    for k, day in enumerate(DAYS):
-        shards = archive / f"dt={day}"
-        write_shards(shards, [700, 500], row_group_rows=300, start=10_000 * k, seed=k)
-    for seed in range(2):
-        bundle = tmp_path / f"m{seed + 1}"
-        export_bundle(make_model(seed=seed), bundle, demo_toml(version=str(seed + 1)), n_in=16)
-    job = tmp_path / "nightly.toml"
-    lines = [
-        f'input = "{archive}/dt={{date}}"',
-        f'output = "{tmp_path / "scored"}/run_date={{date}}"',
-        f'model = "{tmp_path / "m1"}"',
-        'format = "iceberg"',
-        'scheduler = "sync"',
-        "batch_size = 512",
-        "[monitoring]",
-        "drift = false",
-    ]
-    job.write_text("\n".join(lines) + "\n")
-    return job, archive
-
-
-def _input_ids(archive: Path, day: str) -> list[int]:
-    tables = [pq.read_table(p, columns=[ID]) for p in sorted((archive / f"dt={day}").glob("*"))]
-    return sorted(pa.concat_tables(tables).column(ID).to_pylist())
-
-
-def _pyiceberg_rows(table: Any, day: str, snapshot_id: int | None = None) -> list[list[Any]]:
-    """A day's rows as pyiceberg reads them (the tool's own reader, tested elsewhere)."""
-    got = table.scan(row_filter=f"run_date == '{day}'", snapshot_id=snapshot_id).to_arrow()
-    cols = [got.column(c).to_pylist() for c in (ID, "score", "model_version", "run_date")]
-    return sorted([list(r) for r in zip(*cols, strict=True)])
-
-
 def test_duckdb_reads_each_day_of_the_table_exactly(tmp_path: Path) -> None:
     python = _duckdb_python()
-    job, archive = _job(tmp_path)
-    out = tmp_path / "scored"
-    done = cli("backfill", str(job), "--from", DAYS[0], "--to", DAYS[-1])
-    assert done.returncode == 0, done.output
-    section = report(out / f"run_date={DAYS[0]}")["output_format"]
-    assert section["commit_s"] > 0  # the snapshot's own time, beside the run's duration_s
-    catalog = SqlCatalog("score_catalog", uri=section["catalog"])
-    before = catalog.load_table(section["identifier"]).current_snapshot()
-    assert before is not None
-    rescore = cli("run", str(job), "--date", DAYS[1], "--model", str(tmp_path / "m2"))
-    assert rescore.returncode == 0, rescore.output
-    table = catalog.load_table(section["identifier"])
-    # The data files hold neither field ids nor the partition column: DuckDB needs the name
-    # mapping for the one and the manifests for the other.
-    sample = pq.ParquetFile(next((out / f"run_date={DAYS[0]}").glob("*.parquet"))).schema_arrow
-    assert "run_date" not in sample.names
-    assert all(f.metadata is None or b"PARQUET:field_id" not in f.metadata for f in sample)
-
-    args = [table.metadata_location, json.dumps(DAYS), str(before.snapshot_id)]
+    written = write_table(tmp_path)
+    args = [written.table.metadata_location, json.dumps(DAYS), str(written.before)]
     done = subprocess.run(
         [str(python), "-c", _QUERY, *args],
         capture_output=True,
@@ -152,13 +89,4 @@ def test_duckdb_reads_each_day_of_the_table_exactly(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     assert got["columns"] == [ID, "score", "label", "model_version", "run_date"]
-    for day in DAYS:
-        rows = got["days"][day]
-        assert [r[0] for r in rows] == _input_ids(archive, day)
-        assert {r[3] for r in rows} == {day}
-        assert {r[2] for r in rows} == {"2" if day == DAYS[1] else "1"}
-        assert rows == _pyiceberg_rows(table, day)  # the same scores, bit for bit
-    assert got["counts"] == [[day, 1200] for day in DAYS]  # the rescore's old files are gone
-    old = got["before"]
-    assert {r[2] for r in old} == {"1"}
-    assert old == _pyiceberg_rows(table, DAYS[1], snapshot_id=before.snapshot_id)
+    check_answer(written, got)
