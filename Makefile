@@ -11,6 +11,7 @@ PYTEST_ARGS ?=
 # the mlflow-skinny client (the `mlflow` extra, also in `dev`).
 MLFLOW_VENV ?= .venv-mlflow
 DUCKDB_DELTA_VENV ?= .venv-duckdb-delta
+DUCKDB_ICEBERG_VENV ?= .venv-duckdb-iceberg
 JOB ?= jobs/score_catalog.toml
 RUN_ARGS ?=
 # torch wheel for machines without an NVIDIA GPU: the local CPU build, installed before the
@@ -18,7 +19,7 @@ RUN_ARGS ?=
 CPU_TORCH ?= torch==2.13.0
 
 .PHONY: install data score-catalog test test-slow test-fast lint format clean distclean help-check bench \
-	bench-scaling bench-ab bench-incremental archive-demo \
+	bench-scaling bench-ab bench-incremental bench-formats archive-demo test-spark-iceberg \
   gpu-check
 
 install: $(VENV)/.installed
@@ -71,6 +72,14 @@ BASE ?= HEAD~1
 bench-ab: install
 	$(BIN)/python -m bench.ab --base $(BASE)
 
+# W1 as a Parquet folder, a Delta table and an Iceberg table side by side (interleaved whole
+# processes), then night 1 of a 30-night Delta and Iceberg table rescored (bench/formats.py):
+# writes BENCHMARKS_FORMATS.md, a section for BENCHMARKS.md. FORMATS_ARGS="--smoke" checks the
+# bench at a small size; "--rounds 7 --days 60" measures more.
+FORMATS_ARGS ?=
+bench-formats: install
+	$(BIN)/python -m bench.formats $(FORMATS_ARGS)
+
 # The INCREMENTAL suite alone (make bench runs it with the others): nights with 0/1/10/100% of
 # the rows changed against a full rescore; INCR_ARGS="W2" for one workload, "--quick" for a tenth.
 INCR_ARGS ?=
@@ -94,11 +103,14 @@ archive-demo: install
 # The suite without the tests marked slow (each over ~5 s here: S3 outages, races, killed
 # servers): under 10 minutes on 2 cores. `make test-slow` runs the rest; CI (.ci/run) runs both.
 TEST_ENV = MLFLOW_SERVER_BIN=$(abspath $(MLFLOW_VENV))/bin/mlflow \
-  DUCKDB_DELTA_PYTHON=$(abspath $(DUCKDB_DELTA_VENV))/bin/python
-test: install $(MLFLOW_VENV)/.installed $(DUCKDB_DELTA_VENV)/.installed
+  DUCKDB_DELTA_PYTHON=$(abspath $(DUCKDB_DELTA_VENV))/bin/python \
+  DUCKDB_ICEBERG_PYTHON=$(abspath $(DUCKDB_ICEBERG_VENV))/bin/python
+TEST_VENVS = $(MLFLOW_VENV)/.installed $(DUCKDB_DELTA_VENV)/.installed \
+  $(DUCKDB_ICEBERG_VENV)/.installed
+test: install $(TEST_VENVS)
 	$(TEST_ENV) $(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
-test-slow: install $(MLFLOW_VENV)/.installed $(DUCKDB_DELTA_VENV)/.installed
+test-slow: install $(TEST_VENVS)
 	$(TEST_ENV) $(BIN)/pytest -m slow $(PYTEST_ARGS)
 
 $(MLFLOW_VENV)/.installed:
@@ -115,6 +127,41 @@ $(DUCKDB_DELTA_VENV)/.installed:
 	$(DUCKDB_DELTA_VENV)/bin/python -m pip install -q --upgrade pip
 	$(DUCKDB_DELTA_VENV)/bin/python -m pip install -q "duckdb==1.4.4" "duckdb-ext-delta==1.4.4.20260205"
 	touch $@
+
+# DuckDB's Iceberg reader (tests/integration/test_iceberg_duckdb.py), the same way: duckdb 1.4.4
+# loads its iceberg extension offline from duckdb-ext-iceberg, which reads the manifests through
+# the avro extension (duckdb-ext-avro; the iceberg package does not depend on it).
+$(DUCKDB_ICEBERG_VENV)/.installed:
+	test -x $(DUCKDB_ICEBERG_VENV)/bin/python || $(PYTHON) -m venv $(DUCKDB_ICEBERG_VENV)
+	$(DUCKDB_ICEBERG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DUCKDB_ICEBERG_VENV)/bin/python -m pip install -q "duckdb==1.4.4" \
+	  "duckdb-ext-iceberg==1.4.4.20260205" "duckdb-ext-avro==1.4.4.20260205"
+	touch $@
+
+# Spark's Iceberg reader (tests/integration/test_iceberg_spark.py), on demand, not in `make test`
+# nor CI: its runtime jar is a Maven artifact, found offline only inside a third party's wheel
+# without the shaded Jackson it references, which tests/spark_jars.py relocates from another
+# with Debian's jarjar (docs/iceberg.md, Readers). Needs a JRE: apt-get install
+# default-jre-headless libjarjar-java.
+SPARK_ICEBERG_VENV ?= .venv-spark-iceberg
+$(SPARK_ICEBERG_VENV)/.installed: $(VENV)/.installed
+	command -v java >/dev/null || { echo "needs a JRE: apt-get install default-jre-headless"; exit 1; }
+	test -x $(SPARK_ICEBERG_VENV)/bin/python || $(PYTHON) -m venv $(SPARK_ICEBERG_VENV)
+	$(SPARK_ICEBERG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SPARK_ICEBERG_VENV)/bin/python -m pip install -q "pyspark==3.5.9" \
+	  "snowpark-connect-deps-iceberg==1.0.3"
+	rm -rf $(SPARK_ICEBERG_VENV)/wheels
+	$(SPARK_ICEBERG_VENV)/bin/python -m pip download -q --no-deps -d $(SPARK_ICEBERG_VENV)/wheels \
+	  "snowpark-connect-deps-2==3.56.7"
+	$(PY) -m tests.spark_jars $(SPARK_ICEBERG_VENV)/wheels/snowpark_connect_deps_2-*.whl \
+	  $(SPARK_ICEBERG_VENV)/jars
+	rm -rf $(SPARK_ICEBERG_VENV)/wheels
+	touch $@
+
+test-spark-iceberg: install $(SPARK_ICEBERG_VENV)/.installed
+	SPARK_ICEBERG_PYTHON=$(abspath $(SPARK_ICEBERG_VENV))/bin/python \
+	  SPARK_ICEBERG_JARS=$(abspath $(SPARK_ICEBERG_VENV))/jars \
+	  $(BIN)/pytest tests/integration/test_iceberg_spark.py $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/pytest -m "not integration and not slow" $(PYTEST_ARGS)
@@ -150,4 +197,5 @@ clean:
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(MLFLOW_VENV) $(DAFT_VENV) $(DUCKDB_DELTA_VENV)
+	rm -rf $(VENV) $(MLFLOW_VENV) $(DAFT_VENV) $(DUCKDB_DELTA_VENV) $(DUCKDB_ICEBERG_VENV) \
+	  $(SPARK_ICEBERG_VENV)

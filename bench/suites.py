@@ -77,6 +77,9 @@ class Comparator:
     # Exit codes that count as a run: Daft aborts at exit after a Delta write (SIGABRT) once its
     # result line is out (bench.delta); the code is kept in the sample's ``extra["exit"]``.
     exit_codes: tuple[int, ...] = (0,)
+    # A "cli" run's _report.json when it is not beside ``output`` (a template's partition, as
+    # ``data/scored/run_date={date}`` writes; or a table's night that must not be cleared).
+    report: Path | None = None
 
 
 @dataclass
@@ -251,8 +254,11 @@ class Runner:
                 extra=res.get("extra", {}),
             )
         if comp.kind == "cli":
-            assert comp.output is not None
-            report = json.loads(report_file(comp.output).read_text())
+            path = comp.report
+            if path is None:
+                assert comp.output is not None
+                path = report_file(comp.output)
+            report = json.loads(path.read_text())
             if report["status"] != "succeeded":
                 raise RuntimeError(f"run {report['status']}: {report['failure_reasons']}")
             return Sample(
@@ -268,6 +274,7 @@ class Runner:
                     "batch_size": report.get("batch_size"),
                     "auto": (report.get("execution") or {}).get("batch_size_auto"),
                     "overlap": (report.get("execution") or {}).get("overlap"),
+                    "commit_s": (report.get("output_format") or {}).get("commit_s"),
                 },
             )
         return Sample(rows=0, wall_s=pr.wall_s, timed_s=None, peak_rss_bytes=pr.peak_rss_bytes)
@@ -293,6 +300,7 @@ class Runner:
                 raise RuntimeError(f"exit code {pr.returncode}")
             sample = self._parse(comp, pr)
             sample.extra["exit"] = pr.returncode
+            sample.extra["round"] = rep + 1  # per-round ratios (bench.formats)
             if comp.rows and sample.rows != comp.rows:
                 raise RuntimeError(f"processed {sample.rows:,} rows, expected {comp.rows:,}")
             if comp.digest is not None and comp.output is not None and rep == 0:

@@ -164,6 +164,7 @@ def commit(
     # The entry is written inside the commit, once the sink recorded its intent where the next
     # run settles it (a SIGKILL between the entry and a Delta run's pending token left a
     # "succeeded" entry for a commit that never landed: issue 29 review).
+    t_commit = time.perf_counter()
     committed = sink.commit(
         locked.begun,
         concluded.plan,
@@ -171,7 +172,10 @@ def commit(
         prepared.run_id,
         record=lambda: _index(prepared, report, warn=True),
     )
-    section = sink.section(locked.begun, committed).public()
+    # The commit comes after the report's duration was taken (conclude): its own time, so that
+    # a table's cost per night (it grows with the table's history) is on record.
+    commit_s = round(time.perf_counter() - t_commit, 4)
+    section = {**sink.section(locked.begun, committed).public(), "commit_s": commit_s}
     try:
         report = report.copy()
         report["output_format"] = cast(OutputFormatSection, section)

@@ -478,6 +478,7 @@ class OutputFormatSection(OutputFormatCore, total=False):
     files_added: int
     files_removed: int
     recovered: RecoveredCommit
+    commit_s: float  # the sink's commit, after the report's duration_s was taken
 
 
 class IncrementalBaseline(TypedDict):
