@@ -32,11 +32,13 @@ from pipeline.sinks.base import (
     Expected,
     Outcome,
     Removal,
+    Section,
     SinkPlaces,
     Visible,
     WrittenFile,
 )
 from pipeline.sinks.files import (
+    clear_rejects_way,
     delete_files,
     file_problems,
     folder_of,
@@ -248,6 +250,15 @@ class TablePartitionSink:
         """A partition's files in the table's latest version, and that version."""
         raise NotImplementedError
 
+    def _section_keys(self, begun: TableBegun | None) -> dict[str, Any]:
+        """The format's own keys of the report's ``output_format`` (where a reader finds the
+        table), placed after ``table``."""
+        return {}
+
+    def _summary(self, section: Mapping[str, Any]) -> str:
+        """The summary's ``table`` line: the version readers see, whether this run made it."""
+        raise NotImplementedError
+
     # -- shared ------------------------------------------------------------------------------
 
     @property
@@ -304,6 +315,59 @@ class TablePartitionSink:
             options=self.options,
             **more,
         )
+
+    def _take(
+        self,
+        manifest: Manifest,
+        rejects: Location,
+        wanted: tuple[str, ...],
+        settled: tuple[TokenState, Recovered | None],
+        begun: Callable[..., TableBegun],
+        **names: Any,
+    ) -> Any:
+        """The end of ``begin``, under the run lock: the partition as found with the token
+        ``settled``, this run recorded in the manifest (with ``names``: the table's, for readers
+        of the manifest), the rejects of shards that changed shape out of the way."""
+        token, recovered = settled
+        found = begun(token, recovered=recovered)
+        state = token.begun(self.run_id, table=self.table.uri, partition=self.label, **names)
+        manifest.set_format_state(state.public())
+        manifest.save()
+        # Data files are plain names in the partition folder: a shard that changed shape is
+        # in nobody's way there. Its rejects still are, in the rejects folder.
+        clear_rejects_way(self.root, rejects, list(wanted), self.options)
+        return found
+
+    def section(self, begun: TableBegun | None, committed: Committed | None) -> Section:
+        """The report's ``output_format`` of a run on the table's partition: the version
+        readers see after the run, whether this run made it (and its token), what an earlier
+        run's commit it recovered, and the heading and summary line the report shows."""
+        made = committed is not None and committed.made
+        snap = begun.snapshot if begun is not None else None
+        d: dict[str, Any] = {
+            "format": self.name,
+            "table": self.table.uri,
+            **self._section_keys(begun),
+            "partition": self.label or None,
+            "app_id": self.app_id,
+            "run_version": begun.run_version if made and begun is not None else None,
+            "version": snap.version if snap is not None else None,
+            "committed": made,
+            "files_added": 0,
+            "files_removed": 0,
+        }
+        recovered = begun.recovered if begun is not None else None
+        if recovered is not None:
+            d["recovered"] = recovered.public()
+            if not made and recovered.table_version is not None:
+                d["version"] = recovered.table_version
+        if committed is not None:
+            d.update(committed.details)
+            if made:
+                d["version"] = committed.version
+        d["title"] = self.KIND
+        d["summary"] = self._summary(d)
+        return Section(d)
 
     def visible(self, output: str) -> Visible:
         """The files of the table's partition at ``output`` (a partition folder of this

@@ -10,11 +10,9 @@ import pyarrow as pa
 
 from pipeline.core.errors import CommitRefused
 from pipeline.io.manifest import fingerprint_hash
-from pipeline.sinks.base import Committed
 from pipeline.sinks.delta import table as delta
 from pipeline.sinks.delta.stats import NewFile
 from pipeline.sinks.naming import partition_label
-from pipeline.sinks.partition import TableBegun
 
 
 def commit_info(
@@ -66,43 +64,6 @@ def check_committed(
             + "; ".join(problems[:10]),
             uri=table.uri,
         )
-
-
-def section_details(
-    table: str,
-    label: str,
-    app_id: str,
-    begun: TableBegun | None,
-    committed: Committed | None,
-) -> dict[str, Any]:
-    """The report's ``output_format`` of a run on the table's partition ``label``: the version
-    readers see after the run, whether this run made it (and its token), what an earlier run's
-    commit it recovered, and the heading and summary line the report shows."""
-    made = committed is not None and committed.made
-    snap = begun.snapshot if begun is not None else None
-    d: dict[str, Any] = {
-        "format": "delta",
-        "table": table,
-        "partition": label or None,
-        "app_id": app_id,
-        "run_version": begun.run_version if made and begun is not None else None,
-        "version": snap.version if snap is not None else None,
-        "committed": made,
-        "files_added": 0,
-        "files_removed": 0,
-    }
-    recovered = begun.recovered if begun is not None else None
-    if recovered is not None:
-        d["recovered"] = recovered.public()
-        if not made and recovered.table_version is not None:
-            d["version"] = recovered.table_version
-    if committed is not None:
-        d.update(committed.details)
-        if made:
-            d["version"] = committed.version
-    d["title"] = "Delta table"
-    d["summary"] = summary(d)
-    return d
 
 
 def summary(d: Mapping[str, Any]) -> str:

@@ -33,17 +33,17 @@ from pipeline.io import storage
 from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN, Places
 from pipeline.io.manifest import Manifest
 from pipeline.io.storage import Location
-from pipeline.sinks.base import Committed, Section, WriterSpec, WrittenFile
+from pipeline.sinks.base import WriterSpec, WrittenFile
 from pipeline.sinks.delta import table as delta
 from pipeline.sinks.delta.partition import DeltaBegun, check_folder
 from pipeline.sinks.delta.runcommit import (
     check_committed,
     commit_info,
     new_files,
-    section_details,
+    summary,
 )
 from pipeline.sinks.delta.stats import NewFile, check_partition_values, delta_facts
-from pipeline.sinks.files import clear_rejects_way, forget_another_outputs
+from pipeline.sinks.files import forget_another_outputs
 from pipeline.sinks.partition import TablePartitionSink, TablePlan, settle_pending
 from pipeline.sinks.tables import TableFile
 from pipeline.sinks.token import Pending, TokenState
@@ -176,15 +176,14 @@ class DeltaSink(TablePartitionSink):
             else None
         )
         forget_another_outputs(manifest, self.name)
-        token, recovered = self._settle(manifest, snap)
-        begun = self._begun(snap, token, manifest, recovered=recovered, schema=schema)
-        manifest.set_format_state(
-            token.begun(self.run_id, table=self.table.uri, partition=self.label).public()
+        settled = self._settle(manifest, snap)
+        begun: DeltaBegun = self._take(
+            manifest,
+            rejects,
+            wanted,
+            settled,
+            lambda token, **more: self._begun(snap, token, manifest, schema=schema, **more),
         )
-        manifest.save()
-        # Data files are plain names in the partition folder: a shard that changed shape is
-        # in nobody's way there. Its rejects still are, in the rejects folder.
-        clear_rejects_way(self.root, rejects, list(wanted), self.options)
         return begun
 
     def writer(self) -> WriterSpec:
@@ -246,5 +245,5 @@ class DeltaSink(TablePartitionSink):
     def _check_landed(self, version: int, details: Mapping[str, Any], manifest: Manifest) -> None:
         check_committed(self.table, self.partition, version, manifest.shards)
 
-    def section(self, begun: DeltaBegun | None, committed: Committed | None) -> Section:
-        return Section(section_details(self.table.uri, self.label, self.app_id, begun, committed))
+    def _summary(self, section: Mapping[str, Any]) -> str:
+        return summary(section)

@@ -10,11 +10,9 @@ import pyarrow as pa
 
 from pipeline.core.errors import CommitRefused
 from pipeline.io.manifest import fingerprint_hash
-from pipeline.sinks.base import Committed
 from pipeline.sinks.iceberg import catalog
 from pipeline.sinks.iceberg.catalog import IcebergRef
-from pipeline.sinks.iceberg.view import PartitionView, data_files
-from pipeline.sinks.partition import TableBegun
+from pipeline.sinks.iceberg.view import data_files
 
 
 def commit_summary(
@@ -71,46 +69,6 @@ def check_committed(
             "differs from the report: " + "; ".join(problems[:10]),
             uri=ref.uri,
         )
-
-
-def section_details(
-    ref: IcebergRef,
-    label: str,
-    app_id: str,
-    begun: TableBegun | None,
-    committed: Committed | None,
-) -> dict[str, Any]:
-    """The report's ``output_format`` of a run on the table's partition ``label``: where any
-    reader finds the table (its catalog, identifier and snapshot), the sequence number readers
-    see after the run (``version``), whether this run made it, what it recovered."""
-    made = committed is not None and committed.made
-    snap = begun.snapshot if begun is not None else None
-    d: dict[str, Any] = {
-        "format": "iceberg",
-        "table": ref.uri,
-        "catalog": ref.catalog.public(),
-        "identifier": ref.identifier,
-        "partition": label or None,
-        "app_id": app_id,
-        "run_version": begun.run_version if made and begun is not None else None,
-        "version": snap.version if snap is not None else None,
-        "snapshot_id": snap.snapshot_id if isinstance(snap, PartitionView) else None,
-        "committed": made,
-        "files_added": 0,
-        "files_removed": 0,
-    }
-    recovered = begun.recovered if begun is not None else None
-    if recovered is not None:
-        d["recovered"] = recovered.public()
-        if not made and recovered.table_version is not None:
-            d["version"] = recovered.table_version
-    if committed is not None:
-        d.update(committed.details)
-        if made:
-            d["version"] = committed.version
-    d["title"] = "Iceberg table"
-    d["summary"] = summary(d)
-    return d
 
 
 def summary(d: Mapping[str, Any]) -> str:

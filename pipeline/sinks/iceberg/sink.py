@@ -29,14 +29,14 @@ from pipeline.io import storage
 from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN, Places
 from pipeline.io.manifest import Manifest
 from pipeline.io.storage import Location
-from pipeline.sinks.base import Committed, Section, WriterSpec, WrittenFile
-from pipeline.sinks.files import clear_rejects_way, forget_another_outputs
+from pipeline.sinks.base import WriterSpec, WrittenFile
+from pipeline.sinks.files import forget_another_outputs
 from pipeline.sinks.iceberg import catalog, schema
 from pipeline.sinks.iceberg.catalog import IcebergRef
 from pipeline.sinks.iceberg.commit import NewFile, RunCommit, commit
 from pipeline.sinks.iceberg.facts import iceberg_facts
 from pipeline.sinks.iceberg.partition import check_folder
-from pipeline.sinks.iceberg.runcommit import check_committed, commit_summary, section_details
+from pipeline.sinks.iceberg.runcommit import check_committed, commit_summary, summary
 from pipeline.sinks.iceberg.view import PartitionView, committed_run_version, landed_as, view
 from pipeline.sinks.partition import TableBegun, TablePartitionSink, TablePlan, settle_pending
 from pipeline.sinks.tables import TableFile
@@ -166,19 +166,15 @@ class IcebergSink(TablePartitionSink):
         if schema_ is not None:
             table = self._ensure(table, schema_)
         forget_another_outputs(manifest, self.name)
-        token, recovered = self._settle(manifest, table)
-        begun = self._begun(table, token, manifest, recovered=recovered, schema=schema_)
-        manifest.set_format_state(
-            token.begun(
-                self.run_id,
-                table=self.table.uri,
-                partition=self.label,
-                catalog=self.table.catalog.public(),
-                identifier=self.table.identifier,
-            ).public()
+        begun: TableBegun = self._take(
+            manifest,
+            rejects,
+            wanted,
+            self._settle(manifest, table),
+            lambda token, **more: self._begun(table, token, manifest, schema=schema_, **more),
+            catalog=self.table.catalog.public(),
+            identifier=self.table.identifier,
         )
-        manifest.save()
-        clear_rejects_way(self.root, rejects, list(wanted), self.options)
         return begun
 
     def _ensure(self, table: Table | None, output: pa.Schema) -> Table:
@@ -255,5 +251,13 @@ class IcebergSink(TablePartitionSink):
     def _check_landed(self, version: int, details: Mapping[str, Any], manifest: Manifest) -> None:
         check_committed(self.table, self.partition, details["snapshot_id"], manifest.shards)
 
-    def section(self, begun: TableBegun | None, committed: Committed | None) -> Section:
-        return Section(section_details(self.table, self.label, self.app_id, begun, committed))
+    def _section_keys(self, begun: TableBegun | None) -> dict[str, Any]:
+        snap = begun.snapshot if begun is not None else None
+        return {
+            "catalog": self.table.catalog.public(),
+            "identifier": self.table.identifier,
+            "snapshot_id": snap.snapshot_id if isinstance(snap, PartitionView) else None,
+        }
+
+    def _summary(self, section: Mapping[str, Any]) -> str:
+        return summary(section)
