@@ -9,12 +9,13 @@ manifest, in the partition's control folder beside the table, records each shard
 whether it is committed. Nothing is visible to a reader until :meth:`DeltaSink.commit`: ONE
 Delta version that adds the run's new files and removes every file of the partition it does not
 keep (rescored shards' old files, shards whose input vanished, failed or was skipped), carrying
-the run's token (:mod:`pipeline.sinks.delta.protocol`).
+the run's token (:mod:`pipeline.sinks.token`). What every table format's run shares is
+:mod:`pipeline.sinks.partition`'s; this module fills in its hooks.
 
 The run lock lives in the partition's control folder: inside a table nothing but data may live
 (a ``VACUUM ... FULL`` deletes unlisted files, ``_``-names in partition folders included).
 Maintenance (``rollback``, ``optimize``, ``vacuum``) takes the table lock in the table's control
-area (:func:`table_lock_root`), which a run checks right after taking its own. docs/delta.md
+area (:func:`~pipeline.sinks.tables.table_lock_root`), which a run checks right after taking its own. docs/delta.md
 describes it all.
 """
 

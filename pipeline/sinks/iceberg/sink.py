@@ -10,8 +10,9 @@ folder's name>``). Workers write each shard's data file exactly as
 for a Delta table (a name no other run uses, directly in the partition's folder, no partition
 column inside). Nothing is visible to a reader until :meth:`IcebergSink.commit`: ONE snapshot
 that adds the run's new files and deletes every file of the partition it does not keep, with
-the run's token (:mod:`.commit`). The token's states in the manifest are the Delta table's
-(:mod:`pipeline.sinks.token`). docs/iceberg.md describes it, and what is not done yet.
+the run's token (:mod:`.commit`). What every table format's run shares (the commit's removes,
+the checks against the report, the token's states in the manifest) is
+:mod:`pipeline.sinks.partition`'s; this module fills in its hooks. docs/iceberg.md describes it.
 """
 
 from __future__ import annotations
