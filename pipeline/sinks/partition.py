@@ -24,9 +24,10 @@ from pipeline.core.errors import CommitRefused, ConfigError, mark_landed
 from pipeline.core.faults import checkpoint
 from pipeline.core.templates import below
 from pipeline.io import storage
-from pipeline.io.manifest import Manifest
+from pipeline.io.manifest import Manifest, fingerprint_hash
 from pipeline.io.ownership import ForeignFiles, remove_rejects
 from pipeline.io.storage import Location
+from pipeline.sinks import tables
 from pipeline.sinks.base import (
     Committed,
     Expected,
@@ -55,6 +56,30 @@ UNKNOWN_REASON = (
     "was replaced, one a rollback restored, or one OPTIMIZE compacted)"
 )
 STALE_REASON = "its input shard no longer exists"  # as the folder says it
+
+
+def run_metadata(
+    run_id: str,
+    job: str,
+    entries: Mapping[str, Mapping[str, Any]],
+    schema: pa.Schema,
+    meta_columns: tuple[str, ...],
+) -> dict[str, str]:
+    """What a run's commit says of itself, whatever the format (under ``score_catalog.``, with
+    the token the format's commit adds): run, model, settings, input, rows, job and output
+    columns (``history`` shows them; drift after a rollback reads the output columns)."""
+    first = next(iter(entries.values()), {})
+    fingerprints = {rel: e.get("fingerprint") for rel, e in sorted(entries.items())}
+    meta = {*meta_columns, "model_version"}
+    return {
+        tables.RUN_ID: run_id,
+        tables.MODEL_SHA256: str(first.get("model_sha256", "")),
+        tables.SETTINGS_HASH: str(first.get("settings_hash", "")),
+        tables.INPUT_FINGERPRINT: fingerprint_hash(fingerprints),
+        tables.ROWS: str(sum(int(e.get("rows_scored") or 0) for e in entries.values())),
+        tables.JOB: job,
+        tables.OUTPUTS: ",".join(n for n in schema.names if n not in meta),
+    }
 
 
 class TableRefLike(Protocol):

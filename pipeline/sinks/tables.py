@@ -15,6 +15,24 @@ import pyarrow as pa
 
 from pipeline.io.storage import Location
 
+#: Prefix of every key this tool writes into a table's commits (Delta's commit info, an Iceberg
+#: snapshot's summary) and its properties.
+METADATA_PREFIX = "score_catalog."
+# The keys of a run's commit, whatever the format (``history`` shows them; drift after a
+# rollback reads the output columns), and of the token and a rollback's commit.
+APP_ID = "app_id"
+APP_VERSION = "app_version"
+PARTITION = "partition"
+FILES_ADDED = "files_added"
+FILES_REMOVED = "files_removed"
+RUN_ID = "run_id"
+MODEL_SHA256 = "model_sha256"
+SETTINGS_HASH = "settings_hash"
+INPUT_FINGERPRINT = "input_fingerprint"
+ROWS = "rows"
+JOB = "job"
+OUTPUTS = "outputs"  # the output columns, comma-separated
+
 #: The folder, in a table's control area, of the table lock that maintenance takes.
 TABLE_LOCK_DIR = "_table"
 

@@ -32,6 +32,45 @@ from pipeline.core.errors import (
 from pipeline.io import storage
 from pipeline.io.storage import Location
 from pipeline.sinks.delta.options import SECRET_OPTIONS, delta_storage_options
+from pipeline.sinks.tables import (
+    APP_ID as APP_ID,
+)
+from pipeline.sinks.tables import (
+    APP_VERSION as APP_VERSION,
+)
+from pipeline.sinks.tables import (
+    FILES_ADDED as FILES_ADDED,
+)
+from pipeline.sinks.tables import (
+    FILES_REMOVED as FILES_REMOVED,
+)
+from pipeline.sinks.tables import (
+    INPUT_FINGERPRINT as INPUT_FINGERPRINT,
+)
+from pipeline.sinks.tables import (
+    JOB as JOB,
+)
+from pipeline.sinks.tables import (  # every table format's keys, named here too
+    METADATA_PREFIX as METADATA_PREFIX,
+)
+from pipeline.sinks.tables import (
+    MODEL_SHA256 as MODEL_SHA256,
+)
+from pipeline.sinks.tables import (
+    OUTPUTS as OUTPUTS,
+)
+from pipeline.sinks.tables import (
+    PARTITION as PARTITION,
+)
+from pipeline.sinks.tables import (
+    ROWS as ROWS,
+)
+from pipeline.sinks.tables import (
+    RUN_ID as RUN_ID,
+)
+from pipeline.sinks.tables import (
+    SETTINGS_HASH as SETTINGS_HASH,
+)
 
 #: How long commit JSONs are kept (``delta.logRetentionDuration``): history, time travel and
 #: rollback reach back this far. Delta's own default.
@@ -50,14 +89,8 @@ _DELTA_DEFAULT_DELETED_FILE_HOURS = 168
 WRITER_PROPERTY = "score_catalog.writer"
 WRITER_PROPERTY_VALUE = "score-catalog"
 
-#: Prefix of every key this tool writes into a commit's ``commitInfo``.
-METADATA_PREFIX = "score_catalog."
-# Keys commit() writes itself; a caller's metadata may not use them.
-APP_ID = "app_id"
-APP_VERSION = "app_version"
-PARTITION = "partition"
-FILES_ADDED = "files_added"
-FILES_REMOVED = "files_removed"
+# Keys commit() writes itself (APP_ID ... FILES_REMOVED: sinks/tables.py, every format's); a
+# caller's metadata may not use them.
 ROWS_ADDED = "rows_added"
 ROWS_REMOVED = "rows_removed"
 _OWN_KEYS = frozenset(
@@ -73,14 +106,6 @@ _OWN_KEYS = frozenset(
         "restored_to",
     }
 )
-# Keys a run is expected to pass (docs/delta.md); history() shows them as fields.
-RUN_ID = "run_id"
-MODEL_SHA256 = "model_sha256"
-SETTINGS_HASH = "settings_hash"
-INPUT_FINGERPRINT = "input_fingerprint"
-ROWS = "rows"
-JOB = "job"
-OUTPUTS = "outputs"  # the output columns, comma-separated (drift after a rollback reads them)
 RESTORED_TO = "restored_to"
 OPERATION = "operation"  # what a commit of ours that is not a run's did ("OPTIMIZE")
 TOKEN = "token"  # a unique value that lets a restore find its own version afterwards

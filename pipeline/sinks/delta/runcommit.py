@@ -1,43 +1,16 @@
-"""A run's commit as the table's log records it (:func:`commit_info`), checked against the run's
-report once it landed (:func:`check_committed`), and the summary line its report shows."""
+"""A run's commit checked against the run's report once it landed (:func:`check_committed`),
+the run's new files as the log adds them (:func:`new_files`), and the summary line of the
+report's ``output_format`` section (:func:`summary`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-import pyarrow as pa
-
 from pipeline.core.errors import CommitRefused
-from pipeline.io.manifest import fingerprint_hash
 from pipeline.sinks.delta import table as delta
 from pipeline.sinks.delta.stats import NewFile
 from pipeline.sinks.naming import partition_label
-
-
-def commit_info(
-    run_id: str,
-    job: str,
-    entries: Mapping[str, Mapping[str, Any]],
-    schema: pa.Schema,
-    meta_columns: tuple[str, ...],
-) -> dict[str, str]:
-    """What a run's commit says of itself, under ``score_catalog.`` in its commit info: the run,
-    model, settings, input, rows, job and output columns (``history`` shows them; drift after a
-    rollback reads the output columns)."""
-    first = next(iter(entries.values()), {})
-    fingerprints = {rel: e.get("fingerprint") for rel, e in sorted(entries.items())}
-    meta = {*meta_columns, "model_version"}
-    outputs = [n for n in schema.names if n not in meta]
-    return {
-        delta.RUN_ID: run_id,
-        delta.MODEL_SHA256: str(first.get("model_sha256", "")),
-        delta.SETTINGS_HASH: str(first.get("settings_hash", "")),
-        delta.INPUT_FINGERPRINT: fingerprint_hash(fingerprints),
-        delta.ROWS: str(sum(int(e.get("rows_scored") or 0) for e in entries.values())),
-        delta.JOB: job,
-        delta.OUTPUTS: ",".join(outputs),
-    }
 
 
 def check_committed(

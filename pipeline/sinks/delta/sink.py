@@ -15,8 +15,8 @@ the run's token (:mod:`pipeline.sinks.token`). What every table format's run sha
 The run lock lives in the partition's control folder: inside a table nothing but data may live
 (a ``VACUUM ... FULL`` deletes unlisted files, ``_``-names in partition folders included).
 Maintenance (``rollback``, ``optimize``, ``vacuum``) takes the table lock in the table's control
-area (:func:`~pipeline.sinks.tables.table_lock_root`), which a run checks right after taking its own. docs/delta.md
-describes it all.
+area (:func:`~pipeline.sinks.tables.table_lock_root`), which a run checks right after taking
+its own. docs/delta.md describes it all.
 """
 
 from __future__ import annotations
@@ -39,13 +39,17 @@ from pipeline.sinks.delta import table as delta
 from pipeline.sinks.delta.partition import DeltaBegun, check_folder
 from pipeline.sinks.delta.runcommit import (
     check_committed,
-    commit_info,
     new_files,
     summary,
 )
 from pipeline.sinks.delta.stats import NewFile, check_partition_values, delta_facts
 from pipeline.sinks.files import forget_another_outputs
-from pipeline.sinks.partition import TablePartitionSink, TablePlan, settle_pending
+from pipeline.sinks.partition import (
+    TablePartitionSink,
+    TablePlan,
+    run_metadata,
+    settle_pending,
+)
 from pipeline.sinks.tables import TableFile
 from pipeline.sinks.token import Pending, TokenState
 
@@ -236,7 +240,7 @@ class DeltaSink(TablePartitionSink):
             removes=list(plan.removes),
             app_id=self.app_id,
             run_version=begun.run_version,
-            metadata=commit_info(
+            metadata=run_metadata(
                 run_id, self.job, manifest.shards, begun.schema, self.meta_columns
             ),
             expected_schema=begun.schema,

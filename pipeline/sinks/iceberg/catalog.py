@@ -44,6 +44,45 @@ from pipeline.core.tableformats import CATALOG_NAME, CatalogSpec, table_identifi
 from pipeline.io import storage
 from pipeline.io.storage import Location
 from pipeline.sinks.iceberg.options import fileio_properties
+from pipeline.sinks.tables import (
+    APP_ID as APP_ID,
+)
+from pipeline.sinks.tables import (
+    APP_VERSION as APP_VERSION,
+)
+from pipeline.sinks.tables import (
+    FILES_ADDED as FILES_ADDED,
+)
+from pipeline.sinks.tables import (
+    FILES_REMOVED as FILES_REMOVED,
+)
+from pipeline.sinks.tables import (
+    INPUT_FINGERPRINT as INPUT_FINGERPRINT,
+)
+from pipeline.sinks.tables import (
+    JOB as JOB,
+)
+from pipeline.sinks.tables import (  # every table format's keys, named here too
+    METADATA_PREFIX as METADATA_PREFIX,
+)
+from pipeline.sinks.tables import (
+    MODEL_SHA256 as MODEL_SHA256,
+)
+from pipeline.sinks.tables import (
+    OUTPUTS as OUTPUTS,
+)
+from pipeline.sinks.tables import (
+    PARTITION as PARTITION,
+)
+from pipeline.sinks.tables import (
+    ROWS as ROWS,
+)
+from pipeline.sinks.tables import (
+    RUN_ID as RUN_ID,
+)
+from pipeline.sinks.tables import (
+    SETTINGS_HASH as SETTINGS_HASH,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,24 +96,9 @@ CATALOG_FILE = "catalog.db"
 #: which are not its to replace in another writer's table.
 WRITER_PROPERTY = "score_catalog.writer"
 WRITER_PROPERTY_VALUE = "score-catalog"
-#: Prefix of every key this tool writes into a snapshot's summary and the table's properties.
-METADATA_PREFIX = "score_catalog."
 #: The table property ``score_catalog.txn.<app_id>`` = the app's highest committed run version,
 #: set in the same commit as the snapshot that carries the token (survives snapshot expiry).
 TXN_PREFIX = METADATA_PREFIX + "txn."
-# Snapshot summary keys (under METADATA_PREFIX).
-APP_ID = "app_id"
-APP_VERSION = "app_version"
-PARTITION = "partition"
-RUN_ID = "run_id"
-MODEL_SHA256 = "model_sha256"
-SETTINGS_HASH = "settings_hash"
-INPUT_FINGERPRINT = "input_fingerprint"
-ROWS = "rows"
-JOB = "job"
-OUTPUTS = "outputs"
-FILES_ADDED = "files_added"
-FILES_REMOVED = "files_removed"
 
 #: Tries at making the catalog, namespace and table: runs of several partitions that start at
 #: once race on a new SQLite file (pyiceberg 0.12 lets sqlalchemy's OperationalError "table

@@ -1,44 +1,15 @@
-"""A run's snapshot as the table records it (:func:`commit_summary`), checked against the run's
-report once it landed (:func:`check_committed`), and the report's ``output_format`` section."""
+"""A run's snapshot checked against the run's report once it landed (:func:`check_committed`),
+and the summary line of the report's ``output_format`` section (:func:`summary`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-import pyarrow as pa
-
 from pipeline.core.errors import CommitRefused
-from pipeline.io.manifest import fingerprint_hash
 from pipeline.sinks.iceberg import catalog
 from pipeline.sinks.iceberg.catalog import IcebergRef
 from pipeline.sinks.iceberg.view import data_files
-
-
-def commit_summary(
-    run_id: str,
-    job: str,
-    label: str,
-    entries: Mapping[str, Mapping[str, Any]],
-    schema: pa.Schema,
-    meta_columns: tuple[str, ...],
-) -> dict[str, str]:
-    """What a run's snapshot says of itself in its summary (under ``score_catalog.``, with the
-    token that :mod:`.commit` adds): run, model, settings, input, rows, job, partition and
-    output columns."""
-    first = next(iter(entries.values()), {})
-    fingerprints = {rel: e.get("fingerprint") for rel, e in sorted(entries.items())}
-    meta = {*meta_columns, "model_version"}
-    return {
-        catalog.RUN_ID: run_id,
-        catalog.MODEL_SHA256: str(first.get("model_sha256", "")),
-        catalog.SETTINGS_HASH: str(first.get("settings_hash", "")),
-        catalog.INPUT_FINGERPRINT: fingerprint_hash(fingerprints),
-        catalog.ROWS: str(sum(int(e.get("rows_scored") or 0) for e in entries.values())),
-        catalog.JOB: job,
-        catalog.PARTITION: label,
-        catalog.OUTPUTS: ",".join(n for n in schema.names if n not in meta),
-    }
 
 
 def check_committed(

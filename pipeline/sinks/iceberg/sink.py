@@ -37,9 +37,15 @@ from pipeline.sinks.iceberg.catalog import IcebergRef
 from pipeline.sinks.iceberg.commit import NewFile, RunCommit, commit
 from pipeline.sinks.iceberg.facts import iceberg_facts
 from pipeline.sinks.iceberg.partition import check_folder
-from pipeline.sinks.iceberg.runcommit import check_committed, commit_summary, summary
+from pipeline.sinks.iceberg.runcommit import check_committed, summary
 from pipeline.sinks.iceberg.view import PartitionView, committed_run_version, landed_as, view
-from pipeline.sinks.partition import TableBegun, TablePartitionSink, TablePlan, settle_pending
+from pipeline.sinks.partition import (
+    TableBegun,
+    TablePartitionSink,
+    TablePlan,
+    run_metadata,
+    settle_pending,
+)
 from pipeline.sinks.tables import TableFile
 from pipeline.sinks.token import Pending, Recovered, TokenState
 
@@ -242,9 +248,10 @@ class IcebergSink(TablePartitionSink):
             removes=plan.removes,
             app_id=self.app_id,
             run_version=begun.run_version,
-            summary=commit_summary(
-                run_id, self.job, self.label, manifest.shards, begun.schema, self.meta_columns
-            ),
+            summary={
+                **run_metadata(run_id, self.job, manifest.shards, begun.schema, self.meta_columns),
+                catalog.PARTITION: self.label,
+            },
         )
         version, snapshot_id = commit(self.table, run, expected)
         return version, {"snapshot_id": snapshot_id}
