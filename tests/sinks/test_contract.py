@@ -221,6 +221,29 @@ def test_a_run_makes_exactly_its_shards_visible_once(output: Output) -> None:
     assert output.sink("check").state(output.manifest()).complete
 
 
+def test_an_empty_shard_is_part_of_a_complete_run(output: Output) -> None:
+    """An input shard of no rows gives an output file of no rows, which the run commits and
+    checks like any other, and the next run finds done (Iceberg's scan planning leaves out a
+    file of 0 rows unless asked: every night failed its post-commit check, then committed
+    again)."""
+    found = {**shards(2), "part-empty.parquet": range(0)}
+    run(output, found, "r1")
+    assert output.seen() == ids_of(found)
+    sink = output.sink("check")
+    manifest = output.manifest()
+    begun = sink.state(manifest)
+    assert begun.complete
+    empty = manifest.shards["part-empty.parquet"]
+    assert (
+        begun.done(
+            "part-empty.parquet",
+            empty,
+            Expected(0, SHA, SETTINGS, "part-empty.parquet", _fp(range(0))),
+        )
+        == []
+    )
+
+
 def test_the_run_index_entry_is_recorded_once_where_the_next_run_can_settle_it(
     output: Output,
 ) -> None:

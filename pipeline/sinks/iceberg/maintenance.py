@@ -51,7 +51,7 @@ from pipeline.sinks.files import folder_of
 from pipeline.sinks.iceberg.catalog import METADATA_PREFIX
 from pipeline.sinks.iceberg.commit import LeanOverwrite, NewFile, data_file
 from pipeline.sinks.iceberg.schema import footer_problem
-from pipeline.sinks.iceberg.view import partition_filter
+from pipeline.sinks.iceberg.view import ALL_FILES, partition_filter
 from pipeline.sinks.naming import data_file_name, partition_label
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ def _live_files(
         return {}
     spec_id = table.metadata.default_spec_id
     found: dict[str, tuple[DataFile, dict[str, str]]] = {}
-    for task in table.scan(row_filter=partition_filter(partition)).plan_files():
+    for task in table.scan(row_filter=partition_filter(partition), options=ALL_FILES).plan_files():
         f = task.file
         values = {c: f.partition[i] for i, c in enumerate(columns)}
         rel = _rel(table.metadata.location, root, f.file_path)

@@ -55,7 +55,7 @@ from pipeline.sinks.iceberg.history import (
     snapshot_at,
 )
 from pipeline.sinks.iceberg.schema import type_key
-from pipeline.sinks.iceberg.view import partition_filter
+from pipeline.sinks.iceberg.view import ALL_FILES, partition_filter
 from pipeline.sinks.naming import partition_label
 from pipeline.sinks.tables import PartitionChange, TableFile, rows_of
 
@@ -96,7 +96,9 @@ def files_at(
     its partition columns), each with its partition values (from its manifest: the files hold
     no partition column)."""
     names = {sid: [f.name for f in spec.fields] for sid, spec in table.specs().items()}
-    scan = table.scan(row_filter=partition_filter(partition or {}), snapshot_id=snapshot_id)
+    scan = table.scan(
+        row_filter=partition_filter(partition or {}), snapshot_id=snapshot_id, options=ALL_FILES
+    )
     location = table.metadata.location
     data: dict[str, DataFile] = {}
     files: dict[str, TableFile] = {}
