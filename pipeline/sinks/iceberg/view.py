@@ -24,7 +24,6 @@ from pipeline.sinks.iceberg.catalog import (
 )
 from pipeline.sinks.tables import TableFile
 
-
 #: Scan options of a file listing: every live data file, empty ones included. pyiceberg 0.12's
 #: planning drops a file of 0 rows by default (its metrics say no row can match), so an empty
 #: input shard's output file, which a run commits, would be missing from every listing: the
