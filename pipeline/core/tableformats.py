@@ -32,9 +32,23 @@ DEFAULT_NAMESPACE = "score_catalog"
 #: The catalog's name where a job names none: pyiceberg's SQL catalog keys its rows by it, so a
 #: reader opens the catalog with this name or finds no table.
 CATALOG_NAME = "score_catalog"
-#: A catalog property whose key holds one of these words is a secret: never in a report, a
-#: log line or a message.
-SECRET_WORDS = ("secret", "token", "password", "credential", "key")
+#: A catalog property whose key holds one of these words, or starts with one of the prefixes,
+#: is a secret: never in a report, a log line or a message. ``header.``: pyiceberg's REST
+#: catalog sends every ``header.<name>`` property as an HTTP header (``header.Authorization =
+#: "Bearer ..."``), so any of them may carry a credential (a break-it review found one in the
+#: report under the words alone).
+SECRET_WORDS = (
+    "secret",
+    "token",
+    "password",
+    "credential",
+    "key",
+    "auth",
+    "signature",
+    "session",
+    "cookie",
+)
+SECRET_PREFIXES = ("header.",)
 
 _PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
 _URI_FIX = (
@@ -60,7 +74,7 @@ def missing_packages(names: tuple[str, ...]) -> list[str]:
 def is_secret(key: str) -> bool:
     """Whether a catalog property named ``key`` holds a secret (see :data:`SECRET_WORDS`)."""
     low = key.lower()
-    return any(word in low for word in SECRET_WORDS)
+    return any(word in low for word in SECRET_WORDS) or low.startswith(SECRET_PREFIXES)
 
 
 def public_uri(uri: str) -> str:

@@ -163,7 +163,19 @@ def test_the_default_identifier_is_the_folder_in_the_default_namespace() -> None
 
 _NAMES = st.text("abcdefghij.-_", min_size=1, max_size=12)
 _SECRET_KEYS = st.sampled_from(
-    ["credential", "token", "s3.secret-access-key", "client.access-key-id", "password", "X-Key"]
+    [
+        "credential",
+        "token",
+        "s3.secret-access-key",
+        "client.access-key-id",
+        "password",
+        "X-Key",
+        # pyiceberg's REST catalog sends each header.<name> property as an HTTP header
+        "header.Authorization",
+        "header.X-Iceberg-Access-Delegation",
+        "client.session",
+        "gcs.oauth2.refresh-uri",
+    ]
 )
 
 
