@@ -14,7 +14,7 @@ pending commit settled) is here, once. No table client here: a format's package 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -56,6 +56,21 @@ UNKNOWN_REASON = (
     "was replaced, one a rollback restored, or one OPTIMIZE compacted)"
 )
 STALE_REASON = "its input shard no longer exists"  # as the folder says it
+
+
+def partition_clashes(schema: pa.Schema, partition_by: Sequence[str]) -> list[str]:
+    """Why the output ``schema`` cannot go into a table partitioned by ``partition_by``: a
+    column of the output (the id, a pass-through column, a model output, ``model_version``)
+    named like a partition column. The table's data files hold no partition column (a reader
+    takes its value from the table's metadata), so such a file is refused at the commit: found
+    here, before any row is scored (a break-it review met it only after scoring, every night)."""
+    return [
+        f"the output has a column {col!r} (of type {schema.field(col).type}), the name of the "
+        f"output template's partition folder {col}=...: rename the column (a pass-through "
+        "column is kept under its own name) or the template's key"
+        for col in partition_by
+        if schema.get_field_index(col) >= 0
+    ]
 
 
 def run_metadata(

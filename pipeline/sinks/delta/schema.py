@@ -14,6 +14,7 @@ from deltalake import DeltaTable, Schema
 from pipeline.core.errors import TableSchemaError
 from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN
 from pipeline.sinks.delta.client import TableRef, partition_columns
+from pipeline.sinks.partition import partition_clashes
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +62,13 @@ def _nested_problem(name: str, typ: pa.DataType) -> str | None:
 
 
 def table_schema(ref: TableRef, schema: pa.Schema, partition_by: Sequence[str]) -> pa.Schema:
-    """The table's Arrow schema for a run's ``schema``: its columns (partition columns, which
-    the data files do not hold, may be in it as strings or left out) then the partition columns
-    as strings; every column nullable (this tool never relies on NOT NULL)."""
+    """The table's Arrow schema for a run's ``schema``: its columns (none named like a partition
+    column: the data files hold none) then the partition columns as strings; every column
+    nullable (this tool never relies on NOT NULL)."""
     problems = [
         p for f in schema if f.name not in partition_by if (p := _type_problem(f.name, f.type))
     ]
-    for col in partition_by:
-        i = schema.get_field_index(col)
-        if i >= 0 and not pa.types.is_string(schema.field(i).type):
-            problems.append(
-                f"partition column {col!r} is {schema.field(i).type} in the output; partition "
-                "values are strings"
-            )
+    problems += partition_clashes(schema, partition_by)
     if len(set(partition_by)) != len(partition_by):
         problems.append(f"partition columns {list(partition_by)} repeat a name")
     if problems:

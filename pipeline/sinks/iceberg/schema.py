@@ -18,6 +18,7 @@ from pyiceberg.types import IcebergType, ListType, MapType, StructType
 
 from pipeline.core.errors import TableSchemaError
 from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN
+from pipeline.sinks.partition import partition_clashes
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +37,11 @@ def arrow_schema(schema: pa.Schema, partition_by: Sequence[str]) -> pa.Schema:
 def iceberg_schema(uri: str, schema: pa.Schema, partition_by: Sequence[str]) -> Schema:
     """The Iceberg schema of a run's output ``schema`` (:func:`arrow_schema`), with fresh ids
     (1, 2, ... in column order); a type Iceberg has no name for is a :class:`TableSchemaError`."""
-    for col in partition_by:
-        i = schema.get_field_index(col)
-        if i >= 0 and not pa.types.is_string(schema.field(i).type):
-            raise TableSchemaError(
-                f"the Iceberg table {uri} cannot hold this output: partition column {col!r} is "
-                f"{schema.field(i).type} in the output; partition values are strings",
-                uri=uri,
-            )
+    clashes = partition_clashes(schema, partition_by)
+    if clashes:
+        raise TableSchemaError(
+            f"the Iceberg table {uri} cannot hold this output: " + "; ".join(clashes), uri=uri
+        )
     try:
         converted = Catalog._convert_schema_if_needed(arrow_schema(schema, partition_by))
     except (ValueError, TypeError) as e:
