@@ -180,8 +180,8 @@ def rollback(
 def optimize(
     output: str, storage: dict[str, Any], partition: dict[str, Any], target_size: int | None
 ) -> None:
-    """Compact the small files of the Delta table at OUTPUT into one OPTIMIZE version; readers
-    see the same rows. Takes the table lock. The next run of a compacted partition scores
+    """Compact the small files of the Delta or Iceberg table at OUTPUT into one OPTIMIZE version
+    (for Iceberg one "replace" snapshot); readers see the same rows. Takes the table lock. The next run of a compacted partition scores
     it again (its shards' files are no longer in the table): compact partitions no run
     rewrites, such as past days. OUTPUT: the table's folder, a partition folder in it, or a
     job file (JOB.toml).
@@ -210,7 +210,8 @@ def optimize(
     default=None,
     metavar="H",
     help="Delete files removed longer ago than this (default and minimum: the table's "
-    "delta.deletedFileRetentionDuration, 30 days).",
+    "retention, 30 days unless set: Delta's delta.deletedFileRetentionDuration, Iceberg's "
+    "history.expire.max-snapshot-age-ms).",
 )
 @click.option("--dry-run", is_flag=True, help="List the files it would delete; delete none.")
 @click.option(
@@ -226,12 +227,12 @@ def vacuum(
     dry_run: bool,
     force: bool,
 ) -> None:
-    """Delete the data files that commits removed from the Delta table at OUTPUT longer ago
-    than the retention. Takes the table lock. A retention shorter than the table's is refused
-    unless --force: a rollback, time travel or a reader still on an older version may need
-    those files. Files
-    no version lists (a run's uncommitted output) are never touched. OUTPUT: the table's folder,
-    a partition folder in it, or a job file (JOB.toml).
+    """Delete the data files that commits removed from the Delta or Iceberg table at OUTPUT
+    longer ago than the retention (for Iceberg: expire the snapshots older than it and delete
+    the files only they listed). Takes the table lock. A retention shorter than the table's is
+    refused unless --force: a rollback, time travel or a reader still on an older version may
+    need those files. Files no version lists (a run's uncommitted output) are never touched.
+    OUTPUT: the table's folder, a partition folder in it, or a job file (JOB.toml).
     """
     from pipeline.driver import tables  # downward, as above
 

@@ -136,7 +136,8 @@ def fit(
         raise TableSchemaError(
             f"the Delta table {ref.uri} cannot take this run's output: {'; '.join(problems)}. "
             "A Delta table keeps its columns and their types: score into another table (another "
-            "output), or change the model's outputs back",
+            "output), or give the column its type back (an id or pass-through column's in the "
+            "input, an output's in the model)",
             uri=ref.uri,
         )
     # The fingerprint column of an incremental run (docs/incremental.md) is the tool's own, and

@@ -155,6 +155,15 @@ def _has_metadata(folder: Location) -> bool:
     return any(n.endswith(".metadata.json") for n in names)
 
 
+# A table path alone names the embedded catalog beside the table: a job that names its own
+# catalog (``catalog``, ``table``) is found through its job file, which says where and how.
+_GIVE_THE_JOB = (
+    "if the job that writes it names its catalog (catalog = ... in its job file, or "
+    "--catalog), give that job file instead of the folder (score-catalog history JOB.toml; "
+    "a partition: rollback JOB.toml --partition ...)"
+)
+
+
 def ops_at(
     root: Location, options: Mapping[str, Any], job: JobConfig | None = None
 ) -> IcebergTableOps:
@@ -172,15 +181,22 @@ def ops_at(
             ref = IcebergRef.of(root, area, options=options)
     except ConfigError as e:
         raise NotATableError(
-            f"{root.uri} holds an Iceberg table that score-catalog cannot open: {e}", uri=root.uri
+            f"{root.uri} holds an Iceberg table that score-catalog cannot open: {e}. "
+            + ("" if job is not None else _GIVE_THE_JOB),
+            uri=root.uri,
         ) from e
     ops = IcebergTableOps(ref, dict(options))
     table = catalog.load(ref)
     if table is None:
         raise NotATableError(
             f"{root.uri} holds an Iceberg table's metadata/, but its catalog {ref.catalog.text()} "
-            f"has no table {ref.identifier}: not a table score-catalog made (format = "
-            '"iceberg"), or its control area moved. Give the folder of a table this tool writes',
+            f"has no table {ref.identifier}: "
+            + (
+                "not the table the job names"
+                if job is not None
+                else 'not a table score-catalog made (format = "iceberg"), or its control area '
+                "moved; or " + _GIVE_THE_JOB
+            ),
             uri=root.uri,
         )
     try:

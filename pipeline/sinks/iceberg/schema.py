@@ -98,7 +98,9 @@ def fit(
     if problems:
         raise TableSchemaError(
             f"the Iceberg table {uri} cannot take this run's output: {'; '.join(problems)}. "
-            "Score into another table (another output), or change the model's outputs back",
+            "Score into another table (another output), or give the column its type back (an id "
+            "or pass-through column's in the input, an output's in the model); a changed type is "
+            "refused even with schema evolution",
             uri=uri,
         )
     refused = [c for c in added if c != MODEL_INPUT_HASH_COLUMN]
