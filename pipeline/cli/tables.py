@@ -181,10 +181,10 @@ def optimize(
     output: str, storage: dict[str, Any], partition: dict[str, Any], target_size: int | None
 ) -> None:
     """Compact the small files of the Delta or Iceberg table at OUTPUT into one OPTIMIZE version
-    (for Iceberg one "replace" snapshot); readers see the same rows. Takes the table lock. The next run of a compacted partition scores
-    it again (its shards' files are no longer in the table): compact partitions no run
-    rewrites, such as past days. OUTPUT: the table's folder, a partition folder in it, or a
-    job file (JOB.toml).
+    (for Iceberg one "replace" snapshot); readers see the same rows. Takes the table lock. The
+    next run of a compacted partition scores it again (its shards' files are no longer in the
+    table): compact partitions no run rewrites, such as past days. OUTPUT: the table's folder,
+    a partition folder in it, or a job file (JOB.toml).
     """
     from pipeline.driver import tables  # downward, as above
 
