@@ -53,7 +53,8 @@ from pipeline.sinks.token import IndexPlace, Pending, Recovered, TokenState, set
 # Why a file of the partition that this run does not keep goes, when no shard names it.
 UNKNOWN_REASON = (
     "replaced: no shard in this output's manifest lists it (an earlier run's file whose record "
-    "was replaced, one a rollback restored, or one OPTIMIZE compacted)"
+    "was replaced, one a rollback restored or OPTIMIZE compacted, or another writer's file: a "
+    "run replaces its partition whole)"
 )
 STALE_REASON = "its input shard no longer exists"  # as the folder says it
 
