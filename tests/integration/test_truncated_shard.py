@@ -4,14 +4,19 @@ in the three output formats, through the real CLI (docs/failure-handling.md, the
 Within the budget the shard fails alone as ``unreadable`` and the other shards are the night's
 output: a Parquet folder with ``_SUCCESS``, a table's one commit (exit 0,
 ``succeeded_with_errors``). Beyond it the run fails and a table keeps what it held; once the
-shard is fixed upstream, the rerun scores it and the output holds every row once.
+shard is fixed upstream, the rerun scores it and the output holds every row once. A table's
+folder that a failed run of an older version left holding only its uncommitted files (no
+table made: such a run had no output schema) is taken by the next run, not refused as
+another writer's.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import write_shards
@@ -164,3 +169,49 @@ def test_beyond_the_budget_the_run_fails_and_its_rerun_after_the_fix_has_every_r
     assert rep["shards_scored"] + rep["shards_skipped"] == 2
     assert _ids(night, fmt) == sorted(ALL_IDS)  # every row once
     assert _commits(night, fmt) in (None, 1)
+
+
+def _drop_table(tmp_path: Path, fmt: str) -> None:
+    """Leave the table's folder as a failed run of an older version did: its uncommitted files
+    in the partition folder, no table (that version made none for a run without an output
+    schema)."""
+    if fmt == "delta":
+        shutil.rmtree(tmp_path / "out" / "_delta_log")
+        return
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    section = report(_out(tmp_path))["output_format"]
+    SqlCatalog("score_catalog", uri=section["catalog"]).drop_table(section["identifier"])
+    shutil.rmtree(tmp_path / "out" / "metadata")
+
+
+@pytest.mark.parametrize("fmt", ["delta", "iceberg"])
+def test_a_folder_left_with_only_a_failed_runs_uncommitted_files_is_taken(
+    night: Path, bundle_dir: Path, fmt: str
+) -> None:
+    good = _truncate(night)
+    job = _job(night, bundle_dir, fmt)
+    assert cli("run", str(job), "--date", DAY, "-q").returncode == 1
+    _drop_table(night, fmt)
+    left = sorted(p.name for p in (night / "out").rglob("*.parquet"))
+    assert len(left) == 1 and all(report(_out(night))["run_id"] in n for n in left)
+
+    # Another file there is not this tool's: the folder is refused, nothing written.
+    stray = _out(night) / "notes.parquet"
+    pq.write_table(pa.table({"x": [1]}), stray)
+    refused = cli("run", str(job), "--date", DAY, "-q")
+    assert refused.returncode == 2, refused.stderr
+    assert "needs a folder of its own" in refused.stderr
+    stray.unlink()
+
+    (night / "in" / f"dt={DAY}" / BAD).write_bytes(good)
+    fixed = cli("run", str(job), "--date", DAY, "-q")
+    assert fixed.returncode == 0, fixed.stderr
+    rep = report(_out(night))
+    assert rep["status"] == "succeeded" and rep["shards_failed"] == 0
+    assert _ids(night, fmt) == sorted(ALL_IDS)
+    assert _commits(night, fmt) == 1
+    # The failed run's files were reused (their footers check out) or deleted: none is left
+    # outside the table.
+    on_disk = sorted(p.name for p in _out(night).glob("*.parquet"))
+    assert len(on_disk) == 2
