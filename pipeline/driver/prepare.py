@@ -196,7 +196,11 @@ def _output_schema(
     there it is refused before anything is written."""
     names = (config.id_column, *config.passthrough)
     missing = [n for n in names if n not in meta_types]
-    if len(failed) == len(found.infos):
+    # ``failed`` holds the shards whose footer could not be read too, which ``infos`` lacks:
+    # left to score is a readable shard that did not fail (counting the two against each
+    # other took one footer-less shard among two for "nothing left", and a table night within
+    # its error budget then had no schema to commit with).
+    if all(rel in failed for rel in found.infos):
         return None
     if missing:
         if one_type:

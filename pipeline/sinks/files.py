@@ -5,7 +5,7 @@ became a folder of the same name, or the reverse)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from pipeline.core.errors import ConfigError, ShardError
@@ -143,6 +143,49 @@ def uncommitted_names(
         for name in storage.list_files(root)
         if "/" not in name and name.endswith(suffixes) and prefix + name not in taken
     )
+
+
+def foreign_files(
+    dataset: Location, control_of: Callable[[str], Location], skip: Collection[str] = ()
+) -> list[str]:
+    """The files below the folder ``dataset`` of a table not made yet that are not this tool's
+    own files of runs that never committed, relative to it, sorted (``control_of``: the control
+    folder of a partition folder given relative to ``dataset``, '' for the folder itself;
+    ``skip``: names at its top that a cut-short creation of the table leaves, Iceberg's
+    ``metadata``).
+
+    A run writes its files before its one commit, and a run that failed (beyond its error
+    budget, killed) before any commit made the table leaves them in the partition's folder with
+    no table around them. Its partition's manifest lists the run in its token's ``runs``
+    (recorded before the run wrote a file) and the files' names end in ``-<run>.parquet`` (a
+    killed writer's temporary file carries the run too): such files are the next run's to
+    reuse or delete (:func:`uncommitted_names`), not another writer's data that makes the
+    folder foreign. Everything else is."""
+    runs: dict[str, tuple[str, ...]] = {}
+    foreign = []
+    for rel in storage.list_files(dataset):
+        folder, _, name = rel.rpartition("/")
+        if rel.partition("/")[0] in skip:
+            continue
+        if folder not in runs:
+            runs[folder] = _uncommitted_runs(control_of(folder))
+        if not any(_of_run(name, run) for run in runs[folder]):
+            foreign.append(rel)
+    return foreign
+
+
+def _uncommitted_runs(control: Location) -> tuple[str, ...]:
+    """The runs whose files may lie uncommitted in the partition whose control folder is
+    ``control`` (its manifest's token state; none without a manifest)."""
+    state = Manifest.load(control).format_state or {}
+    return tuple(str(r) for r in state.get("runs") or ())
+
+
+def _of_run(name: str, run: str) -> bool:
+    """Whether ``name`` is a data file (or a killed writer's temporary file) run ``run`` wrote."""
+    if name.startswith("."):
+        return f"{storage.TMP_MARK}{run}-" in name
+    return name.endswith(f"-{run}.parquet")
 
 
 def delete_files(root: Location, names: tuple[str, ...]) -> None:

@@ -324,6 +324,17 @@ class TablePartitionSink:
     def label(self) -> str:
         return partition_label(self.partition)
 
+    def control_of(self, folder: str) -> Location:
+        """The control folder of the table's partition folder ``folder`` (relative to the
+        table's root, '' for the root): this partition's with its own folder swapped for
+        ``folder`` (every partition's control folder lies at the same place under the table's
+        control area)."""
+        own = folder_of(self.partition).rstrip("/")
+        base = self.control.uri.rstrip("/")
+        if own:
+            base = base.removesuffix(own).rstrip("/")
+        return storage.sibling(self.control, f"{base}/{folder}" if folder else base)
+
     def _index_place(self) -> IndexPlace:
         return IndexPlace(
             self.area, self.options, self.job, self.run_id, self.app_id, self.table.uri

@@ -5,7 +5,7 @@ no Delta table (:func:`check_folder`)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pipeline.core.errors import ConfigError, ShardError
@@ -14,6 +14,7 @@ from pipeline.io.parquet import open_parquet
 from pipeline.io.storage import Location
 from pipeline.sinks.delta.stats import stats_problem
 from pipeline.sinks.delta.table import TableRef
+from pipeline.sinks.files import foreign_files
 from pipeline.sinks.partition import TableBegun
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,12 @@ def _stale_stats(loc: Location, entry: Mapping[str, Any], options: Mapping[str, 
     return [f"{loc.uri}: {problem} (recorded by another version?)"] if problem else []
 
 
-def check_folder(table: TableRef, output: Location) -> None:
+def check_folder(table: TableRef, output: Location, control_of: Callable[[str], Location]) -> None:
     """Refuse a table folder holding anything but a Delta table (a Parquet folder output of
-    this tool, other files): a table needs a folder of its own."""
+    this tool, other files): a table needs a folder of its own. Files of this tool's runs that
+    never committed, left before any commit made the table, are no reason
+    (:func:`~pipeline.sinks.files.foreign_files`; ``control_of``: a partition folder's control
+    folder): the next run reuses or deletes them."""
     try:
         entries = storage.ls(table.location)
     except FileNotFoundError:
@@ -49,8 +53,12 @@ def check_folder(table: TableRef, output: Location) -> None:
     except NotADirectoryError as e:
         raise ConfigError(f"output {table.uri} is a file, not a folder for a Delta table") from e
     names = sorted(e.name for e in entries)
-    if not names or "_delta_log" in names:
+    if "_delta_log" in names:
         return
+    foreign = foreign_files(table.location, control_of)
+    if not foreign:
+        return
+    names = sorted({f.partition("/")[0] for f in foreign})
     ours = layout.OUTPUT_MARK in names or any(
         storage.exists(e.child(layout.OUTPUT_MARK)) for e in entries[:10]
     )

@@ -121,7 +121,7 @@ class DeltaSink(TablePartitionSink):
     def check(self, mode: str, schema: pa.Schema | None) -> None:
         """Refuse a table folder that is not a Delta table, a table this tool did not create,
         and a run whose output does not fit the table's schema (read only: no lock yet)."""
-        check_folder(self.table, self.root)
+        check_folder(self.table, self.root, self.control_of)
         if not delta.table_exists(self.table):
             return
         snap = delta.snapshot(self.table, self.partition or None)

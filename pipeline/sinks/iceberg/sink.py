@@ -109,7 +109,7 @@ class IcebergSink(TablePartitionSink):
         """Refuse a table folder that is not this tool's Iceberg table, a table another writer
         made, and a run whose output does not fit the table's schema (read only)."""
         table = catalog.load(self.table)
-        check_folder(self.table, self.root, table)
+        check_folder(self.table, self.root, table, self.control_of)
         if table is None:
             return
         catalog.check_location(self.table, table)
