@@ -14,7 +14,7 @@ pending commit settled) is here, once. No table client here: a format's package 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -24,10 +24,9 @@ from pipeline.core.errors import CommitRefused, ConfigError, mark_landed
 from pipeline.core.faults import checkpoint
 from pipeline.core.templates import below
 from pipeline.io import storage
-from pipeline.io.manifest import Manifest, fingerprint_hash
+from pipeline.io.manifest import Manifest
 from pipeline.io.ownership import ForeignFiles, remove_rejects
 from pipeline.io.storage import Location
-from pipeline.sinks import tables
 from pipeline.sinks.base import (
     Committed,
     Expected,
@@ -57,45 +56,6 @@ UNKNOWN_REASON = (
     "run replaces its partition whole)"
 )
 STALE_REASON = "its input shard no longer exists"  # as the folder says it
-
-
-def partition_clashes(schema: pa.Schema, partition_by: Sequence[str]) -> list[str]:
-    """Why the output ``schema`` cannot go into a table partitioned by ``partition_by``: a
-    column of the output (the id, a pass-through column, a model output, ``model_version``)
-    named like a partition column. The table's data files hold no partition column (a reader
-    takes its value from the table's metadata), so such a file is refused at the commit: found
-    here, before any row is scored (a break-it review met it only after scoring, every night)."""
-    return [
-        f"the output has a column {col!r} (of type {schema.field(col).type}), the name of the "
-        f"output template's partition folder {col}=...: rename the column (a pass-through "
-        "column is kept under its own name) or the template's key"
-        for col in partition_by
-        if schema.get_field_index(col) >= 0
-    ]
-
-
-def run_metadata(
-    run_id: str,
-    job: str,
-    entries: Mapping[str, Mapping[str, Any]],
-    schema: pa.Schema,
-    meta_columns: tuple[str, ...],
-) -> dict[str, str]:
-    """What a run's commit says of itself, whatever the format (under ``score_catalog.``, with
-    the token the format's commit adds): run, model, settings, input, rows, job and output
-    columns (``history`` shows them; drift after a rollback reads the output columns)."""
-    first = next(iter(entries.values()), {})
-    fingerprints = {rel: e.get("fingerprint") for rel, e in sorted(entries.items())}
-    meta = {*meta_columns, "model_version"}
-    return {
-        tables.RUN_ID: run_id,
-        tables.MODEL_SHA256: str(first.get("model_sha256", "")),
-        tables.SETTINGS_HASH: str(first.get("settings_hash", "")),
-        tables.INPUT_FINGERPRINT: fingerprint_hash(fingerprints),
-        tables.ROWS: str(sum(int(e.get("rows_scored") or 0) for e in entries.values())),
-        tables.JOB: job,
-        tables.OUTPUTS: ",".join(n for n in schema.names if n not in meta),
-    }
 
 
 class TableRefLike(Protocol):

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
+from pipeline.io.manifest import fingerprint_hash
 from pipeline.io.storage import Location
 
 #: Prefix of every key this tool writes into a table's commits (Delta's commit info, an Iceberg
@@ -35,6 +36,45 @@ OUTPUTS = "outputs"  # the output columns, comma-separated
 
 #: The folder, in a table's control area, of the table lock that maintenance takes.
 TABLE_LOCK_DIR = "_table"
+
+
+def partition_clashes(schema: pa.Schema, partition_by: Sequence[str]) -> list[str]:
+    """Why the output ``schema`` cannot go into a table partitioned by ``partition_by``: a
+    column of the output (the id, a pass-through column, a model output, ``model_version``)
+    named like a partition column. The table's data files hold no partition column (a reader
+    takes its value from the table's metadata), so such a file is refused at the commit: found
+    here, before any row is scored (a break-it review met it only after scoring, every night)."""
+    return [
+        f"the output has a column {col!r} (of type {schema.field(col).type}), the name of the "
+        f"output template's partition folder {col}=...: rename the column (a pass-through "
+        "column is kept under its own name) or the template's key"
+        for col in partition_by
+        if schema.get_field_index(col) >= 0
+    ]
+
+
+def run_metadata(
+    run_id: str,
+    job: str,
+    entries: Mapping[str, Mapping[str, Any]],
+    schema: pa.Schema,
+    meta_columns: tuple[str, ...],
+) -> dict[str, str]:
+    """What a run's commit says of itself, whatever the format (under ``score_catalog.``, with
+    the token the format's commit adds): run, model, settings, input, rows, job and output
+    columns (``history`` shows them; drift after a rollback reads the output columns)."""
+    first = next(iter(entries.values()), {})
+    fingerprints = {rel: e.get("fingerprint") for rel, e in sorted(entries.items())}
+    meta = {*meta_columns, "model_version"}
+    return {
+        RUN_ID: run_id,
+        MODEL_SHA256: str(first.get("model_sha256", "")),
+        SETTINGS_HASH: str(first.get("settings_hash", "")),
+        INPUT_FINGERPRINT: fingerprint_hash(fingerprints),
+        ROWS: str(sum(int(e.get("rows_scored") or 0) for e in entries.values())),
+        JOB: job,
+        OUTPUTS: ",".join(n for n in schema.names if n not in meta),
+    }
 
 
 def table_lock_root(area: Location) -> Location:

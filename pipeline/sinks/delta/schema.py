@@ -14,7 +14,7 @@ from deltalake import DeltaTable, Schema
 from pipeline.core.errors import TableSchemaError
 from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN
 from pipeline.sinks.delta.client import TableRef, partition_columns
-from pipeline.sinks.partition import partition_clashes
+from pipeline.sinks.tables import partition_clashes
 
 logger = logging.getLogger(__name__)
 

@@ -47,10 +47,9 @@ from pipeline.sinks.files import forget_another_outputs
 from pipeline.sinks.partition import (
     TablePartitionSink,
     TablePlan,
-    run_metadata,
     settle_pending,
 )
-from pipeline.sinks.tables import TableFile
+from pipeline.sinks.tables import TableFile, run_metadata
 from pipeline.sinks.token import Pending, TokenState
 
 if TYPE_CHECKING:

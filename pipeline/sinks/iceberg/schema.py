@@ -18,7 +18,7 @@ from pyiceberg.types import IcebergType, ListType, MapType, StructType
 
 from pipeline.core.errors import TableSchemaError
 from pipeline.io.layout import MODEL_INPUT_HASH_COLUMN
-from pipeline.sinks.partition import partition_clashes
+from pipeline.sinks.tables import partition_clashes
 
 logger = logging.getLogger(__name__)
 

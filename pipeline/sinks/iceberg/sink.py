@@ -43,10 +43,9 @@ from pipeline.sinks.partition import (
     TableBegun,
     TablePartitionSink,
     TablePlan,
-    run_metadata,
     settle_pending,
 )
-from pipeline.sinks.tables import TableFile
+from pipeline.sinks.tables import TableFile, run_metadata
 from pipeline.sinks.token import Pending, Recovered, TokenState
 
 if TYPE_CHECKING:
