@@ -382,7 +382,6 @@ def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_j
         diff_table,
         find_report,
         load_report,
-        rolled_back_by,
         rolled_back_line,
         summary_table,
     )
@@ -400,12 +399,28 @@ def report(run_uri: str, other: str | None, storage: dict[str, Any] | None, as_j
     if as_json:
         click.echo(to_json(current if previous is None else [current, previous]))
     elif previous is None:
-        undone = rolled_back_by(current, storage or {})
+        undone = _rolled_back(current, storage or {})
         if undone is not None:
             click.echo(rolled_back_line(undone))
         click.echo(summary_table(found))  # names the page where it is (found.control)
     else:
         click.echo(diff_table(current, previous))
+
+
+def _rolled_back(data: dict[str, Any], storage: dict[str, Any]) -> dict[str, Any] | None:
+    """The rollback that undoes the run ``data`` reports, as the table's history says it now
+    (pipeline.driver.tables.run_rolled_back: the same as ``history``); where the table cannot
+    be read from here (another catalog, storage down), as the run index recorded it."""
+    from pipeline.driver.tables import run_rolled_back  # downward, as report's other imports
+    from pipeline.report.text import rolled_back_by
+
+    try:
+        return run_rolled_back(data, storage)
+    except Exception as e:  # a hint on top of the report: never the reason it cannot be shown
+        logging.getLogger(__name__).debug(
+            "could not read the table of run %s: %s", data.get("run_id"), e
+        )
+        return rolled_back_by(data, storage)
 
 
 @main.command(context_settings=CONTEXT, epilog=BACKFILL_EXIT_CODES_HELP)

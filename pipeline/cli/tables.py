@@ -128,11 +128,12 @@ def rollback(
     leaves as they are are counted, not listed); --dry-run stops there. It takes the table
     lock (refused while a run on any partition is in progress) and records who, when, why,
     which partitions and which runs it undid in the commit (Delta's commit info, the Iceberg
-    snapshot's summary) and the run index. Run
-    versions are not rolled back: a retry of an undone run is still refused. The next run of
-    a partition it changed scores again the shards the table no longer holds, and its drift
-    compares with what the partition holds now. OUTPUT: the table's folder, a partition folder
-    in it, or a job file (JOB.toml).
+    snapshot's summary) and the run index (one killed after its commit landed is recorded by
+    the next rollback of the table: run it again, and it records it and finds nothing more to
+    roll back). Run versions are not rolled back: a retry of an undone run is still refused.
+    The next run of a partition it changed scores again the shards the table no longer holds,
+    and its drift compares with what the partition holds now. OUTPUT: the table's folder, a
+    partition folder in it, or a job file (JOB.toml).
     """
     from pipeline.driver import rollback as rb  # downward, as above
     from pipeline.driver import tables

@@ -20,6 +20,10 @@ the partitions it changed count as rolled back (``history``, ``report``). The ma
 those partitions name files no longer in the table: their next run scores those shards again.
 App versions (a run's commit token) are never rolled back: a retry of an undone run is still
 refused, and the next run of the partition commits a new run version.
+
+A rollback killed after its commit landed, before its records were written, is recorded by the
+next rollback of the table, from the commit (:func:`settle`); a retry of it finds nothing more
+to do (:func:`_nothing_to_do`) and commits nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.faults import checkpoint
 from pipeline.driver.tables import Target, labels_of, maintenance, rolled_back
 from pipeline.io import runindex
 from pipeline.report.verdict import default_actor
@@ -152,22 +157,39 @@ def rollback(
         if announce is not None:
             announce(found)
         return _record(found, None, reason, by or default_actor(), dry_run=True)
+    who = by or default_actor()
     with maintenance(target, "rollback"):
         found = plan(target, to_version, part)
         if announce is not None:
             announce(found)
-        if part is not None and not found.changes:
-            return _record(found, None, reason, by or default_actor())
-        entry = _act(found, reason.strip(), by or default_actor())
-    logger.info(
-        "rolled %s%s back to version %d as version %d (%s)",
-        target.table.uri,
-        f" partition {found.label}" if found.label else "",
-        to_version,
-        entry["version"],
-        entry["by"],
-    )
+        settled = settle(found, who)  # an earlier rollback killed before it recorded itself
+        if _nothing_to_do(found):  # a retry of a rollback that landed lands here too
+            entry = _record(found, None, reason, who)
+        else:
+            entry = _act(found, reason.strip(), who)
+    entry["settled"] = settled
+    if entry["version"] is not None:
+        logger.info(
+            "rolled %s%s back to version %d as version %d (%s)",
+            target.table.uri,
+            f" partition {found.label}" if found.label else "",
+            to_version,
+            entry["version"],
+            entry["by"],
+        )
     return entry
+
+
+def _nothing_to_do(found: Plan) -> bool:
+    """Whether what ``found`` rolls back already holds what its version held: no partition
+    changes, and, for the whole table, no run undone and no schema that would revert (a
+    RESTORE that changes nothing would only be one more version in the history, and a retry
+    of a rollback that landed would undo the one it retries)."""
+    if found.changes:
+        return False
+    if found.partition is not None:
+        return True
+    return not found.undone and not (found.gained and found.target.table.schema_reverts)
 
 
 def _act(found: Plan, reason: str, who: str) -> dict[str, Any]:
@@ -183,21 +205,150 @@ def _act(found: Plan, reason: str, who: str) -> dict[str, Any]:
     else:
         changed = [c.label for c in found.changes if c.label]
         version = table.restore(found.to_version, metadata, changed)
+    checkpoint("rollback-committed")  # landed, not yet in the run index: settle() records it
     entry = _record(found, version, reason, who)
     if version is None:  # the partition held that version's files after all: nothing done
         return entry
-    labels = {c.label for c in found.changes} | {p for i in found.undone for p in labels_of(i)}
-    restored = {label: _holding_run(found, label) for label in sorted(labels)}
+    restored = _restored(found, [c.label for c in found.changes])
+    _index(found, entry, restored, _jobs(found, restored))
+    return entry
+
+
+def _restored(found: Plan, changed: list[str]) -> dict[str, VersionInfo | None]:
+    """label -> the run whose scores that partition holds again, for each partition the
+    rollback changed and each whose run it undid (:func:`_holding_run`)."""
+    labels = set(changed) | {p for i in found.undone for p in labels_of(i)}
+    return {label: _holding_run(found, label) for label in sorted(labels)}
+
+
+def _jobs(found: Plan, restored: Mapping[str, VersionInfo | None]) -> list[str]:
+    """The jobs whose runs the rollback touched: those it undid and those it serves again."""
+    touched = [*found.undone, *(i for i in restored.values() if i is not None)]
+    return sorted({str(i.metadata["job"]) for i in touched if i.metadata.get("job")})
+
+
+def _index(
+    found: Plan, entry: dict[str, Any], restored: Mapping[str, VersionInfo | None], jobs: list[str]
+) -> None:
+    """Complete ``entry`` with what each partition holds again, and write it in the run index
+    of each of ``jobs``."""
     entry["partitions"] = [
         _partition_record(found, label, info) for label, info in restored.items()
     ]
-    touched = [*found.undone, *(i for i in restored.values() if i is not None)]
-    jobs = sorted({str(i.metadata["job"]) for i in touched if i.metadata.get("job")})
     entry["index"] = [
-        runindex.record_rollback(found.target.area.uri, table.storage_options, job, entry)
-        for job in jobs
+        runindex.record_rollback(
+            found.target.area.uri, found.target.table.storage_options, j, entry
+        )
+        for j in jobs
     ]
+
+
+# --------------------------------------------------------------------------- settling
+
+
+def settle(found: Plan, who: str) -> list[dict[str, Any]]:
+    """Record in the run index each rollback the table holds and the index does not: one
+    killed (or whose storage failed) after its commit landed and before :func:`_act` wrote
+    its records. Returns the records written, each with ``recovered`` (who recorded it late).
+
+    Why from the table's history, and not a record written before the commit and settled after
+    (as a run's pending token is: pipeline.sinks.token): a rollback's commit already carries
+    what its record is made of (``restored_to``, the partitions it changed, ``rolled_back_runs``,
+    ``reason``, ``by``: the commit info or snapshot summary ``history`` reads), and every
+    rollback runs under the table lock, so the next one, a retry of the same rollback
+    included, can make the record the lost one would have made. A record written first would
+    need a pending state of its own, which every reader of the records (drift, ``report``)
+    would have to skip until a later command settled it against the table anyway.
+
+    Idempotent: a rollback counts as recorded once the index of each job it touched has a
+    record of its version, and a late record is named after the commit's time, so making it
+    twice writes the same file. What the commit cannot say is left out (the rows before and
+    after of each partition it changed: ``changes`` is empty). Best effort per rollback: one
+    whose records cannot be made now (its version's files vacuumed, say) is logged and
+    skipped, never the reason the rollback asked for fails."""
+    done: list[dict[str, Any]] = []
+    recorded: dict[str, set[int]] = {}
+    for info in reversed(found.infos):  # oldest first: records in the order they were made
+        if info.metadata.get("restored_to") is None or info.run_id is not None:
+            continue
+        try:
+            entry = _settle_one(found, info, who, recorded)
+        except (OSError, ValueError, PipelineError) as e:
+            logger.warning(
+                "the rollback at version %d of %s is not in the run index and could not be "
+                "recorded now: %s",
+                info.version,
+                found.target.table.uri,
+                e,
+            )
+            continue
+        if entry is not None:
+            done.append(entry)
+    return done
+
+
+def _settle_one(
+    found: Plan, info: VersionInfo, who: str, recorded: dict[str, set[int]]
+) -> dict[str, Any] | None:
+    """The record of rollback ``info`` written where it is missing (:func:`settle`), or None."""
+    past = _replay(found, info)
+    restored = _restored(past, [p for p in (info.partition or "").split(",") if p])
+    if not restored and not info.partition and _unpartitioned(found.infos):
+        restored = _restored(past, [""])
+    jobs = _jobs(past, restored)
+    for job in jobs:
+        if job not in recorded:
+            records = runindex.rollbacks(
+                found.target.area.uri, found.target.table.storage_options, job
+            )
+            recorded[job] = {r["version"] for r in records if isinstance(r.get("version"), int)}
+    missing = [j for j in jobs if info.version not in recorded[j]]
+    if not missing:
+        return None
+    meta = info.metadata
+    entry = _record(past, info.version, str(meta.get("reason") or ""), str(meta.get("by") or "?"))
+    entry["at"] = info.timestamp.isoformat(timespec="seconds")  # when it was made
+    entry["changes"] = []
+    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    entry["recovered"] = {"by": who, "at": now}
+    _index(past, entry, restored, missing)
+    logger.info(
+        "the rollback at version %d of %s (to version %s, by %s) stopped before it recorded "
+        "itself in the run index: recorded now",
+        info.version,
+        found.target.table.uri,
+        entry["to_version"],
+        entry["by"],
+    )
     return entry
+
+
+def _replay(found: Plan, info: VersionInfo) -> Plan:
+    """The plan rollback ``info`` acted on, as far as its commit says it (no partition's
+    rows: ``changes`` is empty), with ``found``'s history."""
+    to = int(info.metadata["restored_to"])
+    runs = {r for r in str(info.metadata.get("rolled_back_runs") or "").split(",") if r}
+    older = [i for i in found.infos if i.version < info.version]
+    part = None
+    if info.operation != "RESTORE":  # a partition's rollback: a WRITE of that partition
+        label = (info.partition or "").split(",")[0]
+        part = dict(s.partition("=")[::2] for s in label.split("/") if s) or None
+    return Plan(
+        target=found.target,
+        partition=part,
+        from_version=older[0].version if older else to,
+        to_version=to,
+        changes=[],
+        unchanged=0,
+        undone=[i for i in older if i.run_id in runs and i.version > to],
+        gained=[],
+        infos=found.infos,
+    )
+
+
+def _unpartitioned(infos: list[VersionInfo]) -> bool:
+    """Whether the table's runs wrote no partition (its rollback commits name none either)."""
+    return all(not i.partition for i in infos if i.run_id)
 
 
 def _record(
@@ -353,7 +504,23 @@ def _schema_lines(found: Plan) -> list[str]:
 
 
 def done_text(entry: Mapping[str, Any]) -> str:
-    """What a rollback did, printed after it acted."""
+    """What a rollback did, printed after it acted (after what it found unrecorded first)."""
+    settled = [_settled_text(s) for s in entry.get("settled") or []]
+    return "\n".join([*settled, _own_text(entry)])
+
+
+def _settled_text(entry: Mapping[str, Any]) -> str:
+    where = f" of partition {entry['partition']}" if entry["partition"] else ""
+    undone = ", ".join(entry["rolled_back"]) or "no run's commit"
+    return (
+        f"recorded the rollback{where} to version {entry['to_version']} (table version "
+        f"{entry['version']}, {entry['at']}, by {entry['by']}: {entry['reason']!r}; undid "
+        f"{undone}): it stopped before it recorded itself"
+        + "".join(f"\n  recorded in {uri}" for uri in entry["index"])
+    )
+
+
+def _own_text(entry: Mapping[str, Any]) -> str:
     where = f"partition {entry['partition']} of " if entry["partition"] else ""
     if entry["version"] is None:
         return (

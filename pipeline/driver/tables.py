@@ -13,7 +13,7 @@ partitions of one table still run at once.
 
 ``history`` marks each run commit a rollback undid (:func:`rolled_back`): every later version
 for a RESTORE of the whole table, only the commits of its own partitions for a partition's
-rollback.
+rollback. ``report``'s ROLLED BACK line is decided the same way (:func:`run_rolled_back`).
 """
 
 from __future__ import annotations
@@ -120,6 +120,45 @@ def rolled_back(infos: list[VersionInfo]) -> dict[int, VersionInfo]:
             if int(to) < later.version < info.version and in_scope(later):
                 out.setdefault(later.version, info)
     return out
+
+
+def undoing(infos: list[VersionInfo], run_id: str) -> VersionInfo | None:
+    """The rollback that undoes the commit of run ``run_id`` as of the newest of ``infos``
+    (:func:`rolled_back`, as ``history`` marks it), or None: the table serves its rows."""
+    undone = rolled_back(infos)
+    return next(
+        (undone[i.version] for i in infos if i.run_id == run_id and i.version in undone), None
+    )
+
+
+def run_rolled_back(
+    report: Mapping[str, Any], options: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The rollback that undoes the run whose ``_report.json`` is ``report``, as ``score-catalog
+    report``'s ROLLED BACK line names it (:func:`pipeline.report.text.rolled_back_line`): read
+    from the table's history now, so the line says what ``history`` says (a rollback undone
+    since no longer counts; one killed before it recorded itself in the run index does). None
+    for a run the table serves, or one that wrote no table; raises when the table cannot be
+    read."""
+    fmt = report.get("output_format")
+    run_id = report.get("run_id")
+    if not isinstance(fmt, Mapping) or not fmt.get("table") or not run_id:
+        return None
+    target = locate(str(fmt["table"]), options)
+    by = undoing(target.table.history(), str(run_id))
+    if by is None:
+        return None
+    return {
+        "table": target.table.uri,
+        # A partition's rollback is a WRITE of its partition; a RESTORE is of the whole table
+        # (its `partition` lists the partitions it changed).
+        "partition": None if by.operation == "RESTORE" else by.partition,
+        "to_version": by.metadata.get("restored_to"),
+        "version": by.version,
+        "at": by.timestamp.isoformat(timespec="seconds"),
+        "by": by.metadata.get("by"),
+        "reason": by.metadata.get("reason"),
+    }
 
 
 def _touches(info: VersionInfo, label: str) -> bool:

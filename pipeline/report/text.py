@@ -210,7 +210,10 @@ def rolled_back_by(
     """The rollback that undid this run's table commit (``score-catalog rollback``, recorded in
     the run index beside the table), or None: the run's report still describes its run, and
     without this line a reader of the report would take rows the table no longer holds as
-    served. None for a Parquet folder, or when the index cannot be read."""
+    served. None for a Parquet folder, or when the index cannot be read. ``report`` asks the
+    table's history first (pipeline.driver.tables.run_rolled_back, as ``history`` decides:
+    a record stays after a later rollback serves the run again); this is its answer where
+    the table cannot be read."""
     fmt = data.get("output_format")
     if not isinstance(fmt, Mapping) or not fmt.get("table"):
         return None

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.core.errors import UsageError
 from pipeline.driver.rollback import scope
-from pipeline.driver.tables import Target, rolled_back
+from pipeline.driver.tables import Target, rolled_back, undoing
 from pipeline.io import storage
 from pipeline.sinks.delta.ops import DeltaTableOps
 from pipeline.sinks.delta.table import TableRef
@@ -58,6 +58,17 @@ def test_a_rollback_that_undoes_a_rollback_serves_its_runs_again() -> None:
     assert undone(*history, restore(5, 2)) == {3: 5, 4: 5}
     # Back to before run 2 again: undone by the newest rollback that undid it.
     assert undone(*history, restore(5, 2), partition_restore(6, 1, "d=1")) == {2: 6, 3: 5, 4: 5}
+
+
+def test_the_rollback_undoing_a_run_is_the_one_history_names_and_none_once_undone() -> None:
+    history = [run(1, "d=1"), run(2, "d=2"), restore(3, 1, "d=2")]
+    newest_first = list(reversed(history))
+    assert undoing(newest_first, "run2") == history[2]
+    assert undoing(newest_first, "run1") is None
+    # Back to version 2, before the rollback: the table serves run 2 again (report's line).
+    undo = restore(4, 2, "d=2")
+    assert undoing([undo, *newest_first], "run2") is None
+    assert undoing([partition_restore(4, 2, "d=2"), *newest_first], "run2") is None
 
 
 def test_the_partition_is_the_folder_or_the_option_and_they_must_agree(tmp_path: Path) -> None:
