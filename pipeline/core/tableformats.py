@@ -95,6 +95,23 @@ def public_uri(uri: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
+def _query_secrets(value: str) -> list[str]:
+    """The values under secret names in ``value``'s query string, if it is a URI (a REST
+    catalog's ``?token=...``: pyiceberg's connection errors quote the URL whole)."""
+    if "?" not in value:
+        return []
+    try:
+        query = urllib.parse.urlsplit(value).query
+    except ValueError:
+        return []
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    found = [v for k, v in pairs if is_secret(k) and v]
+    # As written in the URI, and percent-encoded as a client prints the URL it called.
+    found += [v for k, _, v in (p.partition("=") for p in query.split("&")) if is_secret(k) and v]
+    found += [urllib.parse.quote(v, safe="") for v in found]
+    return sorted(set(found))
+
+
 @dataclass(frozen=True)
 class CatalogSpec:
     """A pyiceberg catalog a job names: a ``sqlite:///`` SQL catalog, an ``http(s)://`` REST
@@ -151,6 +168,7 @@ class CatalogSpec:
             password = _password(v)
             if password:
                 found.append(password)
+            found += _query_secrets(v)
         return found
 
     def scrub(self, text: str) -> str:

@@ -41,15 +41,23 @@ TABLE_LOCK_DIR = "_table"
 def partition_clashes(schema: pa.Schema, partition_by: Sequence[str]) -> list[str]:
     """Why the output ``schema`` cannot go into a table partitioned by ``partition_by``: a
     column of the output (the id, a pass-through column, a model output, ``model_version``)
-    named like a partition column. The table's data files hold no partition column (a reader
-    takes its value from the table's metadata), so such a file is refused at the commit: found
-    here, before any row is scored (a break-it review met it only after scoring, every night)."""
+    named like a partition column, case aside. The table's data files hold no partition column
+    (a reader takes its value from the table's metadata), so such a file is refused at the
+    commit: found here, before any row is scored (a break-it review met it only after scoring,
+    every night). Case aside, because DuckDB and Spark match column names without it: a table
+    holding ``RUN_DATE`` and ``run_date`` read the data column under the partition's name there,
+    and a filter on the day returned no row (a second review)."""
+    by_name: dict[str, list[str]] = {}
+    for name in schema.names:
+        by_name.setdefault(name.lower(), []).append(name)
+    case = " (case aside: DuckDB and Spark read column names without it)"
     return [
-        f"the output has a column {col!r} (of type {schema.field(col).type}), the name of the "
-        f"output template's partition folder {col}=...: rename the column (a pass-through "
-        "column is kept under its own name) or the template's key"
+        f"the output has a column {name!r} (of type {schema.field(name).type}), the name of "
+        f"the output template's partition folder {col}=...{'' if name == col else case}: "
+        "rename the column (a pass-through column is kept under its own name) or the "
+        "template's key"
         for col in partition_by
-        if schema.get_field_index(col) >= 0
+        for name in by_name.get(col.lower(), [])
     ]
 
 

@@ -200,3 +200,13 @@ def test_no_secret_reaches_what_is_shown(
     for value in [*(f"S-{v}" for v in secret.values()), f"P-{password}"]:
         assert value not in shown
     assert public_uri(props["uri"]) == "https://scorer:***@cat.example/api"
+
+
+def test_a_secret_in_a_rest_uris_query_is_scrubbed_from_what_pyiceberg_quotes() -> None:
+    """pyiceberg's connection errors quote the URL it called, query string included (a
+    second break-it review found ``?token=...`` in a run's stderr, log and history --json)."""
+    spec = CatalogSpec.of("http://127.0.0.1:9/cat?token=SEK+RET/x&password=PW9&scope=ok")
+    said = "Max retries exceeded with url: /cat?token=SEK%2BRET%2Fx&password=PW9/v1/config"
+    shown = json.dumps(spec.public()) + spec.text() + spec.scrub(said) + spec.scrub("SEK+RET/x")
+    assert "SEK" not in shown and "PW9" not in shown
+    assert "scope=ok" in spec.text()
