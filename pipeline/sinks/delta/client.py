@@ -33,43 +33,12 @@ from pipeline.io import storage
 from pipeline.io.storage import Location
 from pipeline.sinks.delta.options import SECRET_OPTIONS, delta_storage_options
 from pipeline.sinks.tables import (
-    APP_ID as APP_ID,
-)
-from pipeline.sinks.tables import (
-    APP_VERSION as APP_VERSION,
-)
-from pipeline.sinks.tables import (
-    FILES_ADDED as FILES_ADDED,
-)
-from pipeline.sinks.tables import (
-    FILES_REMOVED as FILES_REMOVED,
-)
-from pipeline.sinks.tables import (
-    INPUT_FINGERPRINT as INPUT_FINGERPRINT,
-)
-from pipeline.sinks.tables import (
-    JOB as JOB,
-)
-from pipeline.sinks.tables import (  # every table format's keys, named here too
-    METADATA_PREFIX as METADATA_PREFIX,
-)
-from pipeline.sinks.tables import (
-    MODEL_SHA256 as MODEL_SHA256,
-)
-from pipeline.sinks.tables import (
-    OUTPUTS as OUTPUTS,
-)
-from pipeline.sinks.tables import (
-    PARTITION as PARTITION,
-)
-from pipeline.sinks.tables import (
-    ROWS as ROWS,
-)
-from pipeline.sinks.tables import (
-    RUN_ID as RUN_ID,
-)
-from pipeline.sinks.tables import (
-    SETTINGS_HASH as SETTINGS_HASH,
+    APP_ID,
+    APP_VERSION,
+    FILES_ADDED,
+    FILES_REMOVED,
+    METADATA_PREFIX,
+    PARTITION,
 )
 
 #: How long commit JSONs are kept (``delta.logRetentionDuration``): history, time travel and

@@ -41,12 +41,6 @@ from pipeline.core.errors import (
 from pipeline.core.faults import checkpoint
 from pipeline.sinks.delta.checks import add_actions_of
 from pipeline.sinks.delta.client import (
-    APP_ID,
-    APP_VERSION,
-    FILES_ADDED,
-    FILES_REMOVED,
-    METADATA_PREFIX,
-    PARTITION,
     ROWS_ADDED,
     ROWS_REMOVED,
     TableRef,
@@ -61,7 +55,15 @@ from pipeline.sinks.delta.log import version_of
 from pipeline.sinks.delta.schema import schema_changes, table_schema
 from pipeline.sinks.delta.snapshot import table_files
 from pipeline.sinks.delta.stats import NewFile
-from pipeline.sinks.tables import TableFile
+from pipeline.sinks.tables import (
+    APP_ID,
+    APP_VERSION,
+    FILES_ADDED,
+    FILES_REMOVED,
+    METADATA_PREFIX,
+    PARTITION,
+    TableFile,
+)
 
 logger = logging.getLogger(__name__)
 

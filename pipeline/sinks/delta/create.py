@@ -26,7 +26,6 @@ from pipeline.io import storage
 from pipeline.sinks.delta.client import (
     DEFAULT_DELETED_FILE_RETENTION_DAYS,
     DEFAULT_LOG_RETENTION_DAYS,
-    METADATA_PREFIX,
     WRITER_PROPERTY,
     WRITER_PROPERTY_VALUE,
     TableRef,
@@ -38,6 +37,7 @@ from pipeline.sinks.delta.client import (
 )
 from pipeline.sinks.delta.schema import fit, table_schema
 from pipeline.sinks.delta.stats import check_partition_values
+from pipeline.sinks.tables import METADATA_PREFIX
 
 logger = logging.getLogger(__name__)
 

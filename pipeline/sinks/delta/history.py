@@ -12,21 +12,23 @@ from deltalake import DeltaTable
 
 from pipeline.core.errors import StorageError
 from pipeline.sinks.delta.client import (
-    FILES_ADDED,
-    FILES_REMOVED,
-    METADATA_PREFIX,
-    MODEL_SHA256,
     OPERATION,
-    PARTITION,
     RESTORED_TO,
-    ROWS,
-    RUN_ID,
     TOKEN,
     TableRef,
     delta_errors,
     open_table,
 )
-from pipeline.sinks.tables import VersionInfo
+from pipeline.sinks.tables import (
+    FILES_ADDED,
+    FILES_REMOVED,
+    METADATA_PREFIX,
+    MODEL_SHA256,
+    PARTITION,
+    ROWS,
+    RUN_ID,
+    VersionInfo,
+)
 
 
 def _detail(entry: Mapping[str, Any]) -> str:

@@ -17,7 +17,6 @@ from pipeline.core.errors import UsageError
 from pipeline.io.layout import SCORER_KEY, WRITER_KEY
 from pipeline.sinks import compaction
 from pipeline.sinks.delta.client import (
-    METADATA_PREFIX,
     OPERATION,
     TableRef,
     as_pipeline_error,
@@ -31,7 +30,7 @@ from pipeline.sinks.delta.client import (
 from pipeline.sinks.delta.options import retention_text
 from pipeline.sinks.delta.snapshot import in_partition, table_files
 from pipeline.sinks.delta.stats import file_stats
-from pipeline.sinks.tables import TableFile
+from pipeline.sinks.tables import METADATA_PREFIX, TableFile
 
 logger = logging.getLogger(__name__)
 

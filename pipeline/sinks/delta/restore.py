@@ -19,10 +19,6 @@ from deltalake.transaction import AddAction, CommitProperties, RemoveAction
 from pipeline.core.errors import StorageError, UsageError
 from pipeline.sinks.delta.checks import add_action, footer
 from pipeline.sinks.delta.client import (
-    FILES_ADDED,
-    FILES_REMOVED,
-    METADATA_PREFIX,
-    PARTITION,
     RESTORED_TO,
     ROWS_ADDED,
     ROWS_REMOVED,
@@ -39,7 +35,15 @@ from pipeline.sinks.delta.options import retention_text
 from pipeline.sinks.delta.schema import delta_types, type_name
 from pipeline.sinks.delta.snapshot import in_partition, snapshot, table_files
 from pipeline.sinks.delta.stats import file_stats
-from pipeline.sinks.tables import PartitionChange, TableFile, rows_of
+from pipeline.sinks.tables import (
+    FILES_ADDED,
+    FILES_REMOVED,
+    METADATA_PREFIX,
+    PARTITION,
+    PartitionChange,
+    TableFile,
+    rows_of,
+)
 
 logger = logging.getLogger(__name__)
 

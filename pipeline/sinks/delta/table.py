@@ -7,14 +7,6 @@ Only the driver's side imports it: never a Dask worker (see :mod:`.client`)."""
 from pipeline.sinks.delta.client import (
     DEFAULT_DELETED_FILE_RETENTION_DAYS,
     DEFAULT_LOG_RETENTION_DAYS,
-    INPUT_FINGERPRINT,
-    JOB,
-    METADATA_PREFIX,
-    MODEL_SHA256,
-    OUTPUTS,
-    ROWS,
-    RUN_ID,
-    SETTINGS_HASH,
     WRITER_PROPERTY,
     WRITER_PROPERTY_VALUE,
     TableRef,
@@ -37,7 +29,19 @@ from pipeline.sinks.delta.restore import (
     restore_schema,
 )
 from pipeline.sinks.delta.snapshot import Snapshot, snapshot
-from pipeline.sinks.tables import PartitionChange, TableFile, VersionInfo
+from pipeline.sinks.tables import (
+    INPUT_FINGERPRINT,
+    JOB,
+    METADATA_PREFIX,
+    MODEL_SHA256,
+    OUTPUTS,
+    ROWS,
+    RUN_ID,
+    SETTINGS_HASH,
+    PartitionChange,
+    TableFile,
+    VersionInfo,
+)
 
 __all__ = [
     "DEFAULT_DELETED_FILE_RETENTION_DAYS",

@@ -44,45 +44,7 @@ from pipeline.core.tableformats import CATALOG_NAME, CatalogSpec, table_identifi
 from pipeline.io import storage
 from pipeline.io.storage import Location
 from pipeline.sinks.iceberg.options import fileio_properties
-from pipeline.sinks.tables import (
-    APP_ID as APP_ID,
-)
-from pipeline.sinks.tables import (
-    APP_VERSION as APP_VERSION,
-)
-from pipeline.sinks.tables import (
-    FILES_ADDED as FILES_ADDED,
-)
-from pipeline.sinks.tables import (
-    FILES_REMOVED as FILES_REMOVED,
-)
-from pipeline.sinks.tables import (
-    INPUT_FINGERPRINT as INPUT_FINGERPRINT,
-)
-from pipeline.sinks.tables import (
-    JOB as JOB,
-)
-from pipeline.sinks.tables import (  # every table format's keys, named here too
-    METADATA_PREFIX as METADATA_PREFIX,
-)
-from pipeline.sinks.tables import (
-    MODEL_SHA256 as MODEL_SHA256,
-)
-from pipeline.sinks.tables import (
-    OUTPUTS as OUTPUTS,
-)
-from pipeline.sinks.tables import (
-    PARTITION as PARTITION,
-)
-from pipeline.sinks.tables import (
-    ROWS as ROWS,
-)
-from pipeline.sinks.tables import (
-    RUN_ID as RUN_ID,
-)
-from pipeline.sinks.tables import (
-    SETTINGS_HASH as SETTINGS_HASH,
-)
+from pipeline.sinks.tables import METADATA_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -66,8 +66,9 @@ from pyiceberg.typedef import Record
 from pipeline.core.errors import AlreadyCommitted, CommitConflict, CommitRefused, TableSchemaError
 from pipeline.core.faults import checkpoint
 from pipeline.io import storage
+from pipeline.sinks import tables
 from pipeline.sinks.iceberg import catalog
-from pipeline.sinks.iceberg.catalog import METADATA_PREFIX, TXN_PREFIX, IcebergRef
+from pipeline.sinks.iceberg.catalog import TXN_PREFIX, IcebergRef
 from pipeline.sinks.iceberg.schema import changes, footer_problem
 from pipeline.sinks.iceberg.view import (
     committed_run_version,
@@ -75,6 +76,7 @@ from pipeline.sinks.iceberg.view import (
     landed_as,
     partition_filter,
 )
+from pipeline.sinks.tables import METADATA_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -310,10 +312,10 @@ def _stage(
     """The transaction of one attempt (see the module doc, step 4); ``requirement``: stage
     :class:`AssertTokenAbsent` (a catalog that validates requirements in this process)."""
     summary = {METADATA_PREFIX + k: v for k, v in run.summary.items()}
-    summary[METADATA_PREFIX + catalog.APP_ID] = run.app_id
-    summary[METADATA_PREFIX + catalog.APP_VERSION] = str(run.run_version)
-    summary[METADATA_PREFIX + catalog.FILES_ADDED] = str(len(adds))
-    summary[METADATA_PREFIX + catalog.FILES_REMOVED] = str(len(removes))
+    summary[METADATA_PREFIX + tables.APP_ID] = run.app_id
+    summary[METADATA_PREFIX + tables.APP_VERSION] = str(run.run_version)
+    summary[METADATA_PREFIX + tables.FILES_ADDED] = str(len(adds))
+    summary[METADATA_PREFIX + tables.FILES_REMOVED] = str(len(removes))
     tx = table.transaction()
     if requirement:
         # Staged before the property it guards: _stage validates a new requirement against

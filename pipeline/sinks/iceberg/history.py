@@ -13,7 +13,8 @@ from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 
 from pipeline.core.errors import UsageError
-from pipeline.sinks.iceberg.catalog import (
+from pipeline.sinks.iceberg.catalog import IcebergRef
+from pipeline.sinks.tables import (
     FILES_ADDED,
     FILES_REMOVED,
     METADATA_PREFIX,
@@ -21,9 +22,8 @@ from pipeline.sinks.iceberg.catalog import (
     PARTITION,
     ROWS,
     RUN_ID,
-    IcebergRef,
+    VersionInfo,
 )
-from pipeline.sinks.tables import VersionInfo
 
 #: Summary keys (under ``score_catalog.``) of this tool's snapshots that are not runs'.
 OPERATION = "operation"  # what a snapshot of ours that is not a run's did: RESTORE, OPTIMIZE

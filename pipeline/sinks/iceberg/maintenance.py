@@ -48,11 +48,11 @@ from pipeline.io.layout import SCORER_KEY, WRITER_KEY
 from pipeline.io.storage import Location
 from pipeline.sinks import compaction
 from pipeline.sinks.files import folder_of
-from pipeline.sinks.iceberg.catalog import METADATA_PREFIX
 from pipeline.sinks.iceberg.commit import LeanOverwrite, NewFile, data_file
 from pipeline.sinks.iceberg.schema import footer_problem
 from pipeline.sinks.iceberg.view import ALL_FILES, partition_filter
 from pipeline.sinks.naming import data_file_name, partition_label
+from pipeline.sinks.tables import METADATA_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -38,13 +38,7 @@ from pyiceberg.table import Table
 from pipeline.core.errors import CommitConflict, UsageError
 from pipeline.io import storage
 from pipeline.io.storage import Location
-from pipeline.sinks.iceberg.catalog import (
-    FILES_ADDED,
-    FILES_REMOVED,
-    METADATA_PREFIX,
-    PARTITION,
-    IcebergRef,
-)
+from pipeline.sinks.iceberg.catalog import IcebergRef
 from pipeline.sinks.iceberg.commit import FOOTER_THREADS, stage_snapshot
 from pipeline.sinks.iceberg.history import (
     OPERATION,
@@ -57,7 +51,15 @@ from pipeline.sinks.iceberg.history import (
 from pipeline.sinks.iceberg.schema import type_key
 from pipeline.sinks.iceberg.view import ALL_FILES, partition_filter
 from pipeline.sinks.naming import partition_label
-from pipeline.sinks.tables import PartitionChange, TableFile, rows_of
+from pipeline.sinks.tables import (
+    FILES_ADDED,
+    FILES_REMOVED,
+    METADATA_PREFIX,
+    PARTITION,
+    PartitionChange,
+    TableFile,
+    rows_of,
+)
 
 logger = logging.getLogger(__name__)
 

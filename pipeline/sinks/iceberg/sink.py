@@ -45,7 +45,7 @@ from pipeline.sinks.partition import (
     TablePlan,
     settle_pending,
 )
-from pipeline.sinks.tables import TableFile, run_metadata
+from pipeline.sinks.tables import PARTITION, TableFile, run_metadata
 from pipeline.sinks.token import Pending, Recovered, TokenState
 
 if TYPE_CHECKING:
@@ -249,7 +249,7 @@ class IcebergSink(TablePartitionSink):
             run_version=begun.run_version,
             summary={
                 **run_metadata(run_id, self.job, manifest.shards, begun.schema, self.meta_columns),
-                catalog.PARTITION: self.label,
+                PARTITION: self.label,
             },
         )
         version, snapshot_id = commit(self.table, run, expected)

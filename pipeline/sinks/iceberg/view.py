@@ -15,14 +15,8 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import ancestors_of
 from pyiceberg.typedef import Record
 
-from pipeline.sinks.iceberg.catalog import (
-    APP_ID,
-    APP_VERSION,
-    METADATA_PREFIX,
-    TXN_PREFIX,
-    IcebergRef,
-)
-from pipeline.sinks.tables import TableFile
+from pipeline.sinks.iceberg.catalog import TXN_PREFIX, IcebergRef
+from pipeline.sinks.tables import APP_ID, APP_VERSION, METADATA_PREFIX, TableFile
 
 #: Scan options of a file listing: every live data file, empty ones included. pyiceberg 0.12's
 #: planning drops a file of 0 rows by default (its metrics say no row can match), so an empty
