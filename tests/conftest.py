@@ -70,6 +70,17 @@ def make_model(
     return DemoMLP(n_in, hidden, n_out).eval()
 
 
+def demo_bundles(folder: Callable[[str], Path], count: int) -> dict[str, Path]:
+    """``count`` bundles of the demo MLP, seeds 0, 1, ..., model versions "1", "2", ... (keyed
+    by version), each in ``folder(name)``."""
+    out = {}
+    for seed in range(count):
+        d = folder(f"model{seed + 1}")
+        export_bundle(make_model(seed=seed), d, demo_toml(version=str(seed + 1)), n_in=16)
+        out[str(seed + 1)] = d
+    return out
+
+
 @pytest.fixture(scope="session")
 def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An exported-program bundle of a small 16-32-16-2 MLP (untrained, seeded)."""

@@ -31,7 +31,7 @@ from pipeline.io.layout import LOCK_NAME
 from pipeline.io.locking import RunLock
 from pipeline.sinks.delta.table import TableRef
 from pipeline.sinks.tables import table_lock_root
-from tests.conftest import demo_toml, make_model, reference_scores, write_shards
+from tests.conftest import demo_bundles, demo_toml, make_model, reference_scores, write_shards
 from tests.delta_helpers import arrow_filesystem
 from tests.integration.helpers import Pause, cli, manifest_path, pause_env, report, start_cli
 from tests.integration.servers import S3Bucket
@@ -45,12 +45,7 @@ ID = "item_id"
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Three bundles of the demo MLP, seeds 0, 1, 2, model versions "1", "2", "3"."""
-    out = {}
-    for seed in range(3):
-        d = tmp_path_factory.mktemp(f"model{seed + 1}")
-        export_bundle(make_model(seed=seed), d, demo_toml(version=str(seed + 1)), n_in=16)
-        out[str(seed + 1)] = d
-    return out
+    return demo_bundles(tmp_path_factory.mktemp, 3)
 
 
 @pytest.fixture

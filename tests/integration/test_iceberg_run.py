@@ -23,9 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cli.demo import export_bundle
 from pipeline.io.layout import LOCK_NAME
-from tests.conftest import demo_toml, make_model, reference_scores, write_shards
+from tests.conftest import demo_bundles, reference_scores, write_shards
 from tests.integration.helpers import Pause, cli, manifest_path, pause_env, report, start_cli
 
 pyiceberg = pytest.importorskip("pyiceberg")
@@ -44,12 +43,7 @@ ID = "item_id"
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two bundles of the demo MLP, seeds 0 and 1, model versions "1" and "2"."""
-    out = {}
-    for seed in range(2):
-        d = tmp_path_factory.mktemp(f"model{seed + 1}")
-        export_bundle(make_model(seed=seed), d, demo_toml(version=str(seed + 1)), n_in=16)
-        out[str(seed + 1)] = d
-    return out
+    return demo_bundles(tmp_path_factory.mktemp, 2)
 
 
 @pytest.fixture

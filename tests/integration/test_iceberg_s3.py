@@ -18,8 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cli.demo import export_bundle
-from tests.conftest import demo_toml, make_model, reference_scores, write_shards
+from tests.conftest import demo_bundles, reference_scores, write_shards
 from tests.integration.helpers import check_report, cli
 from tests.integration.servers import REGION, S3Bucket, toml_job
 
@@ -37,12 +36,7 @@ CATALOG_SECRET = "catalog-S3CRET-value"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = {}
-    for seed in range(2):
-        d = tmp_path_factory.mktemp(f"model{seed + 1}")
-        export_bundle(make_model(seed=seed), d, demo_toml(version=str(seed + 1)), n_in=16)
-        out[str(seed + 1)] = d
-    return out
+    return demo_bundles(tmp_path_factory.mktemp, 2)
 
 
 @pytest.fixture
